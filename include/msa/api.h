@@ -1,0 +1,30 @@
+// Entry points of the public MSA API. Each call validates every argument before it touches any
+// data (spec §7), then dispatches on the tensors' device to a backend. Nothing here throws: the
+// result is a Status whose message names the offending argument.
+#pragma once
+
+#include <cstddef>
+
+#include "msa/params.h"
+#include "msa/types.h"
+
+namespace msa {
+
+Status select_blocks(const SelectParams& p);
+Status forward(const ForwardParams& p);
+Status backward(const BackwardParams& p);
+Status kl_divergence(const KlParams& p);
+
+// Device workspace each call needs, in bytes (0 on the CPU backend, which allocates host memory
+// itself). Valid only for parameters that pass validation.
+size_t workspace_size(const SelectParams& p);
+size_t workspace_size(const ForwardParams& p);
+size_t workspace_size(const BackwardParams& p);
+size_t workspace_size(const KlParams& p);
+
+// Whether a backend for this device type is compiled in.
+bool backend_available(DeviceType device);
+
+const char* version();
+
+}  // namespace msa

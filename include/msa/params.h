@@ -1,0 +1,109 @@
+// Parameter structs of the public MSA API: the only contract between a caller and a backend.
+//
+// Shapes use the names of the spec: T packed query/key tokens, Hq/Hkv main heads, D main head
+// dim, Hi/Hik index query/key heads, Di index head dim, k blocks per (token, index head).
+// Tokens are packed FlashAttention-style; `cu_seqlens` [nseq+1] (int32) marks the sequences
+// (absent: one sequence of T tokens). Every tensor's last dimension must be contiguous; the
+// other strides are free. All tensors of one call live on one device, which picks the backend.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "msa/types.h"
+
+namespace msa {
+
+// kSparse: attention over the selected blocks (spec §3). kDense: the warmup variant (spec §5),
+// dense causal attention with the KL taken over the full causal support; block_idx is unused.
+enum class Mode : int32_t { kSparse = 0, kDense = 1 };
+
+struct Options {
+  Mode mode = Mode::kSparse;
+  int32_t block_size = 128;  // Bk, tokens per KV block
+  int32_t top_k = 16;        // k, blocks per (token, index head), forced blocks included
+  int32_t sink_blocks = 0;   // force the first n blocks of each sequence
+  int32_t local_blocks = 1;  // force the last n blocks up to and including the token's own (>= 1)
+  float scale = 0.f;         // main softmax scale; 0 means D^-0.5
+  float scale_idx = 0.f;     // index score scale; 0 means Di^-0.5
+  bool deterministic = false;  // backward: bitwise-reproducible gradients
+};
+
+// Per-call execution context. `stream` is a cudaStream_t for CUDA tensors (nullptr: the legacy
+// default stream) and is ignored on the CPU. `workspace` is device memory of at least
+// `workspace_size(params)` bytes; it may be null when that size is 0.
+struct Launch {
+  void* stream = nullptr;
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+};
+
+// Index selection (spec §2).
+struct SelectParams {
+  TensorRef q_idx;       // in  [T, Hi, Di]
+  TensorRef k_idx;       // in  [T, Hik, Di], same dtype as q_idx
+  TensorRef cu_seqlens;  // in  [nseq+1] int32, optional
+  TensorRef block_idx;   // out [T, Hi, k] int32: ascending block ids, then -1 padding
+  TensorRef lse_idx;     // out [T, Hi] fp32, optional: log-normaliser of the index softmax
+                         //     over the selected support (what the KL needs)
+  Options opts;
+  Launch launch;
+};
+
+// Main attention forward (spec §3, §5), optionally preceded by selection and followed by the
+// exact KL value.
+struct ForwardParams {
+  TensorRef q;           // in  [T, Hq, D]
+  TensorRef k;           // in  [T, Hkv, D]
+  TensorRef v;           // in  [T, Hkv, D]
+  TensorRef cu_seqlens;  // in  [nseq+1] int32, optional
+  // kSparse: [T, Hi, k] int32. An input, unless `select` is set, in which case it is written
+  // first from q_idx/k_idx (spec §2). Unused in kDense mode.
+  TensorRef block_idx;
+  bool select = false;
+  TensorRef q_idx;  // in [T, Hi, Di]; needed when `select` is set or `kl` is requested
+  TensorRef k_idx;  // in [T, Hik, Di]
+  TensorRef out;    // out [T, Hq, D], dtype of q
+  TensorRef lse;    // out [T, Hq] fp32, natural log; -inf for a row with empty support
+  TensorRef kl;     // out [1] fp32, optional: the exact KL loss value (spec §4)
+  Options opts;
+  Launch launch;
+};
+
+// Backward (spec §4): dq, dk, dv from dout; dq_idx, dk_idx from the KL weight gamma.
+struct BackwardParams {
+  TensorRef q, k, v;     // in, as in ForwardParams
+  TensorRef out;         // in  [T, Hq, D]: the forward output
+  TensorRef lse;         // in  [T, Hq] fp32: the forward LSE
+  TensorRef dout;        // in  [T, Hq, D], dtype of q
+  TensorRef cu_seqlens;  // in  [nseq+1] int32, optional
+  TensorRef block_idx;   // in  [T, Hi, k] int32 (kSparse)
+  TensorRef dq;          // out [T, Hq, D], dtype of q
+  TensorRef dk, dv;      // out [T, Hkv, D], dtype of q
+  // KL branch: computed when dq_idx or dk_idx is given; then q_idx and k_idx are required.
+  // gamma = kl_weight * kl_grad[0] (kl_grad optional, fp32 [1] on the tensors' device, so a
+  // framework can pass the incoming gradient of the KL output without a host round trip).
+  TensorRef q_idx, k_idx;  // in  [T, Hi, Di], [T, Hik, Di]
+  TensorRef dq_idx;        // out [T, Hi, Di], dtype of q_idx, optional
+  TensorRef dk_idx;        // out [T, Hik, Di], dtype of q_idx, optional
+  TensorRef kl_grad;       // in  [1] fp32, optional
+  float kl_weight = 1.f;
+  Options opts;
+  Launch launch;
+};
+
+// The exact KL value (spec §4) from the forward's LSE.
+struct KlParams {
+  TensorRef q, k;        // in  [T, Hq, D], [T, Hkv, D]
+  TensorRef lse;         // in  [T, Hq] fp32
+  TensorRef q_idx;       // in  [T, Hi, Di]
+  TensorRef k_idx;       // in  [T, Hik, Di]
+  TensorRef cu_seqlens;  // in  [nseq+1] int32, optional
+  TensorRef block_idx;   // in  [T, Hi, k] int32 (kSparse)
+  TensorRef kl;          // out [1] fp32: 1/(N*Hi) * sum over (t, i) of KL(pi || sigma)
+  TensorRef kl_rows;     // out [T, Hi] fp32, optional: the unnormalised per-row KL(pi || sigma)
+  Options opts;
+  Launch launch;
+};
+
+}  // namespace msa

@@ -1,0 +1,96 @@
+// Entry points: validate, then dispatch on the tensors' device. Backends that are not compiled
+// in answer kNotSupported with the reason; nothing falls back silently.
+#include "msa/api.h"
+
+#include <exception>
+#include <new>
+#include <string>
+
+#include "../cpu/backend.h"
+#include "validate.h"
+
+namespace msa {
+namespace {
+
+using detail::Problem;
+
+Status not_built(const char* fn, Device device) {
+  return Status::NotSupported(std::string("msa::") + fn + ": no backend for device type " +
+                              (device.type == DeviceType::kCuda ? "CUDA" : "?") +
+                              " is built into this library");
+}
+
+// Runs `body` (which returns a Status) and turns exceptions into kInternal.
+template <class F>
+Status guarded(const char* fn, F&& body) {
+  try {
+    return body();
+  } catch (const std::bad_alloc&) {
+    return Status::Internal(std::string("msa::") + fn + ": out of host memory");
+  } catch (const std::exception& e) {
+    return Status::Internal(std::string("msa::") + fn + ": " + e.what());
+  }
+}
+
+}  // namespace
+
+Status select_blocks(const SelectParams& p) {
+  return guarded("select_blocks", [&]() -> Status {
+    Problem prob;
+    MSA_TRY(detail::validate(p, &prob));
+    if (p.q_idx.device.type != DeviceType::kCpu) return not_built("select_blocks", p.q_idx.device);
+    return cpu::select_blocks(prob, p.q_idx, p.k_idx, p.block_idx, p.lse_idx);
+  });
+}
+
+Status forward(const ForwardParams& p) {
+  return guarded("forward", [&]() -> Status {
+    Problem prob;
+    MSA_TRY(detail::validate(p, &prob));
+    if (p.q.device.type != DeviceType::kCpu) return not_built("forward", p.q.device);
+    const bool sparse = prob.opts.mode == Mode::kSparse;
+    if (sparse && p.select) MSA_TRY(cpu::select_blocks(prob, p.q_idx, p.k_idx, p.block_idx, TensorRef{}));
+    MSA_TRY(cpu::attention_forward(prob, p));
+    if (!p.kl.defined()) return Status::Ok();
+    KlParams kp;
+    kp.q = p.q;
+    kp.k = p.k;
+    kp.lse = p.lse;
+    kp.q_idx = p.q_idx;
+    kp.k_idx = p.k_idx;
+    kp.cu_seqlens = p.cu_seqlens;
+    kp.block_idx = p.block_idx;
+    kp.kl = p.kl;
+    kp.opts = prob.opts;
+    return cpu::kl_divergence(prob, kp);
+  });
+}
+
+Status backward(const BackwardParams& p) {
+  return guarded("backward", [&]() -> Status {
+    Problem prob;
+    MSA_TRY(detail::validate(p, &prob));
+    if (p.q.device.type != DeviceType::kCpu) return not_built("backward", p.q.device);
+    return cpu::attention_backward(prob, p);
+  });
+}
+
+Status kl_divergence(const KlParams& p) {
+  return guarded("kl_divergence", [&]() -> Status {
+    Problem prob;
+    MSA_TRY(detail::validate(p, &prob));
+    if (p.q.device.type != DeviceType::kCpu) return not_built("kl_divergence", p.q.device);
+    return cpu::kl_divergence(prob, p);
+  });
+}
+
+size_t workspace_size(const SelectParams&) { return 0; }
+size_t workspace_size(const ForwardParams&) { return 0; }
+size_t workspace_size(const BackwardParams&) { return 0; }
+size_t workspace_size(const KlParams&) { return 0; }
+
+bool backend_available(DeviceType device) { return device == DeviceType::kCpu; }
+
+const char* version() { return MSA_VERSION_STRING; }
+
+}  // namespace msa

@@ -1,0 +1,36 @@
+// The validated shape of one call: sizes read off the tensors, options with defaults resolved,
+// and the sequence offsets. Built by validate.cpp, consumed by the backends.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "msa/params.h"
+
+// Returns the Status of `expr` from the enclosing function unless it is ok.
+#define MSA_TRY(expr)          \
+  do {                         \
+    Status _s = (expr);        \
+    if (!_s.ok()) return _s;   \
+  } while (0)
+
+namespace msa::detail {
+
+struct Problem {
+  int64_t T = 0;  // packed tokens
+  int32_t Hq = 0, Hkv = 0, D = 0;
+  int32_t Hi = 0, Hik = 0, Di = 0;  // 0 when no index tensors take part
+  int32_t k = 0;                    // block_idx width (kSparse), or top_k when selecting
+  DType dtype = DType::kFloat32;    // dtype of q (or of q_idx for select_blocks)
+  Options opts;                     // scale and scale_idx resolved (never 0)
+  // Sequence offsets, cu[s]..cu[s+1]; a single sequence [0, T] when cu_seqlens is absent.
+  // Read on the host: available for CPU tensors only (empty for CUDA).
+  std::vector<int64_t> cu;
+
+  int32_t group() const { return Hq / Hkv; }               // G: query heads per KV head
+  int32_t heads_per_idx() const { return Hq / Hi; }        // query heads per index head
+  int32_t idx_per_key() const { return Hi / Hik; }         // index heads per index key head
+  int64_t num_seqs() const { return static_cast<int64_t>(cu.size()) - 1; }
+};
+
+}  // namespace msa::detail

@@ -1,0 +1,409 @@
+#include "validate.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace msa::detail {
+namespace {
+
+std::string shape_str(const TensorRef& t) {
+  std::ostringstream os;
+  os << '[';
+  for (int d = 0; d < t.rank; ++d) os << (d ? ", " : "") << t.shape[d];
+  os << ']';
+  return os.str();
+}
+
+// One entry point's checks: every message names the entry and the argument.
+class Check {
+ public:
+  explicit Check(const char* fn) : fn_(fn) {}
+
+  Status fail(const char* arg, const std::string& what) const {
+    return Status::Invalid(std::string("msa::") + fn_ + ": argument '" + arg + "': " + what);
+  }
+
+  Status option(const char* name, bool good, const std::string& what) const {
+    return good ? Status::Ok() : fail(name, what);
+  }
+
+  // Presence, rank, device and layout. Outputs must not overlap themselves.
+  Status tensor(const char* arg, const TensorRef& t, int rank, bool output) {
+    if (!t.defined()) return fail(arg, "required but not given");
+    if (t.rank != rank)
+      return fail(arg, "expected rank " + std::to_string(rank) + ", got rank " +
+                           std::to_string(t.rank) + " with shape " + shape_str(t));
+    if (t.rank > kMaxRank) return fail(arg, "rank above " + std::to_string(kMaxRank));
+    for (int d = 0; d < t.rank; ++d) {
+      if (t.shape[d] < 0) return fail(arg, "negative size in shape " + shape_str(t));
+      if (t.stride[d] < 0) return fail(arg, "negative strides are not supported");
+    }
+    if (t.numel() > 0 && t.data == nullptr) return fail(arg, "null data pointer");
+    if (t.shape[rank - 1] > 1 && t.stride[rank - 1] != 1)
+      return fail(arg, "the last dimension must be contiguous (stride 1), got stride " +
+                           std::to_string(t.stride[rank - 1]));
+    if (output && !non_overlapping(t))
+      return fail(arg, "output strides make elements overlap (broadcast or aliased layout)");
+    if (!device_set_) {
+      device_ = t.device;
+      device_set_ = true;
+      device_arg_ = arg;
+    } else if (t.device != device_) {
+      return fail(arg, std::string("on another device than '") + device_arg_ + "'");
+    }
+    return Status::Ok();
+  }
+
+  Status dtype(const char* arg, const TensorRef& t, DType want) const {
+    if (t.dtype == want) return Status::Ok();
+    return fail(arg, std::string("expected dtype ") + dtype_name(want) + ", got " +
+                         dtype_name(t.dtype));
+  }
+
+  Status float_dtype(const char* arg, const TensorRef& t) const {
+    switch (t.dtype) {
+      case DType::kFloat16:
+      case DType::kBFloat16:
+      case DType::kFloat32:
+        return Status::Ok();
+      case DType::kFloat64:
+        if (t.device.type == DeviceType::kCpu) return Status::Ok();
+        return fail(arg, "float64 is supported on the CPU backend only");
+      default:
+        return fail(arg, std::string("expected a floating dtype (float16, bfloat16, float32), got ") +
+                             dtype_name(t.dtype));
+    }
+  }
+
+  // `want[d] < 0` accepts any size in dimension d; `names` describes the expectation.
+  Status shape(const char* arg, const TensorRef& t, std::initializer_list<int64_t> want,
+               const char* names) const {
+    int d = 0;
+    bool good = static_cast<int>(want.size()) == t.rank;
+    for (int64_t w : want) {
+      if (good && w >= 0 && t.shape[d] != w) good = false;
+      ++d;
+    }
+    if (good) return Status::Ok();
+    std::ostringstream os;
+    os << "expected shape " << names << " = [";
+    d = 0;
+    for (int64_t w : want) {
+      os << (d++ ? ", " : "");
+      if (w >= 0) os << w; else os << '*';
+    }
+    os << "], got " << shape_str(t);
+    return fail(arg, os.str());
+  }
+
+  Device device() const { return device_; }
+  const char* fn() const { return fn_; }
+
+ private:
+  static bool non_overlapping(const TensorRef& t) {
+    std::vector<int> order;
+    for (int d = 0; d < t.rank; ++d)
+      if (t.shape[d] > 1) order.push_back(d);
+    std::sort(order.begin(), order.end(),
+              [&](int a, int b) { return t.stride[a] < t.stride[b]; });
+    int64_t need = 1;
+    for (int d : order) {
+      if (t.stride[d] < need) return false;
+      need = t.stride[d] * t.shape[d];
+    }
+    return true;
+  }
+
+  const char* fn_;
+  bool device_set_ = false;
+  Device device_{};
+  const char* device_arg_ = "";
+};
+
+Status check_head_dim(const Check& c, const char* arg, int64_t v, const char* what) {
+  if (v < 1 || v > (1 << 20)) return c.fail(arg, std::string(what) + " must be in [1, 2^20], got " + std::to_string(v));
+  return Status::Ok();
+}
+
+// Main tensors q and k: fills T, Hq, Hkv, D, dtype.
+Status main_qk(Check& c, const TensorRef& q, const TensorRef& k, Problem* prob) {
+  MSA_TRY(c.tensor("q", q, 3, false));
+  MSA_TRY(c.float_dtype("q", q));
+  prob->T = q.shape[0];
+  MSA_TRY(check_head_dim(c, "q", q.shape[1], "the head count Hq (dim 1)"));
+  MSA_TRY(check_head_dim(c, "q", q.shape[2], "the head dim D (dim 2)"));
+  prob->Hq = static_cast<int32_t>(q.shape[1]);
+  prob->D = static_cast<int32_t>(q.shape[2]);
+  prob->dtype = q.dtype;
+  MSA_TRY(c.tensor("k", k, 3, false));
+  MSA_TRY(c.dtype("k", k, q.dtype));
+  MSA_TRY(c.shape("k", k, {prob->T, -1, prob->D}, "[T, Hkv, D]"));
+  MSA_TRY(check_head_dim(c, "k", k.shape[1], "the head count Hkv (dim 1)"));
+  prob->Hkv = static_cast<int32_t>(k.shape[1]);
+  if (prob->Hq % prob->Hkv != 0)
+    return c.fail("k", "Hkv = " + std::to_string(prob->Hkv) + " must divide Hq = " + std::to_string(prob->Hq));
+  return Status::Ok();
+}
+
+Status main_qkv(Check& c, const TensorRef& q, const TensorRef& k, const TensorRef& v,
+                Problem* prob) {
+  MSA_TRY(main_qk(c, q, k, prob));
+  MSA_TRY(c.tensor("v", v, 3, false));
+  MSA_TRY(c.dtype("v", v, q.dtype));
+  return c.shape("v", v, {prob->T, prob->Hkv, prob->D}, "[T, Hkv, D]");
+}
+
+// Index tensors q_idx, k_idx: fills Hi, Hik, Di (and T, dtype when `standalone`).
+Status index_qk(Check& c, const TensorRef& qi, const TensorRef& ki, bool standalone,
+                Problem* prob) {
+  MSA_TRY(c.tensor("q_idx", qi, 3, false));
+  if (standalone) {
+    MSA_TRY(c.float_dtype("q_idx", qi));
+    prob->T = qi.shape[0];
+    prob->dtype = qi.dtype;
+  } else {
+    MSA_TRY(c.dtype("q_idx", qi, prob->dtype));
+    MSA_TRY(c.shape("q_idx", qi, {prob->T, -1, -1}, "[T, Hi, Di]"));
+  }
+  MSA_TRY(check_head_dim(c, "q_idx", qi.shape[1], "the index head count Hi (dim 1)"));
+  MSA_TRY(check_head_dim(c, "q_idx", qi.shape[2], "the index head dim Di (dim 2)"));
+  const int32_t Hi = static_cast<int32_t>(qi.shape[1]);
+  if (prob->Hi != 0 && prob->Hi != Hi)
+    return c.fail("q_idx", "Hi = " + std::to_string(Hi) + " does not match block_idx's Hi = " +
+                               std::to_string(prob->Hi));
+  prob->Hi = Hi;
+  prob->Di = static_cast<int32_t>(qi.shape[2]);
+  MSA_TRY(c.tensor("k_idx", ki, 3, false));
+  MSA_TRY(c.dtype("k_idx", ki, qi.dtype));
+  MSA_TRY(c.shape("k_idx", ki, {prob->T, -1, prob->Di}, "[T, Hik, Di]"));
+  MSA_TRY(check_head_dim(c, "k_idx", ki.shape[1], "the index key head count Hik (dim 1)"));
+  prob->Hik = static_cast<int32_t>(ki.shape[1]);
+  if (prob->Hi % prob->Hik != 0)
+    return c.fail("k_idx", "Hik = " + std::to_string(prob->Hik) + " must divide Hi = " + std::to_string(prob->Hi));
+  return Status::Ok();
+}
+
+// Index heads against main heads: Hi a multiple of Hkv that divides Hq.
+Status index_vs_main(const Check& c, const char* arg, const Problem& prob) {
+  if (prob.Hi % prob.Hkv != 0 || prob.Hq % prob.Hi != 0)
+    return c.fail(arg, "Hi = " + std::to_string(prob.Hi) + " must be a multiple of Hkv = " +
+                           std::to_string(prob.Hkv) + " that divides Hq = " + std::to_string(prob.Hq));
+  return Status::Ok();
+}
+
+Status common_options(const Check& c, const Options& o, Problem* prob) {
+  MSA_TRY(c.option("block_size", o.block_size >= 1,
+                   "must be at least 1, got " + std::to_string(o.block_size)));
+  MSA_TRY(c.option("mode", o.mode == Mode::kSparse || o.mode == Mode::kDense,
+                   "must be kSparse or kDense"));
+  MSA_TRY(c.option("scale", std::isfinite(o.scale), "must be finite"));
+  MSA_TRY(c.option("scale_idx", std::isfinite(o.scale_idx), "must be finite"));
+  prob->opts = o;
+  if (o.scale == 0.f && prob->D > 0) prob->opts.scale = 1.f / std::sqrt(static_cast<float>(prob->D));
+  if (o.scale_idx == 0.f && prob->Di > 0)
+    prob->opts.scale_idx = 1.f / std::sqrt(static_cast<float>(prob->Di));
+  return Status::Ok();
+}
+
+Status selection_options(const Check& c, const Options& o) {
+  MSA_TRY(c.option("top_k", o.top_k >= 1, "must be at least 1, got " + std::to_string(o.top_k)));
+  MSA_TRY(c.option("local_blocks", o.local_blocks >= 1,
+                   "must be at least 1 (the token's own block is always selected), got " +
+                       std::to_string(o.local_blocks)));
+  MSA_TRY(c.option("sink_blocks", o.sink_blocks >= 0,
+                   "must be non-negative, got " + std::to_string(o.sink_blocks)));
+  MSA_TRY(c.option("top_k", static_cast<int64_t>(o.sink_blocks) + o.local_blocks <= o.top_k,
+                   "must hold the forced blocks: top_k = " + std::to_string(o.top_k) +
+                       " < sink_blocks + local_blocks = " +
+                       std::to_string(static_cast<int64_t>(o.sink_blocks) + o.local_blocks)));
+  return Status::Ok();
+}
+
+// cu_seqlens: int32 [nseq+1], 0 = cu[0] <= ... <= cu[nseq] = T. Values are read on the CPU only.
+Status seqlens(Check& c, const TensorRef& cu, Problem* prob) {
+  prob->cu.clear();
+  if (!cu.defined()) {
+    if (c.device().type == DeviceType::kCpu) prob->cu = {0, prob->T};
+    return Status::Ok();
+  }
+  MSA_TRY(c.tensor("cu_seqlens", cu, 1, false));
+  MSA_TRY(c.dtype("cu_seqlens", cu, DType::kInt32));
+  if (cu.shape[0] < 2) return c.fail("cu_seqlens", "expected shape [nseq+1] with nseq >= 1, got " + shape_str(cu));
+  if (cu.device.type != DeviceType::kCpu) return Status::Ok();
+  const int32_t* v = static_cast<const int32_t*>(cu.data);
+  const int64_t n = cu.shape[0];
+  prob->cu.resize(n);
+  for (int64_t s = 0; s < n; ++s) prob->cu[s] = v[s * cu.stride[0]];
+  if (prob->cu[0] != 0) return c.fail("cu_seqlens", "must start at 0, got " + std::to_string(prob->cu[0]));
+  for (int64_t s = 1; s < n; ++s)
+    if (prob->cu[s] < prob->cu[s - 1])
+      return c.fail("cu_seqlens", "must be non-decreasing, but cu_seqlens[" + std::to_string(s) +
+                                      "] = " + std::to_string(prob->cu[s]) + " < cu_seqlens[" +
+                                      std::to_string(s - 1) + "] = " + std::to_string(prob->cu[s - 1]));
+  if (prob->cu[n - 1] != prob->T)
+    return c.fail("cu_seqlens", "must end at T = " + std::to_string(prob->T) + ", got " +
+                                    std::to_string(prob->cu[n - 1]));
+  return Status::Ok();
+}
+
+// A caller's block_idx on the CPU: every entry -1 or a block in [0, blk(t)], no duplicates.
+Status block_idx_values(const Check& c, const TensorRef& bi, const Problem& prob) {
+  if (bi.device.type != DeviceType::kCpu || prob.k == 0) return Status::Ok();
+  const int32_t* base = static_cast<const int32_t*>(bi.data);
+  std::vector<int32_t> row(prob.k);
+  for (int64_t s = 0; s + 1 < static_cast<int64_t>(prob.cu.size()); ++s) {
+    for (int64_t g = prob.cu[s]; g < prob.cu[s + 1]; ++g) {
+      const int64_t own = (g - prob.cu[s]) / prob.opts.block_size;
+      for (int32_t i = 0; i < prob.Hi; ++i) {
+        const int32_t* r = base + g * bi.stride[0] + i * bi.stride[1];
+        for (int32_t j = 0; j < prob.k; ++j) {
+          row[j] = r[j * bi.stride[2]];
+          if (row[j] < -1 || row[j] > own)
+            return c.fail("block_idx", "entry [" + std::to_string(g) + ", " + std::to_string(i) + ", " +
+                                           std::to_string(j) + "] = " + std::to_string(row[j]) +
+                                           " is out of range: expected -1 or a block in [0, " +
+                                           std::to_string(own) + "] (the token's own block)");
+        }
+        std::sort(row.begin(), row.end());
+        for (int32_t j = 1; j < prob.k; ++j)
+          if (row[j] >= 0 && row[j] == row[j - 1])
+            return c.fail("block_idx", "row [" + std::to_string(g) + ", " + std::to_string(i) +
+                                           "] selects block " + std::to_string(row[j]) + " twice");
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+// block_idx [T, Hi, k] int32 in kSparse mode: fills Hi and k.
+Status block_idx_shape(Check& c, const TensorRef& bi, bool output, Problem* prob) {
+  MSA_TRY(c.tensor("block_idx", bi, 3, output));
+  MSA_TRY(c.dtype("block_idx", bi, DType::kInt32));
+  MSA_TRY(c.shape("block_idx", bi, {prob->T, -1, -1}, "[T, Hi, k]"));
+  MSA_TRY(check_head_dim(c, "block_idx", bi.shape[1], "the index head count Hi (dim 1)"));
+  if (bi.shape[2] < 1 || bi.shape[2] > (1 << 20))
+    return c.fail("block_idx", "k (dim 2) must be in [1, 2^20], got " + std::to_string(bi.shape[2]));
+  prob->Hi = static_cast<int32_t>(bi.shape[1]);
+  prob->k = static_cast<int32_t>(bi.shape[2]);
+  return Status::Ok();
+}
+
+Status out_tensor(Check& c, const char* arg, const TensorRef& t, DType dt,
+                  std::initializer_list<int64_t> shape, const char* names) {
+  MSA_TRY(c.tensor(arg, t, static_cast<int>(shape.size()), true));
+  MSA_TRY(c.dtype(arg, t, dt));
+  return c.shape(arg, t, shape, names);
+}
+
+Status in_tensor(Check& c, const char* arg, const TensorRef& t, DType dt,
+                 std::initializer_list<int64_t> shape, const char* names) {
+  MSA_TRY(c.tensor(arg, t, static_cast<int>(shape.size()), false));
+  MSA_TRY(c.dtype(arg, t, dt));
+  return c.shape(arg, t, shape, names);
+}
+
+Status scalar_out(Check& c, const char* arg, const TensorRef& t) {
+  return out_tensor(c, arg, t, DType::kFloat32, {1}, "[1]");
+}
+
+}  // namespace
+
+Status validate(const SelectParams& p, Problem* prob) {
+  Check c("select_blocks");
+  *prob = Problem{};
+  MSA_TRY(index_qk(c, p.q_idx, p.k_idx, /*standalone=*/true, prob));
+  MSA_TRY(common_options(c, p.opts, prob));
+  MSA_TRY(c.option("mode", p.opts.mode == Mode::kSparse, "select_blocks needs kSparse mode"));
+  MSA_TRY(selection_options(c, p.opts));
+  prob->k = p.opts.top_k;
+  MSA_TRY(out_tensor(c, "block_idx", p.block_idx, DType::kInt32, {prob->T, prob->Hi, prob->k}, "[T, Hi, top_k]"));
+  if (p.lse_idx.defined())
+    MSA_TRY(out_tensor(c, "lse_idx", p.lse_idx, DType::kFloat32, {prob->T, prob->Hi}, "[T, Hi]"));
+  return seqlens(c, p.cu_seqlens, prob);
+}
+
+Status validate(const ForwardParams& p, Problem* prob) {
+  Check c("forward");
+  *prob = Problem{};
+  MSA_TRY(main_qkv(c, p.q, p.k, p.v, prob));
+  const bool sparse = p.opts.mode == Mode::kSparse;
+  const bool need_index = (sparse && p.select) || p.kl.defined();
+  if (sparse) MSA_TRY(block_idx_shape(c, p.block_idx, /*output=*/p.select, prob));
+  if (need_index) {
+    MSA_TRY(index_qk(c, p.q_idx, p.k_idx, false, prob));
+    MSA_TRY(index_vs_main(c, "q_idx", *prob));
+  } else if (sparse) {
+    MSA_TRY(index_vs_main(c, "block_idx", *prob));
+  }
+  MSA_TRY(common_options(c, p.opts, prob));
+  if (sparse && p.select) {
+    MSA_TRY(selection_options(c, p.opts));
+    if (prob->k != p.opts.top_k)
+      return c.fail("block_idx", "expected k (dim 2) = top_k = " + std::to_string(p.opts.top_k) +
+                                     ", got " + std::to_string(prob->k));
+  }
+  MSA_TRY(out_tensor(c, "out", p.out, prob->dtype, {prob->T, prob->Hq, prob->D}, "[T, Hq, D]"));
+  MSA_TRY(out_tensor(c, "lse", p.lse, DType::kFloat32, {prob->T, prob->Hq}, "[T, Hq]"));
+  if (p.kl.defined()) MSA_TRY(scalar_out(c, "kl", p.kl));
+  MSA_TRY(seqlens(c, p.cu_seqlens, prob));
+  if (sparse && !p.select) MSA_TRY(block_idx_values(c, p.block_idx, *prob));
+  return Status::Ok();
+}
+
+Status validate(const BackwardParams& p, Problem* prob) {
+  Check c("backward");
+  *prob = Problem{};
+  MSA_TRY(main_qkv(c, p.q, p.k, p.v, prob));
+  const bool sparse = p.opts.mode == Mode::kSparse;
+  const bool kl = p.dq_idx.defined() || p.dk_idx.defined();
+  if (sparse) MSA_TRY(block_idx_shape(c, p.block_idx, false, prob));
+  if (kl) {
+    MSA_TRY(index_qk(c, p.q_idx, p.k_idx, false, prob));
+    MSA_TRY(index_vs_main(c, "q_idx", *prob));
+  } else if (sparse) {
+    MSA_TRY(index_vs_main(c, "block_idx", *prob));
+  }
+  MSA_TRY(common_options(c, p.opts, prob));
+  MSA_TRY(c.option("kl_weight", std::isfinite(p.kl_weight), "must be finite"));
+  const int64_t T = prob->T;
+  MSA_TRY(in_tensor(c, "out", p.out, prob->dtype, {T, prob->Hq, prob->D}, "[T, Hq, D]"));
+  MSA_TRY(in_tensor(c, "lse", p.lse, DType::kFloat32, {T, prob->Hq}, "[T, Hq]"));
+  MSA_TRY(in_tensor(c, "dout", p.dout, prob->dtype, {T, prob->Hq, prob->D}, "[T, Hq, D]"));
+  MSA_TRY(out_tensor(c, "dq", p.dq, prob->dtype, {T, prob->Hq, prob->D}, "[T, Hq, D]"));
+  MSA_TRY(out_tensor(c, "dk", p.dk, prob->dtype, {T, prob->Hkv, prob->D}, "[T, Hkv, D]"));
+  MSA_TRY(out_tensor(c, "dv", p.dv, prob->dtype, {T, prob->Hkv, prob->D}, "[T, Hkv, D]"));
+  if (p.dq_idx.defined())
+    MSA_TRY(out_tensor(c, "dq_idx", p.dq_idx, prob->dtype, {T, prob->Hi, prob->Di}, "[T, Hi, Di]"));
+  if (p.dk_idx.defined())
+    MSA_TRY(out_tensor(c, "dk_idx", p.dk_idx, prob->dtype, {T, prob->Hik, prob->Di}, "[T, Hik, Di]"));
+  if (p.kl_grad.defined()) MSA_TRY(in_tensor(c, "kl_grad", p.kl_grad, DType::kFloat32, {1}, "[1]"));
+  MSA_TRY(seqlens(c, p.cu_seqlens, prob));
+  if (sparse) MSA_TRY(block_idx_values(c, p.block_idx, *prob));
+  return Status::Ok();
+}
+
+Status validate(const KlParams& p, Problem* prob) {
+  Check c("kl_divergence");
+  *prob = Problem{};
+  MSA_TRY(main_qk(c, p.q, p.k, prob));
+  const bool sparse = p.opts.mode == Mode::kSparse;
+  if (sparse) MSA_TRY(block_idx_shape(c, p.block_idx, false, prob));
+  MSA_TRY(index_qk(c, p.q_idx, p.k_idx, false, prob));
+  MSA_TRY(index_vs_main(c, "q_idx", *prob));
+  MSA_TRY(common_options(c, p.opts, prob));
+  MSA_TRY(in_tensor(c, "lse", p.lse, DType::kFloat32, {prob->T, prob->Hq}, "[T, Hq]"));
+  MSA_TRY(scalar_out(c, "kl", p.kl));
+  if (p.kl_rows.defined())
+    MSA_TRY(out_tensor(c, "kl_rows", p.kl_rows, DType::kFloat32, {prob->T, prob->Hi}, "[T, Hi]"));
+  MSA_TRY(seqlens(c, p.cu_seqlens, prob));
+  if (sparse) MSA_TRY(block_idx_values(c, p.block_idx, *prob));
+  return Status::Ok();
+}
+
+}  // namespace msa::detail

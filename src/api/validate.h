@@ -1,0 +1,16 @@
+// Argument validation for every entry point (spec §7). Each function checks the parameters
+// completely, without launching anything, and fills a Problem on success. Messages have the form
+//   msa::<entry>: argument '<name>': <what was expected>, got <what was passed>
+#pragma once
+
+#include "msa/params.h"
+#include "problem.h"
+
+namespace msa::detail {
+
+Status validate(const SelectParams& p, Problem* prob);
+Status validate(const ForwardParams& p, Problem* prob);
+Status validate(const BackwardParams& p, Problem* prob);
+Status validate(const KlParams& p, Problem* prob);
+
+}  // namespace msa::detail

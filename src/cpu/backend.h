@@ -1,0 +1,23 @@
+// The CPU backend: the spec followed literally, accumulating in double, multi-threaded over
+// independent rows or key blocks. It is the reference for every other backend. Arguments are
+// validated by the caller (src/api); these functions assume a valid Problem.
+#pragma once
+
+#include "../api/problem.h"
+#include "msa/params.h"
+
+namespace msa::cpu {
+
+using detail::Problem;
+
+Status select_blocks(const Problem& prob, const TensorRef& q_idx, const TensorRef& k_idx,
+                     const TensorRef& block_idx, const TensorRef& lse_idx);
+
+// out and lse over the support (block_idx, or the causal prefix in kDense mode).
+Status attention_forward(const Problem& prob, const ForwardParams& p);
+
+Status attention_backward(const Problem& prob, const BackwardParams& p);
+
+Status kl_divergence(const Problem& prob, const KlParams& p);
+
+}  // namespace msa::cpu
