@@ -1,0 +1,249 @@
+// Independent references for the tests, written from the spec with another structure than the
+// backend: selection by a full sort of all candidates, attention and gradients over an explicit
+// per-row key mask (every key of the sequence is visited), and a naive dense causal GQA
+// attention that knows nothing of blocks.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "harness.h"
+
+namespace msatest {
+
+// Selected blocks per (global row, index head).
+using Sets = std::vector<std::vector<std::vector<int>>>;
+
+inline int64_t seq_begin(const Problem& p, int64_t g) {
+  size_t s = std::upper_bound(p.offsets.begin(), p.offsets.end(), g) - p.offsets.begin() - 1;
+  return p.offsets[s];
+}
+inline int64_t seq_end(const Problem& p, int64_t g) {
+  size_t s = std::upper_bound(p.offsets.begin(), p.offsets.end(), g) - p.offsets.begin() - 1;
+  return p.offsets[s + 1];
+}
+
+inline Sets sets_from(const Problem& p, const HostTensor& bi) {
+  Sets s(p.T, std::vector<std::vector<int>>(p.cfg.Hi));
+  for (int64_t g = 0; g < p.T; ++g)
+    for (int i = 0; i < p.cfg.Hi; ++i)
+      for (int j = 0; j < bi.shape()[2]; ++j)
+        if (bi.idx(g, i, j) >= 0) s[g][i].push_back(bi.idx(g, i, j));
+  return s;
+}
+
+inline Sets all_causal_blocks(const Problem& p) {
+  Sets s(p.T, std::vector<std::vector<int>>(p.cfg.Hi));
+  for (int64_t g = 0; g < p.T; ++g)
+    for (int i = 0; i < p.cfg.Hi; ++i)
+      for (int b = 0; b <= (g - seq_begin(p, g)) / p.cfg.Bk; ++b) s[g][i].push_back(b);
+  return s;
+}
+
+inline double index_score(const Problem& p, int64_t g, int i, int64_t gj) {
+  const int ik = i / (p.cfg.Hi / p.cfg.Hik);
+  double acc = 0;
+  for (int d = 0; d < p.cfg.Di; ++d) acc += p.q_idx.at(g, i, d) * p.k_idx.at(gj, ik, d);
+  return p.scale_idx() * acc;
+}
+
+// M(t, b) for b <= blk(t).
+inline std::vector<double> block_scores(const Problem& p, int64_t g, int i) {
+  const int64_t b0 = seq_begin(p, g), t = g - b0;
+  std::vector<double> m(t / p.cfg.Bk + 1, -INFINITY);
+  for (int64_t j = 0; j <= t; ++j) m[j / p.cfg.Bk] = std::max(m[j / p.cfg.Bk], index_score(p, g, i, b0 + j));
+  return m;
+}
+
+inline bool is_forced(const Config& c, int own, int b) {
+  return (b <= own && b > own - c.local) || (b < c.sink && b <= own);
+}
+
+// Brute force: rank every non-forced earlier block by (score desc, index asc), take the top.
+inline Sets ref_select(const Problem& p) {
+  const Config& c = p.cfg;
+  Sets s(p.T, std::vector<std::vector<int>>(c.Hi));
+  for (int64_t g = 0; g < p.T; ++g) {
+    const int own = static_cast<int>((g - seq_begin(p, g)) / c.Bk);
+    for (int i = 0; i < c.Hi; ++i) {
+      const std::vector<double> m = block_scores(p, g, i);
+      std::vector<int> chosen, cand;
+      for (int b = 0; b <= own; ++b) (is_forced(c, own, b) ? chosen : cand).push_back(b);
+      std::stable_sort(cand.begin(), cand.end(), [&](int a, int b) { return m[a] > m[b]; });
+      for (int x = 0; x < static_cast<int>(cand.size()) && static_cast<int>(chosen.size()) < c.k; ++x)
+        chosen.push_back(cand[x]);
+      std::sort(chosen.begin(), chosen.end());
+      s[g][i] = chosen;
+    }
+  }
+  return s;
+}
+
+// Main-branch scores a_h(t, j) for every key of the sequence, with the row's mask.
+struct RowView {
+  std::vector<double> a;     // scores (masked entries unused)
+  std::vector<char> mask;    // j in T_h(t)
+  std::vector<double> prob;  // P_h(t, j), 0 outside the mask
+  double lse = -INFINITY;
+};
+
+inline RowView main_row(const Problem& p, const Sets& sets, int64_t g, int h, bool use_lse = false,
+                        double given_lse = 0) {
+  const Config& c = p.cfg;
+  const int64_t b0 = seq_begin(p, g), L = seq_end(p, g) - b0, t = g - b0;
+  const int i = h / (c.Hq / c.Hi), r = h / (c.Hq / c.Hkv);
+  RowView rv;
+  rv.a.assign(L, 0);
+  rv.mask.assign(L, 0);
+  rv.prob.assign(L, 0);
+  const std::vector<int>& blocks = sets[g][i];
+  double mx = -INFINITY;
+  for (int64_t j = 0; j < L; ++j) {
+    rv.mask[j] = j <= t && std::find(blocks.begin(), blocks.end(), static_cast<int>(j / c.Bk)) != blocks.end();
+    if (!rv.mask[j]) continue;
+    double acc = 0;
+    for (int d = 0; d < c.D; ++d) acc += p.q.at(g, h, d) * p.k.at(b0 + j, r, d);
+    rv.a[j] = p.scale() * acc;
+    mx = std::max(mx, rv.a[j]);
+  }
+  double sum = 0;
+  for (int64_t j = 0; j < L; ++j)
+    if (rv.mask[j]) sum += std::exp(rv.a[j] - mx);
+  rv.lse = sum > 0 ? mx + std::log(sum) : -INFINITY;
+  const double l = use_lse ? given_lse : rv.lse;
+  for (int64_t j = 0; j < L; ++j)
+    if (rv.mask[j]) rv.prob[j] = std::exp(rv.a[j] - l);
+  return rv;
+}
+
+struct RefForward {
+  std::vector<double> out, lse;  // [T, Hq, D], [T, Hq]
+};
+
+inline RefForward ref_forward(const Problem& p, const Sets& sets) {
+  const Config& c = p.cfg;
+  RefForward f{std::vector<double>(p.T * c.Hq * c.D, 0), std::vector<double>(p.T * c.Hq, 0)};
+  for (int64_t g = 0; g < p.T; ++g) {
+    const int64_t b0 = seq_begin(p, g);
+    for (int h = 0; h < c.Hq; ++h) {
+      const RowView rv = main_row(p, sets, g, h);
+      f.lse[g * c.Hq + h] = rv.lse;
+      for (size_t j = 0; j < rv.prob.size(); ++j)
+        for (int d = 0; d < c.D; ++d)
+          f.out[(g * c.Hq + h) * c.D + d] += rv.prob[j] * p.v.at(b0 + j, h / (c.Hq / c.Hkv), d);
+    }
+  }
+  return f;
+}
+
+// Dense causal GQA attention, no blocks anywhere: softmax over j <= t of the sequence.
+inline RefForward naive_dense(const Problem& p) {
+  const Config& c = p.cfg;
+  RefForward f{std::vector<double>(p.T * c.Hq * c.D, 0), std::vector<double>(p.T * c.Hq, 0)};
+  for (size_t s = 0; s + 1 < p.offsets.size(); ++s)
+    for (int64_t t = 0; t < p.offsets[s + 1] - p.offsets[s]; ++t)
+      for (int h = 0; h < c.Hq; ++h) {
+        const int64_t g = p.offsets[s] + t;
+        const int r = h * c.Hkv / c.Hq;
+        std::vector<double> w(t + 1);
+        for (int64_t j = 0; j <= t; ++j) {
+          w[j] = 0;
+          for (int d = 0; d < c.D; ++d) w[j] += p.q.at(g, h, d) * p.k.at(p.offsets[s] + j, r, d);
+          w[j] *= p.scale();
+        }
+        const double mx = *std::max_element(w.begin(), w.end());
+        double z = 0;
+        for (double& x : w) z += (x = std::exp(x - mx));
+        f.lse[g * c.Hq + h] = mx + std::log(z);
+        for (int64_t j = 0; j <= t; ++j)
+          for (int d = 0; d < c.D; ++d) f.out[(g * c.Hq + h) * c.D + d] += w[j] / z * p.v.at(p.offsets[s] + j, r, d);
+      }
+  return f;
+}
+
+// Teacher pi and student sigma of row (g, i) over the sequence's keys (0 outside the support).
+inline void kl_row(const Problem& p, const Sets& sets, int64_t g, int i, std::vector<double>* pi,
+                   std::vector<double>* sigma, std::vector<double>* s_idx) {
+  const Config& c = p.cfg;
+  const int hpi = c.Hq / c.Hi;
+  const int64_t b0 = seq_begin(p, g), L = seq_end(p, g) - b0;
+  pi->assign(L, 0);
+  sigma->assign(L, 0);
+  s_idx->assign(L, 0);
+  std::vector<char> mask;
+  for (int h = i * hpi; h < (i + 1) * hpi; ++h) {
+    const RowView rv = main_row(p, sets, g, h);
+    for (int64_t j = 0; j < L; ++j) (*pi)[j] += rv.prob[j] / hpi;
+    mask = rv.mask;
+  }
+  double mx = -INFINITY, z = 0;
+  for (int64_t j = 0; j < L; ++j)
+    if (mask[j]) mx = std::max(mx, (*s_idx)[j] = index_score(p, g, i, b0 + j));
+  for (int64_t j = 0; j < L; ++j)
+    if (mask[j]) z += std::exp((*s_idx)[j] - mx);
+  for (int64_t j = 0; j < L; ++j)
+    if (mask[j]) (*sigma)[j] = std::exp((*s_idx)[j] - mx) / z;
+}
+
+inline double ref_kl(const Problem& p, const Sets& sets) {
+  double total = 0;
+  std::vector<double> pi, sigma, s;
+  for (int64_t g = 0; g < p.T; ++g)
+    for (int i = 0; i < p.cfg.Hi; ++i) {
+      kl_row(p, sets, g, i, &pi, &sigma, &s);
+      for (size_t j = 0; j < pi.size(); ++j)
+        if (pi[j] > 0) total += pi[j] * std::log(pi[j] / sigma[j]);
+    }
+  return p.T ? total / (static_cast<double>(p.T) * p.cfg.Hi) : 0.0;
+}
+
+// Analytic gradients over explicit masks: dS on every (row, key) pair, then the outer sums.
+struct RefGrads {
+  std::vector<double> dq, dk, dv, dq_idx, dk_idx;
+};
+
+inline RefGrads ref_backward(const Problem& p, const Sets& sets, const HostTensor& dout, double gamma) {
+  const Config& c = p.cfg;
+  RefGrads r{std::vector<double>(p.T * c.Hq * c.D, 0), std::vector<double>(p.T * c.Hkv * c.D, 0),
+             std::vector<double>(p.T * c.Hkv * c.D, 0), std::vector<double>(p.T * c.Hi * c.Di, 0),
+             std::vector<double>(p.T * c.Hik * c.Di, 0)};
+  const RefForward f = ref_forward(p, sets);
+  for (int64_t g = 0; g < p.T; ++g) {
+    const int64_t b0 = seq_begin(p, g);
+    for (int h = 0; h < c.Hq; ++h) {
+      const int rr = h / (c.Hq / c.Hkv);
+      const RowView rv = main_row(p, sets, g, h);
+      double delta = 0;
+      for (int d = 0; d < c.D; ++d) delta += dout.at(g, h, d) * f.out[(g * c.Hq + h) * c.D + d];
+      for (size_t j = 0; j < rv.prob.size(); ++j) {
+        if (!rv.mask[j]) continue;
+        double dp = 0;
+        for (int d = 0; d < c.D; ++d) dp += dout.at(g, h, d) * p.v.at(b0 + j, rr, d);
+        const double ds = rv.prob[j] * (dp - delta);
+        for (int d = 0; d < c.D; ++d) {
+          r.dq[(g * c.Hq + h) * c.D + d] += p.scale() * ds * p.k.at(b0 + j, rr, d);
+          r.dk[((b0 + j) * c.Hkv + rr) * c.D + d] += p.scale() * ds * p.q.at(g, h, d);
+          r.dv[((b0 + j) * c.Hkv + rr) * c.D + d] += rv.prob[j] * dout.at(g, h, d);
+        }
+      }
+    }
+    std::vector<double> pi, sigma, s;
+    for (int i = 0; i < c.Hi; ++i) {
+      const int ik = i / (c.Hi / c.Hik);
+      kl_row(p, sets, g, i, &pi, &sigma, &s);
+      for (size_t j = 0; j < pi.size(); ++j) {
+        const double ds = gamma / (static_cast<double>(p.T) * c.Hi) * (sigma[j] - pi[j]);
+        if (ds == 0) continue;
+        for (int d = 0; d < c.Di; ++d) {
+          r.dq_idx[(g * c.Hi + i) * c.Di + d] += p.scale_idx() * ds * p.k_idx.at(b0 + j, ik, d);
+          r.dk_idx[((b0 + j) * c.Hik + ik) * c.Di + d] += p.scale_idx() * ds * p.q_idx.at(g, i, d);
+        }
+      }
+    }
+  }
+  return r;
+}
+
+}  // namespace msatest

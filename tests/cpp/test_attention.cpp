@@ -1,0 +1,206 @@
+// Main-branch forward (spec §3), warmup (spec §5) and the KL value (spec §4) against the
+// independent references.
+#include <gtest/gtest.h>
+
+#include "harness.h"
+#include "reference.h"
+
+namespace msatest {
+namespace {
+
+Config shape(std::vector<int64_t> lens, int Hq, int Hkv, int D, int Hi, int Hik, int Bk, int k, uint64_t seed) {
+  Config c;
+  c.seqlens = std::move(lens);
+  c.Hq = Hq;
+  c.Hkv = Hkv;
+  c.D = D;
+  c.Di = D;
+  c.Hi = Hi;
+  c.Hik = Hik;
+  c.Bk = Bk;
+  c.k = k;
+  c.seed = seed;
+  return c;
+}
+
+// G in {1, 2, 8, 16}; Hi in {Hkv, 2 Hkv}; Hik in {1, Hi}; D and Bk 64/128 with odd lengths.
+const Config kShapes[] = {
+    shape({200}, 2, 2, 16, 2, 1, 16, 4, 1),             // G = 1
+    shape({150, 90}, 4, 2, 16, 2, 2, 16, 3, 2),         // G = 2, Hik = Hi
+    shape({170}, 8, 1, 8, 2, 1, 16, 4, 3),              // G = 8, Hi = 2 Hkv
+    shape({140}, 16, 1, 8, 1, 1, 16, 3, 4),             // G = 16
+    shape({190}, 8, 2, 8, 4, 4, 32, 3, 5),              // Hi = 2 Hkv, Hik = Hi
+    shape({1, 2, 113}, 4, 2, 16, 2, 1, 16, 4, 6),       // tiny sequences
+    shape({127, 128, 129}, 4, 1, 8, 1, 1, 64, 2, 7),    // Bk = 64 around a block edge
+    shape({799}, 2, 1, 64, 1, 1, 64, 4, 8),             // D = 64, Bk = 64
+    shape({799}, 2, 2, 128, 2, 1, 128, 3, 9),           // D = 128, Bk = 128
+};
+
+class Forward : public ::testing::TestWithParam<Config> {};
+
+TEST_P(Forward, MatchesMaskedReference) {
+  Config c = GetParam();
+  Problem p(c);
+  HostTensor bi = run_select(p);
+  FwdResult f = run_forward(p, &bi, Mode::kSparse, true);
+  const Sets sets = sets_from(p, bi);
+  const RefForward r = ref_forward(p, sets);
+  EXPECT_LT(rel_err(f.out.values(), r.out), 1e-12) << c.str();
+  EXPECT_LT(rel_err(f.lse.values(), r.lse), 1e-6) << c.str();  // lse is stored in fp32
+  EXPECT_NEAR(f.kl.get(0), ref_kl(p, sets), 1e-6 * std::fabs(ref_kl(p, sets)) + 1e-9) << c.str();
+  EXPECT_GT(f.kl.get(0), 0.0);
+}
+
+// The warmup forward is dense causal attention, written without blocks in the reference.
+TEST_P(Forward, WarmupIsDenseCausal) {
+  Config c = GetParam();
+  Problem p(c);
+  FwdResult f = run_forward(p, nullptr, Mode::kDense, true);
+  const RefForward r = naive_dense(p);
+  EXPECT_LT(rel_err(f.out.values(), r.out), 1e-12) << c.str();
+  EXPECT_LT(rel_err(f.lse.values(), r.lse), 1e-6) << c.str();
+  const double kl = ref_kl(p, all_causal_blocks(p));
+  EXPECT_NEAR(f.kl.get(0), kl, 1e-6 * std::fabs(kl) + 1e-9) << c.str();
+}
+
+// k covering every block: sparse MSA equals dense causal GQA attention (a standing test).
+TEST_P(Forward, DenseWhenKCoversAllBlocks) {
+  Config c = GetParam();
+  int64_t longest = 0;
+  for (int64_t l : c.seqlens) longest = std::max(longest, l);
+  c.k = static_cast<int>((longest + c.Bk - 1) / c.Bk);
+  Problem p(c);
+  HostTensor bi = run_select(p);
+  FwdResult sparse = run_forward(p, &bi, Mode::kSparse, true);
+  FwdResult warm = run_forward(p, nullptr, Mode::kDense, true);
+  const RefForward r = naive_dense(p);
+  EXPECT_LT(rel_err(sparse.out.values(), r.out), 1e-12) << c.str();
+  EXPECT_LT(rel_err(sparse.lse.values(), r.lse), 1e-6) << c.str();
+  EXPECT_NEAR(sparse.kl.get(0), warm.kl.get(0), 1e-6 * std::fabs(warm.kl.get(0)));
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, Forward, ::testing::ValuesIn(kShapes));
+
+// Low-precision storage: the reference runs on the same (rounded) inputs; the only extra
+// error is the final rounding of out to the dtype.
+class ForwardDtype : public ::testing::TestWithParam<DType> {};
+
+TEST_P(ForwardDtype, RoundsOnlyTheOutput) {
+  Config c = shape({333}, 8, 2, 32, 2, 1, 32, 4, 21);
+  c.dtype = GetParam();
+  Problem p(c);
+  HostTensor bi = run_select(p);
+  FwdResult f = run_forward(p, &bi, Mode::kSparse, false);
+  const RefForward r = ref_forward(p, sets_from(p, bi));
+  const double ulp = c.dtype == DType::kBFloat16 ? 1.0 / 128 : c.dtype == DType::kFloat16 ? 1.0 / 1024 : 1e-7;
+  const std::vector<double> out = f.out.values();
+  for (size_t x = 0; x < out.size(); ++x)
+    ASSERT_LE(std::fabs(out[x] - r.out[x]), ulp * std::fabs(r.out[x]) + 1e-7) << x;
+  EXPECT_LT(rel_err(f.lse.values(), r.lse), 1e-6);
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, ForwardDtype, ::testing::Values(DType::kFloat32, DType::kBFloat16, DType::kFloat16));
+
+// The caller's block_idx is a set: any order and any -1 position give the same result.
+TEST(Forward, BlockIdxIsASet) {
+  Config c = shape({300}, 4, 2, 16, 2, 1, 16, 5, 31);
+  Problem p(c);
+  HostTensor bi = run_select(p);
+  FwdResult base = run_forward(p, &bi, Mode::kSparse, true);
+  HostTensor shuffled(DType::kInt32, {p.T, c.Hi, c.k + 2});
+  std::mt19937_64 rng(5);
+  for (int64_t g = 0; g < p.T; ++g)
+    for (int i = 0; i < c.Hi; ++i) {
+      std::vector<int> row{-1, -1};
+      for (int j = 0; j < c.k; ++j) row.push_back(bi.idx(g, i, j));
+      std::shuffle(row.begin(), row.end(), rng);
+      for (int j = 0; j < c.k + 2; ++j) shuffled.set((g * c.Hi + i) * (c.k + 2) + j, row[j]);
+    }
+  FwdResult other = run_forward(p, &shuffled, Mode::kSparse, true);
+  EXPECT_TRUE(base.out.bitwise_equal(other.out));
+  EXPECT_TRUE(base.lse.bitwise_equal(other.lse));
+  EXPECT_EQ(base.kl.get(0), other.kl.get(0));
+}
+
+// A row whose caller-given selection is empty attends to nothing: out = 0, lse = -inf.
+TEST(Forward, EmptySupportRow) {
+  Config c = shape({64}, 2, 1, 8, 1, 1, 16, 2, 41);
+  Problem p(c);
+  HostTensor bi = run_select(p);
+  for (int j = 0; j < c.k; ++j) bi.set(50 * c.k + j, -1);
+  FwdResult f = run_forward(p, &bi, Mode::kSparse, false);
+  for (int h = 0; h < c.Hq; ++h) {
+    EXPECT_EQ(f.lse.at(50, h), -INFINITY);
+    for (int d = 0; d < c.D; ++d) EXPECT_EQ(f.out.at(50, h, d), 0.0);
+  }
+  EXPECT_TRUE(std::isfinite(f.lse.at(49, 0)));
+}
+
+// The selection excluding the own block is legal input: keys of earlier blocks only.
+TEST(Forward, CallerSelectionWithoutOwnBlock) {
+  Config c = shape({96}, 2, 1, 8, 1, 1, 16, 2, 43);
+  Problem p(c);
+  HostTensor bi(DType::kInt32, {p.T, 1, 2});
+  for (int64_t g = 0; g < p.T; ++g) {
+    bi.set(g * 2, 0);
+    bi.set(g * 2 + 1, -1);
+  }
+  FwdResult f = run_forward(p, &bi, Mode::kSparse, false);
+  const RefForward r = ref_forward(p, sets_from(p, bi));
+  EXPECT_LT(rel_err(f.out.values(), r.out), 1e-12);
+}
+
+// Long sequence (4224 tokens) on a sample of heads: out and lse against the reference.
+TEST(Forward, Length4224) {
+  Config c = shape({4224}, 2, 1, 16, 1, 1, 128, 4, 51);
+  Problem p(c);
+  HostTensor bi = run_select(p);
+  FwdResult f = run_forward(p, &bi, Mode::kSparse, false);
+  const RefForward r = ref_forward(p, sets_from(p, bi));
+  EXPECT_LT(rel_err(f.out.values(), r.out), 1e-12);
+  EXPECT_LT(rel_err(f.lse.values(), r.lse), 1e-6);
+}
+
+// kl_divergence entry point with per-row output.
+TEST(Kl, RowsSumToTheValue) {
+  Config c = shape({250, 130}, 8, 2, 16, 4, 2, 32, 3, 61);
+  Problem p(c);
+  HostTensor bi = run_select(p);
+  FwdResult f = run_forward(p, &bi, Mode::kSparse, true);
+  HostTensor kl(DType::kFloat32, {1}), rows(DType::kFloat32, {p.T, c.Hi});
+  rows.fill(NAN);
+  msa::KlParams kp;
+  kp.q = p.q.ref();
+  kp.k = p.k.ref();
+  kp.lse = f.lse.ref();
+  kp.q_idx = p.q_idx.ref();
+  kp.k_idx = p.k_idx.ref();
+  kp.cu_seqlens = p.cu.ref();
+  kp.block_idx = bi.ref();
+  kp.kl = kl.ref();
+  kp.kl_rows = rows.ref();
+  kp.opts = p.options();
+  expect_ok(msa::kl_divergence(kp));
+  double sum = 0;
+  for (int64_t x = 0; x < rows.numel(); ++x) {
+    EXPECT_GE(rows.get(x), -1e-6);  // KL is non-negative
+    sum += rows.get(x);
+  }
+  EXPECT_NEAR(kl.get(0), sum / (p.T * c.Hi), 1e-6 * kl.get(0));
+  EXPECT_EQ(kl.get(0), f.kl.get(0));
+}
+
+// When the student equals the teacher, the KL is zero: one query head per index head, index
+// queries/keys equal to the main ones and the same scale.
+TEST(Kl, ZeroWhenStudentEqualsTeacher) {
+  Config c = shape({200}, 2, 2, 16, 2, 2, 16, 4, 71);
+  Problem p(c);
+  for (int64_t x = 0; x < p.q.numel(); ++x) p.q_idx.set(x, p.q.get(x));
+  for (int64_t x = 0; x < p.k.numel(); ++x) p.k_idx.set(x, p.k.get(x));
+  HostTensor bi = run_select(p);
+  FwdResult f = run_forward(p, &bi, Mode::kSparse, true);
+  EXPECT_NEAR(f.kl.get(0), 0.0, 1e-7);
+}
+
+}  // namespace
+}  // namespace msatest

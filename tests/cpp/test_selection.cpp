@@ -1,0 +1,178 @@
+// Index selection (spec §2) against a brute-force reference.
+#include <gtest/gtest.h>
+
+#include "harness.h"
+#include "reference.h"
+
+namespace msatest {
+namespace {
+
+// Grid-valued inputs make every score exact in double, so ties are real ties and the selection
+// must equal the brute force exactly (ascending ids, then -1 padding).
+void expect_exact_selection(const Config& c) {
+  Problem p(c);
+  std::mt19937_64 rng(c.seed + 100);
+  p.q_idx.randomize_grid(rng, 2, 0.25);
+  p.k_idx.randomize_grid(rng, 2, 0.25);
+  HostTensor bi = run_select(p);
+  const Sets want = ref_select(p);
+  for (int64_t g = 0; g < p.T; ++g)
+    for (int i = 0; i < c.Hi; ++i) {
+      const std::vector<int>& w = want[g][i];
+      for (int j = 0; j < c.k; ++j) {
+        const int expect = j < static_cast<int>(w.size()) ? w[j] : -1;
+        ASSERT_EQ(bi.idx(g, i, j), expect) << c.str() << " row " << g << " head " << i << " slot " << j;
+      }
+    }
+}
+
+class SelectionExact : public ::testing::TestWithParam<Config> {};
+
+TEST_P(SelectionExact, MatchesBruteForce) { expect_exact_selection(GetParam()); }
+
+Config sel(std::vector<int64_t> lens, int Bk, int k, int sink = 0, int local = 1, int Hi = 2, int Hik = 1) {
+  Config c;
+  c.seqlens = std::move(lens);
+  c.Bk = Bk;
+  c.k = k;
+  c.sink = sink;
+  c.local = local;
+  c.Hq = 4;
+  c.Hkv = 2;
+  c.Hi = Hi;
+  c.Hik = Hik;
+  c.D = 8;
+  c.Di = 8;
+  c.seed = 11 + lens.size() * 7 + Bk + k * 3 + sink * 5 + local;
+  return c;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, SelectionExact,
+    ::testing::Values(sel({1}, 16, 4), sel({2}, 16, 4), sel({113}, 16, 4), sel({127, 128, 129}, 16, 3),
+                      sel({799}, 64, 4), sel({799}, 128, 3), sel({300}, 16, 6, 1, 1), sel({300}, 16, 6, 2, 3),
+                      sel({300}, 16, 2, 0, 2), sel({300}, 16, 4, 3, 1, 4, 4), sel({200, 0, 77}, 16, 5, 0, 1, 4, 2),
+                      sel({4224}, 128, 16)));
+
+// Every key identical: all block maxima tie, so the lowest-index candidates win.
+TEST(Selection, TiesGoToLowerBlockIndex) {
+  Config c = sel({160}, 16, 4);
+  Problem p(c);
+  for (int64_t g = 0; g < p.T; ++g)
+    for (int d = 0; d < c.Di; ++d) p.k_idx.set(g * c.Di + d, 0.5);
+  HostTensor bi = run_select(p);
+  const int64_t t = 159;  // own block 9: forced 9, then 0, 1, 2
+  const int want[4] = {0, 1, 2, 9};
+  for (int i = 0; i < c.Hi; ++i)
+    for (int j = 0; j < 4; ++j) EXPECT_EQ(bi.idx(t, i, j), want[j]);
+}
+
+// Early tokens see fewer blocks than slots: all of them, then -1.
+TEST(Selection, PadsWithMinusOne) {
+  Config c = sel({70}, 16, 8);
+  Problem p(c);
+  HostTensor bi = run_select(p);
+  for (int64_t t = 0; t < 70; ++t)
+    for (int i = 0; i < c.Hi; ++i) {
+      const int own = static_cast<int>(t / 16);
+      for (int j = 0; j < 8; ++j) EXPECT_EQ(bi.idx(t, i, j), j <= own ? j : -1) << t;
+    }
+}
+
+// A hand-made score pattern: the best block by index score must be chosen over the others.
+TEST(Selection, PicksHighestBlockMax) {
+  Config c = sel({128}, 16, 2);
+  c.Hi = 2;
+  Problem p(c);
+  for (int64_t g = 0; g < p.T; ++g)
+    for (int d = 0; d < c.Di; ++d) {
+      p.k_idx.set(g * c.Di + d, d == 0 ? 0.01 : 0.0);
+      for (int i = 0; i < c.Hi; ++i) p.q_idx.set((g * c.Hi + i) * c.Di + d, d == 0 ? 1.0 : 0.0);
+    }
+  // One key in block 3 scores high; it must win for every later token.
+  p.k_idx.set(3 * 16 * c.Di + 5 * c.Di, 4.0);
+  HostTensor bi = run_select(p);
+  for (int64_t t = 64; t < 128; ++t) {
+    const int own = static_cast<int>(t / 16);
+    EXPECT_EQ(bi.idx(t, 0, 0), 3) << t;
+    EXPECT_EQ(bi.idx(t, 0, 1), own) << t;
+  }
+}
+
+// Float inputs (no exact ties): the spec's tolerance rule against the reference ranking.
+class SelectionTolerance : public ::testing::TestWithParam<DType> {};
+
+TEST_P(SelectionTolerance, WithinSpecRule) {
+  Config c = sel({500}, 32, 5, 1, 1);
+  c.dtype = GetParam();
+  Problem p(c);
+  HostTensor bi = run_select(p);
+  const double tol = 1e-6;
+  for (int64_t g = 0; g < p.T; ++g) {
+    const int own = static_cast<int>(g / c.Bk);
+    for (int i = 0; i < c.Hi; ++i) {
+      const std::vector<double> m = block_scores(p, g, i);
+      std::vector<int> forced;
+      std::vector<double> others;
+      for (int b = 0; b <= own; ++b) {
+        if (is_forced(c, own, b)) forced.push_back(b);
+        else others.push_back(m[b]);
+      }
+      std::sort(others.rbegin(), others.rend());
+      const size_t slots = c.k - forced.size();
+      std::vector<int> chosen;
+      for (int j = 0; j < c.k; ++j)
+        if (bi.idx(g, i, j) >= 0) chosen.push_back(bi.idx(g, i, j));
+      ASSERT_EQ(chosen.size(), std::min<size_t>(c.k, own + 1)) << "row " << g;
+      for (int b : forced) EXPECT_NE(std::find(chosen.begin(), chosen.end(), b), chosen.end()) << "row " << g;
+      for (int b : chosen) {
+        ASSERT_LE(b, own);
+        if (is_forced(c, own, b)) continue;
+        EXPECT_GE(m[b], others[std::min(others.size(), slots) - 1] - tol) << "row " << g << " block " << b;
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, SelectionTolerance,
+                         ::testing::Values(DType::kFloat32, DType::kBFloat16, DType::kFloat16, DType::kFloat64));
+
+// lse_idx: log-sum-exp of the index scores over the selected support.
+TEST(Selection, IndexLseOverSupport) {
+  Config c = sel({333}, 32, 4, 1, 1, 4, 2);
+  Problem p(c);
+  HostTensor lse;
+  HostTensor bi = run_select(p, &lse);
+  const Sets sets = sets_from(p, bi);
+  for (int64_t g = 0; g < p.T; ++g)
+    for (int i = 0; i < c.Hi; ++i) {
+      double mx = -INFINITY, z = 0;
+      std::vector<double> s;
+      for (int b : sets[g][i])
+        for (int64_t j = b * c.Bk; j < std::min<int64_t>((b + 1) * c.Bk, g + 1); ++j) s.push_back(index_score(p, g, i, j));
+      for (double x : s) mx = std::max(mx, x);
+      for (double x : s) z += std::exp(x - mx);
+      EXPECT_NEAR(lse.at(g, i), mx + std::log(z), 1e-5 * (1 + std::fabs(mx)));
+    }
+}
+
+// NaN in one sequence never reaches another sequence's selection.
+TEST(Selection, NanStaysInItsSequence) {
+  Config c = sel({150, 150}, 16, 4);
+  Problem p(c);
+  HostTensor clean = run_select(p);
+  p.k_idx.set(160 * c.Di + 3, NAN);  // sequence 1
+  HostTensor dirty = run_select(p);
+  for (int64_t g = 0; g < 150; ++g)
+    for (int i = 0; i < c.Hi; ++i)
+      for (int j = 0; j < c.k; ++j) EXPECT_EQ(clean.idx(g, i, j), dirty.idx(g, i, j));
+  // The NaN sequence still yields well-formed rows that hold their own block.
+  for (int64_t g = 150; g < 300; ++g) {
+    bool own = false;
+    for (int j = 0; j < c.k; ++j) own |= dirty.idx(g, 0, j) == (g - 150) / 16;
+    EXPECT_TRUE(own) << g;
+  }
+}
+
+}  // namespace
+}  // namespace msatest
