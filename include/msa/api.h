@@ -15,8 +15,8 @@ Status forward(const ForwardParams& p);
 Status backward(const BackwardParams& p);
 Status kl_divergence(const KlParams& p);
 
-// Device workspace each call needs, in bytes (0 on the CPU backend, which allocates host memory
-// itself). Valid only for parameters that pass validation.
+// Device workspace each call needs, in bytes: 0 on the CPU backend (which allocates host memory
+// itself) and for parameters that fail validation (the call then reports the error).
 size_t workspace_size(const SelectParams& p);
 size_t workspace_size(const ForwardParams& p);
 size_t workspace_size(const BackwardParams& p);

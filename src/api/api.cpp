@@ -84,6 +84,7 @@ Status kl_divergence(const KlParams& p) {
   });
 }
 
+// No built backend needs a device workspace yet (the CPU backend allocates host memory itself).
 size_t workspace_size(const SelectParams&) { return 0; }
 size_t workspace_size(const ForwardParams&) { return 0; }
 size_t workspace_size(const BackwardParams&) { return 0; }

@@ -50,8 +50,13 @@ template <>
 inline float from_double<float>(double x) { return static_cast<float>(x); }
 template <>
 inline BFloat16 from_double<BFloat16>(double x) {
-  const uint32_t u = float_to_bits(static_cast<float>(x));
-  if ((u & 0x7fffffffu) > 0x7f800000u) return {static_cast<uint16_t>((u >> 16) | 0x40)};  // nan
+  if (std::isnan(x)) return {static_cast<uint16_t>(std::signbit(x) ? 0xffc0 : 0x7fc0)};
+  // Round to float with round-to-odd (truncate, then set the last bit if inexact), then to
+  // bfloat16 to nearest even: exact single rounding, as float keeps 16 more bits than bfloat16.
+  float f = static_cast<float>(x);
+  if (std::fabs(static_cast<double>(f)) > std::fabs(x)) f = std::nextafter(f, 0.0f);
+  uint32_t u = float_to_bits(f);
+  if (static_cast<double>(f) != x) u |= 1u;
   const uint32_t rounded = u + 0x7fffu + ((u >> 16) & 1u);
   return {static_cast<uint16_t>(rounded >> 16)};
 }

@@ -1,0 +1,285 @@
+// msa_main: the project's main job. Runs an MSA training step (selection, sparse forward with the
+// exact KL value, backward with the KL gradient), the warmup step and dense causal attention of
+// the same shape through the public API, times every stage, checks a sample of the results
+// against a double-precision reference written from the spec, and prints a table.
+//
+// Progress goes to stderr; the report (shape, backend, KL values, table, check) to stdout.
+// Run with --help for the options. Helpers: apps/*.h.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cli.h"
+#include "device.h"
+#include "flops.h"
+#include "msa/msa.h"
+#include "reference.h"
+#include "report.h"
+#include "workload.h"
+
+namespace msa_app {
+namespace {
+
+enum ExitCode { kExitOk = 0, kExitCheckFailed = 1, kExitUsage = 2, kExitApiError = 3 };
+
+// An msa call returned a non-ok Status.
+struct ApiError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+void ensure_ok(const msa::Status& st, const std::string& stage) {
+  if (!st.ok()) throw ApiError(stage + ": " + st.message);
+}
+
+// The CPU backend's thread count, resolved as it resolves it (MSA_CPU_THREADS, else all threads).
+int cpu_threads(std::string* how) {
+  if (const char* env = std::getenv("MSA_CPU_THREADS")) {
+    const int v = std::atoi(env);
+    if (v > 0) {
+      *how = std::string("MSA_CPU_THREADS=") + env;
+      return v;
+    }
+  }
+  *how = "all hardware threads; set MSA_CPU_THREADS to change";
+  return std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+}
+
+// ---- timed stages -------------------------------------------------------------------------------
+
+class StageRunner {
+ public:
+  StageRunner(Allocator& alloc, int warm, int iters, int total) : alloc_(alloc), warm_(warm), iters_(iters), total_(total) {}
+
+  // Runs `fn` warm + iters times, the latter timed; returns the median in ms.
+  double run(const std::string& label, const std::function<msa::Status()>& fn) {
+    std::fprintf(stderr, "[%d/%d] %s ...", ++done_, total_, label.c_str());
+    std::fflush(stderr);
+    for (int w = 0; w < warm_; ++w) ensure_ok(fn(), label);
+    std::vector<double> ms;
+    for (int it = 0; it < iters_; ++it) {
+      alloc_.synchronize();
+      const auto t0 = std::chrono::steady_clock::now();
+      const msa::Status st = fn();
+      alloc_.synchronize();
+      ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+      ensure_ok(st, label);
+    }
+    std::sort(ms.begin(), ms.end());
+    const size_t n = ms.size();
+    const double median = n % 2 ? ms[n / 2] : 0.5 * (ms[n / 2 - 1] + ms[n / 2]);
+    std::fprintf(stderr, " %.1f ms\n", median);
+    return median;
+  }
+
+  // A progress line for an untimed stage (the check).
+  void announce(const std::string& label) {
+    std::fprintf(stderr, "[%d/%d] %s", ++done_, total_, label.c_str());
+  }
+
+ private:
+  Allocator& alloc_;
+  int warm_, iters_, total_, done_ = 0;
+};
+
+struct StepTimes {  // medians in ms; NaN when not run
+  double select = NAN, forward = NAN, backward = NAN;
+};
+
+struct VariantRun {
+  Variant variant;
+  DeviceOutputs dev;
+  HostOutputs host;
+  StepTimes ms;
+  SupportSize support;
+};
+
+VariantRun run_variant(Variant v, const Shape& s, const DeviceInputs& in, Allocator& alloc, Workspace& ws,
+                       StageRunner& stages) {
+  VariantRun r{v, make_outputs(alloc, s, v), {}, {}, {}};
+  const std::string name = variant_name(v);
+  const std::string kl = has_index(v) ? " + KL" : "";
+  if (v == Variant::kSparse)
+    r.ms.select = stages.run("selection", [&] { return run_select(s, in, r.dev, ws); });
+  r.ms.forward = stages.run(name + " forward" + kl, [&] { return run_forward(s, v, in, r.dev, ws); });
+  r.ms.backward = stages.run(name + " backward" + kl + (has_index(v) ? " grad" : ""),
+                             [&] { return run_backward(s, v, in, r.dev, ws); });
+  r.host = download(r.dev);
+  r.support = v == Variant::kSparse ? sparse_support(s, r.host.block_idx) : dense_support(s);
+  return r;
+}
+
+// ---- report ---------------------------------------------------------------------------------------
+
+std::vector<TableRow> table_rows(const Shape& s, const std::vector<VariantRun>& runs) {
+  const VariantRun& dense = runs.back();  // always run, always last
+  const double dfwd = forward_flops(s, dense.support, false), dbwd = backward_flops(s, dense.support, false);
+  std::vector<TableRow> rows;
+  for (const VariantRun& r : runs) {
+    const bool kl = has_index(r.variant), cmp = r.variant != Variant::kDense;
+    const std::string name = variant_name(r.variant);
+    const double sel_flops = r.variant == Variant::kSparse ? select_flops(s) : 0.0;
+    const double fwd = forward_flops(s, r.support, kl), bwd = backward_flops(s, r.support, kl);
+    if (r.variant == Variant::kSparse) rows.push_back({"selection", r.ms.select, sel_flops});
+    rows.push_back({name + " forward" + (kl ? " + KL" : ""), r.ms.forward, fwd, cmp ? dense.ms.forward : NAN,
+                    cmp ? dfwd : NAN});
+    rows.push_back({name + " backward" + (kl ? " + KL grad" : ""), r.ms.backward, bwd,
+                    cmp ? dense.ms.backward : NAN, cmp ? dbwd : NAN});
+    const double step_ms = (r.variant == Variant::kSparse ? r.ms.select : 0.0) + r.ms.forward + r.ms.backward;
+    rows.push_back({name + " step", step_ms, sel_flops + fwd + bwd,
+                    cmp ? dense.ms.forward + dense.ms.backward : NAN, cmp ? dfwd + dbwd : NAN});
+  }
+  return rows;
+}
+
+void print_header(const Config& cfg, const Shape& s, const DeviceSetup& dev, int iters, int warm,
+                  const std::vector<VariantRun>& runs) {
+  std::printf("msa_main (libmsa %s)\n", msa::version());
+  std::printf("shape:   %s\n", shape_string(s).c_str());
+  const bool cpu = dev.allocator->device().type == msa::DeviceType::kCpu;
+  std::string how;
+  if (cpu) {
+    const int threads = cpu_threads(&how);
+    std::printf("backend: cpu, %d thread%s (%s)%s%s\n", threads, threads == 1 ? "" : "s", how.c_str(),
+                dev.note.empty() ? "" : "; ", dev.note.c_str());
+  } else {
+    std::printf("backend: cuda:%d%s%s\n", dev.allocator->device().index, dev.note.empty() ? "" : "; ", dev.note.c_str());
+  }
+  std::printf("timing:  median of %d run(s) per stage after %d untimed; seed %llu\n", iters, warm,
+              static_cast<unsigned long long>(cfg.seed));
+  for (const VariantRun& r : runs)
+    if (has_index(r.variant)) std::printf("KL (%s): %.9g\n", variant_name(r.variant), r.host.kl.get(0));
+}
+
+// ---- check ----------------------------------------------------------------------------------------
+
+// Prints one line per quantity; returns whether all passed.
+bool report_check(Variant v, const CheckStats& st, size_t sampled) {
+  bool ok = true;
+  if (st.tokens < static_cast<int64_t>(sampled))
+    std::printf("  %-7s (%lld of the %zu sampled tokens checked: reference budget)\n", variant_name(v),
+                static_cast<long long>(st.tokens), sampled);
+  for (int x = 0; x < CheckStats::kCount; ++x) {
+    const ErrStat& e = st.*CheckStats::members()[x];
+    if (e.skipped) {
+      std::printf("  %-7s %-10s SKIP  (%s)\n", variant_name(v), CheckStats::name(x), e.note.c_str());
+      continue;
+    }
+    ok = ok && e.pass();
+    std::printf("  %-7s %-10s %s  ", variant_name(v), CheckStats::name(x), e.pass() ? "PASS" : "FAIL");
+    if (&e == &st.selection)
+      std::printf("max score deficit %.3g (%.2f of tol), %lld rows, %lld identical to the reference\n", e.max_err,
+                  e.worst, static_cast<long long>(e.count), static_cast<long long>(st.selection_identical));
+    else
+      std::printf("max err %.3g (%.2f of tol), max |ref| %.3g, %lld values\n", e.max_err, e.worst, e.max_ref,
+                  static_cast<long long>(e.count));
+    if (!e.pass())
+      std::printf("          %lld failure(s), first: %s\n", static_cast<long long>(e.failures), e.first_failure.c_str());
+  }
+  return ok;
+}
+
+bool run_checks(const Config& cfg, const Shape& s, const HostInputs& in, const std::vector<VariantRun>& runs,
+                msa::DeviceType dev, StageRunner& stages) {
+  const std::vector<int64_t> tokens = sample_tokens(s, cfg.check_rows, cfg.seed);
+  const Tolerances tol = tolerances_for(s.dtype, dev);
+  std::string how;
+  const int threads = cpu_threads(&how);
+  stages.announce("reference check, " + std::to_string(tokens.size()) + " sampled tokens:");
+  std::vector<CheckStats> stats;
+  for (const VariantRun& r : runs) {
+    const auto t0 = std::chrono::steady_clock::now();
+    stats.push_back(Reference(s, in, r.variant, r.host, tol, threads).run(tokens, cfg.seed));
+    std::fprintf(stderr, " %s %.1f s", variant_name(r.variant),
+                 std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::fprintf(stderr, "\n");
+  std::printf("\nreference check (%zu sampled tokens as query rows and key columns; rtol %.3g):\n",
+              tokens.size(), tol.rtol);
+  bool ok = true;
+  for (size_t x = 0; x < runs.size(); ++x) ok = report_check(runs[x].variant, stats[x], tokens.size()) && ok;
+  return ok;
+}
+
+int run_main(const Config& cfg, const DeviceSetup& dev) {
+  Allocator& alloc = *dev.allocator;
+  const bool cpu = alloc.device().type == msa::DeviceType::kCpu;
+  const int iters = cfg.iters > 0 ? cfg.iters : (cpu ? 1 : 20);
+  const int warm = cfg.warm >= 0 ? cfg.warm : (cpu ? 0 : 3);
+  const Shape s = make_shape(cfg);
+
+  std::string error;
+  if (!cfg.csv.empty() && !write_csv(cfg.csv, {}, &error)) {  // fail before the run, not after it
+    std::fprintf(stderr, "msa_main: %s\n", error.c_str());
+    return kExitUsage;
+  }
+  const HostInputs host_in = make_inputs(s, cfg.seed);
+  const DeviceInputs in = upload_inputs(alloc, host_in);
+  Workspace ws(alloc);
+  const int total = (cfg.train ? 3 : 0) + (cfg.warmup ? 2 : 0) + 2 + (cfg.check ? 1 : 0);
+  StageRunner stages(alloc, warm, iters, total);
+
+  std::vector<VariantRun> runs;
+  if (cfg.train) runs.push_back(run_variant(Variant::kSparse, s, in, alloc, ws, stages));
+  if (cfg.warmup) runs.push_back(run_variant(Variant::kWarmup, s, in, alloc, ws, stages));
+  runs.push_back(run_variant(Variant::kDense, s, in, alloc, ws, stages));
+
+  print_header(cfg, s, dev, iters, warm, runs);
+  const std::vector<TableRow> rows = table_rows(s, runs);
+  std::printf("\n");
+  print_table(stdout, rows, !cpu);
+  std::printf("FLOPs: selected work only (apps/flops.h); KL rows include the KL value / gradient work;\n"
+              "step = sum of its stages; vs dense = dense time / this time; ideal = dense FLOPs / these FLOPs.\n");
+  std::fflush(stdout);
+  if (!cfg.csv.empty() && !write_csv(cfg.csv, rows, &error)) {
+    std::fprintf(stderr, "msa_main: %s\n", error.c_str());
+    return kExitUsage;
+  }
+  if (!cfg.check) {
+    std::printf("\nreference check: skipped (--no-check)\n");
+    return kExitOk;
+  }
+  const bool ok = run_checks(cfg, s, host_in, runs, alloc.device().type, stages);
+  std::printf("\nresult: %s\n", ok ? "PASS" : "FAIL");
+  return ok ? kExitOk : kExitCheckFailed;
+}
+
+}  // namespace
+}  // namespace msa_app
+
+int main(int argc, char** argv) {
+  using namespace msa_app;
+  Config cfg;
+  std::string error;
+  switch (parse_args(argc, argv, &cfg, &error)) {
+    case ParseResult::kHelp:
+      print_usage(stdout, argv[0]);
+      return kExitOk;
+    case ParseResult::kError:
+      std::fprintf(stderr, "msa_main: %s\n", error.c_str());
+      return kExitUsage;
+    case ParseResult::kOk:
+      break;
+  }
+  DeviceSetup dev;
+  if (!resolve_device(cfg.device, &dev, &error)) {
+    std::fprintf(stderr, "msa_main: %s\n", error.c_str());
+    return kExitUsage;
+  }
+  try {
+    return run_main(cfg, dev);
+  } catch (const ApiError& e) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "\nmsa_main: msa call failed in %s\n", e.what());
+    return kExitApiError;
+  } catch (const std::exception& e) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "\nmsa_main: %s\n", e.what());
+    return kExitApiError;
+  }
+}

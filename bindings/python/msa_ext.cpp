@@ -1,0 +1,257 @@
+// msa._C: a thin nanobind binding of the public MSA C++ API (include/msa/api.h).
+//
+// Tensors arrive through DLPack (nb::ndarray<>, so torch tensors are accepted as they are) and
+// become msa::TensorRef views; nothing here includes or links torch, so the extension depends on
+// the Python version only. The Python layer (python/msa/_ops.py) allocates every output.
+//
+// Errors: kInvalidArgument -> ValueError, kNotSupported -> NotImplementedError, else RuntimeError.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "msa/api.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+using Array = nb::ndarray<>;
+using OptArray = std::optional<nb::ndarray<>>;
+
+[[noreturn]] void raise(PyObject* type, const std::string& msg) {
+  PyErr_SetString(type, msg.c_str());
+  throw nb::python_error();
+}
+
+void check(const msa::Status& s) {
+  if (s.ok()) return;
+  switch (s.code) {
+    case msa::StatusCode::kInvalidArgument: raise(PyExc_ValueError, s.message);
+    case msa::StatusCode::kNotSupported: raise(PyExc_NotImplementedError, s.message);
+    default: raise(PyExc_RuntimeError, s.message);
+  }
+}
+
+[[noreturn]] void bad_arg(const char* name, const std::string& what) {
+  raise(PyExc_ValueError, std::string("msa: argument '") + name + "': " + what);
+}
+
+msa::DType to_dtype(const char* name, nb::dlpack::dtype dt) {
+  using nb::dlpack::dtype_code;
+  if (dt.lanes == 1) {
+    if (dt.code == static_cast<uint8_t>(dtype_code::Float)) {
+      if (dt.bits == 16) return msa::DType::kFloat16;
+      if (dt.bits == 32) return msa::DType::kFloat32;
+      if (dt.bits == 64) return msa::DType::kFloat64;
+    } else if (dt.code == static_cast<uint8_t>(dtype_code::Bfloat) && dt.bits == 16) {
+      return msa::DType::kBFloat16;
+    } else if (dt.code == static_cast<uint8_t>(dtype_code::Int) && dt.bits == 32) {
+      return msa::DType::kInt32;
+    }
+  }
+  bad_arg(name, "unsupported dtype (DLPack code " + std::to_string(dt.code) + ", " +
+                    std::to_string(dt.bits) + " bits, " + std::to_string(dt.lanes) +
+                    " lanes); expected float16, bfloat16, float32, float64 or int32");
+}
+
+msa::TensorRef to_ref(const char* name, const Array& a) {
+  msa::TensorRef t;
+  const size_t rank = a.ndim();
+  if (rank == 0) bad_arg(name, "expected a tensor of rank >= 1, got a 0-dim tensor");
+  if (rank > static_cast<size_t>(msa::kMaxRank))
+    bad_arg(name, "rank " + std::to_string(rank) + " is above the supported maximum " +
+                      std::to_string(msa::kMaxRank));
+  t.dtype = to_dtype(name, a.dtype());
+  switch (a.device_type()) {
+    case nb::device::cpu::value: t.device = {msa::DeviceType::kCpu, 0}; break;
+    case nb::device::cuda::value: t.device = {msa::DeviceType::kCuda, a.device_id()}; break;
+    default:
+      bad_arg(name, "unsupported device (DLPack device type " + std::to_string(a.device_type()) +
+                        "); expected CPU or CUDA");
+  }
+  t.data = a.data();
+  t.rank = static_cast<int32_t>(rank);
+  for (size_t d = 0; d < rank; ++d) {
+    t.shape[d] = static_cast<int64_t>(a.shape(d));
+    t.stride[d] = a.stride(d);
+  }
+  return t;
+}
+
+msa::TensorRef to_ref(const char* name, const OptArray& a) {
+  return a ? to_ref(name, *a) : msa::TensorRef{};
+}
+
+msa::Options options(int32_t mode, int32_t block_size, int32_t top_k, int32_t sink_blocks,
+                     int32_t local_blocks, float scale, float scale_idx, bool deterministic) {
+  if (mode != 0 && mode != 1) bad_arg("mode", "must be 0 (sparse) or 1 (dense), got " + std::to_string(mode));
+  msa::Options o;
+  o.mode = static_cast<msa::Mode>(mode);
+  o.block_size = block_size;
+  o.top_k = top_k;
+  o.sink_blocks = sink_blocks;
+  o.local_blocks = local_blocks;
+  o.scale = scale;
+  o.scale_idx = scale_idx;
+  o.deterministic = deterministic;
+  return o;
+}
+
+// Fills `launch` (stream, workspace) and runs `call` without the GIL. A backend that needs
+// device workspace gets it from `alloc(nbytes)`, a Python callable returning a uint8 tensor on
+// the tensors' device, kept alive for the duration of the call.
+template <class P, class F>
+void run(P& p, uintptr_t stream, const nb::object& alloc, F&& call) {
+  p.launch.stream = reinterpret_cast<void*>(stream);
+  const size_t need = msa::workspace_size(p);
+  nb::object ws_obj;
+  std::optional<Array> ws;
+  if (need > 0) {
+    if (alloc.is_none()) bad_arg("workspace_alloc", "this call needs " + std::to_string(need) + " bytes of workspace but no allocator was given");
+    ws_obj = alloc(need);
+    ws = nb::cast<Array>(ws_obj);
+    if (ws->nbytes() < need) bad_arg("workspace_alloc", "returned fewer than " + std::to_string(need) + " bytes");
+    p.launch.workspace = ws->data();
+    p.launch.workspace_bytes = ws->nbytes();
+  }
+  msa::Status s;
+  {
+    nb::gil_scoped_release release;
+    s = call(p);
+  }
+  check(s);
+}
+
+msa::DeviceType parse_device(const std::string& d) {
+  if (d == "cpu") return msa::DeviceType::kCpu;
+  if (d == "cuda") return msa::DeviceType::kCuda;
+  bad_arg("device_type", "expected 'cpu' or 'cuda', got '" + d + "'");
+}
+
+}  // namespace
+
+NB_MODULE(_C, m) {
+  m.doc() = "Low-level binding of the MSA C++ API (DLPack tensors, caller-allocated outputs)";
+
+  m.def("version", []() { return std::string(msa::version()); });
+  m.def("backend_available",
+        [](const std::string& device_type) { return msa::backend_available(parse_device(device_type)); },
+        nb::arg("device_type"));
+
+  m.def(
+      "select_blocks",
+      [](const Array& q_idx, const Array& k_idx, const OptArray& cu_seqlens, const Array& block_idx,
+         const OptArray& lse_idx, int32_t block_size, int32_t top_k, int32_t sink_blocks,
+         int32_t local_blocks, float scale_idx, uintptr_t stream, const nb::object& workspace_alloc) {
+        msa::SelectParams p;
+        p.q_idx = to_ref("q_idx", q_idx);
+        p.k_idx = to_ref("k_idx", k_idx);
+        p.cu_seqlens = to_ref("cu_seqlens", cu_seqlens);
+        p.block_idx = to_ref("block_idx", block_idx);
+        p.lse_idx = to_ref("lse_idx", lse_idx);
+        p.opts = options(0, block_size, top_k, sink_blocks, local_blocks, 0.f, scale_idx, false);
+        run(p, stream, workspace_alloc, [](const msa::SelectParams& x) { return msa::select_blocks(x); });
+      },
+      nb::arg("q_idx"), nb::arg("k_idx"), nb::arg("cu_seqlens").none(), nb::arg("block_idx"),
+      nb::arg("lse_idx").none() = nb::none(), nb::arg("block_size") = 128, nb::arg("top_k") = 16,
+      nb::arg("sink_blocks") = 0, nb::arg("local_blocks") = 1, nb::arg("scale_idx") = 0.f,
+      nb::arg("stream") = 0, nb::arg("workspace_alloc") = nb::none());
+
+  m.def(
+      "forward",
+      [](const Array& q, const Array& k, const Array& v, const OptArray& cu_seqlens,
+         const OptArray& block_idx, bool select, const OptArray& q_idx, const OptArray& k_idx,
+         const Array& out, const Array& lse, const OptArray& kl, int32_t mode, int32_t block_size,
+         int32_t top_k, int32_t sink_blocks, int32_t local_blocks, float scale, float scale_idx,
+         bool deterministic, uintptr_t stream, const nb::object& workspace_alloc) {
+        msa::ForwardParams p;
+        p.q = to_ref("q", q);
+        p.k = to_ref("k", k);
+        p.v = to_ref("v", v);
+        p.cu_seqlens = to_ref("cu_seqlens", cu_seqlens);
+        p.block_idx = to_ref("block_idx", block_idx);
+        p.select = select;
+        p.q_idx = to_ref("q_idx", q_idx);
+        p.k_idx = to_ref("k_idx", k_idx);
+        p.out = to_ref("out", out);
+        p.lse = to_ref("lse", lse);
+        p.kl = to_ref("kl", kl);
+        p.opts = options(mode, block_size, top_k, sink_blocks, local_blocks, scale, scale_idx, deterministic);
+        run(p, stream, workspace_alloc, [](const msa::ForwardParams& x) { return msa::forward(x); });
+      },
+      nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("cu_seqlens").none(),
+      nb::arg("block_idx").none(), nb::arg("select"), nb::arg("q_idx").none(),
+      nb::arg("k_idx").none(), nb::arg("out"), nb::arg("lse"), nb::arg("kl").none() = nb::none(),
+      nb::arg("mode") = 0, nb::arg("block_size") = 128, nb::arg("top_k") = 16,
+      nb::arg("sink_blocks") = 0, nb::arg("local_blocks") = 1, nb::arg("scale") = 0.f,
+      nb::arg("scale_idx") = 0.f, nb::arg("deterministic") = false, nb::arg("stream") = 0,
+      nb::arg("workspace_alloc") = nb::none());
+
+  m.def(
+      "backward",
+      [](const Array& q, const Array& k, const Array& v, const Array& out, const Array& lse,
+         const Array& dout, const OptArray& cu_seqlens, const OptArray& block_idx, const Array& dq,
+         const Array& dk, const Array& dv, const OptArray& q_idx, const OptArray& k_idx,
+         const OptArray& dq_idx, const OptArray& dk_idx, const OptArray& kl_grad, float kl_weight,
+         int32_t mode, int32_t block_size, float scale, float scale_idx, bool deterministic,
+         uintptr_t stream, const nb::object& workspace_alloc) {
+        msa::BackwardParams p;
+        p.q = to_ref("q", q);
+        p.k = to_ref("k", k);
+        p.v = to_ref("v", v);
+        p.out = to_ref("out", out);
+        p.lse = to_ref("lse", lse);
+        p.dout = to_ref("dout", dout);
+        p.cu_seqlens = to_ref("cu_seqlens", cu_seqlens);
+        p.block_idx = to_ref("block_idx", block_idx);
+        p.dq = to_ref("dq", dq);
+        p.dk = to_ref("dk", dk);
+        p.dv = to_ref("dv", dv);
+        p.q_idx = to_ref("q_idx", q_idx);
+        p.k_idx = to_ref("k_idx", k_idx);
+        p.dq_idx = to_ref("dq_idx", dq_idx);
+        p.dk_idx = to_ref("dk_idx", dk_idx);
+        p.kl_grad = to_ref("kl_grad", kl_grad);
+        p.kl_weight = kl_weight;
+        p.opts = options(mode, block_size, 16, 0, 1, scale, scale_idx, deterministic);
+        run(p, stream, workspace_alloc, [](const msa::BackwardParams& x) { return msa::backward(x); });
+      },
+      nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("lse"), nb::arg("dout"),
+      nb::arg("cu_seqlens").none(), nb::arg("block_idx").none(), nb::arg("dq"), nb::arg("dk"),
+      nb::arg("dv"), nb::arg("q_idx").none() = nb::none(), nb::arg("k_idx").none() = nb::none(),
+      nb::arg("dq_idx").none() = nb::none(), nb::arg("dk_idx").none() = nb::none(),
+      nb::arg("kl_grad").none() = nb::none(), nb::arg("kl_weight") = 1.f, nb::arg("mode") = 0,
+      nb::arg("block_size") = 128, nb::arg("scale") = 0.f, nb::arg("scale_idx") = 0.f,
+      nb::arg("deterministic") = false, nb::arg("stream") = 0,
+      nb::arg("workspace_alloc") = nb::none());
+
+  m.def(
+      "kl_divergence",
+      [](const Array& q, const Array& k, const Array& lse, const Array& q_idx, const Array& k_idx,
+         const OptArray& cu_seqlens, const OptArray& block_idx, const Array& kl,
+         const OptArray& kl_rows, int32_t mode, int32_t block_size, float scale, float scale_idx,
+         uintptr_t stream, const nb::object& workspace_alloc) {
+        msa::KlParams p;
+        p.q = to_ref("q", q);
+        p.k = to_ref("k", k);
+        p.lse = to_ref("lse", lse);
+        p.q_idx = to_ref("q_idx", q_idx);
+        p.k_idx = to_ref("k_idx", k_idx);
+        p.cu_seqlens = to_ref("cu_seqlens", cu_seqlens);
+        p.block_idx = to_ref("block_idx", block_idx);
+        p.kl = to_ref("kl", kl);
+        p.kl_rows = to_ref("kl_rows", kl_rows);
+        p.opts = options(mode, block_size, 16, 0, 1, scale, scale_idx, false);
+        run(p, stream, workspace_alloc, [](const msa::KlParams& x) { return msa::kl_divergence(x); });
+      },
+      nb::arg("q"), nb::arg("k"), nb::arg("lse"), nb::arg("q_idx"), nb::arg("k_idx"),
+      nb::arg("cu_seqlens").none(), nb::arg("block_idx").none(), nb::arg("kl"),
+      nb::arg("kl_rows").none() = nb::none(), nb::arg("mode") = 0, nb::arg("block_size") = 128,
+      nb::arg("scale") = 0.f, nb::arg("scale_idx") = 0.f, nb::arg("stream") = 0,
+      nb::arg("workspace_alloc") = nb::none());
+}

@@ -1,0 +1,306 @@
+"""MSA: MiniMax Sparse Attention (block-sparse attention whose blocks an index branch selects,
+with a KL loss that trains the index branch).
+
+Layout (FlashAttention-style packed tokens, spec §1):
+
+* ``q`` [T, Hq, D], ``k``, ``v`` [T, Hkv, D] (GQA: Hkv divides Hq);
+* ``q_idx`` [T, Hi, Di] (index queries; Hi a multiple of Hkv that divides Hq; index head ``i``
+  serves query heads ``[i*Hq/Hi, (i+1)*Hq/Hi)``), ``k_idx`` [T, Hik, Di] (Hik divides Hi);
+* ``cu_seqlens`` int32 [nseq+1], cumulative sequence offsets (None: one sequence of T tokens).
+  Nothing crosses a sequence boundary; positions and blocks are counted inside each sequence.
+
+Dtypes: float16 / bfloat16 (float32, and float64 on the CPU, for tests); every tensor of a call
+shares q's dtype and device. Any strides are accepted; a tensor whose last dimension is not
+contiguous is copied first. LSE and the KL value are float32.
+
+Entry points: :func:`sparse_attention` (training forward with autograd), :func:`warmup_attention`
+(dense causal + KL, the indexer warmup phase), :func:`select_blocks`, :func:`kl_divergence`.
+``msa.flash_msa`` holds drop-in twins of the flash-msa API. The underlying torch.library ops
+are ``torch.ops.msa.{select_blocks, forward, backward, kl_divergence}``.
+"""
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import _C
+from . import _ops  # noqa: F401  (registers torch.ops.msa.*)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "sparse_attention",
+    "warmup_attention",
+    "select_blocks",
+    "kl_divergence",
+    "version",
+    "backend_available",
+]
+
+
+def version() -> str:
+    """Version string of the C++ library (libmsa)."""
+    return _C.version()
+
+
+def backend_available(device_type: str) -> bool:
+    """Whether libmsa was built with a backend for ``device_type`` ('cpu' or 'cuda')."""
+    return _C.backend_available(device_type)
+
+
+# --------------------------------------------------------------------------------------------
+# argument helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _int(name: str, value, lo: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"msa: argument '{name}': expected an int, got {type(value).__name__}")
+    if value < lo:
+        raise ValueError(f"msa: argument '{name}': must be at least {lo}, got {value}")
+    return value
+
+
+def _scale(name: str, value) -> float:
+    """None -> 0.0, which the C++ API resolves to head_dim**-0.5."""
+    if value is None:
+        return 0.0
+    value = float(value)
+    if value == 0.0 or value != value or value in (float("inf"), float("-inf")):
+        raise ValueError(f"msa: argument '{name}': must be a finite non-zero float or None "
+                         f"(None means head_dim**-0.5), got {value}")
+    return value
+
+
+def _tensor(name: str, t, rank: int, shape: str, optional: bool = False) -> Optional[Tensor]:
+    if t is None:
+        if optional:
+            return None
+        raise ValueError(f"msa: argument '{name}': required, expected a tensor {shape}")
+    if not isinstance(t, Tensor):
+        raise ValueError(f"msa: argument '{name}': expected a torch.Tensor {shape}, got "
+                         f"{type(t).__name__}")
+    if t.dim() != rank:
+        raise ValueError(f"msa: argument '{name}': expected rank {rank} {shape}, got shape "
+                         f"{tuple(t.shape)}")
+    return t
+
+
+def _cu_seqlens(cu, device: torch.device) -> Optional[Tensor]:
+    if cu is None:
+        return None
+    _tensor("cu_seqlens", cu, 1, "[nseq+1] int32")
+    if cu.dtype != torch.int32:
+        if cu.dtype.is_floating_point or cu.dtype.is_complex or cu.dtype == torch.bool:
+            raise ValueError(f"msa: argument 'cu_seqlens': expected dtype int32, got {cu.dtype}")
+        cu = cu.to(torch.int32)
+    if cu.device != device:
+        raise ValueError(f"msa: argument 'cu_seqlens': expected device {device} (that of q), "
+                         f"got {cu.device}")
+    return cu
+
+
+# --------------------------------------------------------------------------------------------
+# public API
+# --------------------------------------------------------------------------------------------
+
+
+def sparse_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_idx: Optional[Tensor],
+    k_idx: Optional[Tensor],
+    top_k: int = 16,
+    block_size: int = 128,
+    *,
+    cu_seqlens: Optional[Tensor] = None,
+    block_idx: Optional[Tensor] = None,
+    sink_blocks: int = 0,
+    local_blocks: int = 1,
+    scale: Optional[float] = None,
+    scale_idx: Optional[float] = None,
+    kl_value: bool = True,
+    return_lse: bool = False,
+    return_block_idx: bool = False,
+    deterministic: bool = False,
+):
+    """MSA training attention: index selection, sparse attention, KL loss (spec §2-§4).
+
+    Args:
+        q: [T, Hq, D] main queries (float16/bfloat16; float32/float64 accepted).
+        k, v: [T, Hkv, D] main keys and values, q's dtype.
+        q_idx: [T, Hi, Di] index queries, q's dtype. May be None only when ``block_idx`` is
+            given (then no KL: ``kl`` is 0 and has no gradient path).
+        k_idx: [T, Hik, Di] index keys.
+        top_k: blocks selected per (token, index head), forced blocks included (``k``);
+            ignored when ``block_idx`` is given (its last dim is ``k``).
+        block_size: tokens per block (``Bk``).
+        cu_seqlens: int32 [nseq+1] sequence offsets (None: one sequence).
+        block_idx: int32 [T, Hi, k], a caller's selection (ascending or not, ``-1`` = empty
+            slot; entries must be causal: ``-1`` or ``0..t//block_size``). When given, the
+            selection is skipped and attention and KL run over it.
+        sink_blocks: force the first n blocks of each sequence.
+        local_blocks: force the last n blocks up to and including the token's own (>= 1).
+        scale: main softmax scale (None: ``D**-0.5``).
+        scale_idx: index score scale (None: ``Di**-0.5``).
+        kl_value: compute the exact KL value in the forward (one more pass over the support,
+            comparable to the forward itself); if False, ``kl`` is a zero. Either way its
+            gradient trains ``q_idx``/``k_idx``.
+        return_lse: also return the LSE [T, Hq] float32 (natural log; not differentiable).
+        return_block_idx: also return the selection [T, Hi, top_k] int32 (ascending block ids
+            then -1 padding), or the caller's ``block_idx``.
+        deterministic: ask the backward for bitwise-reproducible gradients.
+
+    Returns:
+        ``(out, kl)``, then ``lse`` and ``block_idx`` when asked for, in that order.
+        ``out`` [T, Hq, D], q's dtype: ``sum_{j in T_h(t)} softmax(scale*q.k) v`` where the
+        support ``T_h(t)`` is the causal keys in the blocks selected for (t, index head of h).
+        ``kl`` 0-dim float32: ``1/(T*Hi) * sum_{t,i} KL(pi_i(t) || sigma_i(t))`` with the
+        detached teacher ``pi`` = mean over index head i's query heads of the attention
+        probabilities, and the student ``sigma`` = softmax of ``scale_idx*q_idx.k_idx`` over
+        the same support. Add ``weight * kl`` to the loss: gradients reach q, k, v from
+        ``out`` and q_idx, k_idx from ``kl``; the selection itself is not differentiable.
+    """
+    _tensor("q", q, 3, "[T, Hq, D]")
+    _tensor("k", k, 3, "[T, Hkv, D]")
+    _tensor("v", v, 3, "[T, Hkv, D]")
+    _int("block_size", block_size, 1)
+    _int("sink_blocks", sink_blocks, 0)
+    _int("local_blocks", local_blocks, 1)
+    select = block_idx is None
+    if select:
+        _tensor("q_idx", q_idx, 3, "[T, Hi, Di]")
+        _tensor("k_idx", k_idx, 3, "[T, Hik, Di]")
+        _int("top_k", top_k, 1)
+    else:
+        _tensor("block_idx", block_idx, 3, "[T, Hi, k] int32")
+        _tensor("q_idx", q_idx, 3, "[T, Hi, Di]", optional=True)
+        _tensor("k_idx", k_idx, 3, "[T, Hik, Di]", optional=True)
+        if (q_idx is None) != (k_idx is None):
+            raise ValueError("msa: argument 'k_idx': q_idx and k_idx must be given together")
+        top_k = block_idx.shape[2]
+    has_idx = q_idx is not None
+    cu = _cu_seqlens(cu_seqlens, q.device)
+    out, lse, bi, kl = torch.ops.msa.forward(
+        q, k, v, q_idx, k_idx, None if select else block_idx, cu, False, select, block_size,
+        top_k, sink_blocks, local_blocks, _scale("scale", scale), _scale("scale_idx", scale_idx),
+        bool(kl_value) and has_idx, bool(deterministic))
+    result = (out, kl)
+    if return_lse:
+        result += (lse,)
+    if return_block_idx:
+        result += (bi if select else block_idx,)
+    return result
+
+
+def warmup_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_idx: Optional[Tensor],
+    k_idx: Optional[Tensor],
+    *,
+    cu_seqlens: Optional[Tensor] = None,
+    scale: Optional[float] = None,
+    scale_idx: Optional[float] = None,
+    kl_value: bool = True,
+    return_lse: bool = False,
+    deterministic: bool = False,
+):
+    """Indexer warmup (spec §5): dense causal attention, KL over the full causal support.
+
+    Shapes and dtypes as in :func:`sparse_attention` (no selection, no ``top_k``).
+    ``out`` [T, Hq, D] is dense causal GQA attention; ``kl`` (0-dim float32) is
+    ``1/(T*Hi) * sum_{t,i} KL(pi || sigma)`` with ``pi`` the detached group-mean of the dense
+    attention probabilities and ``sigma`` the index softmax, both over all ``j <= t`` of the
+    token's sequence. Its gradient trains q_idx, k_idx. ``q_idx``/``k_idx`` may be None (plain
+    dense causal attention, ``kl`` = 0). ``kl_value=False`` skips the exact value (``kl`` = 0,
+    gradient unchanged). Returns ``(out, kl)`` (+ ``lse`` [T, Hq] float32 if ``return_lse``).
+    """
+    _tensor("q", q, 3, "[T, Hq, D]")
+    _tensor("k", k, 3, "[T, Hkv, D]")
+    _tensor("v", v, 3, "[T, Hkv, D]")
+    _tensor("q_idx", q_idx, 3, "[T, Hi, Di]", optional=True)
+    _tensor("k_idx", k_idx, 3, "[T, Hik, Di]", optional=True)
+    if (q_idx is None) != (k_idx is None):
+        raise ValueError("msa: argument 'k_idx': q_idx and k_idx must be given together")
+    cu = _cu_seqlens(cu_seqlens, q.device)
+    out, lse, _, kl = torch.ops.msa.forward(
+        q, k, v, q_idx, k_idx, None, cu, True, False, 128, 16, 0, 1,
+        _scale("scale", scale), _scale("scale_idx", scale_idx),
+        bool(kl_value) and q_idx is not None, bool(deterministic))
+    return (out, kl, lse) if return_lse else (out, kl)
+
+
+def select_blocks(
+    q_idx: Tensor,
+    k_idx: Tensor,
+    top_k: int = 16,
+    block_size: int = 128,
+    *,
+    cu_seqlens: Optional[Tensor] = None,
+    sink_blocks: int = 0,
+    local_blocks: int = 1,
+    scale_idx: Optional[float] = None,
+) -> Tensor:
+    """Index selection alone (spec §2). Not differentiable.
+
+    For token t and index head i: block scores ``M(t, b) = max_{j in b, j <= t}
+    scale_idx * <q_idx[t, i], k_idx[j, i // (Hi/Hik)]>``; the forced blocks (own block, the
+    ``local_blocks`` last blocks, the ``sink_blocks`` first) plus the best other earlier blocks
+    by score (ties to the lower index), ``top_k`` in all.
+
+    Returns ``block_idx`` [T, Hi, top_k] int32: ascending block ids, then -1 padding.
+    """
+    _tensor("q_idx", q_idx, 3, "[T, Hi, Di]")
+    _tensor("k_idx", k_idx, 3, "[T, Hik, Di]")
+    _int("top_k", top_k, 1)
+    _int("block_size", block_size, 1)
+    _int("sink_blocks", sink_blocks, 0)
+    _int("local_blocks", local_blocks, 1)
+    cu = _cu_seqlens(cu_seqlens, q_idx.device)
+    return torch.ops.msa.select_blocks(q_idx, k_idx, cu, top_k, block_size, sink_blocks,
+                                       local_blocks, _scale("scale_idx", scale_idx))
+
+
+def kl_divergence(
+    q: Tensor,
+    k: Tensor,
+    lse: Tensor,
+    q_idx: Tensor,
+    k_idx: Tensor,
+    block_idx: Optional[Tensor] = None,
+    *,
+    cu_seqlens: Optional[Tensor] = None,
+    block_size: int = 128,
+    scale: Optional[float] = None,
+    scale_idx: Optional[float] = None,
+    return_rows: bool = False,
+):
+    """Exact KL value (spec §4) from a forward's LSE. Not differentiable.
+
+    Args:
+        q [T, Hq, D], k [T, Hkv, D]: the main queries and keys of the forward.
+        lse: [T, Hq] float32, the forward's LSE (``return_lse=True``).
+        q_idx [T, Hi, Di], k_idx [T, Hik, Di]: index queries and keys.
+        block_idx: [T, Hi, k] int32, the forward's selection; None: the dense causal support
+            of the warmup (spec §5).
+    Returns:
+        ``kl`` 0-dim float32 = ``1/(T*Hi) * sum_{t,i} KL(pi_i(t) || sigma_i(t))``; with
+        ``return_rows`` also the unnormalised per-row terms [T, Hi] float32.
+    Cost: one pass over the support (about the cost of the attention forward).
+    """
+    _tensor("q", q, 3, "[T, Hq, D]")
+    _tensor("k", k, 3, "[T, Hkv, D]")
+    _tensor("lse", lse, 2, "[T, Hq] float32")
+    _tensor("q_idx", q_idx, 3, "[T, Hi, Di]")
+    _tensor("k_idx", k_idx, 3, "[T, Hik, Di]")
+    _tensor("block_idx", block_idx, 3, "[T, Hi, k] int32", optional=True)
+    _int("block_size", block_size, 1)
+    cu = _cu_seqlens(cu_seqlens, q.device)
+    kl, rows = torch.ops.msa.kl_divergence(q, k, lse, q_idx, k_idx, block_idx, cu,
+                                           block_idx is None, block_size,
+                                           _scale("scale", scale), _scale("scale_idx", scale_idx))
+    return (kl, rows) if return_rows else kl

@@ -1,0 +1,326 @@
+"""torch.library custom ops over the msa._C binding (namespace ``msa``).
+
+Every op allocates its outputs, hands the tensors to the C++ library through DLPack and runs
+on the current CUDA stream for CUDA tensors. Fake (meta) kernels give shapes and dtypes only,
+so the ops trace under torch.compile. ``msa::forward`` is differentiable (see
+``_forward_backward``); the other ops are not.
+
+Layout rule: the C++ API accepts any strides as long as the last dimension is contiguous, so an
+input is copied only when its last-dim stride is not 1.
+"""
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import _C
+
+__all__ = ["select_blocks", "forward", "backward", "kl_divergence"]
+
+_MODE_SPARSE = 0
+_MODE_DENSE = 1
+
+
+def _lc(t: Optional[Tensor]) -> Optional[Tensor]:
+    """Detached view of ``t`` whose last dimension is contiguous (a copy only if needed)."""
+    if t is None:
+        return None
+    t = t.detach()
+    if t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        t = t.contiguous()
+    return t
+
+
+def _stream(t: Tensor) -> int:
+    if t.device.type == "cuda":
+        return torch.cuda.current_stream(t.device).cuda_stream
+    return 0
+
+
+def _alloc(device: torch.device):
+    return lambda nbytes: torch.empty(int(nbytes), dtype=torch.uint8, device=device)
+
+
+def _need_rank(name: str, t: Optional[Tensor], rank: int, shape: str) -> None:
+    if t is None:
+        raise ValueError(f"msa: argument '{name}': required but not given (expected {shape})")
+    if not isinstance(t, Tensor):
+        raise ValueError(f"msa: argument '{name}': expected a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != rank:
+        raise ValueError(
+            f"msa: argument '{name}': expected rank {rank} {shape}, got shape {tuple(t.shape)}")
+
+
+def _need_int(name: str, value: int, lo: int) -> None:
+    if value < lo:
+        raise ValueError(f"msa: argument '{name}': must be at least {lo}, got {value}")
+
+
+def _empty(dtype: torch.dtype, device: torch.device) -> Tensor:
+    return torch.empty((0,), dtype=dtype, device=device)
+
+
+# --------------------------------------------------------------------------------------------
+# msa::select_blocks
+# --------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("msa::select_blocks", mutates_args=())
+def select_blocks(
+    q_idx: Tensor,
+    k_idx: Tensor,
+    cu_seqlens: Optional[Tensor],
+    top_k: int,
+    block_size: int,
+    sink_blocks: int,
+    local_blocks: int,
+    scale_idx: float,
+) -> Tensor:
+    """block_idx [T, Hi, top_k] int32: ascending selected block ids, then -1 (spec §2)."""
+    _need_rank("q_idx", q_idx, 3, "[T, Hi, Di]")
+    _need_int("top_k", top_k, 1)
+    block_idx = torch.empty((q_idx.shape[0], q_idx.shape[1], top_k), dtype=torch.int32,
+                            device=q_idx.device)
+    _C.select_blocks(_lc(q_idx), _lc(k_idx), _lc(cu_seqlens), block_idx, None,
+                     block_size=block_size, top_k=top_k, sink_blocks=sink_blocks,
+                     local_blocks=local_blocks, scale_idx=scale_idx, stream=_stream(q_idx),
+                     workspace_alloc=_alloc(q_idx.device))
+    return block_idx
+
+
+@select_blocks.register_fake
+def _(q_idx, k_idx, cu_seqlens, top_k, block_size, sink_blocks, local_blocks, scale_idx):
+    return q_idx.new_empty((q_idx.shape[0], q_idx.shape[1], top_k), dtype=torch.int32)
+
+
+# --------------------------------------------------------------------------------------------
+# msa::forward
+# --------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("msa::forward", mutates_args=())
+def forward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_idx: Optional[Tensor],
+    k_idx: Optional[Tensor],
+    block_idx: Optional[Tensor],
+    cu_seqlens: Optional[Tensor],
+    dense: bool,
+    select: bool,
+    block_size: int,
+    top_k: int,
+    sink_blocks: int,
+    local_blocks: int,
+    scale: float,
+    scale_idx: float,
+    want_kl: bool,
+    deterministic: bool,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(out [T, Hq, D] dtype of q, lse [T, Hq] fp32, block_idx, kl 0-dim fp32).
+
+    ``block_idx`` (output) is the selection written by this call, [T, Hi, top_k] int32, when
+    ``select`` is set in sparse mode, else an empty [0] int32 tensor. ``kl`` is the exact KL
+    value when ``want_kl`` is set, else 0.
+    """
+    _need_rank("q", q, 3, "[T, Hq, D]")
+    T, Hq, _ = q.shape
+    dev = q.device
+    sel = (not dense) and select
+    if sel:
+        _need_rank("q_idx", q_idx, 3, "[T, Hi, Di]")
+        _need_int("top_k", top_k, 1)
+        bi_out = torch.empty((T, q_idx.shape[1], top_k), dtype=torch.int32, device=dev)
+        bi = bi_out
+    else:
+        bi_out = _empty(torch.int32, dev)
+        bi = None if dense else _lc(block_idx)
+        if not dense and bi is None:
+            raise ValueError("msa: argument 'block_idx': required in sparse mode when select "
+                             "is not set")
+    if want_kl and (q_idx is None or k_idx is None):
+        raise ValueError("msa: argument 'q_idx': the KL value needs q_idx and k_idx")
+    out = torch.empty(q.shape, dtype=q.dtype, device=dev)
+    lse = torch.empty((T, Hq), dtype=torch.float32, device=dev)
+    kl = torch.zeros((), dtype=torch.float32, device=dev)
+    _C.forward(_lc(q), _lc(k), _lc(v), _lc(cu_seqlens), bi, sel, _lc(q_idx), _lc(k_idx),
+               out, lse, kl.view(1) if want_kl else None,
+               mode=_MODE_DENSE if dense else _MODE_SPARSE, block_size=block_size,
+               top_k=top_k, sink_blocks=sink_blocks, local_blocks=local_blocks, scale=scale,
+               scale_idx=scale_idx, deterministic=deterministic, stream=_stream(q),
+               workspace_alloc=_alloc(dev))
+    return out, lse, bi_out, kl
+
+
+@forward.register_fake
+def _(q, k, v, q_idx, k_idx, block_idx, cu_seqlens, dense, select, block_size, top_k,
+      sink_blocks, local_blocks, scale, scale_idx, want_kl, deterministic):
+    T, Hq, D = q.shape
+    out = q.new_empty((T, Hq, D))
+    lse = q.new_empty((T, Hq), dtype=torch.float32)
+    if (not dense) and select:
+        bi = q.new_empty((T, q_idx.shape[1], top_k), dtype=torch.int32)
+    else:
+        bi = q.new_empty((0,), dtype=torch.int32)
+    kl = q.new_empty((), dtype=torch.float32)
+    return out, lse, bi, kl
+
+
+# --------------------------------------------------------------------------------------------
+# msa::backward
+# --------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("msa::backward", mutates_args=())
+def backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    q_idx: Optional[Tensor],
+    k_idx: Optional[Tensor],
+    block_idx: Optional[Tensor],
+    cu_seqlens: Optional[Tensor],
+    kl_grad: Optional[Tensor],
+    dense: bool,
+    block_size: int,
+    scale: float,
+    scale_idx: float,
+    want_dq_idx: bool,
+    want_dk_idx: bool,
+    deterministic: bool,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dq_idx, dk_idx).
+
+    dq, dk, dv come from ``dout``; dq_idx, dk_idx ([T, Hi, Di], [T, Hik, Di], or empty [0]
+    tensors when not wanted) come from the KL with gamma = kl_grad[0] (``kl_grad``: fp32 [1] on
+    the tensors' device, so no host sync; None means gamma = 1).
+    """
+    _need_rank("q", q, 3, "[T, Hq, D]")
+    _need_rank("k", k, 3, "[T, Hkv, D]")
+    dev = q.device
+    dq = torch.empty(q.shape, dtype=q.dtype, device=dev)
+    dk = torch.empty(k.shape, dtype=q.dtype, device=dev)
+    dv = torch.empty(k.shape, dtype=q.dtype, device=dev)
+    want_idx = want_dq_idx or want_dk_idx
+    if want_idx:
+        _need_rank("q_idx", q_idx, 3, "[T, Hi, Di]")
+        _need_rank("k_idx", k_idx, 3, "[T, Hik, Di]")
+    dq_idx = (torch.empty(q_idx.shape, dtype=q_idx.dtype, device=dev) if want_dq_idx
+              else _empty(q.dtype, dev))
+    dk_idx = (torch.empty(k_idx.shape, dtype=k_idx.dtype, device=dev) if want_dk_idx
+              else _empty(q.dtype, dev))
+    if kl_grad is not None and want_idx:
+        kl_grad = kl_grad.detach().reshape(1).to(dtype=torch.float32, device=dev)
+    _C.backward(_lc(q), _lc(k), _lc(v), _lc(out), _lc(lse), _lc(dout), _lc(cu_seqlens),
+                None if dense else _lc(block_idx), dq, dk, dv,
+                _lc(q_idx) if want_idx else None, _lc(k_idx) if want_idx else None,
+                dq_idx if want_dq_idx else None, dk_idx if want_dk_idx else None,
+                kl_grad if want_idx else None, kl_weight=1.0,
+                mode=_MODE_DENSE if dense else _MODE_SPARSE, block_size=block_size,
+                scale=scale, scale_idx=scale_idx, deterministic=deterministic,
+                stream=_stream(q), workspace_alloc=_alloc(dev))
+    return dq, dk, dv, dq_idx, dk_idx
+
+
+@backward.register_fake
+def _(dout, q, k, v, out, lse, q_idx, k_idx, block_idx, cu_seqlens, kl_grad, dense,
+      block_size, scale, scale_idx, want_dq_idx, want_dk_idx, deterministic):
+    dq = q.new_empty(q.shape)
+    dk = q.new_empty(k.shape)
+    dv = q.new_empty(k.shape)
+    dq_idx = q_idx.new_empty(q_idx.shape) if want_dq_idx else q.new_empty((0,))
+    dk_idx = k_idx.new_empty(k_idx.shape) if want_dk_idx else q.new_empty((0,))
+    return dq, dk, dv, dq_idx, dk_idx
+
+
+# --------------------------------------------------------------------------------------------
+# msa::kl_divergence
+# --------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("msa::kl_divergence", mutates_args=())
+def kl_divergence(
+    q: Tensor,
+    k: Tensor,
+    lse: Tensor,
+    q_idx: Tensor,
+    k_idx: Tensor,
+    block_idx: Optional[Tensor],
+    cu_seqlens: Optional[Tensor],
+    dense: bool,
+    block_size: int,
+    scale: float,
+    scale_idx: float,
+) -> Tuple[Tensor, Tensor]:
+    """(kl 0-dim fp32, kl_rows [T, Hi] fp32): the exact KL loss (spec §4) and its
+    unnormalised per-(token, index head) terms, from the forward's LSE."""
+    _need_rank("q_idx", q_idx, 3, "[T, Hi, Di]")
+    dev = q.device
+    kl = torch.zeros((), dtype=torch.float32, device=dev)
+    kl_rows = torch.empty((q_idx.shape[0], q_idx.shape[1]), dtype=torch.float32, device=dev)
+    if not dense and block_idx is None:
+        raise ValueError("msa: argument 'block_idx': required in sparse mode")
+    _C.kl_divergence(_lc(q), _lc(k), _lc(lse), _lc(q_idx), _lc(k_idx), _lc(cu_seqlens),
+                     None if dense else _lc(block_idx), kl.view(1), kl_rows,
+                     mode=_MODE_DENSE if dense else _MODE_SPARSE, block_size=block_size,
+                     scale=scale, scale_idx=scale_idx, stream=_stream(q),
+                     workspace_alloc=_alloc(dev))
+    return kl, kl_rows
+
+
+@kl_divergence.register_fake
+def _(q, k, lse, q_idx, k_idx, block_idx, cu_seqlens, dense, block_size, scale, scale_idx):
+    return (q.new_empty((), dtype=torch.float32),
+            q.new_empty((q_idx.shape[0], q_idx.shape[1]), dtype=torch.float32))
+
+
+# --------------------------------------------------------------------------------------------
+# Autograd of msa::forward
+# --------------------------------------------------------------------------------------------
+#
+# out -> q, k, v (attention backward restricted to the support); kl -> q_idx, k_idx with
+# gamma = the incoming gradient of kl (the teacher is detached, so kl gives nothing to q, k, v;
+# the selection is not differentiable, nor is lse).
+
+
+def _forward_setup_context(ctx, inputs, output):
+    (q, k, v, q_idx, k_idx, block_idx, cu_seqlens, dense, select, block_size, top_k,
+     sink_blocks, local_blocks, scale, scale_idx, want_kl, deterministic) = inputs
+    out, lse, bi_out, kl = output
+    support = None if dense else (bi_out if select else block_idx)
+    ctx.save_for_backward(q, k, v, q_idx, k_idx, support, cu_seqlens, out, lse)
+    ctx.dense = dense
+    ctx.block_size = block_size
+    ctx.scale = scale
+    ctx.scale_idx = scale_idx
+    ctx.deterministic = deterministic
+    ctx.has_idx = q_idx is not None and k_idx is not None
+    ctx.mark_non_differentiable(lse, bi_out)
+    ctx.set_materialize_grads(False)
+
+
+def _forward_backward(ctx, grad_out, grad_lse, grad_bi, grad_kl):
+    q, k, v, q_idx, k_idx, support, cu_seqlens, out, lse = ctx.saved_tensors
+    needs = ctx.needs_input_grad
+    want_dq_idx = ctx.has_idx and grad_kl is not None and needs[3]
+    want_dk_idx = ctx.has_idx and grad_kl is not None and needs[4]
+    want_main = needs[0] or needs[1] or needs[2]
+    if not (want_main or want_dq_idx or want_dk_idx):
+        return (None,) * 17
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    kl_grad = grad_kl.reshape(1).float() if (want_dq_idx or want_dk_idx) else None
+    dq, dk, dv, dq_idx, dk_idx = backward(
+        grad_out, q, k, v, out, lse, q_idx, k_idx, support, cu_seqlens, kl_grad, ctx.dense,
+        ctx.block_size, ctx.scale, ctx.scale_idx, want_dq_idx, want_dk_idx, ctx.deterministic)
+    return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None,
+            dq_idx if want_dq_idx else None, dk_idx if want_dk_idx else None) + (None,) * 12
+
+
+torch.library.register_autograd("msa::forward", _forward_backward,
+                                setup_context=_forward_setup_context)

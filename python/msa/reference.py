@@ -1,0 +1,179 @@
+"""Independent eager PyTorch reference of MSA, written from the spec (docs: spec/msa.md).
+
+Slow and memory-hungry (it materialises [H, L, L] score matrices per sequence); meant for tests
+and small experiments. Differentiable with autograd (selection excluded); compute in float64
+for tight comparisons. Sequences of a packed batch are processed one by one.
+"""
+
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["select_blocks_ref", "sparse_attention_ref", "warmup_attention_ref",
+           "attention_over_support_ref"]
+
+NEG_INF = float("-inf")
+
+
+def _sequences(T: int, cu_seqlens: Optional[Tensor]) -> List[Tuple[int, int]]:
+    if cu_seqlens is None:
+        return [(0, T)]
+    cu = [int(x) for x in cu_seqlens.tolist()]
+    return [(cu[s], cu[s + 1]) for s in range(len(cu) - 1)]
+
+
+def _index_scores(q_idx: Tensor, k_idx: Tensor, scale_idx: float) -> Tensor:
+    """s[i, t, j] = scale_idx * <q_idx[t, i], k_idx[j, i // (Hi/Hik)]> for one sequence."""
+    Hi, Hik = q_idx.shape[1], k_idx.shape[1]
+    kk = k_idx.repeat_interleave(Hi // Hik, dim=1)
+    return scale_idx * torch.einsum("thd,jhd->htj", q_idx, kk)
+
+
+def _causal(L: int, device) -> Tensor:
+    t = torch.arange(L, device=device)
+    return t[None, :] <= t[:, None]  # [t, j]: j <= t
+
+
+def select_blocks_ref(q_idx: Tensor, k_idx: Tensor, top_k: int, block_size: int,
+                      cu_seqlens: Optional[Tensor] = None, sink_blocks: int = 0,
+                      local_blocks: int = 1, scale_idx: Optional[float] = None) -> Tensor:
+    """Spec §2: block_idx [T, Hi, top_k] int32, ascending block ids then -1."""
+    T, Hi, Di = q_idx.shape
+    if scale_idx is None:
+        scale_idx = Di ** -0.5
+    Bk = block_size
+    out = torch.full((T, Hi, top_k), -1, dtype=torch.int32, device=q_idx.device)
+    with torch.no_grad():
+        for a, b in _sequences(T, cu_seqlens):
+            L = b - a
+            if L == 0:
+                continue
+            dev = q_idx.device
+            s = _index_scores(q_idx[a:b], k_idx[a:b], scale_idx)  # [Hi, L, L]
+            s = s.masked_fill(~_causal(L, dev), NEG_INF)
+            nb = (L + Bk - 1) // Bk
+            s = F.pad(s, (0, nb * Bk - L), value=NEG_INF)
+            M = s.reshape(Hi, L, nb, Bk).amax(dim=-1)  # [Hi, L, nb] block scores
+            own = torch.arange(L, device=dev) // Bk  # [L]
+            blk = torch.arange(nb, device=dev)
+            local = (blk[None, :] <= own[:, None]) & (blk[None, :] > own[:, None] - local_blocks)
+            sink = blk[None, :] < torch.clamp(own + 1, max=sink_blocks)[:, None]
+            forced = local | sink  # [L, nb]
+            cand = (blk[None, :] < own[:, None]) & ~forced  # [L, nb]
+            slots = top_k - forced.sum(-1)  # [L]
+            # Rank the candidates by (score desc, block asc): a stable descending sort keeps
+            # equal scores in ascending block order.
+            order = torch.sort(M, dim=-1, descending=True, stable=True).indices  # [Hi, L, nb]
+            cand_sorted = cand.expand(Hi, L, nb).gather(-1, order)
+            rank_in_cand = torch.cumsum(cand_sorted.to(torch.int64), dim=-1)
+            chosen_sorted = cand_sorted & (rank_in_cand <= slots[None, :, None])
+            chosen = torch.zeros_like(chosen_sorted).scatter(-1, order, chosen_sorted)
+            sel = forced[None] | chosen  # [Hi, L, nb]
+            ids = torch.where(sel, blk, nb + blk).sort(dim=-1).values
+            count = sel.sum(-1, keepdim=True)
+            ids = torch.where(blk < count, ids, torch.full_like(ids, -1))
+            w = min(top_k, nb)
+            out[a:b, :, :w] = ids[..., :w].permute(1, 0, 2).to(torch.int32)
+    return out
+
+
+def _support(block_idx: Optional[Tensor], L: int, Bk: int, H: int, device) -> Tensor:
+    """[H, L, L] bool: j <= t and blk(j) in the row's selected blocks (all blocks if None)."""
+    causal = _causal(L, device)
+    if block_idx is None:
+        return causal.expand(H, L, L)
+    nb = (L + Bk - 1) // Bk
+    b = block_idx.permute(1, 0, 2).to(torch.int64)  # [H, L, k]
+    b = torch.where(b < 0, torch.full_like(b, nb), b)
+    bm = torch.zeros((H, L, nb + 1), dtype=torch.bool, device=device)
+    bm.scatter_(-1, b, True)
+    tok = bm[..., torch.arange(L, device=device) // Bk]  # [H, L, L]
+    return tok & causal
+
+
+def attention_over_support_ref(q: Tensor, k: Tensor, v: Tensor, q_idx: Optional[Tensor],
+                               k_idx: Optional[Tensor], block_idx: Optional[Tensor], *,
+                               block_size: int = 128, cu_seqlens: Optional[Tensor] = None,
+                               scale: Optional[float] = None,
+                               scale_idx: Optional[float] = None):
+    """Spec §3-§5 over a given support: ``block_idx`` [T, Hi, k] (sparse) or None (dense causal).
+
+    Returns (out [T, Hq, D], lse [T, Hq], kl 0-dim): kl is 0 when q_idx is None.
+    """
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    if scale is None:
+        scale = D ** -0.5
+    has_idx = q_idx is not None
+    if has_idx:
+        Hi, Di = q_idx.shape[1], q_idx.shape[2]
+        if scale_idx is None:
+            scale_idx = Di ** -0.5
+    else:
+        Hi = block_idx.shape[1] if block_idx is not None else 1
+    hpi = Hq // Hi
+    out = torch.zeros_like(q)
+    lse = torch.full((T, Hq), NEG_INF, dtype=q.dtype, device=q.device)
+    outs, lses = [], []
+    kl_sum = q.new_zeros(()) if not has_idx else q_idx.new_zeros(())
+    for a, b in _sequences(T, cu_seqlens):
+        L = b - a
+        if L == 0:
+            continue
+        dev = q.device
+        bi = None if block_idx is None else block_idx[a:b]
+        mask_i = _support(bi, L, block_size, Hi, dev)  # [Hi, L, L]
+        mask = mask_i.repeat_interleave(hpi, dim=0)  # [Hq, L, L]: head h -> index head h // hpi
+        kk = k[a:b].repeat_interleave(G, dim=1)  # head h -> kv head h // G
+        vv = v[a:b].repeat_interleave(G, dim=1)
+        logits = scale * torch.einsum("thd,jhd->htj", q[a:b], kk)
+        logits = logits.masked_fill(~mask, NEG_INF)
+        l = torch.logsumexp(logits, dim=-1)  # [Hq, L]
+        l_safe = torch.where(torch.isfinite(l), l, torch.zeros_like(l))
+        P = torch.exp(logits - l_safe[..., None])  # 0 off the support
+        o = torch.einsum("htj,jhd->thd", P, vv)
+        outs.append(o)
+        lses.append(l.transpose(0, 1))
+        if has_idx:
+            pi = P.detach().reshape(Hi, hpi, L, L).mean(dim=1)  # teacher, detached
+            s = _index_scores(q_idx[a:b], k_idx[a:b], scale_idx).masked_fill(~mask_i, NEG_INF)
+            ls = torch.logsumexp(s, dim=-1)
+            ls_safe = torch.where(torch.isfinite(ls), ls, torch.zeros_like(ls))
+            log_sigma = torch.where(mask_i, s - ls_safe[..., None], torch.zeros_like(s))
+            pos = mask_i & (pi > 0)
+            pi_safe = torch.where(pos, pi, torch.ones_like(pi))
+            term = torch.where(pos, pi * (torch.log(pi_safe) - log_sigma), torch.zeros_like(pi))
+            kl_sum = kl_sum + term.sum()
+    if outs:  # the sequences tile [0, T) in order; empty ones add no rows
+        out = torch.cat([o for o in outs], dim=0)
+        lse = torch.cat([l for l in lses], dim=0)
+    kl = kl_sum / (T * Hi) if (has_idx and T > 0) else kl_sum * 0
+    return out, lse, kl
+
+
+def sparse_attention_ref(q: Tensor, k: Tensor, v: Tensor, q_idx: Optional[Tensor],
+                         k_idx: Optional[Tensor], top_k: int = 16, block_size: int = 128, *,
+                         cu_seqlens: Optional[Tensor] = None, block_idx: Optional[Tensor] = None,
+                         sink_blocks: int = 0, local_blocks: int = 1,
+                         scale: Optional[float] = None, scale_idx: Optional[float] = None):
+    """Reference of msa.sparse_attention: returns (out, kl, lse, block_idx)."""
+    if block_idx is None:
+        block_idx = select_blocks_ref(q_idx, k_idx, top_k, block_size, cu_seqlens, sink_blocks,
+                                      local_blocks, scale_idx)
+    out, lse, kl = attention_over_support_ref(q, k, v, q_idx, k_idx, block_idx,
+                                              block_size=block_size, cu_seqlens=cu_seqlens,
+                                              scale=scale, scale_idx=scale_idx)
+    return out, kl, lse, block_idx
+
+
+def warmup_attention_ref(q: Tensor, k: Tensor, v: Tensor, q_idx: Optional[Tensor],
+                         k_idx: Optional[Tensor], *, cu_seqlens: Optional[Tensor] = None,
+                         scale: Optional[float] = None, scale_idx: Optional[float] = None):
+    """Reference of msa.warmup_attention (spec §5): returns (out, kl, lse)."""
+    out, lse, kl = attention_over_support_ref(q, k, v, q_idx, k_idx, None,
+                                              cu_seqlens=cu_seqlens, scale=scale,
+                                              scale_idx=scale_idx)
+    return out, kl, lse

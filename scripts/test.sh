@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Runs every test: the C++ suite (GoogleTest through CTest) and the Python suite (pytest) on the
+# pip-installed package. Installs what it needs first (scripts/setup.sh).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+scripts/setup.sh python
+
+jobs="$(nproc)"
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build build -j "$jobs"
+ctest --test-dir build --output-on-failure -j "$jobs"
+
+.venv/bin/python -m pip install -q --no-build-isolation .
+# Run from outside the source tree so that `import msa` is the installed package.
+cd tests/python
+../../.venv/bin/python -m pytest -q -p no:cacheprovider .
