@@ -150,6 +150,23 @@ struct Config {
   }
 };
 
+// A configuration with Di = D.
+inline Config make_config(std::vector<int64_t> lens, int Hq, int Hkv, int D, int Hi, int Hik, int Bk, int k,
+                          uint64_t seed) {
+  Config c;
+  c.seqlens = std::move(lens);
+  c.Hq = Hq;
+  c.Hkv = Hkv;
+  c.D = D;
+  c.Di = D;
+  c.Hi = Hi;
+  c.Hik = Hik;
+  c.Bk = Bk;
+  c.k = k;
+  c.seed = seed;
+  return c;
+}
+
 // Random inputs of one configuration.
 struct Problem {
   Config cfg;

@@ -8,32 +8,17 @@
 namespace msatest {
 namespace {
 
-Config shape(std::vector<int64_t> lens, int Hq, int Hkv, int D, int Hi, int Hik, int Bk, int k, uint64_t seed) {
-  Config c;
-  c.seqlens = std::move(lens);
-  c.Hq = Hq;
-  c.Hkv = Hkv;
-  c.D = D;
-  c.Di = D;
-  c.Hi = Hi;
-  c.Hik = Hik;
-  c.Bk = Bk;
-  c.k = k;
-  c.seed = seed;
-  return c;
-}
-
 // G in {1, 2, 8, 16}; Hi in {Hkv, 2 Hkv}; Hik in {1, Hi}; D and Bk 64/128 with odd lengths.
 const Config kShapes[] = {
-    shape({200}, 2, 2, 16, 2, 1, 16, 4, 1),             // G = 1
-    shape({150, 90}, 4, 2, 16, 2, 2, 16, 3, 2),         // G = 2, Hik = Hi
-    shape({170}, 8, 1, 8, 2, 1, 16, 4, 3),              // G = 8, Hi = 2 Hkv
-    shape({140}, 16, 1, 8, 1, 1, 16, 3, 4),             // G = 16
-    shape({190}, 8, 2, 8, 4, 4, 32, 3, 5),              // Hi = 2 Hkv, Hik = Hi
-    shape({1, 2, 113}, 4, 2, 16, 2, 1, 16, 4, 6),       // tiny sequences
-    shape({127, 128, 129}, 4, 1, 8, 1, 1, 64, 2, 7),    // Bk = 64 around a block edge
-    shape({799}, 2, 1, 64, 1, 1, 64, 4, 8),             // D = 64, Bk = 64
-    shape({799}, 2, 2, 128, 2, 1, 128, 3, 9),           // D = 128, Bk = 128
+    make_config({200}, 2, 2, 16, 2, 1, 16, 4, 1),             // G = 1
+    make_config({150, 90}, 4, 2, 16, 2, 2, 16, 3, 2),         // G = 2, Hik = Hi
+    make_config({170}, 8, 1, 8, 2, 1, 16, 4, 3),              // G = 8, Hi = 2 Hkv
+    make_config({140}, 16, 1, 8, 1, 1, 16, 3, 4),             // G = 16
+    make_config({190}, 8, 2, 8, 4, 4, 32, 3, 5),              // Hi = 2 Hkv, Hik = Hi
+    make_config({1, 2, 113}, 4, 2, 16, 2, 1, 16, 4, 6),       // tiny sequences
+    make_config({127, 128, 129}, 4, 1, 8, 1, 1, 64, 2, 7),    // Bk = 64 around a block edge
+    make_config({799}, 2, 1, 64, 1, 1, 64, 4, 8),             // D = 64, Bk = 64
+    make_config({799}, 2, 2, 128, 2, 1, 128, 3, 9),           // D = 128, Bk = 128
 };
 
 class Forward : public ::testing::TestWithParam<Config> {};
@@ -86,7 +71,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, Forward, ::testing::ValuesIn(kShapes));
 class ForwardDtype : public ::testing::TestWithParam<DType> {};
 
 TEST_P(ForwardDtype, RoundsOnlyTheOutput) {
-  Config c = shape({333}, 8, 2, 32, 2, 1, 32, 4, 21);
+  Config c = make_config({333}, 8, 2, 32, 2, 1, 32, 4, 21);
   c.dtype = GetParam();
   Problem p(c);
   HostTensor bi = run_select(p);
@@ -103,7 +88,7 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, ForwardDtype, ::testing::Values(DType::kFloat32
 
 // The caller's block_idx is a set: any order and any -1 position give the same result.
 TEST(Forward, BlockIdxIsASet) {
-  Config c = shape({300}, 4, 2, 16, 2, 1, 16, 5, 31);
+  Config c = make_config({300}, 4, 2, 16, 2, 1, 16, 5, 31);
   Problem p(c);
   HostTensor bi = run_select(p);
   FwdResult base = run_forward(p, &bi, Mode::kSparse, true);
@@ -124,7 +109,7 @@ TEST(Forward, BlockIdxIsASet) {
 
 // A row whose caller-given selection is empty attends to nothing: out = 0, lse = -inf.
 TEST(Forward, EmptySupportRow) {
-  Config c = shape({64}, 2, 1, 8, 1, 1, 16, 2, 41);
+  Config c = make_config({64}, 2, 1, 8, 1, 1, 16, 2, 41);
   Problem p(c);
   HostTensor bi = run_select(p);
   for (int j = 0; j < c.k; ++j) bi.set(50 * c.k + j, -1);
@@ -138,7 +123,7 @@ TEST(Forward, EmptySupportRow) {
 
 // The selection excluding the own block is legal input: keys of earlier blocks only.
 TEST(Forward, CallerSelectionWithoutOwnBlock) {
-  Config c = shape({96}, 2, 1, 8, 1, 1, 16, 2, 43);
+  Config c = make_config({96}, 2, 1, 8, 1, 1, 16, 2, 43);
   Problem p(c);
   HostTensor bi(DType::kInt32, {p.T, 1, 2});
   for (int64_t g = 0; g < p.T; ++g) {
@@ -152,7 +137,7 @@ TEST(Forward, CallerSelectionWithoutOwnBlock) {
 
 // Long sequence (4224 tokens) on a sample of heads: out and lse against the reference.
 TEST(Forward, Length4224) {
-  Config c = shape({4224}, 2, 1, 16, 1, 1, 128, 4, 51);
+  Config c = make_config({4224}, 2, 1, 16, 1, 1, 128, 4, 51);
   Problem p(c);
   HostTensor bi = run_select(p);
   FwdResult f = run_forward(p, &bi, Mode::kSparse, false);
@@ -163,7 +148,7 @@ TEST(Forward, Length4224) {
 
 // kl_divergence entry point with per-row output.
 TEST(Kl, RowsSumToTheValue) {
-  Config c = shape({250, 130}, 8, 2, 16, 4, 2, 32, 3, 61);
+  Config c = make_config({250, 130}, 8, 2, 16, 4, 2, 32, 3, 61);
   Problem p(c);
   HostTensor bi = run_select(p);
   FwdResult f = run_forward(p, &bi, Mode::kSparse, true);
@@ -193,7 +178,7 @@ TEST(Kl, RowsSumToTheValue) {
 // When the student equals the teacher, the KL is zero: one query head per index head, index
 // queries/keys equal to the main ones and the same scale.
 TEST(Kl, ZeroWhenStudentEqualsTeacher) {
-  Config c = shape({200}, 2, 2, 16, 2, 2, 16, 4, 71);
+  Config c = make_config({200}, 2, 2, 16, 2, 2, 16, 4, 71);
   Problem p(c);
   for (int64_t x = 0; x < p.q.numel(); ++x) p.q_idx.set(x, p.q.get(x));
   for (int64_t x = 0; x < p.k.numel(); ++x) p.k_idx.set(x, p.k.get(x));

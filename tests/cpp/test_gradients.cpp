@@ -45,21 +45,6 @@ double inner_abs(const HostTensor& a, const HostTensor& b) {
   return acc;
 }
 
-Config shape(std::vector<int64_t> lens, int Hq, int Hkv, int D, int Hi, int Hik, int Bk, int k, uint64_t seed) {
-  Config c;
-  c.seqlens = std::move(lens);
-  c.Hq = Hq;
-  c.Hkv = Hkv;
-  c.D = D;
-  c.Di = D;
-  c.Hi = Hi;
-  c.Hik = Hik;
-  c.Bk = Bk;
-  c.k = k;
-  c.seed = seed;
-  return c;
-}
-
 struct GradCase {
   Config cfg;
   Mode mode;
@@ -132,72 +117,43 @@ TEST_P(Gradients, MatchAnalyticReference) {
 }
 
 const GradCase kGradCases[] = {
-    {shape({150}, 2, 2, 8, 2, 1, 16, 3, 1), Mode::kSparse},          // G = 1
-    {shape({130, 70}, 4, 2, 8, 2, 2, 16, 3, 2), Mode::kSparse},      // G = 2, Hik = Hi, varlen
-    {shape({120}, 8, 1, 8, 2, 1, 16, 3, 3), Mode::kSparse},          // G = 8, Hi = 2 Hkv
-    {shape({100}, 16, 1, 4, 1, 1, 16, 2, 4), Mode::kSparse},         // G = 16
-    {shape({140}, 8, 2, 8, 4, 4, 32, 2, 5), Mode::kSparse},          // Hi = 2 Hkv, Hik = Hi
-    {shape({1, 2, 113}, 4, 2, 8, 2, 1, 16, 3, 6), Mode::kSparse},    // tiny sequences
-    {shape({90, 0, 60}, 4, 2, 8, 2, 1, 16, 2, 7), Mode::kDense},     // warmup, empty sequence
-    {shape({129}, 8, 2, 8, 4, 2, 64, 1, 8), Mode::kDense},           // warmup, Bk = 64
-    {shape({129}, 8, 2, 8, 4, 2, 64, 2, 9), Mode::kSparse},          // Bk = 64
+    {make_config({150}, 2, 2, 8, 2, 1, 16, 3, 1), Mode::kSparse},          // G = 1
+    {make_config({130, 70}, 4, 2, 8, 2, 2, 16, 3, 2), Mode::kSparse},      // G = 2, Hik = Hi, varlen
+    {make_config({120}, 8, 1, 8, 2, 1, 16, 3, 3), Mode::kSparse},          // G = 8, Hi = 2 Hkv
+    {make_config({100}, 16, 1, 4, 1, 1, 16, 2, 4), Mode::kSparse},         // G = 16
+    {make_config({140}, 8, 2, 8, 4, 4, 32, 2, 5), Mode::kSparse},          // Hi = 2 Hkv, Hik = Hi
+    {make_config({1, 2, 113}, 4, 2, 8, 2, 1, 16, 3, 6), Mode::kSparse},    // tiny sequences
+    {make_config({90, 0, 60}, 4, 2, 8, 2, 1, 16, 2, 7), Mode::kDense},     // warmup, empty sequence
+    {make_config({129}, 8, 2, 8, 4, 2, 64, 1, 8), Mode::kDense},           // warmup, Bk = 64
+    {make_config({129}, 8, 2, 8, 4, 2, 64, 2, 9), Mode::kSparse},          // Bk = 64
 };
 
 INSTANTIATE_TEST_SUITE_P(Cases, Gradients, ::testing::ValuesIn(kGradCases));
 
 // Larger shapes against the analytic reference only: D 64/128, Bk 64/128, odd lengths.
-TEST(GradientsLarge, D64Bk64Len799) {
-  Problem p(shape({799}, 4, 2, 64, 2, 1, 64, 4, 12));
-  HostTensor bi = run_select(p);
-  std::mt19937_64 rng(3);
-  HostTensor dout(DType::kFloat64, {p.T, 4, 64});
-  dout.randomize(rng);
-  FwdResult f = run_forward(p, &bi, Mode::kSparse, false);
-  BwdResult g = run_backward(p, &bi, Mode::kSparse, f, dout, 1.0);
-  const RefGrads r = ref_backward(p, sets_from(p, bi), dout, 1.0);
-  EXPECT_LT(rel_err(g.dk.values(), r.dk), 1e-6);
-  EXPECT_LT(rel_err(g.dv.values(), r.dv), 1e-6);
-  EXPECT_LT(rel_err(g.dq.values(), r.dq), 1e-6);
-  EXPECT_LT(rel_err(g.dk_idx.values(), r.dk_idx), 1e-6);
-  EXPECT_LT(rel_err(g.dq_idx.values(), r.dq_idx), 1e-6);
-}
-
-TEST(GradientsLarge, D128Bk128Len1000) {
-  Config c = shape({1000}, 2, 1, 128, 1, 1, 128, 3, 14);
+void expect_reference_gradients(const Config& c) {
   Problem p(c);
   HostTensor bi = run_select(p);
-  std::mt19937_64 rng(5);
-  HostTensor dout(DType::kFloat64, {p.T, 2, 128});
+  std::mt19937_64 rng(c.seed + 1);
+  HostTensor dout(DType::kFloat64, {p.T, c.Hq, c.D});
   dout.randomize(rng);
   FwdResult f = run_forward(p, &bi, Mode::kSparse, false);
   BwdResult g = run_backward(p, &bi, Mode::kSparse, f, dout, 1.0);
   const RefGrads r = ref_backward(p, sets_from(p, bi), dout, 1.0);
-  EXPECT_LT(rel_err(g.dk.values(), r.dk), 1e-6);
-  EXPECT_LT(rel_err(g.dv.values(), r.dv), 1e-6);
-  EXPECT_LT(rel_err(g.dq.values(), r.dq), 1e-6);
-  EXPECT_LT(rel_err(g.dk_idx.values(), r.dk_idx), 1e-6);
-  EXPECT_LT(rel_err(g.dq_idx.values(), r.dq_idx), 1e-6);
+  EXPECT_LT(rel_err(g.dk.values(), r.dk), 1e-6) << c.str();
+  EXPECT_LT(rel_err(g.dv.values(), r.dv), 1e-6) << c.str();
+  EXPECT_LT(rel_err(g.dq.values(), r.dq), 1e-6) << c.str();
+  EXPECT_LT(rel_err(g.dk_idx.values(), r.dk_idx), 1e-6) << c.str();
+  EXPECT_LT(rel_err(g.dq_idx.values(), r.dq_idx), 1e-6) << c.str();
 }
 
-TEST(GradientsLarge, Bk128Len4224) {
-  Config c = shape({4224}, 2, 1, 16, 1, 1, 128, 3, 13);
-  Problem p(c);
-  HostTensor bi = run_select(p);
-  std::mt19937_64 rng(4);
-  HostTensor dout(DType::kFloat64, {p.T, 2, 16});
-  dout.randomize(rng);
-  FwdResult f = run_forward(p, &bi, Mode::kSparse, false);
-  BwdResult g = run_backward(p, &bi, Mode::kSparse, f, dout, 1.0);
-  const RefGrads r = ref_backward(p, sets_from(p, bi), dout, 1.0);
-  EXPECT_LT(rel_err(g.dk.values(), r.dk), 1e-6);
-  EXPECT_LT(rel_err(g.dv.values(), r.dv), 1e-6);
-  EXPECT_LT(rel_err(g.dq.values(), r.dq), 1e-6);
-  EXPECT_LT(rel_err(g.dk_idx.values(), r.dk_idx), 1e-6);
-}
+TEST(GradientsLarge, D64Bk64Len799) { expect_reference_gradients(make_config({799}, 4, 2, 64, 2, 1, 64, 4, 12)); }
+TEST(GradientsLarge, D128Bk128Len1000) { expect_reference_gradients(make_config({1000}, 2, 1, 128, 1, 1, 128, 3, 14)); }
+TEST(GradientsLarge, Bk128Len4224) { expect_reference_gradients(make_config({4224}, 2, 1, 16, 1, 1, 128, 3, 13)); }
 
 // The KL never reaches q, k, v; dq_idx and dk_idx are linear in gamma and zero at gamma = 0.
 TEST(Gradients, KlIsolation) {
-  Config c = shape({200}, 4, 2, 8, 2, 1, 16, 3, 21);
+  Config c = make_config({200}, 4, 2, 8, 2, 1, 16, 3, 21);
   Problem p(c);
   HostTensor bi = run_select(p);
   std::mt19937_64 rng(8);
@@ -222,7 +178,7 @@ TEST(Gradients, KlIsolation) {
 
 // kl_grad (a tensor, as frameworks pass it) multiplies kl_weight.
 TEST(Gradients, KlGradTensorScalesGamma) {
-  Config c = shape({100}, 4, 2, 8, 2, 1, 16, 3, 22);
+  Config c = make_config({100}, 4, 2, 8, 2, 1, 16, 3, 22);
   Problem p(c);
   HostTensor bi = run_select(p);
   std::mt19937_64 rng(9);
@@ -252,7 +208,7 @@ TEST(Gradients, KlGradTensorScalesGamma) {
 
 // Deterministic mode (and the CPU backend always): bitwise-identical gradients run after run.
 TEST(Gradients, BitwiseReproducible) {
-  Config c = shape({300, 211}, 8, 2, 16, 4, 1, 32, 4, 23);
+  Config c = make_config({300, 211}, 8, 2, 16, 4, 1, 32, 4, 23);
   c.dtype = DType::kBFloat16;
   Problem p(c);
   HostTensor bi = run_select(p);
@@ -273,7 +229,7 @@ TEST(Gradients, BitwiseReproducible) {
 
 // Warmup backward equals the sparse backward when k covers every block.
 TEST(Gradients, WarmupEqualsSparseWhenKCoversAll) {
-  Config c = shape({150, 97}, 4, 2, 8, 2, 1, 16, 10, 24);
+  Config c = make_config({150, 97}, 4, 2, 8, 2, 1, 16, 10, 24);
   Problem p(c);
   HostTensor bi = run_select(p);
   std::mt19937_64 rng(11);

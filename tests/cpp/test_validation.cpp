@@ -15,7 +15,7 @@ struct Valid {
   Problem p;
   HostTensor bi, out, lse, kl, dout, dq, dk, dv, dq_idx, dk_idx, kl_grad, lse_idx, kl_rows;
 
-  Valid() : c(make_config()), p(c) {
+  Valid() : c(valid_config()), p(c) {
     bi = run_select(p);
     out = HostTensor(c.dtype, {p.T, c.Hq, c.D});
     lse = HostTensor(DType::kFloat32, {p.T, c.Hq});
@@ -32,17 +32,8 @@ struct Valid {
     std::mt19937_64 rng(3);
     dout.randomize(rng);
   }
-  static Config make_config() {
-    Config c;
-    c.seqlens = {24, 16};
-    c.Hq = 4;
-    c.Hkv = 2;
-    c.D = 8;
-    c.Hi = 2;
-    c.Hik = 1;
-    c.Di = 8;
-    c.Bk = 8;
-    c.k = 2;
+  static Config valid_config() {
+    Config c = msatest::make_config({24, 16}, 4, 2, 8, 2, 1, 8, 2, 1);
     c.dtype = DType::kFloat32;
     return c;
   }

@@ -9,18 +9,8 @@ namespace msatest {
 namespace {
 
 Config batch(std::vector<int64_t> lens, uint64_t seed) {
-  Config c;
-  c.seqlens = std::move(lens);
-  c.Hq = 8;
-  c.Hkv = 2;
-  c.D = 16;
-  c.Di = 16;
-  c.Hi = 4;
-  c.Hik = 2;
-  c.Bk = 16;
-  c.k = 3;
+  Config c = make_config(std::move(lens), 8, 2, 16, 4, 2, 16, 3, seed);
   c.sink = 1;
-  c.seed = seed;
   return c;
 }
 
