@@ -7,6 +7,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 scripts/setup.sh cpp
-cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DMSA_BUILD_TESTS=ON -DMSA_BUILD_APPS=ON >/dev/null
 cmake --build build -j "$(nproc)" --target msa_main >&2
 exec build/msa_main "$@"

@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh python
 
 jobs="$(nproc)"
-cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DMSA_BUILD_TESTS=ON -DMSA_BUILD_APPS=ON >/dev/null
 cmake --build build -j "$jobs"
 ctest --test-dir build --output-on-failure -j "$jobs"
 

@@ -39,7 +39,6 @@ class Check {
     if (t.rank != rank)
       return fail(arg, "expected rank " + std::to_string(rank) + ", got rank " +
                            std::to_string(t.rank) + " with shape " + shape_str(t));
-    if (t.rank > kMaxRank) return fail(arg, "rank above " + std::to_string(kMaxRank));
     for (int d = 0; d < t.rank; ++d) {
       if (t.shape[d] < 0) return fail(arg, "negative size in shape " + shape_str(t));
       if (t.stride[d] < 0) return fail(arg, "negative strides are not supported");

@@ -47,9 +47,9 @@ void select_impl(const Problem& prob, const TensorRef& q_idx_t, const TensorRef&
       }
       // Forced: the last `local_blocks` blocks up to the own block, and the first `sink_blocks`.
       forced.clear();
-      for (int32_t b = std::max(0, own - o.local_blocks + 1); b <= own; ++b) forced.push_back(b);
-      for (int32_t b = 0; b < std::min(o.sink_blocks, own + 1); ++b)
-        if (b < own - o.local_blocks + 1) forced.push_back(b);
+      const int32_t first_local = std::max(0, own - o.local_blocks + 1);
+      for (int32_t b = 0; b < std::min(o.sink_blocks, first_local); ++b) forced.push_back(b);
+      for (int32_t b = first_local; b <= own; ++b) forced.push_back(b);
       // Candidates: every other block before the own block.
       cand.clear();
       for (int32_t b = 0; b < own; ++b)
