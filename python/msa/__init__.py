@@ -13,6 +13,12 @@ Dtypes: float16 / bfloat16 (float32, and float64 on the CPU, for tests); every t
 shares q's dtype and device. Any strides are accepted; a tensor whose last dimension is not
 contiguous is copied first. LSE and the KL value are float32.
 
+Devices: CPU tensors run on the C++ CPU backend; CUDA tensors on the Hopper backend when
+``backend_available("cuda")``, on the current stream of their device, without host
+synchronisation (CUDA graphs can capture the calls). The CUDA backend has the selection and
+the forward; the exact KL value (pass ``kl_value=False``) and the backward come later and raise
+NotImplementedError meanwhile.
+
 Entry points: :func:`sparse_attention` (training forward with autograd), :func:`warmup_attention`
 (dense causal + KL, the indexer warmup phase), :func:`select_blocks`, :func:`kl_divergence`.
 ``msa.flash_msa`` holds drop-in twins of the flash-msa API. The underlying torch.library ops
@@ -147,7 +153,8 @@ def sparse_attention(
         scale_idx: index score scale (None: ``Di**-0.5``).
         kl_value: compute the exact KL value in the forward (one more pass over the support,
             comparable to the forward itself); if False, ``kl`` is a zero. Either way its
-            gradient trains ``q_idx``/``k_idx``.
+            gradient trains ``q_idx``/``k_idx``. The CUDA backend does not compute the value
+            yet: pass ``kl_value=False`` for CUDA tensors (else NotImplementedError).
         return_lse: also return the LSE [T, Hq] float32 (natural log; not differentiable).
         return_block_idx: also return the selection [T, Hi, top_k] int32 (ascending block ids
             then -1 padding), or the caller's ``block_idx``.
@@ -217,7 +224,8 @@ def warmup_attention(
     attention probabilities and ``sigma`` the index softmax, both over all ``j <= t`` of the
     token's sequence. Its gradient trains q_idx, k_idx. ``q_idx``/``k_idx`` may be None (plain
     dense causal attention, ``kl`` = 0). ``kl_value=False`` skips the exact value (``kl`` = 0,
-    gradient unchanged). Returns ``(out, kl)`` (+ ``lse`` [T, Hq] float32 if ``return_lse``).
+    gradient unchanged); CUDA tensors need it until the CUDA backend computes the value.
+    Returns ``(out, kl)`` (+ ``lse`` [T, Hq] float32 if ``return_lse``).
     """
     _tensor("q", q, 3, "[T, Hq, D]")
     _tensor("k", k, 3, "[T, Hkv, D]")

@@ -5,10 +5,16 @@ on the current CUDA stream for CUDA tensors. Fake (meta) kernels give shapes and
 so the ops trace under torch.compile. ``msa::forward`` is differentiable (see
 ``_forward_backward``); the other ops are not.
 
+CUDA path: the call runs with the tensors' device current and passes that device's current
+stream (so it is ordered after the producers of the inputs, works on any torch.cuda.Stream and
+under CUDA-graph capture); device workspace comes from torch's caching allocator. Nothing here
+reads a device value on the host (no .item(), .cpu(), .tolist()), so no call synchronises.
+
 Layout rule: the C++ API accepts any strides as long as the last dimension is contiguous, so an
 input is copied only when its last-dim stride is not 1.
 """
 
+import re
 from typing import Optional, Tuple
 
 import torch
@@ -32,14 +38,27 @@ def _lc(t: Optional[Tensor]) -> Optional[Tensor]:
     return t
 
 
-def _stream(t: Tensor) -> int:
-    if t.device.type == "cuda":
-        return torch.cuda.current_stream(t.device).cuda_stream
-    return 0
-
-
 def _alloc(device: torch.device):
     return lambda nbytes: torch.empty(int(nbytes), dtype=torch.uint8, device=device)
+
+
+def _launch(fn, device: torch.device, *args, **kwargs):
+    """Calls the binding function ``fn`` for tensors on ``device``: on the CPU directly; for
+    CUDA with ``device`` current and its current stream, without synchronising the host."""
+    if device.type != "cuda":
+        return fn(*args, stream=0, workspace_alloc=_alloc(device), **kwargs)
+    with torch.cuda.device(device):
+        return fn(*args, stream=torch.cuda.current_stream(device).cuda_stream,
+                  workspace_alloc=_alloc(device), **kwargs)
+
+
+_NO_CUDA_KL = ("the exact KL value is not computed by the CUDA backend yet: pass kl_value=False "
+               "to msa.sparse_attention / msa.warmup_attention / msa.flash_msa.* for CUDA "
+               "tensors (kl is then a zero)")
+
+
+def _mentions_kl(message: str) -> bool:
+    return re.search(r"\bkl\b", message, re.IGNORECASE) is not None
 
 
 def _need_rank(name: str, t: Optional[Tensor], rank: int, shape: str) -> None:
@@ -82,10 +101,9 @@ def select_blocks(
     _need_int("top_k", top_k, 1)
     block_idx = torch.empty((q_idx.shape[0], q_idx.shape[1], top_k), dtype=torch.int32,
                             device=q_idx.device)
-    _C.select_blocks(_lc(q_idx), _lc(k_idx), _lc(cu_seqlens), block_idx, None,
-                     block_size=block_size, top_k=top_k, sink_blocks=sink_blocks,
-                     local_blocks=local_blocks, scale_idx=scale_idx, stream=_stream(q_idx),
-                     workspace_alloc=_alloc(q_idx.device))
+    _launch(_C.select_blocks, q_idx.device, _lc(q_idx), _lc(k_idx), _lc(cu_seqlens), block_idx,
+            None, block_size=block_size, top_k=top_k, sink_blocks=sink_blocks,
+            local_blocks=local_blocks, scale_idx=scale_idx)
     return block_idx
 
 
@@ -145,12 +163,16 @@ def forward(
     out = torch.empty(q.shape, dtype=q.dtype, device=dev)
     lse = torch.empty((T, Hq), dtype=torch.float32, device=dev)
     kl = torch.zeros((), dtype=torch.float32, device=dev)
-    _C.forward(_lc(q), _lc(k), _lc(v), _lc(cu_seqlens), bi, sel, _lc(q_idx), _lc(k_idx),
-               out, lse, kl.view(1) if want_kl else None,
-               mode=_MODE_DENSE if dense else _MODE_SPARSE, block_size=block_size,
-               top_k=top_k, sink_blocks=sink_blocks, local_blocks=local_blocks, scale=scale,
-               scale_idx=scale_idx, deterministic=deterministic, stream=_stream(q),
-               workspace_alloc=_alloc(dev))
+    try:
+        _launch(_C.forward, dev, _lc(q), _lc(k), _lc(v), _lc(cu_seqlens), bi, sel, _lc(q_idx),
+                _lc(k_idx), out, lse, kl.view(1) if want_kl else None,
+                mode=_MODE_DENSE if dense else _MODE_SPARSE, block_size=block_size,
+                top_k=top_k, sink_blocks=sink_blocks, local_blocks=local_blocks, scale=scale,
+                scale_idx=scale_idx, deterministic=deterministic)
+    except NotImplementedError as e:
+        if want_kl and dev.type == "cuda" and _mentions_kl(str(e)):
+            raise NotImplementedError(f"{e}\nmsa: {_NO_CUDA_KL}") from None
+        raise
     return out, lse, bi_out, kl
 
 
@@ -216,14 +238,13 @@ def backward(
               else _empty(q.dtype, dev))
     if kl_grad is not None and want_idx:
         kl_grad = kl_grad.detach().reshape(1).to(dtype=torch.float32, device=dev)
-    _C.backward(_lc(q), _lc(k), _lc(v), _lc(out), _lc(lse), _lc(dout), _lc(cu_seqlens),
-                None if dense else _lc(block_idx), dq, dk, dv,
-                _lc(q_idx) if want_idx else None, _lc(k_idx) if want_idx else None,
-                dq_idx if want_dq_idx else None, dk_idx if want_dk_idx else None,
-                kl_grad if want_idx else None, kl_weight=1.0,
-                mode=_MODE_DENSE if dense else _MODE_SPARSE, block_size=block_size,
-                scale=scale, scale_idx=scale_idx, deterministic=deterministic,
-                stream=_stream(q), workspace_alloc=_alloc(dev))
+    _launch(_C.backward, dev, _lc(q), _lc(k), _lc(v), _lc(out), _lc(lse), _lc(dout),
+            _lc(cu_seqlens), None if dense else _lc(block_idx), dq, dk, dv,
+            _lc(q_idx) if want_idx else None, _lc(k_idx) if want_idx else None,
+            dq_idx if want_dq_idx else None, dk_idx if want_dk_idx else None,
+            kl_grad if want_idx else None, kl_weight=1.0,
+            mode=_MODE_DENSE if dense else _MODE_SPARSE, block_size=block_size,
+            scale=scale, scale_idx=scale_idx, deterministic=deterministic)
     return dq, dk, dv, dq_idx, dk_idx
 
 
@@ -265,11 +286,10 @@ def kl_divergence(
     kl_rows = torch.empty((q_idx.shape[0], q_idx.shape[1]), dtype=torch.float32, device=dev)
     if not dense and block_idx is None:
         raise ValueError("msa: argument 'block_idx': required in sparse mode")
-    _C.kl_divergence(_lc(q), _lc(k), _lc(lse), _lc(q_idx), _lc(k_idx), _lc(cu_seqlens),
-                     None if dense else _lc(block_idx), kl.view(1), kl_rows,
-                     mode=_MODE_DENSE if dense else _MODE_SPARSE, block_size=block_size,
-                     scale=scale, scale_idx=scale_idx, stream=_stream(q),
-                     workspace_alloc=_alloc(dev))
+    _launch(_C.kl_divergence, dev, _lc(q), _lc(k), _lc(lse), _lc(q_idx), _lc(k_idx),
+            _lc(cu_seqlens), None if dense else _lc(block_idx), kl.view(1), kl_rows,
+            mode=_MODE_DENSE if dense else _MODE_SPARSE, block_size=block_size,
+            scale=scale, scale_idx=scale_idx)
     return kl, kl_rows
 
 

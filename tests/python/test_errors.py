@@ -110,9 +110,9 @@ def test_cuda_tensors():
     q, k, v, qi, ki = make_inputs(T, Hq, Hkv, Hi, Hik, D, Di, torch.bfloat16, device="cuda")
     if not msa.backend_available("cuda"):
         with pytest.raises(NotImplementedError, match="CUDA"):
-            msa.sparse_attention(q, k, v, qi, ki, 2, Bk)
+            msa.sparse_attention(q, k, v, qi, ki, 2, Bk, kl_value=False)
         return
-    out, kl = msa.sparse_attention(q, k, v, qi, ki, 2, Bk)
+    out, kl = msa.sparse_attention(q, k, v, qi, ki, 2, Bk, kl_value=False)
     cpu = [t.detach().cpu() for t in (q, k, v, qi, ki)]
     out_c, kl_c = msa.sparse_attention(*cpu, 2, Bk)
     torch.testing.assert_close(out.cpu(), out_c, rtol=2e-2, atol=2e-2)
