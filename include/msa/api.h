@@ -22,7 +22,8 @@ size_t workspace_size(const ForwardParams& p);
 size_t workspace_size(const BackwardParams& p);
 size_t workspace_size(const KlParams& p);
 
-// Whether a backend for this device type is compiled in.
+// Whether a backend for this device type is compiled in and can run here (kCuda: the library was
+// built with its CUDA backend and a GPU of compute capability 9.0 is visible).
 bool backend_available(DeviceType device);
 
 const char* version();

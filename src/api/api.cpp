@@ -8,6 +8,9 @@
 
 #include "../cpu/backend.h"
 #include "validate.h"
+#ifdef MSA_WITH_CUDA
+#include "../cuda/backend.h"
+#endif
 
 namespace msa {
 namespace {
@@ -19,6 +22,28 @@ Status not_built(const char* fn, Device device) {
                               (device.type == DeviceType::kCuda ? "CUDA" : "?") +
                               " is built into this library");
 }
+
+#ifdef MSA_WITH_CUDA
+// Whether the CUDA backend can run here: asked once per process.
+bool cuda_usable() {
+  static const bool usable = cuda::available();
+  return usable;
+}
+
+// What the CUDA backend takes beyond validation: 16-bit inputs (`arg` holds the call's dtype; every
+// other floating input has the same one) and a Hopper GPU.
+Status cuda_ready(const char* fn, const char* arg, const Problem& prob) {
+  if (prob.dtype != DType::kFloat16 && prob.dtype != DType::kBFloat16)
+    return Status::NotSupported(std::string("msa::") + fn + ": argument '" + arg +
+                                "': the CUDA backend takes float16 or bfloat16, got " +
+                                dtype_name(prob.dtype) + " (float32 and float64 run on the CPU backend only)");
+  if (!cuda_usable())
+    return Status::NotSupported(std::string("msa::") + fn +
+                                ": no GPU of compute capability 9.0 is visible; the CUDA kernels of this "
+                                "library are built for sm_90a (Hopper)");
+  return Status::Ok();
+}
+#endif
 
 // Runs `body` (which returns a Status) and turns exceptions into kInternal.
 template <class F>
@@ -38,7 +63,15 @@ Status select_blocks(const SelectParams& p) {
   return guarded("select_blocks", [&]() -> Status {
     Problem prob;
     MSA_TRY(detail::validate(p, &prob));
-    if (p.q_idx.device.type != DeviceType::kCpu) return not_built("select_blocks", p.q_idx.device);
+    if (p.q_idx.device.type != DeviceType::kCpu) {
+#ifdef MSA_WITH_CUDA
+      if (p.q_idx.device.type == DeviceType::kCuda) {
+        MSA_TRY(cuda_ready("select_blocks", "q_idx", prob));
+        return cuda::select_blocks(prob, p);
+      }
+#endif
+      return not_built("select_blocks", p.q_idx.device);
+    }
     return cpu::select_blocks(prob, p.q_idx, p.k_idx, p.block_idx, p.lse_idx);
   });
 }
@@ -47,7 +80,15 @@ Status forward(const ForwardParams& p) {
   return guarded("forward", [&]() -> Status {
     Problem prob;
     MSA_TRY(detail::validate(p, &prob));
-    if (p.q.device.type != DeviceType::kCpu) return not_built("forward", p.q.device);
+    if (p.q.device.type != DeviceType::kCpu) {
+#ifdef MSA_WITH_CUDA
+      if (p.q.device.type == DeviceType::kCuda) {
+        MSA_TRY(cuda_ready("forward", "q", prob));
+        return cuda::attention_forward(prob, p);
+      }
+#endif
+      return not_built("forward", p.q.device);
+    }
     const bool sparse = prob.opts.mode == Mode::kSparse;
     if (sparse && p.select) MSA_TRY(cpu::select_blocks(prob, p.q_idx, p.k_idx, p.block_idx, TensorRef{}));
     MSA_TRY(cpu::attention_forward(prob, p));
@@ -70,7 +111,14 @@ Status backward(const BackwardParams& p) {
   return guarded("backward", [&]() -> Status {
     Problem prob;
     MSA_TRY(detail::validate(p, &prob));
-    if (p.q.device.type != DeviceType::kCpu) return not_built("backward", p.q.device);
+    if (p.q.device.type != DeviceType::kCpu) {
+#ifdef MSA_WITH_CUDA
+      if (p.q.device.type == DeviceType::kCuda)
+        return Status::NotSupported(
+            "msa::backward: the CUDA backend has no backward kernels yet (CPU tensors work)");
+#endif
+      return not_built("backward", p.q.device);
+    }
     return cpu::attention_backward(prob, p);
   });
 }
@@ -79,7 +127,14 @@ Status kl_divergence(const KlParams& p) {
   return guarded("kl_divergence", [&]() -> Status {
     Problem prob;
     MSA_TRY(detail::validate(p, &prob));
-    if (p.q.device.type != DeviceType::kCpu) return not_built("kl_divergence", p.q.device);
+    if (p.q.device.type != DeviceType::kCpu) {
+#ifdef MSA_WITH_CUDA
+      if (p.q.device.type == DeviceType::kCuda)
+        return Status::NotSupported(
+            "msa::kl_divergence: the CUDA backend has no KL kernels yet (CPU tensors work)");
+#endif
+      return not_built("kl_divergence", p.q.device);
+    }
     return cpu::kl_divergence(prob, p);
   });
 }
@@ -90,7 +145,12 @@ size_t workspace_size(const ForwardParams&) { return 0; }
 size_t workspace_size(const BackwardParams&) { return 0; }
 size_t workspace_size(const KlParams&) { return 0; }
 
-bool backend_available(DeviceType device) { return device == DeviceType::kCpu; }
+bool backend_available(DeviceType device) {
+#ifdef MSA_WITH_CUDA
+  if (device == DeviceType::kCuda) return cuda_usable();
+#endif
+  return device == DeviceType::kCpu;
+}
 
 const char* version() { return MSA_VERSION_STRING; }
 
