@@ -1,0 +1,274 @@
+// Index selection on Hopper (spec §2): the causal index-score GEMM q_idx k_idx^T streamed over
+// key blocks, the per-block max taken in registers, and a running top-k per row, so no score
+// ever reaches device memory.
+//
+// A tile packs m tokens x the Gk = Hi / Hik index heads that share one index key head into
+// kBlockM = 128 MMA rows (row = token * Gk + head). Warp 0 streams k_idx blocks with TMA; two
+// consumer warpgroups (64 rows each) compute S with wgmma, reduce each row's block max over the
+// quad that holds the row, and one lane per row keeps that row's best candidates, sorted by
+// (score desc, block asc), in shared memory. Blocks arrive in ascending order, so a candidate
+// that only ties the current k-th best never displaces it: ties go to the lower block index.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/gemm/collective/builders/sm90_common.inl>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+#include "tile.cuh"
+#include "utils.cuh"
+
+namespace msa::cuda::kern {
+
+template <class Element_, int kDim_, int kBlockN_>
+struct SelectTraits {
+  using Element = Element_;
+  static constexpr int kDim = kDim_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kBlockM = 128;
+  static constexpr int kStages = 4;
+  static constexpr int kConsumerThreads = 256;
+  static constexpr int kThreads = kConsumerThreads + 128;
+
+  using TileQK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kDim>>;
+  using MmaQK = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, TileQK>(),
+                                        Layout<Shape<_2, _1, _1>>{}));
+  using SmemAtomQ = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
+                             GMMA::Major::K, Element, Int<kBlockM>, Int<kDim>>());
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtomQ{}, Shape<Int<kBlockM>, Int<kDim>>{}));
+  using SmemAtomK = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
+                             GMMA::Major::K, Element, Int<kBlockN>, Int<kDim>>());
+  using SmemLayoutK = decltype(tile_to_shape(SmemAtomK{},
+                                             Shape<Int<kBlockN>, Int<kDim>, Int<kStages>>{}));
+  using GLayout = Layout<Shape<int32_t, int32_t, int32_t>, Stride<int64_t, _1, int64_t>>;
+  using Tma = decltype(make_tma_copy(
+      SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GLayout{}),
+      take<0, 2>(SmemLayoutK{}), Shape<Int<kBlockN>, Int<kDim>>{}, _1{}));
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  static constexpr uint32_t kTmaBytes = kBlockN * kDim * sizeof(Element);
+
+  struct SharedStorage {
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k;
+    typename Pipeline::SharedStorage pipe;
+  };
+  // Followed by the per-row candidate lists: float score[kBlockM][k], int32 block[kBlockM][k].
+  static constexpr size_t kListOffset = (sizeof(SharedStorage) + 15) / 16 * 16;
+};
+
+template <class Traits>
+struct SelectKernelParams {
+  using Element = typename Traits::Element;
+  typename Traits::Tma tma_k;
+  const Element* q_idx;
+  int64_t q_s0, q_s1;
+  int32_t* block_idx;  // [T, Hi, k]
+  int64_t bi_s0, bi_s1;
+  const int32_t* cu_seqlens;
+  int32_t nseq;
+  int32_t T;
+  int32_t Hik;
+  int32_t idx_per_key;  // Gk = Hi / Hik
+  int32_t tile_tokens;  // m = kBlockM / Gk
+  int32_t k, sink_blocks, local_blocks;
+  float scale;  // |scale_idx|
+  bool negate;  // scale_idx < 0: q_idx is negated on load and |scale_idx| used
+  int64_t num_tiles;
+};
+
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    select_kernel(const __grid_constant__ SelectKernelParams<Traits> p) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kDim = Traits::kDim;
+  using SharedStorage = typename Traits::SharedStorage;
+  using Pipeline = typename Traits::Pipeline;
+
+  extern __shared__ __align__(1024) char smem_raw[];
+  SharedStorage& ss = *reinterpret_cast<SharedStorage*>(smem_raw);
+  float* list_score = reinterpret_cast<float*>(smem_raw + Traits::kListOffset);
+  int32_t* list_block = reinterpret_cast<int32_t*>(list_score + kBlockM * p.k);
+
+  const int64_t tile_id = p.num_tiles - 1 - blockIdx.x;
+  const int32_t ik = blockIdx.y;
+  const QueryTile tile = decode_tile(p.cu_seqlens, p.nseq, p.T, p.tile_tokens, tile_id);
+  if (tile.count == 0) return;
+  const int32_t last_block = (tile.first + tile.count - 1) / kBlockN;
+
+  const int warp = cutlass::canonical_warp_idx_sync();
+  const bool producer = warp < 4;
+  typename Pipeline::Params pp;
+  pp.transaction_bytes = Traits::kTmaBytes;
+  pp.role = producer ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+  pp.is_leader = threadIdx.x == 0;
+  pp.num_consumers = Traits::kConsumerThreads;
+  Pipeline pipe(ss.pipe, pp, Shape<_1, _1, _1>{});
+  __syncthreads();
+
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutK{});
+
+  if (producer) {
+    cutlass::arch::warpgroup_reg_dealloc<40>();
+    if (threadIdx.x != 0) return;
+    Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.T, kDim, p.Hik));
+    Tensor gK = local_tile(domain_offset(make_coord(static_cast<int32_t>(tile.seq_start), _0{}),
+                                         mK(_, _, ik)),
+                           Shape<Int<kBlockN>, Int<kDim>>{}, make_coord(_, _0{}));
+    auto [tKg, tKs] = tma_partition(p.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
+                                    group_modes<0, 2>(gK));
+    auto state = cutlass::make_producer_start_state<Pipeline>();
+    for (int32_t b = 0; b <= last_block; ++b) {
+      pipe.producer_acquire(state);
+      copy(p.tma_k.with(*pipe.producer_get_barrier(state), 0), tKg(_, b), tKs(_, state.index()));
+      ++state;
+    }
+    return;
+  }
+
+  cutlass::arch::warpgroup_reg_alloc<232>();
+  const int tidx = threadIdx.x - 128;
+  const int32_t Gk = p.idx_per_key;
+  const int32_t rows_used = p.tile_tokens * Gk;
+  {
+    constexpr int kChunks = kDim / 8;
+    for (int e = tidx; e < kBlockM * kChunks; e += Traits::kConsumerThreads) {
+      const int row = e / kChunks, c = e % kChunks;
+      const int tok = row / Gk, h = row - tok * Gk;
+      uint4 val = make_uint4(0, 0, 0, 0);
+      if (row < rows_used && tok < tile.count) {
+        const Element* src = p.q_idx + (tile.seq_start + tile.first + tok) * p.q_s0 +
+                             (int64_t)(ik * Gk + h) * p.q_s1 + c * 8;
+        val = *reinterpret_cast<const uint4*>(src);
+        if (p.negate) val = negate8(val);
+      }
+      *reinterpret_cast<uint4*>(&sQ(row, c * 8)) = val;
+    }
+    cutlass::arch::fence_view_async_shared();
+    cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads,
+                                      static_cast<uint32_t>(Barrier::kQReady));
+  }
+
+  typename Traits::MmaQK mma;
+  auto thr = mma.get_thread_slice(tidx);
+  Tensor tSrQ = thr.partition_fragment_A(sQ);
+  Tensor tSrK = thr.partition_fragment_B(sK);
+  // Two score accumulators: the GEMM of block b+1 runs while block b's maxima are reduced.
+  Tensor tSrS0 = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+  Tensor tSrS1 = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+  Tensor cS = thr.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Tensor cSrc = make_tensor(cS.data(), acc_rowcol(cS.layout()));
+  constexpr int kRows = decltype(size<0>(cSrc))::value;
+  static_assert(kRows == 2, "one quad holds two rows of a 64-row wgmma tile");
+
+  // Lane 0 of a quad keeps the list of the quad's first row, lane 1 of its second row.
+  const int quad_lane = tidx & 3;
+  const bool owner = quad_lane < kRows;
+  const bool second = quad_lane == 1;
+  const int row0 = get<0>(cSrc(0, 0)), row1 = get<0>(cSrc(1, 0));
+  const int32_t tok0 = row0 / Gk, tok1 = row1 / Gk;
+  const int32_t my_row = second ? row1 : row0;
+  const int32_t my_tok = second ? tok1 : tok0;
+  const bool active = owner && my_row < rows_used && my_tok < tile.count;
+  const int32_t my_pos = tile.first + my_tok;
+  const int32_t own = my_pos / kBlockN;
+  const int32_t first_local = max(0, own - p.local_blocks + 1);
+  const int32_t first_cand = p.sink_blocks, end_cand = first_local;  // [sink, first_local)
+  int32_t slots = 0;
+  float* my_score = list_score + my_row * p.k;
+  int32_t* my_block = list_block + my_row * p.k;
+  if (active) {
+    slots = p.k - (min(p.sink_blocks, first_local) + (own - first_local + 1));
+    for (int j = 0; j < slots; ++j) {
+      my_score[j] = -INFINITY;
+      my_block[j] = -1;
+    }
+  }
+  // The current slots-th best: a candidate must beat it (or fill an empty slot).
+  float thr_score = -INFINITY;
+  bool full = slots == 0;
+
+  typename Pipeline::PipelineState wait_state, release_state;
+  auto issue = [&](auto& acc) {
+    __syncwarp();  // the list update diverges; wgmma needs the warp converged
+    pipe.consumer_wait(wait_state);
+    wg_gemm<true>(mma, tSrQ, tSrK(_, _, _, wait_state.index()), acc);
+    ++wait_state;
+  };
+  auto process = [&](auto& acc, int32_t b) {
+    pipe.consumer_release(release_state);
+    ++release_state;
+    Tensor S = make_tensor(acc.data(), acc_rowcol(acc.layout()));
+    const int32_t key0 = b * kBlockN;
+    const bool causal = key0 + kBlockN - 1 > tile.first;
+    float block_max[kRows];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      float m = -INFINITY;
+      if (causal) {
+        const int32_t last_key = tile.first + (r == 0 ? tok0 : tok1) - key0;
+#pragma unroll
+        for (int c = 0; c < size<1>(S); ++c)
+          m = fmaxf(m, get<1>(cSrc(r, c)) <= last_key ? S(r, c) : -INFINITY);
+      } else {
+#pragma unroll
+        for (int c = 0; c < size<1>(S); ++c) m = fmaxf(m, S(r, c));
+      }
+      block_max[r] = quad_max(m);
+    }
+    if (!active || b < first_cand || b >= end_cand) return;
+    const float score = (second ? block_max[1] : block_max[0]) * p.scale;
+    if (full && !(score > thr_score)) return;
+    // Insert after every entry that scores at least as much (those have lower block ids).
+    int j = slots - 1;
+    while (j > 0 && (my_block[j - 1] < 0 || my_score[j - 1] < score)) {
+      my_score[j] = my_score[j - 1];
+      my_block[j] = my_block[j - 1];
+      --j;
+    }
+    my_score[j] = score;
+    my_block[j] = b;
+    full = my_block[slots - 1] >= 0;
+    thr_score = my_score[slots - 1];
+  };
+
+  issue(tSrS0);
+  for (int32_t b = 0; b <= last_block; b += 2) {
+    if (b + 1 <= last_block) {
+      issue(tSrS1);
+      warpgroup_wait<1>();
+    } else {
+      warpgroup_wait<0>();
+    }
+    process(tSrS0, b);
+    if (b + 1 > last_block) break;
+    if (b + 2 <= last_block) {
+      issue(tSrS0);
+      warpgroup_wait<1>();
+    } else {
+      warpgroup_wait<0>();
+    }
+    process(tSrS1, b + 1);
+  }
+
+  if (!active) return;
+  // Ascending output: sink blocks, the chosen candidates (all in [sink, first_local)), local.
+  for (int i = 1; i < slots; ++i) {  // insertion sort by block id, -1 last
+    const int32_t v = my_block[i];
+    int j = i;
+    while (j > 0 && v >= 0 && (my_block[j - 1] < 0 || my_block[j - 1] > v)) {
+      my_block[j] = my_block[j - 1];
+      --j;
+    }
+    my_block[j] = v;
+  }
+  const int32_t head = ik * Gk + (my_row - my_tok * Gk);
+  int32_t* out = p.block_idx + (tile.seq_start + my_pos) * p.bi_s0 + (int64_t)head * p.bi_s1;
+  int32_t n = 0;
+  for (int32_t b = 0; b < min(p.sink_blocks, first_local); ++b) out[n++] = b;
+  for (int i = 0; i < slots; ++i)
+    if (my_block[i] >= 0) out[n++] = my_block[i];
+  for (int32_t b = first_local; b <= own; ++b) out[n++] = b;
+  while (n < p.k) out[n++] = -1;
+}
+
+}  // namespace msa::cuda::kern

@@ -1,0 +1,48 @@
+// Query tiles over packed variable-length sequences. A tile is up to `m` consecutive tokens of
+// one sequence (tiles never cross a sequence boundary). Sequence s owns tile ids
+// [s + cu[s] / m, s + cu[s] / m + ceil(len_s / m)), which never overlap the next sequence's
+// (floor(a + len) >= floor(a) + floor(len)), so a grid of nseq + T / m + 1 tiles covers all;
+// ids past a sequence's last tile are empty.
+#pragma once
+
+#include <cstdint>
+
+namespace msa::cuda::kern {
+
+struct QueryTile {
+  int64_t seq_start;  // packed index of the sequence's first token
+  int32_t seq_len;
+  int32_t first;      // position of the tile's first token inside its sequence
+  int32_t count;      // tokens in the tile (0: empty tile id)
+};
+
+// cu_seqlens == nullptr: one sequence of T tokens.
+__device__ inline QueryTile decode_tile(const int32_t* cu_seqlens, int32_t nseq, int64_t T,
+                                        int32_t m, int64_t tile_id) {
+  QueryTile t{0, 0, 0, 0};
+  int32_t s = 0;
+  if (cu_seqlens != nullptr) {
+    // The last sequence s with base(s) <= tile_id.
+    int32_t lo = 0, hi = nseq - 1;
+    while (lo < hi) {
+      const int32_t mid = (lo + hi + 1) >> 1;
+      const int64_t base = mid + cu_seqlens[mid] / m;
+      if (base <= tile_id) lo = mid; else hi = mid - 1;
+    }
+    s = lo;
+    t.seq_start = cu_seqlens[s];
+    t.seq_len = cu_seqlens[s + 1] - cu_seqlens[s];
+  } else {
+    t.seq_len = static_cast<int32_t>(T);
+  }
+  const int64_t j = tile_id - (s + t.seq_start / m);
+  const int64_t first = j * m;
+  if (j < 0 || first >= t.seq_len) return t;
+  t.first = static_cast<int32_t>(first);
+  t.count = static_cast<int32_t>(t.seq_len - first < m ? t.seq_len - first : m);
+  return t;
+}
+
+inline int64_t num_tile_ids(int32_t nseq, int64_t T, int32_t m) { return nseq + T / m + 1; }
+
+}  // namespace msa::cuda::kern

@@ -1,0 +1,101 @@
+// Small device helpers shared by the Hopper kernels: accumulator layout views, the warpgroup
+// GEMM wrapper, quad reductions.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/numeric_conversion.h>
+#include <cutlass/numeric_types.h>
+
+namespace msa::cuda::kern {
+
+using namespace cute;
+
+// Named barriers (user ids; CUTLASS offsets them past its reserved ones).
+enum class Barrier : uint32_t {
+  kListReady = 0,  // producer warp + consumers: the tile's block list is in shared memory
+  kQReady = 1,     // consumers: Q is in shared memory
+  kVTail = 2,      // consumers: the tail rows of a V stage were zeroed
+  kTopK = 3,       // consumers: per-row selection state
+};
+
+// Row/column view of a wgmma accumulator: ((2, 2, N/8), M, N) -> ((2, M), (2, N/8, N)).
+// Rows are (row half, MMA_M), columns (column pair, n8 chunk, MMA_N).
+template <class Layout>
+CUTE_HOST_DEVICE constexpr auto acc_rowcol(Layout l) {
+  static_assert(decltype(rank(l))::value == 3);
+  static_assert(decltype(rank(get<0>(l)))::value == 3);
+  return make_layout(make_layout(get<0, 1>(l), get<1>(l)),
+                     make_layout(get<0, 0>(l), get<0, 2>(l), get<2>(l)));
+}
+
+// The accumulator of S = Q K^T as the register A operand of O += P V (16-bit P):
+// ((2, 2, N/8), M, N) -> ((2, 2, 2), M, (N/16, N)): two n8 chunks form one k16 slice.
+template <class Layout>
+CUTE_HOST_DEVICE constexpr auto acc_as_a_operand(Layout l) {
+  auto chunks = logical_divide(get<0, 2>(l), Tile<_2>{});  // ((2, N/16))
+  return make_layout(make_layout(get<0, 0>(l), get<0, 1>(l), get<0, 0>(chunks)), get<1>(l),
+                     coalesce(make_layout(get<0, 1>(chunks), get<2>(l))));
+}
+
+// C (+)= A B on one warpgroup's tiles, issued asynchronously; the caller waits with
+// warpgroup_wait<N>(). A lives in registers (kRegA, RS) or shared memory (SS descriptors).
+template <bool kZeroInit, bool kRegA = false, class Mma, class TA, class TB, class TC>
+CUTE_DEVICE void wg_gemm(Mma& mma, TA const& a, TB const& b, TC& c) {
+  if constexpr (kRegA) warpgroup_fence_operand(const_cast<TA&>(a));
+  warpgroup_fence_operand(c);
+  warpgroup_arrive();
+  if constexpr (kZeroInit) mma.accumulate_ = GMMA::ScaleOut::Zero;
+  CUTE_UNROLL
+  for (int kb = 0; kb < size<2>(a); ++kb) {
+    cute::gemm(mma, a(_, _, kb), b(_, _, kb), c);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  warpgroup_fence_operand(c);
+  if constexpr (kRegA) warpgroup_fence_operand(const_cast<TA&>(a));
+}
+
+// Flips the sign bit of eight 16-bit floats (exact: how a negative softmax scale is folded into
+// the query so that scores keep a positive scale).
+CUTE_DEVICE uint4 negate8(uint4 v) {
+  v.x ^= 0x80008000u;
+  v.y ^= 0x80008000u;
+  v.z ^= 0x80008000u;
+  v.w ^= 0x80008000u;
+  return v;
+}
+
+// Reductions over the 4 lanes of a quad (the threads sharing an accumulator row).
+CUTE_DEVICE float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
+}
+CUTE_DEVICE float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffff, x, 1);
+  return x + __shfl_xor_sync(0xffffffff, x, 2);
+}
+
+// Element conversion of a register tensor into another of the same shape.
+template <class TSrc, class TDst>
+CUTE_DEVICE void convert_into(TSrc const& src, TDst& dst) {
+  using To = typename TDst::value_type;
+  constexpr int N = decltype(size(src))::value;
+  cutlass::NumericArrayConverter<To, float, N> conv;
+  *reinterpret_cast<cutlass::Array<To, N>*>(dst.data()) =
+      conv(*reinterpret_cast<cutlass::Array<float, N> const*>(src.data()));
+}
+
+// Element conversion of a register tensor (fp32 accumulators to the 16-bit input type).
+template <class To, class Tensor>
+CUTE_DEVICE auto convert_to(Tensor const& t) {
+  constexpr int N = decltype(size(t))::value;
+  auto out = make_tensor_like<To>(t);
+  cutlass::NumericArrayConverter<To, float, N> conv;
+  *reinterpret_cast<cutlass::Array<To, N>*>(out.data()) =
+      conv(*reinterpret_cast<cutlass::Array<float, N> const*>(t.data()));
+  return out;
+}
+
+}  // namespace msa::cuda::kern
