@@ -67,6 +67,8 @@ def check_selection(block_idx, q_idx, k_idx, top_k, block_size, cu_seqlens=None,
     """
     T, Hi, Di = q_idx.shape
     assert block_idx.shape == (T, Hi, top_k) and block_idx.dtype == torch.int32
+    dev = q_idx.device
+    block_idx = block_idx.to(dev)
     if scale_idx is None:
         scale_idx = Di ** -0.5
     qi = q_idx.detach().to(torch.float64)
@@ -82,19 +84,19 @@ def check_selection(block_idx, q_idx, k_idx, top_k, block_size, cu_seqlens=None,
         assert (valid[..., 1:] <= valid[..., :-1]).all(), "-1 padding must come last"
         inc = bi[..., 1:] > bi[..., :-1]
         assert (inc | ~valid[..., 1:]).all(), "block ids must be strictly ascending"
-        own = torch.arange(L) // Bk
+        own = torch.arange(L, device=dev) // Bk
         assert (bi <= own[None, :, None]).all(), "a selected block lies after the token's block"
         nb = (L + Bk - 1) // Bk
         s = scale_idx * torch.einsum("thd,jhd->htj", qi[a:b], ki[a:b])
-        t = torch.arange(L)
+        t = torch.arange(L, device=dev)
         s = s.masked_fill(~(t[None, :] <= t[:, None]), float("-inf"))
         s = torch.nn.functional.pad(s, (0, nb * Bk - L), value=float("-inf"))
         M = s.reshape(Hi, L, nb, Bk).amax(-1)
-        blk = torch.arange(nb)
+        blk = torch.arange(nb, device=dev)
         forced = ((blk[None] <= own[:, None]) & (blk[None] > own[:, None] - local_blocks)) | (
             blk[None] < torch.clamp(own + 1, max=sink_blocks)[:, None])
         cand = (blk[None] < own[:, None]) & ~forced
-        sel = torch.zeros(Hi, L, nb + 1, dtype=torch.bool)
+        sel = torch.zeros(Hi, L, nb + 1, dtype=torch.bool, device=dev)
         sel.scatter_(-1, torch.where(valid, bi, torch.full_like(bi, nb)), True)
         sel = sel[..., :nb]
         assert not (forced[None] & ~sel).any(), "a forced block is missing"
