@@ -14,8 +14,10 @@ MSA_TEST_DEVICE=cpu runs the same tests with the CPU backend as the device under
 of the tests themselves; the stream, graph and synchronisation tests then skip).
 """
 
+import functools
 import importlib.util
 import os
+import re
 import time
 
 import pytest
@@ -32,6 +34,20 @@ if IS_CUDA:
     _ready = torch.cuda.is_available() and msa.backend_available("cuda")
     pytestmark = pytest.mark.skipif(not _ready, reason="the library has no usable CUDA backend")
 cuda_only = pytest.mark.skipif(not IS_CUDA, reason="CUDA streams and graphs")
+
+
+def skip_unbuilt(test):
+    """Skips (instead of failing) a case whose variant this build of the library leaves out
+    (e.g. a fast build with bf16, D = 128, Bk = 128 only): the library says "... built ..."."""
+    @functools.wraps(test)
+    def wrapper(*args, **kwargs):
+        try:
+            return test(*args, **kwargs)
+        except NotImplementedError as e:
+            if re.search(r"\bbuilt\b", str(e)) and "no backend" not in str(e):
+                pytest.skip(f"not in this build: {e}")
+            raise
+    return wrapper
 
 BF16, FP16 = torch.bfloat16, torch.float16
 OUT_TOL = {BF16: 1e-2, FP16: 3e-3}
@@ -266,6 +282,7 @@ DI = 128
 
 
 @pytest.mark.parametrize("case", SEL_CASES, ids=SEL_IDS)
+@skip_unbuilt
 def test_select_blocks(case):
     _, lengths, Hi, Hik, Bk, top_k, sink, local, dtype = case
     T = sum(lengths)
@@ -284,6 +301,7 @@ def test_select_blocks(case):
                                              local_blocks=local))
 
 
+@skip_unbuilt
 def test_select_blocks_scale_does_not_change_ranking():
     T, Hi, Bk, top_k = 1000, 4, 64, 6
     qi, ki = rand(T, Hi, DI, dtype=BF16), rand(T, 1, DI, dtype=BF16)
@@ -300,6 +318,7 @@ def test_select_blocks_scale_does_not_change_ranking():
 
 
 @pytest.mark.parametrize("case", ATTN_CASES, ids=ATTN_IDS)
+@skip_unbuilt
 def test_forward_given_block_idx(case):
     _, lengths, Hq, Hkv, Hi, Hik, D, Bk, top_k, dtype = case
     T = sum(lengths)
@@ -313,6 +332,7 @@ def test_forward_given_block_idx(case):
 
 
 @pytest.mark.parametrize("case", ATTN_CASES, ids=ATTN_IDS)
+@skip_unbuilt
 def test_forward_with_selection(case):
     _, lengths, Hq, Hkv, Hi, Hik, D, Bk, top_k, dtype = case
     T = sum(lengths)
@@ -329,6 +349,7 @@ def test_forward_with_selection(case):
     check_against_references(out, lse, q, k, v, bi, lengths, Bk, dtype)
 
 
+@skip_unbuilt
 def test_forward_sink_and_local_blocks():
     lengths, Hq, Hkv, Hi, D, Bk, top_k = [1500, 0, 700], 8, 2, 2, 128, 64, 6
     T = sum(lengths)
@@ -348,6 +369,7 @@ def test_forward_sink_and_local_blocks():
     ("varlen_empty_g16", [0, 799, 1, 0, 300], 16, 1, 1, 128, BF16),
     ("len4224_paper_heads", [4224], 64, 4, 4, 128, BF16),
 ], ids=lambda c: c[0])
+@skip_unbuilt
 def test_warmup_dense(case, with_index):
     _, lengths, Hq, Hkv, Hi, D, dtype = case
     T = sum(lengths)
@@ -360,6 +382,7 @@ def test_warmup_dense(case, with_index):
     check_against_references(out, lse, q, k, v, None, lengths, 128, dtype)
 
 
+@skip_unbuilt
 def test_dense_limit_equals_causal_sdpa():
     """With top_k covering every block, sparse attention is dense causal GQA attention."""
     T, Hq, Hkv, D, Bk = 1000, 8, 2, 128, 128
@@ -376,6 +399,7 @@ def test_dense_limit_equals_causal_sdpa():
         assert err < OUT_TOL[BF16], f"{name}: rel-L2 {err:.3e}"
 
 
+@skip_unbuilt
 def test_non_contiguous_inputs():
     """Strided views (head-major, sliced) are read in place; a last dimension that is not
     contiguous is copied by the Python layer. Results match the references and the selection
@@ -417,6 +441,7 @@ def _small(dtype=BF16, requires_grad=False):
     return [t.requires_grad_(requires_grad) for t in x]
 
 
+@skip_unbuilt
 def test_kl_value_default():
     """kl_value=True (the default): the exact value, or a NotImplementedError that says to pass
     kl_value=False."""
@@ -437,6 +462,7 @@ def test_kl_value_default():
         assert abs(float(kl) - float(kl_c)) <= 2e-2 * abs(float(kl_c)) + 1e-5, name
 
 
+@skip_unbuilt
 def test_backward_or_not_implemented():
     """The backward: gradients close to the CPU backend's, or NotImplementedError (not a crash
     or a silent fallback) while the CUDA backend has none."""
@@ -485,6 +511,7 @@ def _stream_inputs():
 
 
 @cuda_only
+@skip_unbuilt
 def test_non_default_stream():
     """Calls run on the current stream: with that stream held busy, a call launched on any
     other stream would read the inputs before the copies that precede it on this one."""
@@ -504,6 +531,7 @@ def test_non_default_stream():
 
 
 @cuda_only
+@skip_unbuilt
 def test_no_host_synchronisation():
     """No call waits for the device: with the stream busy for ~0.5 s, every call returns while
     the stream still has work queued (and torch sees no synchronising operation)."""
@@ -527,6 +555,7 @@ def test_no_host_synchronisation():
 
 
 @cuda_only
+@skip_unbuilt
 def test_cuda_graph_capture_and_replay():
     src, cu, top_k, Bk = _stream_inputs()
     static = [x.clone() for x in src]
@@ -550,6 +579,7 @@ def test_cuda_graph_capture_and_replay():
             assert torch.equal(a, b), f"graph replay output {i} differs from the eager call"
 
 
+@skip_unbuilt
 def test_compile_inference_forward():
     torch._dynamo.reset()
     (q, k, v, qi, ki), cu, top_k, Bk = _stream_inputs()
@@ -562,17 +592,19 @@ def test_compile_inference_forward():
     backend = "inductor" if (IS_CUDA and importlib.util.find_spec("triton")) else "aot_eager"
     compiled = torch.compile(f, fullgraph=True, backend=backend)
     with torch.no_grad():
-        got = compiled(q, k, v, qi, ki, cu)
         want = f(q, k, v, qi, ki, cu)
+        got = compiled(q, k, v, qi, ki, cu)
     assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
     torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
 
 
 def _opcheck(op, args):
+    op(*args)  # a plain call first: an error of the op itself surfaces as it is
     result = torch.library.opcheck(op, args)
     assert all(v == "SUCCESS" for v in result.values()), result
 
 
+@skip_unbuilt
 def test_opcheck():
     """torch.library.opcheck of the ops' device kernels (inputs without grad: inference)."""
     lengths = [0, 200, 313]
