@@ -77,7 +77,7 @@ cp "$lib" "$pkg/$soname"
 
 # Shared libraries the loader cannot find would only show at import time: say so now.
 if command -v ldd >/dev/null 2>&1; then
-  missing="$(cd "$pkg" && ldd "$(basename "${ext[0]}")" "$soname" 2>/dev/null | grep 'not found' || true)"
+  missing="$(cd "$pkg" && { ldd "$(basename "${ext[0]}")" "$soname" 2>/dev/null | grep 'not found'; } ; true)"
   [ -z "$missing" ] || echo "build_binding: warning: unresolved libraries:"$'\n'"$missing" >&2
 fi
 

@@ -1,0 +1,244 @@
+#!/usr/bin/env bash
+# The GPU machine's check, run from the repository root with the prebuilt build/ (libmsa.so,
+# msa_tests) present:
+#
+#   scripts/gpu_check.sh
+#
+# Stages, each logged under $OUT (default ./gpu-out); a failing stage does not stop the later
+# ones, and the exit status is non-zero when any stage failed:
+#   build      the Python binding for this machine's python3, staged in build-gpu-py/
+#              (scripts/build_binding.sh)                                        -> build.log
+#   gtest      build/msa_tests (the C++ suite, its CUDA tests included)          -> gtest.log
+#   pytest     tests/python against the staged package                          -> pytest.log
+#   memcheck   compute-sanitizer --tool memcheck on a few small CUDA tests      -> memcheck.log
+#   racecheck  compute-sanitizer --tool racecheck on the same tests             -> racecheck.log
+#   bench      bench/bench_forward.py                  -> bench.log, bench.csv, bench.json
+# A summary table (stage, result, counts, seconds) and the benchmark's tables come last.
+#
+# Environment:
+#   OUT               log folder (default ./gpu-out)
+#   PYTHON            interpreter (default python3)
+#   MSA_BUILD_DIR     the prebuilt build folder (default build)
+#   GTEST_ARGS        extra arguments of the gtest stage (e.g. --gtest_filter=...)
+#   PYTEST_ARGS       extra arguments of pytest (e.g. "-k cuda -x")
+#   SANITIZER_FILTER  gtest filter of the sanitizer stages
+#   BENCH_ARGS        arguments of the benchmark (default --with-1m; --quick for a smoke run)
+#   STAGES            the stages to run (default: build gtest pytest memcheck racecheck bench)
+#   GPU_CHECK_BUDGET  seconds for everything (default 560); each stage also has a cap,
+#                     e.g. PYTEST_TIMEOUT=300 (BUILD_, GTEST_, MEMCHECK_, RACECHECK_, BENCH_)
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+root="$PWD"
+
+if [ -z "${OUT:-}" ]; then
+  OUT="$root/gpu-out"
+  mkdir -p "$OUT"
+  printf '*\n' >"$OUT/.gitignore"
+fi
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+PY="${PYTHON:-python3}"
+if [[ "$PY" == */* ]]; then
+  PY="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")"  # absolute: stages change folders
+fi
+build_dir="${MSA_BUILD_DIR:-build}"
+stage_dir="$root/build-gpu-py"
+stages="${STAGES:-build gtest pytest memcheck racecheck bench}"
+bench_args_text="${BENCH_ARGS---with-1m}"
+read -r -a bench_args <<<"$bench_args_text"
+read -r -a gtest_args <<<"${GTEST_ARGS:-}"
+read -r -a pytest_args <<<"${PYTEST_ARGS:-}"
+sanitizer_filter="${SANITIZER_FILTER:-Shapes/CudaVsCpu.*/G1_D128_Di128_Bk128:Shapes/CudaVsCpu.*/G16_D128_Bk128_varlen_fp16:Cuda.AllSequencesEmpty:Cuda.FusedQkvStrides:Cuda.VarlenNanStaysInItsSequence}"
+budget="${GPU_CHECK_BUDGET:-560}"
+export PYTHONUNBUFFERED=1
+
+start=$SECONDS
+failed=0
+summary=()
+
+enabled() { [[ " $stages " == *" $1 "* ]]; }
+
+# Seconds a stage may take: its cap, within what the budget leaves after `reserve` seconds kept
+# for the stages after it.
+stage_limit() {
+  local cap=$1 reserve=$2
+  local left=$((budget - (SECONDS - start) - reserve))
+  if ((left < cap)); then echo "$left"; else echo "$cap"; fi
+}
+
+note() {  # stage result detail seconds
+  summary+=("$(printf '| %-9s | %-7s | %s | %s |' "$1" "$2" "$3" "$4")")
+  case "$2" in ok | skipped) ;; *) failed=1 ;; esac
+}
+
+# run_stage NAME LOG CAP RESERVE CMD...: runs CMD with a time limit, output to LOG; sets rc.
+run_stage() {
+  local name=$1 log=$2 cap=$3 reserve=$4
+  shift 4
+  local limit
+  limit="$(stage_limit "$cap" "$reserve")"
+  if ((limit < 10)); then
+    echo "no time left in the budget of ${budget}s" >>"$log"
+    rc=200
+    stage_seconds=0
+    return
+  fi
+  echo "== $name (limit ${limit}s): $*" | tee -a "$log" >&2
+  local t0=$SECONDS
+  timeout --kill-after=15 "$limit" "$@" >>"$log" 2>&1
+  rc=$?
+  stage_seconds=$((SECONDS - t0))
+  echo "== $name: exit $rc after ${stage_seconds}s" >&2
+}
+
+result_of() {  # rc -> result word
+  case "$1" in
+    0) echo ok ;;
+    124 | 137) echo timeout ;;
+    200) echo "no time" ;;
+    *) echo FAILED ;;
+  esac
+}
+
+gtest_counts() {  # log -> "N passed, M failed, S skipped"
+  local p f s
+  p="$(sed -n 's/^\[  PASSED  \] \([0-9]*\) test.*/\1/p' "$1" | tail -1)"
+  f="$(sed -n 's/^\[  FAILED  \] \([0-9]*\) test.*/\1/p' "$1" | tail -1)"
+  s="$(sed -n 's/^\[  SKIPPED \] \([0-9]*\) test.*/\1/p' "$1" | tail -1)"
+  echo "${p:-0} passed, ${f:-0} failed, ${s:-0} skipped"
+}
+
+tail_of_failure() {  # name log
+  echo "---- last lines of $2 ($1) ----"
+  tail -n 25 "$2"
+}
+failures=()
+
+# ---- environment ---------------------------------------------------------------------------
+{
+  echo "gpu_check: $(date -u '+%Y-%m-%d %H:%M:%S') UTC, commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+  command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L
+  "$PY" -c 'import sys, torch; print("python", sys.version.split()[0], "| torch", torch.__version__, "| cuda", torch.version.cuda, "| gpu", torch.cuda.get_device_name() if torch.cuda.is_available() else None)' 2>&1
+} | tee "$OUT/build.log"
+
+# ---- build: the binding for this python ----------------------------------------------------
+binding_ok=0
+if enabled build; then
+  if [ ! -f "$build_dir/libmsa.so" ]; then
+    echo "no $build_dir/libmsa.so: carry the prebuilt build folder" >>"$OUT/build.log"
+    note build FAILED "no $build_dir/libmsa.so" 0
+  else
+    run_stage build "$OUT/build.log" "${BUILD_TIMEOUT:-150}" 240 \
+      env MSA_LIBRARY="$build_dir/libmsa.so" scripts/build_binding.sh "$PY" "$stage_dir"
+    res="$(result_of "$rc")"
+    detail="$(grep -m1 '^build_binding: [0-9]' "$OUT/build.log" | sed 's/^build_binding: /python /; s/, core .*//')"
+    note build "$res" "${detail:-see build.log}" "${stage_seconds:-0}"
+    [ "$rc" -eq 0 ] && binding_ok=1
+    [ "$rc" -ne 0 ] && failures+=("build $OUT/build.log")
+  fi
+elif [ -f "$stage_dir/msa/__init__.py" ]; then
+  binding_ok=1
+fi
+
+# ---- gtest --------------------------------------------------------------------------------
+if enabled gtest; then
+  : >"$OUT/gtest.log"
+  if [ ! -x "$build_dir/msa_tests" ]; then
+    note gtest FAILED "no $build_dir/msa_tests" 0
+  else
+    run_stage gtest "$OUT/gtest.log" "${GTEST_TIMEOUT:-180}" 210 \
+      "$build_dir/msa_tests" --gtest_color=no "${gtest_args[@]}"
+    note gtest "$(result_of "$rc")" "$(gtest_counts "$OUT/gtest.log")" "$stage_seconds"
+    [ "$rc" -ne 0 ] && failures+=("gtest $OUT/gtest.log")
+  fi
+fi
+
+# ---- pytest -------------------------------------------------------------------------------
+if enabled pytest; then
+  : >"$OUT/pytest.log"
+  if [ "$binding_ok" -ne 1 ]; then
+    note pytest skipped "no binding built" 0
+    failed=1
+  else
+    # From tests/python, so that `import msa` is the staged package.
+    # shellcheck disable=SC2016  # $0 and $@ belong to the inner shell
+    run_stage pytest "$OUT/pytest.log" "${PYTEST_TIMEOUT:-300}" 150 \
+      env PYTHONPATH="$stage_dir" bash -c 'cd tests/python && exec "$0" -m pytest -q -ra -p no:cacheprovider "$@" .' \
+      "$PY" "${pytest_args[@]}"
+    counts="$(grep -E '[0-9]+ (passed|failed|errors?|skipped|deselected)|no tests ran' "$OUT/pytest.log" | tail -n 1 | sed 's/^=* *//; s/ *=*$//')"
+    note pytest "$(result_of "$rc")" "${counts:-see pytest.log}" "$stage_seconds"
+    [ "$rc" -ne 0 ] && failures+=("pytest $OUT/pytest.log")
+  fi
+fi
+
+# ---- compute-sanitizer ----------------------------------------------------------------------
+sanitizer=""
+if command -v compute-sanitizer >/dev/null 2>&1; then
+  sanitizer="$(command -v compute-sanitizer)"
+elif [ -x /usr/local/cuda/bin/compute-sanitizer ]; then
+  sanitizer=/usr/local/cuda/bin/compute-sanitizer
+fi
+for tool in memcheck racecheck; do
+  enabled "$tool" || continue
+  log="$OUT/$tool.log"
+  : >"$log"
+  if [ -z "$sanitizer" ]; then
+    note "$tool" FAILED "compute-sanitizer not found" 0
+    continue
+  fi
+  if [ ! -x "$build_dir/msa_tests" ]; then
+    note "$tool" FAILED "no $build_dir/msa_tests" 0
+    continue
+  fi
+  upper="$(echo "$tool" | tr '[:lower:]' '[:upper:]')"
+  cap_var="${upper}_TIMEOUT"
+  reserve=60
+  [ "$tool" = memcheck ] && reserve=90
+  run_stage "$tool" "$log" "${!cap_var:-120}" "$reserve" \
+    "$sanitizer" --tool "$tool" --error-exitcode 99 --print-limit 20 \
+    "$build_dir/msa_tests" --gtest_color=no --gtest_filter="$sanitizer_filter"
+  if [ "$tool" = memcheck ]; then
+    found="$(grep -m1 'ERROR SUMMARY' "$log" | sed 's/.*ERROR SUMMARY: //')"
+  else
+    found="$(grep -m1 'RACECHECK SUMMARY' "$log" | sed 's/.*RACECHECK SUMMARY: //')"
+  fi
+  counts="$(gtest_counts "$log")"
+  res="$(result_of "$rc")"
+  if [ "$rc" -eq 0 ] && [[ "$counts" == "0 passed, 0 failed"* ]]; then
+    res="FAILED"
+    found="the filter matched no test (set SANITIZER_FILTER)"
+  fi
+  note "$tool" "$res" "${found:-?}; tests: $counts" "$stage_seconds"
+  [ "$res" != ok ] && failures+=("$tool $log")
+done
+
+# ---- bench --------------------------------------------------------------------------------
+if enabled bench; then
+  : >"$OUT/bench.log"
+  if [ "$binding_ok" -ne 1 ]; then
+    note bench skipped "no binding built" 0
+    failed=1
+  else
+    run_stage bench "$OUT/bench.log" "${BENCH_TIMEOUT:-300}" 0 \
+      env PYTHONPATH="$stage_dir" "$PY" bench/bench_forward.py "${bench_args[@]}" --out "$OUT/bench"
+    note bench "$(result_of "$rc")" "args: ${bench_args_text:-none}" "$stage_seconds"
+    [ "$rc" -ne 0 ] && failures+=("bench $OUT/bench.log")
+  fi
+fi
+
+# ---- summary ------------------------------------------------------------------------------
+echo
+for f in "${failures[@]}"; do
+  tail_of_failure "${f%% *}" "${f#* }"
+done
+echo
+echo "## gpu_check summary ($((SECONDS - start)) s, logs in $OUT)"
+echo
+echo "| stage     | result  | detail | s |"
+echo "|---|---|---|---|"
+printf '%s\n' "${summary[@]}"
+if enabled bench && [ -s "$OUT/bench.log" ] && grep -q '^| target' "$OUT/bench.log"; then
+  echo
+  sed -n '/^| target/,$p' "$OUT/bench.log"
+fi
+exit "$failed"
