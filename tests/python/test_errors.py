@@ -107,12 +107,25 @@ def test_binding_errors_and_info(x):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_tensors():
-    q, k, v, qi, ki = make_inputs(T, Hq, Hkv, Hi, Hik, D, Di, torch.bfloat16, device="cuda")
+    """CUDA tensors reach the CUDA backend, or a NotImplementedError says why not; inputs its
+    kernels do not take are refused naming the argument (tests/python/test_cuda.py checks the
+    results)."""
+    T, D, Di, Bk = 300, 128, 128, 64
+    q, k, v, qi, ki = make_inputs(T, Hq, Hkv, Hi, Hik, D, Di, torch.bfloat16,
+                                  requires_grad=False, device="cuda")
     if not msa.backend_available("cuda"):
         with pytest.raises(NotImplementedError, match="CUDA"):
             msa.sparse_attention(q, k, v, qi, ki, 2, Bk, kl_value=False)
         return
-    out, kl = msa.sparse_attention(q, k, v, qi, ki, 2, Bk, kl_value=False)
-    cpu = [t.detach().cpu() for t in (q, k, v, qi, ki)]
-    out_c, kl_c = msa.sparse_attention(*cpu, 2, Bk)
-    torch.testing.assert_close(out.cpu(), out_c, rtol=2e-2, atol=2e-2)
+    bi = msa.select_blocks(qi, ki, 2, Bk)
+    out, kl = msa.sparse_attention(q, k, v, None, None, block_idx=bi, block_size=Bk,
+                                   kl_value=False)
+    assert out.is_cuda and out.dtype == torch.bfloat16 and kl.is_cuda and float(kl) == 0.0
+    cpu = [t.cpu().float() for t in (q, k, v)]
+    out_c, _ = msa.sparse_attention(*cpu, None, None, block_idx=bi.cpu(), block_size=Bk)
+    torch.testing.assert_close(out.cpu().float(), out_c, rtol=2e-2, atol=2e-2)
+    with pytest.raises(NotImplementedError, match="'block_size'"):
+        msa.sparse_attention(q, k, v, qi, ki, 2, 8, kl_value=False)
+    with pytest.raises(NotImplementedError, match="'q'"):
+        msa.sparse_attention(q.float(), k.float(), v.float(), None, None, block_idx=bi,
+                             block_size=Bk, kl_value=False)
