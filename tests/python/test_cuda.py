@@ -93,9 +93,10 @@ def positions(lengths):
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=DEV)
 
 
-def random_block_idx(lengths, Hi, k, Bk, empty_rows=0.0, shuffle=True):
+def random_block_idx(lengths, Hi, k, Bk, empty_rows=0.0, no_own=0.0, shuffle=True):
     """A caller's block_idx [T, Hi, k]: the own block plus up to k-1 random earlier ones, in a
-    random order with -1 anywhere (a set, spec §2); a fraction of rows is all -1 (empty)."""
+    random order with -1 anywhere (a set, spec §2); a fraction `empty_rows` of the rows is all
+    -1 (empty support), a fraction `no_own` lacks the own block (allowed for a caller's)."""
     pos = positions(lengths)
     T = pos.numel()
     if T == 0:
@@ -111,6 +112,9 @@ def random_block_idx(lengths, Hi, k, Bk, empty_rows=0.0, shuffle=True):
     idx = torch.where(val >= 0, idx, torch.full_like(idx, -1))
     if kk < k:
         idx = torch.cat([idx, idx.new_full((T, Hi, k - kk), -1)], dim=-1)
+    if no_own > 0:
+        drop = (torch.rand(T, Hi, 1, device=DEV) < no_own) & (idx == own[:, None, None])
+        idx = torch.where(drop, torch.full_like(idx, -1), idx)
     if empty_rows > 0:
         drop = torch.rand(T, Hi, device=DEV) < empty_rows
         idx = torch.where(drop[..., None], torch.full_like(idx, -1), idx)
@@ -323,7 +327,7 @@ def test_forward_given_block_idx(case):
     _, lengths, Hq, Hkv, Hi, Hik, D, Bk, top_k, dtype = case
     T = sum(lengths)
     q, k, v = rand(T, Hq, D, dtype=dtype), rand(T, Hkv, D, dtype=dtype), rand(T, Hkv, D, dtype=dtype)
-    bi = random_block_idx(lengths, Hi, top_k, Bk, empty_rows=0.02)
+    bi = random_block_idx(lengths, Hi, top_k, Bk, empty_rows=0.02, no_own=0.02)
     out, kl, lse, bi_back = msa.sparse_attention(q, k, v, None, None, block_idx=bi, block_size=Bk,
                                                  cu_seqlens=cu_of(lengths), kl_value=False,
                                                  return_lse=True, return_block_idx=True)
