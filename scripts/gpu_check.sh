@@ -51,6 +51,11 @@ read -r -a pytest_args <<<"${PYTEST_ARGS:-}"
 sanitizer_filter="${SANITIZER_FILTER:-Shapes/CudaVsCpu.*/G1_D128_Di128_Bk128:Shapes/CudaVsCpu.*/G16_D128_Bk128_varlen_fp16:Cuda.AllSequencesEmpty:Cuda.FusedQkvStrides:Cuda.VarlenNanStaysInItsSequence}"
 budget="${GPU_CHECK_BUDGET:-560}"
 export PYTHONUNBUFFERED=1
+# msa_tests may carry the absolute build path of the machine it was linked on as its runpath:
+# its stages let the loader find libmsa.so in this checkout's build folder.
+test_lib_path="$root/$build_dir"
+[[ "$build_dir" == /* ]] && test_lib_path="$build_dir"
+test_lib_path="$test_lib_path${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
 start=$SECONDS
 failed=0
@@ -147,7 +152,7 @@ if enabled gtest; then
     note gtest FAILED "no $build_dir/msa_tests" 0
   else
     run_stage gtest "$OUT/gtest.log" "${GTEST_TIMEOUT:-180}" 210 \
-      "$build_dir/msa_tests" --gtest_color=no "${gtest_args[@]}"
+      env LD_LIBRARY_PATH="$test_lib_path" "$build_dir/msa_tests" --gtest_color=no "${gtest_args[@]}"
     note gtest "$(result_of "$rc")" "$(gtest_counts "$OUT/gtest.log")" "$stage_seconds"
     [ "$rc" -ne 0 ] && failures+=("gtest $OUT/gtest.log")
   fi
@@ -195,6 +200,7 @@ for tool in memcheck racecheck; do
   reserve=60
   [ "$tool" = memcheck ] && reserve=90
   run_stage "$tool" "$log" "${!cap_var:-120}" "$reserve" \
+    env LD_LIBRARY_PATH="$test_lib_path" \
     "$sanitizer" --tool "$tool" --error-exitcode 99 --print-limit 20 \
     "$build_dir/msa_tests" --gtest_color=no --gtest_filter="$sanitizer_filter"
   if [ "$tool" = memcheck ]; then
