@@ -340,8 +340,9 @@ class Timer:
 
 
 def dense_runner(q4, k4, v4, device):
-    """A callable running causal GQA SDPA and the backend's name: cuDNN forced, else FLASH;
-    with K/V expanded to Hq heads when GQA is refused."""
+    """A callable running causal GQA SDPA and the backend's name: cuDNN forced (on the [B, H, L,
+    D] views, then on contiguous copies), else FLASH; K/V expanded to Hq heads when GQA is
+    refused."""
     F = torch.nn.functional
     if device.type != "cuda":
         def run_cpu():
@@ -350,24 +351,30 @@ def dense_runner(q4, k4, v4, device):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     G = q4.shape[1] // k4.shape[1]
-    tries = [(SDPBackend.CUDNN_ATTENTION, "cudnn", True), (SDPBackend.FLASH_ATTENTION, "flash", True),
-             (SDPBackend.CUDNN_ATTENTION, "cudnn", False), (SDPBackend.FLASH_ATTENTION, "flash", False)]
+    cudnn, flash = SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION
+    #        backend  name     gqa    contiguous copies
+    tries = [(cudnn, "cudnn", True, False), (cudnn, "cudnn", True, True),
+             (flash, "flash", True, False), (cudnn, "cudnn", False, True),
+             (flash, "flash", False, False)]
     errors = []
-    for backend, name, gqa in tries:
-        if gqa:
-            kk, vv = k4, v4
-        else:
-            kk, vv = k4.repeat_interleave(G, 1), v4.repeat_interleave(G, 1)
-
-        def run(backend=backend, kk=kk, vv=vv, gqa=gqa):
-            with sdpa_kernel([backend]):
-                return F.scaled_dot_product_attention(q4, kk, vv, is_causal=True, enable_gqa=gqa)
+    for backend, name, gqa, copy in tries:
+        label = name + ("" if gqa else "+expand") + ("+contiguous" if copy else "")
         try:
+            qq, kk, vv = q4, k4, v4
+            if not gqa:
+                kk, vv = kk.repeat_interleave(G, 1), vv.repeat_interleave(G, 1)
+            if copy:
+                qq, kk, vv = qq.contiguous(), kk.contiguous(), vv.contiguous()
+
+            def run(backend=backend, qq=qq, kk=kk, vv=vv, gqa=gqa):
+                with sdpa_kernel([backend]):
+                    return F.scaled_dot_product_attention(qq, kk, vv, is_causal=True,
+                                                          enable_gqa=gqa)
             run()
             torch.cuda.synchronize(device)
-            return run, name + ("" if gqa else "+expand")
-        except RuntimeError as e:  # the backend refused these inputs
-            errors.append(f"{name}{'' if gqa else '+expand'}: {str(e).splitlines()[0][:120]}")
+            return run, label
+        except RuntimeError as e:  # the backend refused these inputs (or memory ran out)
+            errors.append(f"{label}: {str(e).splitlines()[0][:120] if str(e) else type(e).__name__}")
     raise RuntimeError("no dense SDPA backend ran: " + " | ".join(errors))
 
 
