@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <sstream>
+#include <string>
 #include <vector>
 
 #include "harness.h"
@@ -59,6 +61,62 @@ inline std::vector<double> block_scores(const Problem& p, int64_t g, int i) {
 
 inline bool is_forced(const Config& c, int own, int b) {
   return (b <= own && b > own - c.local) || (b < c.sink && b <= own);
+}
+
+// Spec §2's output format of one block_idx row (all k entries): the selected ids strictly
+// ascending, each a causal block in [0, own], then -1 padding; min(k, own + 1) ids in all (every
+// causal block is forced or a candidate). Returns "" when the row has that form, else what is wrong.
+inline std::string selection_format_error(const std::vector<int>& row, int own) {
+  const int k = static_cast<int>(row.size());
+  int n = 0;
+  while (n < k && row[n] >= 0) ++n;
+  for (int j = n; j < k; ++j)
+    if (row[j] != -1)
+      return "entry " + std::to_string(j) + " = " + std::to_string(row[j]) + " where -1 padding was expected";
+  for (int j = 0; j < n; ++j) {
+    if (row[j] > own)
+      return "entry " + std::to_string(j) + " = " + std::to_string(row[j]) + " is after the own block " +
+             std::to_string(own);
+    if (j > 0 && row[j] <= row[j - 1]) return "ids not strictly ascending at entry " + std::to_string(j);
+  }
+  if (n != std::min(k, own + 1))
+    return std::to_string(n) + " ids selected, expected min(k, own + 1) = " + std::to_string(std::min(k, own + 1));
+  return "";
+}
+
+// Spec §2's acceptance rule for one selected row (two correct implementations may order
+// near-equal scores differently): every forced block is selected, and every selected non-forced
+// block scores at least the reference's k-th best non-forced score minus
+// abs_tol + rel_tol * |that score|. `m`: the block scores M(t, b) for b in [0, own]; `chosen`: the
+// row's selected ids (its non-negative entries). Returns "" when the row is acceptable.
+inline std::string selection_rule_error(const Config& c, int own, const std::vector<double>& m,
+                                        const std::vector<int>& chosen, double abs_tol, double rel_tol) {
+  std::vector<double> others;
+  int nforced = 0;
+  for (int b = 0; b <= own; ++b) {
+    if (!is_forced(c, own, b)) {
+      others.push_back(m[b]);
+      continue;
+    }
+    ++nforced;
+    if (std::find(chosen.begin(), chosen.end(), b) == chosen.end())
+      return "forced block " + std::to_string(b) + " is missing";
+  }
+  for (int b : chosen)
+    if (b < 0 || b > own) return "block " + std::to_string(b) + " is not in [0, " + std::to_string(own) + "]";
+  const int slots = c.k - nforced;
+  if (slots <= 0 || static_cast<int>(others.size()) <= slots) return "";  // every candidate fits
+  std::sort(others.rbegin(), others.rend());
+  const double kth = others[slots - 1], allowed = abs_tol + rel_tol * std::fabs(kth);
+  for (int b : chosen) {
+    if (is_forced(c, own, b) || m[b] >= kth - allowed) continue;
+    std::ostringstream os;
+    os.precision(9);
+    os << "block " << b << " scores " << m[b] << ", below the reference's k-th best non-forced score " << kth
+       << " minus " << allowed;
+    return os.str();
+  }
+  return "";
 }
 
 // Brute force: rank every non-forced earlier block by (score desc, index asc), take the top.

@@ -107,29 +107,16 @@ TEST_P(SelectionTolerance, WithinSpecRule) {
   c.dtype = GetParam();
   Problem p(c);
   HostTensor bi = run_select(p);
-  const double tol = 1e-6;
   for (int64_t g = 0; g < p.T; ++g) {
     const int own = static_cast<int>(g / c.Bk);
     for (int i = 0; i < c.Hi; ++i) {
-      const std::vector<double> m = block_scores(p, g, i);
-      std::vector<int> forced;
-      std::vector<double> others;
-      for (int b = 0; b <= own; ++b) {
-        if (is_forced(c, own, b)) forced.push_back(b);
-        else others.push_back(m[b]);
-      }
-      std::sort(others.rbegin(), others.rend());
-      const size_t slots = c.k - forced.size();
-      std::vector<int> chosen;
-      for (int j = 0; j < c.k; ++j)
-        if (bi.idx(g, i, j) >= 0) chosen.push_back(bi.idx(g, i, j));
-      ASSERT_EQ(chosen.size(), std::min<size_t>(c.k, own + 1)) << "row " << g;
-      for (int b : forced) EXPECT_NE(std::find(chosen.begin(), chosen.end(), b), chosen.end()) << "row " << g;
-      for (int b : chosen) {
-        ASSERT_LE(b, own);
-        if (is_forced(c, own, b)) continue;
-        EXPECT_GE(m[b], others[std::min(others.size(), slots) - 1] - tol) << "row " << g << " block " << b;
-      }
+      std::vector<int> row, chosen;
+      for (int j = 0; j < c.k; ++j) row.push_back(bi.idx(g, i, j));
+      for (int b : row)
+        if (b >= 0) chosen.push_back(b);
+      ASSERT_EQ(selection_format_error(row, own), "") << "row " << g << " head " << i;
+      EXPECT_EQ(selection_rule_error(c, own, block_scores(p, g, i), chosen, 1e-6, 0.0), "")
+          << "row " << g << " head " << i;
     }
   }
 }
