@@ -1,0 +1,883 @@
+// The CUDA (Hopper) backend against the CPU backend on the same inputs: selection (spec §2), sparse
+// forward over a given or computed block_idx (§3), the dense warmup forward (§5), packed varlen
+// batches and bad input (§7).
+//
+// Every test skips unless msa::backend_available(kCuda). Inputs are random and never zero. Outputs
+// are poisoned before each call: 0xFF bytes (NaN) for floats, 0x7F bytes for block_idx (-1 is a
+// legal entry there). The CPU reference runs in float64 on exactly the values the GPU saw.
+// Tolerances: out rel-L2 < 1e-2 (bf16) / 3e-3 (fp16) over the tensor and 4x that per row; lse
+// within 1e-3 where finite and -inf exactly where the reference is -inf; selection by the spec's
+// rule with a score slack of 1e-3 * (1 + |k-th score|), lse_idx within 1e-3 * (1 + |ref|) when the
+// backend produces it. Shapes a library built with MSA_CUDA_FAST_BUILD lacks are skipped there.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <ostream>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "harness.h"
+#include "reference.h"
+
+namespace msatest {
+namespace {
+
+using msa::DeviceType;
+using msa::StatusCode;
+
+constexpr DType kBf16 = DType::kBFloat16;
+constexpr DType kFp16 = DType::kFloat16;
+
+// ---- device memory and streams ------------------------------------------------------------------
+
+void cuda_check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+#define CUDA_CHECK(expr) cuda_check((expr), #expr)
+
+// An msa call that must succeed (its message becomes the test failure otherwise).
+void require_ok(const msa::Status& s) {
+  if (!s.ok()) throw std::runtime_error(s.message);
+}
+
+#define SKIP_WITHOUT_CUDA()                                    \
+  if (!msa::backend_available(DeviceType::kCuda))             \
+  GTEST_SKIP() << "no CUDA backend built or no compute capability 9.0 GPU visible"
+
+// A library built with MSA_CUDA_FAST_BUILD instantiates the bf16 kernels with head dims and block
+// size 128 only: other shapes skip there. `main`: the attention kernel runs; `index`: selection.
+bool kernels_built(const Config& c, bool main, bool index) {
+#if MSA_CUDA_FAST_BUILD
+  return c.dtype == DType::kBFloat16 && c.Bk == 128 && (!main || c.D == 128) && (!index || c.Di == 128);
+#else
+  (void)c, (void)main, (void)index;
+  return true;
+#endif
+}
+
+#define SKIP_UNLESS_BUILT(cfg, main, index)  \
+  if (!kernels_built((cfg), (main), (index))) \
+  GTEST_SKIP() << "shape not instantiated in an MSA_CUDA_FAST_BUILD library"
+
+// The stream of a test: the legacy default stream or a new non-blocking one. Copies and poison
+// go on the same stream, so a backend that ignored Launch.stream would race with them.
+class Stream {
+ public:
+  explicit Stream(bool own) {
+    if (own) CUDA_CHECK(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking));
+  }
+  ~Stream() {
+    if (s_) cudaStreamDestroy(s_);
+  }
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+  cudaStream_t get() const { return s_; }
+
+ private:
+  cudaStream_t s_ = nullptr;
+};
+
+// An owning contiguous device tensor in the layout of the harness's HostTensor.
+class DeviceTensor {
+ public:
+  DeviceTensor() = default;
+  DeviceTensor(DType dt, std::vector<int64_t> shape) : dt_(dt), shape_(std::move(shape)) {
+    int64_t n = 1;
+    for (int64_t x : shape_) n *= x;
+    bytes_ = static_cast<size_t>(n) * msa::dtype_size(dt_);
+    if (bytes_ > 0) CUDA_CHECK(cudaMalloc(&ptr_, bytes_));
+    CUDA_CHECK(cudaGetDevice(&device_));
+  }
+  DeviceTensor(DeviceTensor&& o) noexcept { *this = std::move(o); }
+  DeviceTensor& operator=(DeviceTensor&& o) noexcept {
+    std::swap(ptr_, o.ptr_);
+    std::swap(bytes_, o.bytes_);
+    std::swap(dt_, o.dt_);
+    std::swap(shape_, o.shape_);
+    std::swap(device_, o.device_);
+    return *this;
+  }
+  ~DeviceTensor() {
+    if (ptr_) cudaFree(ptr_);
+  }
+
+  // An asynchronous copy of `h` on `s`.
+  static DeviceTensor upload(HostTensor& h, cudaStream_t s) {
+    DeviceTensor d(h.dtype(), h.shape());
+    if (d.bytes_) CUDA_CHECK(cudaMemcpyAsync(d.ptr_, h.ref().data, d.bytes_, cudaMemcpyHostToDevice, s));
+    return d;
+  }
+  // A new tensor filled with the poison pattern on `s`.
+  static DeviceTensor poisoned(DType dt, std::vector<int64_t> shape, cudaStream_t s) {
+    DeviceTensor d(dt, std::move(shape));
+    if (d.bytes_) CUDA_CHECK(cudaMemsetAsync(d.ptr_, dt == DType::kInt32 ? 0x7f : 0xff, d.bytes_, s));
+    return d;
+  }
+  // Waits for `s`, then copies back.
+  HostTensor download(cudaStream_t s) const {
+    CUDA_CHECK(cudaStreamSynchronize(s));
+    HostTensor h(dt_, shape_);
+    if (bytes_) CUDA_CHECK(cudaMemcpy(h.ref().data, ptr_, bytes_, cudaMemcpyDeviceToHost));
+    return h;
+  }
+
+  msa::TensorRef ref() const {
+    msa::TensorRef t;
+    t.data = ptr_;
+    t.dtype = dt_;
+    t.device = {DeviceType::kCuda, device_};
+    t.rank = static_cast<int32_t>(shape_.size());
+    int64_t stride = 1;
+    for (int d = t.rank - 1; d >= 0; --d) {
+      t.shape[d] = shape_[d];
+      t.stride[d] = stride;
+      stride *= shape_[d];
+    }
+    return t;
+  }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+  DType dt_ = DType::kFloat32;
+  std::vector<int64_t> shape_;
+  int device_ = 0;
+};
+
+// ---- inputs -------------------------------------------------------------------------------------
+
+// Uniform in [-amp, amp], rounded to the dtype, never zero (a value that rounds to 0 is redrawn).
+void randomize_nonzero(HostTensor& t, std::mt19937_64& rng, double amp) {
+  std::uniform_real_distribution<double> u(-amp, amp);
+  for (int64_t x = 0; x < t.numel(); ++x) {
+    do t.set(x, u(rng));
+    while (t.get(x) == 0.0);
+  }
+}
+
+// Random inputs: q and k in [-2, 2] (main scores of standard deviation ~1.3, so the softmax is
+// far from uniform), v, q_idx and k_idx in [-1, 1].
+Problem random_problem(const Config& c) {
+  Problem p(c);
+  std::mt19937_64 rng(c.seed * 7919 + 1);
+  randomize_nonzero(p.q, rng, 2.0);
+  randomize_nonzero(p.k, rng, 2.0);
+  for (HostTensor* t : {&p.v, &p.q_idx, &p.k_idx}) randomize_nonzero(*t, rng, 1.0);
+  return p;
+}
+
+// The same values in float64: the CPU backend then returns its double results unrounded.
+Problem widened(const Problem& p) {
+  Config c = p.cfg;
+  c.dtype = DType::kFloat64;
+  Problem w(c);
+  const std::pair<const HostTensor*, HostTensor*> pairs[] = {
+      {&p.q, &w.q}, {&p.k, &w.k}, {&p.v, &w.v}, {&p.q_idx, &w.q_idx}, {&p.k_idx, &w.k_idx}};
+  for (auto [src, dst] : pairs)
+    for (int64_t x = 0; x < src->numel(); ++x) dst->set(x, src->get(x));
+  return w;
+}
+
+struct DeviceInputs {
+  DeviceTensor q, k, v, q_idx, k_idx, cu;
+  DeviceInputs(Problem& p, cudaStream_t s)
+      : q(DeviceTensor::upload(p.q, s)), k(DeviceTensor::upload(p.k, s)), v(DeviceTensor::upload(p.v, s)),
+        q_idx(DeviceTensor::upload(p.q_idx, s)), k_idx(DeviceTensor::upload(p.k_idx, s)),
+        cu(DeviceTensor::upload(p.cu, s)) {}
+};
+
+// ---- checks -------------------------------------------------------------------------------------
+
+// Many small checks: a count and the first few descriptions.
+struct Failures {
+  int64_t count = 0;
+  std::string first;
+  void add(const std::string& what) {
+    if (count++ < 5) first += "\n  " + what;
+  }
+  void merge(const Failures& o) {
+    if (count < 5) first += o.first;
+    count += o.count;
+  }
+};
+
+// fn(item, failures) for item in [0, n), on all hardware threads; the failures merged.
+template <class F>
+Failures parallel_check(int64_t n, F&& fn) {
+  const int threads = static_cast<int>(std::max(1u, std::min(32u, std::thread::hardware_concurrency())));
+  std::vector<Failures> per(threads);
+  std::atomic<int64_t> next{0};
+  auto work = [&](int w) {
+    for (int64_t x = next++; x < n; x = next++) fn(x, per[w]);
+  };
+  std::vector<std::thread> pool;
+  for (int w = 1; w < threads; ++w) pool.emplace_back(work, w);
+  work(0);
+  for (std::thread& t : pool) t.join();
+  Failures all;
+  for (const Failures& f : per) all.merge(f);
+  return all;
+}
+
+double out_tolerance(DType dt) { return dt == kBf16 ? 1e-2 : 3e-3; }
+
+// out against the reference: relative L2 error over the compared rows below out_tolerance(dtype),
+// and each (token, head) row within 4x that of max(its own norm, 1/8 of the RMS row norm); lse
+// within 1e-3 where the reference is finite, -inf where it is -inf. `compare(t)` picks the tokens.
+template <class Pick>
+void expect_forward_close(const HostTensor& out, const HostTensor& lse, const FwdResult& ref, DType dt,
+                          Pick&& compare, const std::string& what) {
+  const std::vector<int64_t>& shape = out.shape();
+  const int64_t T = shape[0], H = shape[1], D = shape[2];
+  const double tol = out_tolerance(dt);
+  double err2 = 0, ref2 = 0;
+  int64_t rows = 0;
+  for (int64_t r = 0; r < T * H; ++r) {
+    if (!compare(r / H)) continue;
+    ++rows;
+    for (int64_t d = 0; d < D; ++d) {
+      const double a = out.get(r * D + d), b = ref.out.get(r * D + d);
+      err2 += (a - b) * (a - b);  // NaN makes err2 NaN: fails below
+      ref2 += b * b;
+    }
+  }
+  if (rows == 0) return;
+  const double rel = std::sqrt(err2 / std::max(ref2, 1e-300));
+  EXPECT_LT(rel, tol) << what << ": out relative L2 error (NaN: an output left unwritten or a NaN leak)";
+  const double rms_row = std::sqrt(ref2 / static_cast<double>(rows));
+  Failures f;
+  for (int64_t r = 0; r < T * H; ++r) {
+    if (!compare(r / H)) continue;
+    const std::string where = what + " [token " + std::to_string(r / H) + ", head " + std::to_string(r % H) + "]";
+    double e2 = 0, n2 = 0;
+    for (int64_t d = 0; d < D; ++d) {
+      const double a = out.get(r * D + d), b = ref.out.get(r * D + d);
+      e2 += (a - b) * (a - b);
+      n2 += b * b;
+    }
+    const double row_err = std::sqrt(e2) / std::max(std::sqrt(n2), rms_row / 8);
+    if (!(row_err < 4 * tol)) f.add(where + ": out row error " + std::to_string(row_err));
+    const double lg = lse.get(r), lr = ref.lse.get(r);
+    if (std::isinf(lr) && lr < 0) {
+      if (!(std::isinf(lg) && lg < 0)) f.add(where + ": lse " + std::to_string(lg) + ", expected -inf");
+    } else if (!(std::fabs(lg - lr) < 1e-3)) {
+      f.add(where + ": lse " + std::to_string(lg) + ", expected " + std::to_string(lr));
+    }
+  }
+  EXPECT_EQ(f.count, 0) << f.first;
+}
+
+void expect_forward_close(const HostTensor& out, const HostTensor& lse, const FwdResult& ref, DType dt,
+                          const std::string& what) {
+  expect_forward_close(out, lse, ref, dt, [](int64_t) { return true; }, what);
+}
+
+// Index scores from float copies of q_idx and k_idx (16-bit values are exact in float), summed in
+// double: block maxima and log-normalisers of spec §2 / §4 for any row.
+class IndexScores {
+ public:
+  explicit IndexScores(const Problem& p)
+      : p_(p), qi_(to_float(p.q_idx)), ki_(to_float(p.k_idx)), scale_(p.scale_idx()) {}
+
+  int own_block(int64_t g) const { return static_cast<int>((g - seq_begin(p_, g)) / p_.cfg.Bk); }
+
+  // M(t, b) for b in [0, own] (NaN scores count as -inf, as in the backends).
+  std::vector<double> block_maxima(int64_t g, int i) const {
+    const int64_t b0 = seq_begin(p_, g), t = g - b0;
+    std::vector<double> m(t / p_.cfg.Bk + 1, -INFINITY);
+    for (int64_t j = 0; j <= t; ++j) {
+      const double s = score(g, i, b0 + j);
+      if (s > m[j / p_.cfg.Bk]) m[j / p_.cfg.Bk] = s;
+    }
+    return m;
+  }
+
+  // log sum exp of the scores over the keys j <= t of `blocks`.
+  double lse_over(int64_t g, int i, const std::vector<int>& blocks) const {
+    const int64_t b0 = seq_begin(p_, g), t = g - b0;
+    std::vector<double> s;
+    for (int b : blocks)
+      for (int64_t j = int64_t{b} * p_.cfg.Bk; j < std::min<int64_t>(int64_t{b + 1} * p_.cfg.Bk, t + 1); ++j)
+        s.push_back(score(g, i, b0 + j));
+    if (s.empty()) return -INFINITY;
+    const double mx = *std::max_element(s.begin(), s.end());
+    double z = 0;
+    for (double x : s) z += std::exp(x - mx);
+    return mx + std::log(z);
+  }
+
+ private:
+  static std::vector<float> to_float(const HostTensor& t) {
+    std::vector<float> v(t.numel());
+    for (int64_t x = 0; x < t.numel(); ++x) v[x] = static_cast<float>(t.get(x));
+    return v;
+  }
+  double score(int64_t g, int i, int64_t gj) const {
+    const int Di = p_.cfg.Di, ik = i / (p_.cfg.Hi / p_.cfg.Hik);
+    const float* a = &qi_[(g * p_.cfg.Hi + i) * Di];
+    const float* b = &ki_[(gj * p_.cfg.Hik + ik) * Di];
+    double acc = 0;
+    for (int d = 0; d < Di; ++d) acc += static_cast<double>(a[d]) * b[d];
+    return scale_ * acc;
+  }
+
+  const Problem& p_;
+  std::vector<float> qi_, ki_;
+  double scale_;
+};
+
+// One returned block_idx row.
+std::vector<int> bi_row(const HostTensor& bi, int64_t g, int i) {
+  std::vector<int> row(bi.shape()[2]);
+  for (size_t j = 0; j < row.size(); ++j) row[j] = bi.idx(g, i, static_cast<int64_t>(j));
+  return row;
+}
+
+// Selection rows `tokens` (all heads): the spec's format (ascending ids, then -1 padding), its
+// acceptance rule with a slack of 1e-3 * (1 + |k-th score|), and lse_idx (when given) within
+// 1e-3 * (1 + |ref|) of the log-normaliser over the returned support.
+Failures check_selection(const Problem& p, const IndexScores& sc, const HostTensor& bi, const HostTensor* lse_idx,
+                         const std::vector<int64_t>& tokens) {
+  return parallel_check(static_cast<int64_t>(tokens.size()), [&](int64_t x, Failures& f) {
+    const int64_t g = tokens[x];
+    const int own = sc.own_block(g);
+    for (int i = 0; i < p.cfg.Hi; ++i) {
+      const std::string where = "block_idx[" + std::to_string(g) + ", " + std::to_string(i) + "]";
+      const std::vector<int> row = bi_row(bi, g, i);
+      const std::string format = selection_format_error(row, own);
+      if (!format.empty()) {
+        f.add(where + ": " + format);
+        continue;
+      }
+      std::vector<int> chosen;
+      for (int b : row)
+        if (b >= 0) chosen.push_back(b);
+      const std::string rule = selection_rule_error(p.cfg, own, sc.block_maxima(g, i), chosen, 1e-3, 1e-3);
+      if (!rule.empty()) f.add(where + ": " + rule);
+      if (lse_idx) {
+        const double want = sc.lse_over(g, i, chosen), got = lse_idx->at(g, i);
+        if (!(std::fabs(got - want) <= 1e-3 * (1 + std::fabs(want))))
+          f.add("lse_idx[" + std::to_string(g) + ", " + std::to_string(i) + "] = " + std::to_string(got) +
+                ", expected " + std::to_string(want));
+      }
+    }
+  });
+}
+
+// select_blocks with lse_idx, or without it when the backend answers that it does not produce it
+// yet (kNotSupported naming 'lse_idx'); *with_lse tells which.
+msa::Status select_with_lse_idx(msa::SelectParams sp, bool* with_lse) {
+  const msa::Status s = msa::select_blocks(sp);
+  *with_lse = !(s.code == StatusCode::kNotSupported && s.message.find("argument 'lse_idx'") != std::string::npos);
+  if (*with_lse) return s;
+  std::printf("note: %s; lse_idx not checked\n", s.message.c_str());
+  sp.lse_idx = {};
+  return msa::select_blocks(sp);
+}
+
+std::vector<int64_t> all_tokens(const Problem& p) {
+  std::vector<int64_t> t(p.T);
+  for (int64_t g = 0; g < p.T; ++g) t[g] = g;
+  return t;
+}
+
+// A caller's block_idx in any legal form, one column wider than k: the CPU selection with each row
+// shuffled and -1 anywhere, the own block left out of some rows, another block out of others, and
+// a few rows empty (their lse is -inf, their out 0).
+HostTensor scrambled_block_idx(Problem& p, uint64_t seed) {
+  const Config& c = p.cfg;
+  const HostTensor sel = run_select(p);
+  HostTensor bi(DType::kInt32, {p.T, c.Hi, c.k + 1});
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> u(0, 1);
+  for (int64_t g = 0; g < p.T; ++g) {
+    const int own = static_cast<int>((g - seq_begin(p, g)) / c.Bk);
+    for (int i = 0; i < c.Hi; ++i) {
+      std::vector<int> row = bi_row(sel, g, i);
+      row.push_back(-1);
+      const double r = u(rng);
+      for (int& b : row) {
+        if (r < 0.03) b = -1;                                       // empty support
+        else if (r < 0.13 && b == own) b = -1;                      // without its own block
+        else if (r > 0.9 && b >= 0 && b != own && u(rng) < 0.5) b = -1;  // fewer blocks
+      }
+      std::shuffle(row.begin(), row.end(), rng);
+      for (int j = 0; j <= c.k; ++j) bi.set((g * c.Hi + i) * (c.k + 1) + j, row[j]);
+    }
+  }
+  return bi;
+}
+
+// ---- the parameterised comparison -----------------------------------------------------------------
+
+struct CudaCase {
+  const char* name;
+  Config cfg;
+  bool own_stream;     // launch on a non-default stream
+  bool no_cu_seqlens;  // a single sequence passed without cu_seqlens
+};
+
+void PrintTo(const CudaCase& c, std::ostream* os) {
+  *os << c.name << " (" << c.cfg.str() << (c.own_stream ? ", own stream" : "")
+      << (c.no_cu_seqlens ? ", no cu_seqlens" : "") << ")";
+}
+
+Config shape(std::vector<int64_t> lens, int Hq, int Hkv, int D, int Hi, int Hik, int Di, int Bk, int k, DType dt,
+             uint64_t seed, int sink = 0, int local = 1) {
+  Config c = make_config(std::move(lens), Hq, Hkv, D, Hi, Hik, Bk, k, seed);
+  c.Di = Di;
+  c.dtype = dt;
+  c.sink = sink;
+  c.local = local;
+  return c;
+}
+
+// Lengths 1, 113, 799, 4224 and empty sequences; G = Hq/Hkv in {1, 2, 4, 8, 16}; Hi = Hkv and
+// 2 Hkv; Hik = 1 and Hi; D, Di and Bk 64 and 128; bf16 and fp16; default and own streams.
+const CudaCase kCases[] = {
+    //                      seqlens            Hq Hkv  D   Hi Hik Di  Bk  k  dtype seed
+    {"G1_D128_Di128_Bk128", shape({799},        2, 2, 128, 2, 1, 128, 128, 4, kBf16, 1), false, true},
+    {"G2_D64_Di64_Bk64_fp16", shape({113, 799}, 4, 2, 64, 4, 4, 64, 64, 4, kFp16, 2), true, false},
+    {"G4_D128_Di64_Bk128", shape({1, 4224},     4, 1, 128, 2, 2, 64, 128, 8, kBf16, 3), false, false},
+    {"G8_D64_Di128_Bk64_sink", shape({4224},    8, 1, 64, 2, 1, 128, 64, 16, kBf16, 4, 1, 2), true, false},
+    {"G16_D128_Bk128_varlen_fp16", shape({799, 0, 113, 1}, 16, 1, 128, 1, 1, 128, 128, 3, kFp16, 5), true, false},
+    {"KCoversAllBlocks_Bk128", shape({799, 500}, 4, 2, 64, 2, 1, 64, 128, 8, kBf16, 6), false, false},
+};
+
+class CudaVsCpu : public ::testing::TestWithParam<CudaCase> {
+ protected:
+  void SetUp() override {
+    SKIP_WITHOUT_CUDA();
+    stream_ = std::make_unique<Stream>(GetParam().own_stream);
+    p_ = std::make_unique<Problem>(random_problem(GetParam().cfg));
+    dev_ = std::make_unique<DeviceInputs>(*p_, s());
+  }
+
+  cudaStream_t s() const { return stream_->get(); }
+  Problem& p() { return *p_; }
+  const Config& cfg() const { return GetParam().cfg; }
+  Problem& wide() {  // built on first use
+    if (!wide_) wide_ = std::make_unique<Problem>(widened(*p_));
+    return *wide_;
+  }
+  std::string what(const char* test) const { return std::string(test) + " " + cfg().str(); }
+
+  struct GpuForward {
+    HostTensor out, lse, block_idx;
+  };
+
+  // forward on the GPU: over `given` (kSparse, select off), over its own selection (`select`), or
+  // dense (kDense).
+  GpuForward gpu_forward(Mode mode, HostTensor* given, bool select) {
+    const Config& c = cfg();
+    const int64_t T = p().T;
+    DeviceTensor out = DeviceTensor::poisoned(c.dtype, {T, c.Hq, c.D}, s());
+    DeviceTensor lse = DeviceTensor::poisoned(DType::kFloat32, {T, c.Hq}, s());
+    DeviceTensor bi;
+    msa::ForwardParams f;
+    f.q = dev_->q.ref();
+    f.k = dev_->k.ref();
+    f.v = dev_->v.ref();
+    if (!GetParam().no_cu_seqlens) f.cu_seqlens = dev_->cu.ref();
+    if (mode == Mode::kSparse) {
+      bi = select ? DeviceTensor::poisoned(DType::kInt32, {T, c.Hi, c.k}, s()) : DeviceTensor::upload(*given, s());
+      f.block_idx = bi.ref();
+      f.select = select;
+    }
+    if (select) {
+      f.q_idx = dev_->q_idx.ref();
+      f.k_idx = dev_->k_idx.ref();
+    }
+    f.out = out.ref();
+    f.lse = lse.ref();
+    f.opts = p().options(mode);
+    f.launch.stream = s();
+    require_ok(msa::forward(f));
+    GpuForward r{out.download(s()), lse.download(s()), {}};
+    if (select) r.block_idx = bi.download(s());
+    return r;
+  }
+
+ private:
+  std::unique_ptr<Stream> stream_;
+  std::unique_ptr<Problem> p_, wide_;
+  std::unique_ptr<DeviceInputs> dev_;
+
+ protected:
+  DeviceInputs& dev() { return *dev_; }
+};
+
+// select_blocks with lse_idx: the spec's format and tolerance rule on every row.
+TEST_P(CudaVsCpu, SelectBlocks) {
+  SKIP_UNLESS_BUILT(cfg(), false, true);
+  const Config& c = cfg();
+  DeviceTensor bi = DeviceTensor::poisoned(DType::kInt32, {p().T, c.Hi, c.k}, s());
+  DeviceTensor lse_idx = DeviceTensor::poisoned(DType::kFloat32, {p().T, c.Hi}, s());
+  msa::SelectParams sp;
+  sp.q_idx = dev().q_idx.ref();
+  sp.k_idx = dev().k_idx.ref();
+  if (!GetParam().no_cu_seqlens) sp.cu_seqlens = dev().cu.ref();
+  sp.block_idx = bi.ref();
+  sp.lse_idx = lse_idx.ref();
+  sp.opts = p().options();
+  sp.launch.stream = s();
+  bool with_lse = false;
+  require_ok(select_with_lse_idx(sp, &with_lse));
+  const HostTensor got = bi.download(s()), got_lse = lse_idx.download(s());
+  const Failures f = check_selection(p(), IndexScores(p()), got, with_lse ? &got_lse : nullptr, all_tokens(p()));
+  EXPECT_EQ(f.count, 0) << what("select_blocks") << f.first;
+}
+
+// forward over a caller's block_idx (the same one on both sides) in any legal form.
+TEST_P(CudaVsCpu, ForwardGivenBlockIdx) {
+  SKIP_UNLESS_BUILT(cfg(), true, false);
+  HostTensor bi = scrambled_block_idx(p(), cfg().seed + 11);
+  const GpuForward g = gpu_forward(Mode::kSparse, &bi, false);
+  const FwdResult ref = run_forward(wide(), &bi, Mode::kSparse, false);
+  expect_forward_close(g.out, g.lse, ref, cfg().dtype, what("forward, given block_idx"));
+}
+
+// forward with select = true: the selection by the spec's rule, then out and lse against the
+// CPU over the block_idx the GPU chose.
+TEST_P(CudaVsCpu, ForwardWithSelect) {
+  SKIP_UNLESS_BUILT(cfg(), true, true);
+  GpuForward g = gpu_forward(Mode::kSparse, nullptr, true);
+  const Failures f = check_selection(p(), IndexScores(p()), g.block_idx, nullptr, all_tokens(p()));
+  ASSERT_EQ(f.count, 0) << what("forward, select = true") << f.first;
+  const FwdResult ref = run_forward(wide(), &g.block_idx, Mode::kSparse, false);
+  expect_forward_close(g.out, g.lse, ref, cfg().dtype, what("forward, select = true"));
+}
+
+// The warmup forward (Mode::kDense): dense causal attention.
+TEST_P(CudaVsCpu, DenseWarmupForward) {
+  SKIP_UNLESS_BUILT(cfg(), true, false);
+  const GpuForward g = gpu_forward(Mode::kDense, nullptr, false);
+  const FwdResult ref = run_forward(wide(), nullptr, Mode::kDense, false);
+  expect_forward_close(g.out, g.lse, ref, cfg().dtype, what("forward, kDense"));
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, CudaVsCpu, ::testing::ValuesIn(kCases),
+                         [](const ::testing::TestParamInfo<CudaCase>& info) { return std::string(info.param.name); });
+
+// ---- varlen ---------------------------------------------------------------------------------------
+
+// NaN in one sequence's inputs reaches no other sequence: the other rows keep a valid selection
+// and match the CPU; the NaN sequence's rows are still well-formed. Empty and 1-token sequences
+// around it.
+TEST(Cuda, VarlenNanStaysInItsSequence) {
+  SKIP_WITHOUT_CUDA();
+  const Config c = shape({700, 0, 557, 1, 390}, 4, 2, 128, 2, 1, 128, 128, 3, kBf16, 21, 1, 1);
+  Problem p = random_problem(c);
+  const int64_t s0 = p.offsets[2], s1 = p.offsets[3];  // the 557-token sequence
+  const auto set_nan = [&](HostTensor& t, int64_t token) { t.set(token * (t.numel() / p.T) + 5, NAN); };
+  set_nan(p.q, s0 + 10);
+  set_nan(p.k, s0 + 100);
+  set_nan(p.v, s0 + 5);
+  set_nan(p.q_idx, s0 + 70);
+  set_nan(p.k_idx, s0 + 130);
+  Stream stream(true);
+  DeviceInputs d(p, stream.get());
+  DeviceTensor out = DeviceTensor::poisoned(c.dtype, {p.T, c.Hq, c.D}, stream.get());
+  DeviceTensor lse = DeviceTensor::poisoned(DType::kFloat32, {p.T, c.Hq}, stream.get());
+  DeviceTensor bi = DeviceTensor::poisoned(DType::kInt32, {p.T, c.Hi, c.k}, stream.get());
+  msa::ForwardParams f;
+  f.q = d.q.ref();
+  f.k = d.k.ref();
+  f.v = d.v.ref();
+  f.cu_seqlens = d.cu.ref();
+  f.q_idx = d.q_idx.ref();
+  f.k_idx = d.k_idx.ref();
+  f.block_idx = bi.ref();
+  f.select = true;
+  f.out = out.ref();
+  f.lse = lse.ref();
+  f.opts = p.options();
+  f.launch.stream = stream.get();
+  require_ok(msa::forward(f));
+  HostTensor got_bi = bi.download(stream.get());
+  const HostTensor got_out = out.download(stream.get()), got_lse = lse.download(stream.get());
+
+  std::vector<int64_t> clean, dirty;
+  for (int64_t g = 0; g < p.T; ++g) (g >= s0 && g < s1 ? dirty : clean).push_back(g);
+  const IndexScores sc(p);
+  const Failures fc = check_selection(p, sc, got_bi, nullptr, clean);
+  EXPECT_EQ(fc.count, 0) << "selection outside the NaN sequence" << fc.first;
+  Failures fd;
+  for (int64_t g : dirty)
+    for (int i = 0; i < c.Hi; ++i) {
+      const std::vector<int> row = bi_row(got_bi, g, i);
+      const int own = sc.own_block(g);
+      if (std::find(row.begin(), row.end(), own) == row.end())
+        fd.add("row " + std::to_string(g) + ": own block missing");
+      for (int b : row)
+        if (b < -1 || b > own) fd.add("row " + std::to_string(g) + ": entry " + std::to_string(b) + " out of range");
+    }
+  EXPECT_EQ(fd.count, 0) << "selection inside the NaN sequence" << fd.first;
+
+  Problem w = widened(p);
+  const FwdResult ref = run_forward(w, &got_bi, Mode::kSparse, false);
+  expect_forward_close(got_out, got_lse, ref, c.dtype, [&](int64_t g) { return g < s0 || g >= s1; },
+                       "forward outside the NaN sequence " + c.str());
+}
+
+// No tokens at all: every call succeeds.
+TEST(Cuda, AllSequencesEmpty) {
+  SKIP_WITHOUT_CUDA();
+  const Config c = shape({0, 0}, 4, 2, 128, 2, 1, 128, 128, 4, kBf16, 22);
+  Problem p = random_problem(c);
+  DeviceInputs d(p, nullptr);
+  DeviceTensor out(c.dtype, {0, c.Hq, c.D}), lse(DType::kFloat32, {0, c.Hq}), bi(DType::kInt32, {0, c.Hi, c.k});
+  msa::SelectParams sp;
+  sp.q_idx = d.q_idx.ref();
+  sp.k_idx = d.k_idx.ref();
+  sp.cu_seqlens = d.cu.ref();
+  sp.block_idx = bi.ref();
+  sp.opts = p.options();
+  require_ok(msa::select_blocks(sp));
+  for (Mode mode : {Mode::kSparse, Mode::kDense}) {
+    msa::ForwardParams f;
+    f.q = d.q.ref();
+    f.k = d.k.ref();
+    f.v = d.v.ref();
+    f.cu_seqlens = d.cu.ref();
+    f.q_idx = d.q_idx.ref();
+    f.k_idx = d.k_idx.ref();
+    if (mode == Mode::kSparse) f.block_idx = bi.ref();
+    f.select = mode == Mode::kSparse;
+    f.out = out.ref();
+    f.lse = lse.ref();
+    f.opts = p.options(mode);
+    require_ok(msa::forward(f));
+  }
+  CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+// q, k, v as views of one fused [T, Hq + 2 Hkv, D] projection (token stride larger than a row):
+// the same result as contiguous tensors, or kNotSupported naming the argument.
+TEST(Cuda, FusedQkvStrides) {
+  SKIP_WITHOUT_CUDA();
+  const Config c = shape({333, 200}, 8, 2, 128, 2, 1, 128, 128, 3, kBf16, 23);
+  Problem p = random_problem(c);
+  const int64_t W = c.Hq + 2 * c.Hkv;
+  HostTensor qkv(c.dtype, {p.T, W, c.D});
+  for (int64_t t = 0; t < p.T; ++t)
+    for (int64_t h = 0; h < W; ++h)
+      for (int64_t d = 0; d < c.D; ++d) {
+        const double x = h < c.Hq              ? p.q.at(t, h, d)
+                         : h < c.Hq + c.Hkv ? p.k.at(t, h - c.Hq, d)
+                                            : p.v.at(t, h - c.Hq - c.Hkv, d);
+        qkv.set((t * W + h) * c.D + d, x);
+      }
+  HostTensor bi = run_select(p);
+  DeviceInputs d(p, nullptr);
+  DeviceTensor dqkv = DeviceTensor::upload(qkv, nullptr), dbi = DeviceTensor::upload(bi, nullptr);
+  DeviceTensor out = DeviceTensor::poisoned(c.dtype, {p.T, c.Hq, c.D}, nullptr);
+  DeviceTensor lse = DeviceTensor::poisoned(DType::kFloat32, {p.T, c.Hq}, nullptr);
+  const auto view = [&](int64_t h0, int64_t heads) {
+    msa::TensorRef t = dqkv.ref();
+    t.data = static_cast<char*>(t.data) + h0 * c.D * msa::dtype_size(c.dtype);
+    t.shape[1] = heads;
+    return t;  // strides stay those of [T, W, D]
+  };
+  msa::ForwardParams f;
+  f.q = view(0, c.Hq);
+  f.k = view(c.Hq, c.Hkv);
+  f.v = view(c.Hq + c.Hkv, c.Hkv);
+  f.cu_seqlens = d.cu.ref();
+  f.block_idx = dbi.ref();
+  f.out = out.ref();
+  f.lse = lse.ref();
+  f.opts = p.options();
+  const msa::Status st = msa::forward(f);
+  if (!st.ok()) {
+    EXPECT_EQ(st.code, StatusCode::kNotSupported) << st.message;
+    EXPECT_NE(st.message.find("argument '"), std::string::npos) << st.message;
+    return;
+  }
+  Problem w = widened(p);
+  const FwdResult ref = run_forward(w, &bi, Mode::kSparse, false);
+  expect_forward_close(out.download(nullptr), lse.download(nullptr), ref, c.dtype, "fused qkv " + c.str());
+}
+
+// ---- long sequence selection ------------------------------------------------------------------------
+
+// One sequence of 131072 tokens (1024 blocks of 128), Hi = Hik = 1, Di = 128, k = 16: every row's
+// format, and 64 sampled rows (block edges, the last token, random others) against a brute force of
+// those rows only, lse_idx included.
+TEST(Cuda, Selection131072Tokens) {
+  SKIP_WITHOUT_CUDA();
+  Config c = shape({131072}, 1, 1, 8, 1, 1, 128, 128, 16, kBf16, 24);
+  Problem p = random_problem(c);
+  DeviceTensor q_idx = DeviceTensor::upload(p.q_idx, nullptr), k_idx = DeviceTensor::upload(p.k_idx, nullptr);
+  DeviceTensor bi = DeviceTensor::poisoned(DType::kInt32, {p.T, 1, c.k}, nullptr);
+  DeviceTensor lse_idx = DeviceTensor::poisoned(DType::kFloat32, {p.T, 1}, nullptr);
+  msa::SelectParams sp;
+  sp.q_idx = q_idx.ref();
+  sp.k_idx = k_idx.ref();
+  sp.block_idx = bi.ref();
+  sp.lse_idx = lse_idx.ref();
+  sp.opts = p.options();
+  bool with_lse = false;
+  require_ok(select_with_lse_idx(sp, &with_lse));
+  const HostTensor got = bi.download(nullptr), got_lse = lse_idx.download(nullptr);
+
+  Failures format;
+  for (int64_t g = 0; g < p.T; ++g) {
+    const std::string e = selection_format_error(bi_row(got, g, 0), static_cast<int>(g / c.Bk));
+    if (!e.empty()) format.add("row " + std::to_string(g) + ": " + e);
+  }
+  EXPECT_EQ(format.count, 0) << format.first;
+
+  std::vector<int64_t> rows = {0, 1, 127, 128, 129, 255, 256, 2047, 2048, 16383, 16384, 65535, 65536, 131070, 131071};
+  std::mt19937_64 rng(c.seed);
+  std::uniform_int_distribution<int64_t> any(0, p.T - 1);
+  while (rows.size() < 64) rows.push_back(any(rng));
+  const Failures f = check_selection(p, IndexScores(p), got, with_lse ? &got_lse : nullptr, rows);
+  EXPECT_EQ(f.count, 0) << f.first;
+}
+
+// ---- errors ---------------------------------------------------------------------------------------
+
+void expect_error(const msa::Status& s, StatusCode code, const std::string& needle, const std::string& what) {
+  EXPECT_EQ(s.code, code) << what << ": " << s.message;
+  EXPECT_NE(s.message.find(needle), std::string::npos) << what << ": message lacks \"" << needle << "\": " << s.message;
+}
+
+// Valid device buffers of one small problem, and the parameters of each entry point over them.
+struct SmallCall {
+  Config c;
+  Problem p;
+  DeviceInputs d;
+  DeviceTensor out, lse, bi, kl, dout, dq, dk, dv;
+
+  explicit SmallCall(DType dt, int D = 128, int Di = 128, int Bk = 128)
+      : c(shape({300, 160}, 4, 2, D, 2, 1, Di, Bk, 2, dt, 31)), p(random_problem(c)), d(p, nullptr),
+        out(dt, {p.T, c.Hq, c.D}), lse(DType::kFloat32, {p.T, c.Hq}), bi(DType::kInt32, {p.T, c.Hi, c.k}),
+        kl(DType::kFloat32, {1}), dout(dt, {p.T, c.Hq, c.D}), dq(dt, {p.T, c.Hq, c.D}), dk(dt, {p.T, c.Hkv, c.D}),
+        dv(dt, {p.T, c.Hkv, c.D}) {
+    HostTensor host_bi = run_select(p);
+    bi = DeviceTensor::upload(host_bi, nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+  }
+  msa::SelectParams select() {
+    msa::SelectParams s;
+    s.q_idx = d.q_idx.ref();
+    s.k_idx = d.k_idx.ref();
+    s.cu_seqlens = d.cu.ref();
+    s.block_idx = bi.ref();
+    s.opts = p.options();
+    return s;
+  }
+  msa::ForwardParams forward() {
+    msa::ForwardParams f;
+    f.q = d.q.ref();
+    f.k = d.k.ref();
+    f.v = d.v.ref();
+    f.cu_seqlens = d.cu.ref();
+    f.block_idx = bi.ref();
+    f.out = out.ref();
+    f.lse = lse.ref();
+    f.opts = p.options();
+    return f;
+  }
+};
+
+TEST(Cuda, Float32AndFloat64AreCpuOnly) {
+  SKIP_WITHOUT_CUDA();
+  SmallCall f32(DType::kFloat32);
+  expect_error(msa::forward(f32.forward()), StatusCode::kNotSupported, "argument 'q'", "forward float32");
+  expect_error(msa::select_blocks(f32.select()), StatusCode::kNotSupported, "argument 'q_idx'", "select float32");
+  SmallCall f64(DType::kFloat64);
+  expect_error(msa::forward(f64.forward()), StatusCode::kInvalidArgument, "argument 'q'", "forward float64");
+}
+
+TEST(Cuda, BackwardAndKlAreNotSupported) {
+  SKIP_WITHOUT_CUDA();
+  SmallCall s(kBf16);
+  msa::ForwardParams f = s.forward();
+  f.q_idx = s.d.q_idx.ref();
+  f.k_idx = s.d.k_idx.ref();
+  f.kl = s.kl.ref();
+  expect_error(msa::forward(f), StatusCode::kNotSupported, "argument 'kl'", "forward with the KL value");
+
+  msa::BackwardParams b;
+  b.q = s.d.q.ref();
+  b.k = s.d.k.ref();
+  b.v = s.d.v.ref();
+  b.out = s.out.ref();
+  b.lse = s.lse.ref();
+  b.dout = s.dout.ref();
+  b.cu_seqlens = s.d.cu.ref();
+  b.block_idx = s.bi.ref();
+  b.dq = s.dq.ref();
+  b.dk = s.dk.ref();
+  b.dv = s.dv.ref();
+  b.opts = s.p.options();
+  expect_error(msa::backward(b), StatusCode::kNotSupported, "msa::backward", "backward");
+
+  msa::KlParams k;
+  k.q = s.d.q.ref();
+  k.k = s.d.k.ref();
+  k.lse = s.lse.ref();
+  k.q_idx = s.d.q_idx.ref();
+  k.k_idx = s.d.k_idx.ref();
+  k.cu_seqlens = s.d.cu.ref();
+  k.block_idx = s.bi.ref();
+  k.kl = s.kl.ref();
+  k.opts = s.p.options();
+  expect_error(msa::kl_divergence(k), StatusCode::kNotSupported, "msa::kl_divergence", "kl_divergence");
+
+  // The rejected calls leave nothing behind: a valid call still works.
+  require_ok(msa::forward(s.forward()));
+  CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+// Head dims and block sizes the kernels may not implement: either they run (checked against the
+// CPU) or they answer kNotSupported naming the argument.
+TEST(Cuda, KernelLimitsNameTheArgument) {
+  SKIP_WITHOUT_CUDA();
+  struct Limit {
+    const char* what;
+    int D, Di, Bk;
+    const char* arg_forward;
+    const char* arg_select;
+  };
+  const Limit limits[] = {{"D = 72", 72, 128, 128, "'q'", nullptr},
+                          {"Di = 72", 128, 72, 128, nullptr, "'q_idx'"},
+                          {"block_size = 48", 128, 128, 48, "'block_size'", "'block_size'"}};
+  for (const Limit& l : limits) {
+    SmallCall s(kBf16, l.D, l.Di, l.Bk);
+    if (l.arg_forward) {
+      const msa::Status st = msa::forward(s.forward());
+      if (!st.ok()) {
+        expect_error(st, StatusCode::kNotSupported, std::string("argument ") + l.arg_forward, l.what);
+      } else {
+        Problem w = widened(s.p);
+        HostTensor bi = s.bi.download(nullptr);
+        const FwdResult ref = run_forward(w, &bi, Mode::kSparse, false);
+        expect_forward_close(s.out.download(nullptr), s.lse.download(nullptr), ref, kBf16, l.what);
+      }
+    }
+    if (l.arg_select) {
+      const msa::Status st = msa::select_blocks(s.select());
+      if (!st.ok()) {
+        expect_error(st, StatusCode::kNotSupported, std::string("argument ") + l.arg_select, l.what);
+      } else {
+        const Failures f = check_selection(s.p, IndexScores(s.p), s.bi.download(nullptr), nullptr, all_tokens(s.p));
+        EXPECT_EQ(f.count, 0) << l.what << f.first;
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace msatest
