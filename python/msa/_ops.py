@@ -52,9 +52,9 @@ def _launch(fn, device: torch.device, *args, **kwargs):
                   workspace_alloc=_alloc(device), **kwargs)
 
 
-_NO_CUDA_KL = ("the exact KL value is not computed by the CUDA backend yet: pass kl_value=False "
-               "to msa.sparse_attention / msa.warmup_attention / msa.flash_msa.* for CUDA "
-               "tensors (kl is then a zero)")
+_NO_CUDA_KL = ("for CUDA tensors pass kl_value=False to msa.sparse_attention / "
+               "msa.warmup_attention / msa.flash_msa.* (kl is then a zero) until the CUDA "
+               "backend computes the exact KL value")
 
 
 def _mentions_kl(message: str) -> bool:
