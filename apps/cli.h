@@ -5,6 +5,7 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -14,6 +15,8 @@
 
 namespace msa_app {
 
+// Defaults are those of the CPU backend's shape; on a GPU, apply_gpu_defaults() replaces the shape
+// options the command line did not give.
 struct Config {
   std::vector<int64_t> seqlens{1536, 512};  // both longer than k*Bk: really sparse
   int32_t hq = 8, hkv = 2, d = 64;
@@ -29,7 +32,25 @@ struct Config {
   int64_t check_rows = 64;
   bool check = true;
   uint64_t seed = 1;
+  std::vector<std::string> given;  // the options on the command line
+
+  bool was_given(const char* opt) const { return std::find(given.begin(), given.end(), opt) != given.end(); }
 };
+
+// The GPU default shape, meaningful on an H200: sequences of 8192 and 4096 tokens, Hq=16, Hkv=2,
+// Hi=2, Hik=1, D=Di=128, Bk=128, k=16 (each sequence attends to at most 2048 of its keys).
+// Options given on the command line keep their values.
+inline void apply_gpu_defaults(Config* c) {
+  if (!c->was_given("--seqlens")) c->seqlens = {8192, 4096};
+  struct {
+    const char* opt;
+    int32_t* dst;
+    int32_t value;
+  } const shape[] = {{"--hq", &c->hq, 16}, {"--hkv", &c->hkv, 2}, {"--d", &c->d, 128},   {"--hi", &c->hi, 2},
+                     {"--hik", &c->hik, 1}, {"--di", &c->di, 128}, {"--bk", &c->bk, 128}, {"--topk", &c->topk, 16}};
+  for (const auto& o : shape)
+    if (!c->was_given(o.opt)) *o.dst = o.value;
+}
 
 inline void print_usage(std::FILE* f, const char* argv0) {
   std::fprintf(f,
@@ -41,26 +62,31 @@ and dense causal attention of the same shape, times each stage (median of --iter
 random sample of rows against a double-precision reference written from the spec, and prints a
 table: time, FLOPs of the selected work, throughput, speedup versus dense.
 
-Shape (packed variable-length batch):
-  --seqlens L1,L2,...   sequence lengths; 0 is allowed (an empty sequence)   [1536,512]
-  --hq N                main query heads Hq                                    [8]
-  --hkv N               main KV heads Hkv (divides Hq)                         [2]
-  --d N                 main head dim D                                        [64]
-  --hi N                index query heads Hi (multiple of Hkv, divides Hq)     [2]
-  --hik N               index key heads Hik (divides Hi)                       [1]
-  --di N                index head dim Di                                      [64]
-  --bk N                block size Bk in tokens                                [64]
-  --topk N              blocks k selected per (token, index head)              [4]
-  --sink N              forced sink blocks (first N of each sequence)          [0]
-  --local N             forced local blocks (last N up to the own block)       [1]
-  --dtype bf16|fp16|fp32  element type of q, k, v, q_idx, k_idx, dout          [bf16]
+On a GPU (the CUDA backend: selection and forward kernels only) it runs the selection, the sparse
+forward and the dense forward; the backward, the KL value and the warmup step run on the CPU
+backend only (--device cpu) and are skipped there.
+
+Shape (packed variable-length batch); defaults: CPU [GPU]:
+  --seqlens L1,L2,...   sequence lengths; 0 is allowed (an empty sequence)   1536,512 [8192,4096]
+  --hq N                main query heads Hq                                    8 [16]
+  --hkv N               main KV heads Hkv (divides Hq)                         2 [2]
+  --d N                 main head dim D                                        64 [128]
+  --hi N                index query heads Hi (multiple of Hkv, divides Hq)     2 [2]
+  --hik N               index key heads Hik (divides Hi)                       1 [1]
+  --di N                index head dim Di                                      64 [128]
+  --bk N                block size Bk in tokens                                64 [128]
+  --topk N              blocks k selected per (token, index head)              4 [16]
+  --sink N              forced sink blocks (first N of each sequence)          0
+  --local N             forced local blocks (last N up to the own block)       1
+  --dtype bf16|fp16|fp32  element type of q, k, v, q_idx, k_idx, dout          bf16
+                        (the CUDA backend takes bf16 and fp16)
 
 Run:
   --steps train|warmup|both  which training step(s) to run; dense always runs   [both]
   --iters N             timed repetitions per stage, the median is reported    [1 on CPU, 20 on GPU]
   --warm N              untimed runs per stage before timing                   [0 on CPU, 3 on GPU]
-  --device auto|cpu|cuda  auto: CUDA when libmsa has a CUDA backend and a GPU
-                        is present, else the CPU                              [auto]
+  --device auto|cpu|cuda  auto: CUDA when libmsa has a CUDA backend and a
+                        compute capability 9.0 GPU is visible, else the CPU    [auto]
   --seed S              seed of the random inputs and of the check sample      [1]
 
 Output and check:
@@ -72,7 +98,8 @@ Output and check:
   --no-check            skip the reference check
   -h, --help            this text
 
-The CPU backend uses MSA_CPU_THREADS threads (default: all hardware threads).
+The CPU backend uses MSA_CPU_THREADS threads (default: all hardware threads). GPU times are CUDA
+event times on the app's stream.
 Exit status: 0 all checks passed; 1 a check failed; 2 bad command line or device; 3 an msa call
 returned an error (its message is printed).
 )",
@@ -140,6 +167,7 @@ inline ParseResult parse_args(int argc, char** argv, Config* cfg, std::string* e
       *error = opt.rfind("--", 0) == 0 ? "option " + opt + " needs a value" : "unexpected argument '" + opt + "'";
       return ParseResult::kError;
     }
+    cfg->given.push_back(opt);
     const std::string bad = "bad value '" + val + "' for " + opt;
     int64_t v = 0;
     bool known = false;

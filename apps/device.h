@@ -1,19 +1,22 @@
-// Where msa_main's tensors live: an allocator abstraction over the device memory, owning device
-// tensors, and the choice of device.
+// Where msa_main's tensors live: an allocator abstraction over the device memory (with the stream
+// the msa calls run on and a stage timer), owning device tensors, and the choice of device.
 //
-// Today only the host implementation exists (the library's only backend is the CPU). A CUDA path
-// needs exactly one more Allocator (cudaMalloc / cudaMemcpy / cudaMemset / cudaDeviceSynchronize)
-// returned by make_allocator() for DeviceType::kCuda; everything else in the app reaches device
-// memory only through this interface and reads results back with DeviceTensor::download().
+// HostAllocator serves the CPU backend. CudaAllocator (built when the library has its CUDA
+// backend, MSA_WITH_CUDA) uses cudaMalloc on one compute capability 9.0 GPU, a non-blocking stream
+// of its own for copies and msa calls, and CUDA events for timing. Everything else in the app
+// reaches device memory only through this interface and reads results back with
+// DeviceTensor::download().
 #pragma once
 
 #include <sys/stat.h>
 
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <new>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -21,6 +24,10 @@
 #include "host_tensor.h"
 #include "msa/api.h"
 #include "msa/types.h"
+
+#ifdef MSA_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
 
 namespace msa_app {
 
@@ -33,8 +40,15 @@ class Allocator {
   virtual void copy_to_device(void* dst, const void* src, size_t bytes) = 0;
   virtual void copy_to_host(void* dst, const void* src, size_t bytes) = 0;
   virtual void fill(void* dst, unsigned char byte, size_t bytes) = 0;
-  // Waits for all work queued on the device (before reading a timer). No-op on the host.
+  // Waits for all work queued on the device. No-op on the host.
   virtual void synchronize() = 0;
+  // The stream msa calls run on (Launch.stream): null on the host.
+  virtual void* stream() const { return nullptr; }
+  // One line for the report: the device and what it is.
+  virtual std::string describe() const = 0;
+  // Times the work issued between the two calls (on the device: CUDA events on stream()).
+  virtual void start_timer() = 0;
+  virtual double stop_timer_ms() = 0;
 };
 
 class HostAllocator final : public Allocator {
@@ -57,7 +71,104 @@ class HostAllocator final : public Allocator {
     if (bytes) std::memset(dst, byte, bytes);
   }
   void synchronize() override {}
+  std::string describe() const override { return "cpu"; }
+  void start_timer() override { t0_ = std::chrono::steady_clock::now(); }
+  double stop_timer_ms() override {
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0_).count();
+  }
+
+ private:
+  std::chrono::steady_clock::time_point t0_;
 };
+
+#ifdef MSA_WITH_CUDA
+// Device memory of one GPU; copies, fills and msa calls are ordered on the allocator's own stream.
+// CUDA errors throw std::runtime_error (msa_main reports them and exits with status 3).
+class CudaAllocator final : public Allocator {
+ public:
+  explicit CudaAllocator(int device) : device_(device) {
+    check(cudaSetDevice(device), "cudaSetDevice");
+    cudaDeviceProp prop;
+    check(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
+    name_ = std::string(prop.name) + ", compute capability " + std::to_string(prop.major) + "." +
+            std::to_string(prop.minor) + ", " + std::to_string(prop.totalGlobalMem >> 30) + " GiB";
+    check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+    check(cudaEventCreate(&start_), "cudaEventCreate");
+    check(cudaEventCreate(&stop_), "cudaEventCreate");
+  }
+  ~CudaAllocator() override {
+    cudaStreamSynchronize(stream_);
+    cudaEventDestroy(start_);
+    cudaEventDestroy(stop_);
+    cudaStreamDestroy(stream_);
+  }
+  CudaAllocator(const CudaAllocator&) = delete;
+  CudaAllocator& operator=(const CudaAllocator&) = delete;
+
+  msa::Device device() const override { return {msa::DeviceType::kCuda, device_}; }
+  void* allocate(size_t bytes) override {
+    void* p = nullptr;
+    if (cudaMalloc(&p, bytes > 0 ? bytes : 1) != cudaSuccess) {
+      cudaGetLastError();
+      throw std::bad_alloc();
+    }
+    return p;
+  }
+  void release(void* p) override {
+    cudaStreamSynchronize(stream_);  // no queued work may still use it
+    cudaFree(p);
+  }
+  // Both copies wait for the stream, so the host buffer is free to go when they return.
+  void copy_to_device(void* dst, const void* src, size_t bytes) override {
+    if (!bytes) return;
+    check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_), "cudaMemcpyAsync (to device)");
+    synchronize();
+  }
+  void copy_to_host(void* dst, const void* src, size_t bytes) override {
+    if (!bytes) return;
+    check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_), "cudaMemcpyAsync (to host)");
+    synchronize();
+  }
+  void fill(void* dst, unsigned char byte, size_t bytes) override {
+    if (bytes) check(cudaMemsetAsync(dst, byte, bytes, stream_), "cudaMemsetAsync");
+  }
+  void synchronize() override { check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize"); }
+  void* stream() const override { return stream_; }
+  std::string describe() const override { return "cuda:" + std::to_string(device_) + " (" + name_ + ")"; }
+  void start_timer() override { check(cudaEventRecord(start_, stream_), "cudaEventRecord"); }
+  double stop_timer_ms() override {
+    check(cudaEventRecord(stop_, stream_), "cudaEventRecord");
+    check(cudaEventSynchronize(stop_), "cudaEventSynchronize");
+    float ms = 0.f;
+    check(cudaEventElapsedTime(&ms, start_, stop_), "cudaEventElapsedTime");
+    return ms;
+  }
+
+  // The first GPU of compute capability 9.x (the one the library's kernels are built for), or -1.
+  static int pick_device() {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+      cudaGetLastError();
+      return -1;
+    }
+    for (int d = 0; d < n; ++d) {
+      cudaDeviceProp prop;
+      if (cudaGetDeviceProperties(&prop, d) == cudaSuccess && prop.major == 9) return d;
+    }
+    return -1;
+  }
+
+ private:
+  static void check(cudaError_t e, const char* what) {
+    if (e != cudaSuccess) throw std::runtime_error(std::string("CUDA error in ") + what + ": " + cudaGetErrorString(e));
+  }
+
+  int device_;
+  std::string name_;
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t start_ = nullptr, stop_ = nullptr;
+};
+#endif
 
 // An owning contiguous tensor in the allocator's memory. Move-only.
 class DeviceTensor {
@@ -142,18 +253,31 @@ class DeviceTensor {
 
 enum class DeviceChoice { kAuto, kCpu, kCuda };
 
-// Whether an NVIDIA GPU is visible to this process (its device node exists). A CUDA allocator
-// would rather ask cudaGetDeviceCount(); the app does not link the CUDA runtime today.
+// Whether an NVIDIA GPU's device node exists (for the message of a build without CUDA).
 inline bool gpu_present() {
   struct stat st;
   return stat("/dev/nvidia0", &st) == 0 || stat("/dev/nvidiactl", &st) == 0;
 }
 
+// Why the CUDA backend cannot run here (msa::backend_available(kCuda) is false).
+inline std::string cuda_unavailable_reason() {
+#ifdef MSA_WITH_CUDA
+  return "no GPU of compute capability 9.0 is visible (libmsa's CUDA kernels are built for sm_90a)";
+#else
+  return gpu_present() ? "libmsa was built without its CUDA backend although a GPU is visible "
+                         "(configure with a CUDA toolkit on PATH, -DMSA_WITH_CUDA=ON)"
+                       : "libmsa was built without its CUDA backend";
+#endif
+}
+
 // The allocator for a device, or nullptr with the reason in *why.
 inline std::unique_ptr<Allocator> make_allocator(msa::Device device, std::string* why) {
   if (device.type == msa::DeviceType::kCpu) return std::make_unique<HostAllocator>();
-  // CUDA: add a CudaAllocator (cudaMalloc, cudaMemcpy, cudaMemset, cudaDeviceSynchronize) here.
-  *why = "msa_main has no CUDA allocator yet (apps/device.h: make_allocator)";
+#ifdef MSA_WITH_CUDA
+  const int d = CudaAllocator::pick_device();
+  if (d >= 0) return std::make_unique<CudaAllocator>(d);
+#endif
+  *why = cuda_unavailable_reason();
   return nullptr;
 }
 
@@ -162,18 +286,14 @@ struct DeviceSetup {
   std::string note;  // why auto picked what it picked
 };
 
-// --device auto: CUDA when the library has a CUDA backend and a GPU is present, else the CPU.
+// --device auto: CUDA when the library's CUDA backend can run here, else the CPU.
 inline bool resolve_device(DeviceChoice choice, DeviceSetup* setup, std::string* error) {
   const msa::Device cpu{msa::DeviceType::kCpu, 0}, cuda{msa::DeviceType::kCuda, 0};
   const bool lib_cuda = msa::backend_available(msa::DeviceType::kCuda);
   std::string why;
   if (choice == DeviceChoice::kCuda) {
     if (!lib_cuda) {
-      *error = "--device cuda: this libmsa has no CUDA backend (msa::backend_available(kCuda) is false)";
-      return false;
-    }
-    if (!gpu_present()) {
-      *error = "--device cuda: no NVIDIA GPU is visible";
+      *error = "--device cuda: " + cuda_unavailable_reason();
       return false;
     }
     setup->allocator = make_allocator(cuda, &why);
@@ -182,11 +302,9 @@ inline bool resolve_device(DeviceChoice choice, DeviceSetup* setup, std::string*
   }
   if (choice == DeviceChoice::kAuto) {
     if (!lib_cuda) {
-      setup->note = "auto: libmsa has no CUDA backend";
-    } else if (!gpu_present()) {
-      setup->note = "auto: no GPU visible";
+      setup->note = "auto: " + cuda_unavailable_reason();
     } else if ((setup->allocator = make_allocator(cuda, &why))) {
-      setup->note = "auto: CUDA backend and GPU present";
+      setup->note = "auto: CUDA backend and a compute capability 9.0 GPU";
       return true;
     } else {
       setup->note = "auto: " + why;

@@ -3,10 +3,15 @@
 // the same shape through the public API, times every stage, checks a sample of the results
 // against a double-precision reference written from the spec, and prints a table.
 //
+// On a GPU (the CUDA backend, when libmsa has it and a compute capability 9.0 GPU is visible) it
+// runs what that backend has: selection, sparse forward and dense forward, on a larger default
+// shape; the backward, the KL value and the warmup step are CPU-only for now and reported skipped.
+//
 // Progress goes to stderr; the report (shape, backend, KL values, table, check) to stdout.
 // Run with --help for the options. Helpers: apps/*.h.
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
@@ -64,11 +69,11 @@ class StageRunner {
     std::vector<double> ms;
     for (int it = 0; it < iters_; ++it) {
       alloc_.synchronize();
-      const auto t0 = std::chrono::steady_clock::now();
+      alloc_.start_timer();
       const msa::Status st = fn();
-      alloc_.synchronize();
-      ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+      const double t = alloc_.stop_timer_ms();
       ensure_ok(st, label);
+      ms.push_back(t);
     }
     std::sort(ms.begin(), ms.end());
     const size_t n = ms.size();
@@ -100,15 +105,16 @@ struct VariantRun {
 };
 
 VariantRun run_variant(Variant v, const Shape& s, const DeviceInputs& in, Allocator& alloc, Workspace& ws,
-                       StageRunner& stages) {
-  VariantRun r{v, make_outputs(alloc, s, v), {}, {}, {}};
+                       const Capabilities& can, StageRunner& stages) {
+  VariantRun r{v, make_outputs(alloc, s, v, can), {}, {}, {}};
   const std::string name = variant_name(v);
-  const std::string kl = has_index(v) ? " + KL" : "";
   if (v == Variant::kSparse)
     r.ms.select = stages.run("selection", [&] { return run_select(s, in, r.dev, ws); });
-  r.ms.forward = stages.run(name + " forward" + kl, [&] { return run_forward(s, v, in, r.dev, ws); });
-  r.ms.backward = stages.run(name + " backward" + kl + (has_index(v) ? " grad" : ""),
-                             [&] { return run_backward(s, v, in, r.dev, ws); });
+  r.ms.forward = stages.run(name + " forward" + (r.dev.kl.defined() ? " + KL" : ""),
+                            [&] { return run_forward(s, v, in, r.dev, ws); });
+  if (can.backward)
+    r.ms.backward = stages.run(name + " backward" + (has_index(v) ? " + KL grad" : ""),
+                               [&] { return run_backward(s, v, in, r.dev, ws); });
   r.host = download(r.dev);
   r.support = v == Variant::kSparse ? sparse_support(s, r.host.block_idx) : dense_support(s);
   return r;
@@ -121,13 +127,20 @@ std::vector<TableRow> table_rows(const Shape& s, const std::vector<VariantRun>& 
   const double dfwd = forward_flops(s, dense.support, false), dbwd = backward_flops(s, dense.support, false);
   std::vector<TableRow> rows;
   for (const VariantRun& r : runs) {
+    const bool kl_value = !r.host.kl.empty(), backward = std::isfinite(r.ms.backward);
     const bool kl = has_index(r.variant), cmp = r.variant != Variant::kDense;
     const std::string name = variant_name(r.variant);
     const double sel_flops = r.variant == Variant::kSparse ? select_flops(s) : 0.0;
-    const double fwd = forward_flops(s, r.support, kl), bwd = backward_flops(s, r.support, kl);
+    const double fwd = forward_flops(s, r.support, kl_value), bwd = backward_flops(s, r.support, kl);
     if (r.variant == Variant::kSparse) rows.push_back({"selection", r.ms.select, sel_flops});
-    rows.push_back({name + " forward" + (kl ? " + KL" : ""), r.ms.forward, fwd, cmp ? dense.ms.forward : NAN,
+    rows.push_back({name + " forward" + (kl_value ? " + KL" : ""), r.ms.forward, fwd, cmp ? dense.ms.forward : NAN,
                     cmp ? dfwd : NAN});
+    if (!backward) {  // forward-only device: the sparse "step" is selection + forward
+      if (r.variant == Variant::kSparse)
+        rows.push_back({"sparse selection + forward", r.ms.select + r.ms.forward, sel_flops + fwd, dense.ms.forward,
+                        dfwd});
+      continue;
+    }
     rows.push_back({name + " backward" + (kl ? " + KL grad" : ""), r.ms.backward, bwd,
                     cmp ? dense.ms.backward : NAN, cmp ? dbwd : NAN});
     const double step_ms = (r.variant == Variant::kSparse ? r.ms.select : 0.0) + r.ms.forward + r.ms.backward;
@@ -148,12 +161,18 @@ void print_header(const Config& cfg, const Shape& s, const DeviceSetup& dev, int
     std::printf("backend: cpu, %d thread%s (%s)%s%s\n", threads, threads == 1 ? "" : "s", how.c_str(),
                 dev.note.empty() ? "" : "; ", dev.note.c_str());
   } else {
-    std::printf("backend: cuda:%d%s%s\n", dev.allocator->device().index, dev.note.empty() ? "" : "; ", dev.note.c_str());
+    std::printf("backend: %s%s%s\n", dev.allocator->describe().c_str(), dev.note.empty() ? "" : "; ",
+                dev.note.c_str());
   }
-  std::printf("timing:  median of %d run(s) per stage after %d untimed; seed %llu\n", iters, warm,
-              static_cast<unsigned long long>(cfg.seed));
+  const Capabilities can = capabilities(dev.allocator->device().type);
+  if (!can.backward || !can.kl)
+    std::printf("stages:  the CUDA backend has selection and forward kernels only: the backward with the KL\n"
+                "         gradient, the exact KL value and the warmup step run on the CPU backend only\n"
+                "         (--device cpu) and are skipped here\n");
+  std::printf("timing:  median of %d run(s) per stage after %d untimed%s; seed %llu\n", iters, warm,
+              cpu ? "" : " (CUDA events)", static_cast<unsigned long long>(cfg.seed));
   for (const VariantRun& r : runs)
-    if (has_index(r.variant)) std::printf("KL (%s): %.9g\n", variant_name(r.variant), r.host.kl.get(0));
+    if (!r.host.kl.empty()) std::printf("KL (%s): %.9g\n", variant_name(r.variant), r.host.kl.get(0));
 }
 
 // ---- check ----------------------------------------------------------------------------------------
@@ -221,13 +240,20 @@ int run_main(const Config& cfg, const DeviceSetup& dev) {
   const HostInputs host_in = make_inputs(s, cfg.seed);
   const DeviceInputs in = upload_inputs(alloc, host_in);
   Workspace ws(alloc);
-  const int total = (cfg.train ? 3 : 0) + (cfg.warmup ? 2 : 0) + 2 + (cfg.check ? 1 : 0);
+  const Capabilities can = capabilities(alloc.device().type);
+  // The warmup step differs from dense attention only by its KL value and gradient.
+  const bool warmup = cfg.warmup && (can.kl || can.backward);
+  if (cfg.warmup && !warmup)
+    std::fprintf(stderr, "msa_main: the warmup step (dense + KL) needs the KL value or the backward: "
+                         "CPU backend only, skipped on this device\n");
+  const int bwd = can.backward ? 1 : 0;
+  const int total = (cfg.train ? 2 + bwd : 0) + (warmup ? 1 + bwd : 0) + 1 + bwd + (cfg.check ? 1 : 0);
   StageRunner stages(alloc, warm, iters, total);
 
   std::vector<VariantRun> runs;
-  if (cfg.train) runs.push_back(run_variant(Variant::kSparse, s, in, alloc, ws, stages));
-  if (cfg.warmup) runs.push_back(run_variant(Variant::kWarmup, s, in, alloc, ws, stages));
-  runs.push_back(run_variant(Variant::kDense, s, in, alloc, ws, stages));
+  if (cfg.train) runs.push_back(run_variant(Variant::kSparse, s, in, alloc, ws, can, stages));
+  if (warmup) runs.push_back(run_variant(Variant::kWarmup, s, in, alloc, ws, can, stages));
+  runs.push_back(run_variant(Variant::kDense, s, in, alloc, ws, can, stages));
 
   print_header(cfg, s, dev, iters, warm, runs);
   const std::vector<TableRow> rows = table_rows(s, runs);
@@ -235,6 +261,7 @@ int run_main(const Config& cfg, const DeviceSetup& dev) {
   print_table(stdout, rows, !cpu);
   std::printf("FLOPs: selected work only (apps/flops.h); KL rows include the KL value / gradient work;\n"
               "step = sum of its stages; vs dense = dense time / this time; ideal = dense FLOPs / these FLOPs.\n");
+  if (!can.backward) std::printf("backward: not run (CPU backend only; --device cpu runs the whole training step)\n");
   std::fflush(stdout);
   if (!cfg.csv.empty() && !write_csv(cfg.csv, rows, &error)) {
     std::fprintf(stderr, "msa_main: %s\n", error.c_str());
@@ -267,9 +294,21 @@ int main(int argc, char** argv) {
       break;
   }
   DeviceSetup dev;
-  if (!resolve_device(cfg.device, &dev, &error)) {
-    std::fprintf(stderr, "msa_main: %s\n", error.c_str());
+  try {
+    if (!resolve_device(cfg.device, &dev, &error)) {
+      std::fprintf(stderr, "msa_main: %s\n", error.c_str());
+      return kExitUsage;
+    }
+  } catch (const std::exception& e) {  // a CUDA error while setting up the device
+    std::fprintf(stderr, "msa_main: %s\n", e.what());
     return kExitUsage;
+  }
+  if (dev.allocator->device().type == msa::DeviceType::kCuda) {
+    apply_gpu_defaults(&cfg);
+    if (cfg.dtype != msa::DType::kBFloat16 && cfg.dtype != msa::DType::kFloat16) {
+      std::fprintf(stderr, "msa_main: --dtype fp32: the CUDA backend takes bf16 and fp16 (fp32 runs with --device cpu)\n");
+      return kExitUsage;
+    }
   }
   try {
     return run_main(cfg, dev);

@@ -11,6 +11,8 @@
 //
 // The backward is checked as a function of its inputs, which include out and lse as the forward
 // returned them (themselves checked): delta = dO.O uses the returned out, P uses the returned lse.
+// Outputs a run does not have (the CUDA backend: the KL value and the backward) are reported as
+// skipped.
 #pragma once
 
 #include <algorithm>
@@ -51,7 +53,8 @@ struct Tolerances {
 // The CPU backend computes in double from inputs that are exact in the dtype and rounds each output
 // once: rtol is that rounding (2u, u the unit roundoff), atol the dtype's step near zero (fp16's
 // subnormal gradients), vec_rel the slack for a different summation order in double. The CUDA
-// values assume fp32 accumulation with 16-bit P in the PV product: to be tuned with that backend.
+// values assume fp32 accumulation with 16-bit P in the PV product (vec_rel 8u of the row's largest
+// value) and fp32 index scores (score_abs).
 inline Tolerances tolerances_for(msa::DType dt, msa::DeviceType dev) {
   const double u = unit_roundoff(dt);
   const double step = float_format(dt).min_subnormal;
@@ -188,7 +191,8 @@ class Reference {
             int threads)
       : s_(s), in_(in), v_(v), o_(o), tol_(tol), threads_(std::max(1, threads)),
         index_(has_index(v)), Hl_(index_ ? s.Hi : 1), hpi_(s.Hq / Hl_),
-        coef_(s.T > 0 && index_ ? 1.0 / (static_cast<double>(s.T) * s.Hi) : 0.0) {}
+        coef_(s.T > 0 && index_ ? 1.0 / (static_cast<double>(s.T) * s.Hi) : 0.0),
+        backward_(!o.dq.empty()), kl_(index_ && !o.kl.empty()) {}
 
   // Estimated cost of the full pass (FLOPs), against kFullPassBudget.
   double full_pass_flops() const {
@@ -198,8 +202,9 @@ class Reference {
 
   CheckStats run(const std::vector<int64_t>& sample, uint64_t seed) {
     std::vector<CheckStats> per(threads_);
-    // Without an index branch the full pass would only re-check lse: the row sample does that.
-    const bool full = index_ && full_pass_flops() <= kFullPassBudget;
+    // Without the KL value the full pass would only re-check lse (and feed dk_idx): the row sample
+    // checks lse.
+    const bool full = kl_ && full_pass_flops() <= kFullPassBudget;
     if (full) full_pass(per);
     const std::vector<int64_t> tokens = affordable(sample, seed);
     parallel_items(static_cast<int64_t>(tokens.size()), threads_, [&](int64_t x, int w) {
@@ -209,11 +214,16 @@ class Reference {
     CheckStats st;
     for (const CheckStats& p : per) st.merge(p);
     st.tokens = static_cast<int64_t>(tokens.size());
-    if (!full) {
+    if (!full && kl_) {
       char why[120];
       std::snprintf(why, sizeof why, "needs the full pass: %.3g GFLOP > budget %.3g", full_pass_flops() / 1e9,
                     kFullPassBudget / 1e9);
-      if (index_) st.kl.skipped = st.dk_idx.skipped = true, st.kl.note = st.dk_idx.note = why;
+      st.kl.skipped = st.dk_idx.skipped = true, st.kl.note = st.dk_idx.note = why;
+    }
+    if (index_ && !kl_) st.kl.skipped = true, st.kl.note = "not computed on this device";
+    if (!backward_) {
+      for (ErrStat* e : {&st.dq, &st.dk, &st.dv, &st.dq_idx, &st.dk_idx})
+        e->skipped = true, e->note = "backward not run on this device";
     }
     if (v_ != Variant::kSparse) st.selection.skipped = true, st.selection.note = "no selection";
     if (!index_) {
@@ -228,9 +238,10 @@ class Reference {
     const double t = static_cast<double>(g - s_.base_of(g)), after = static_cast<double>(s_.len_of(g)) - t;
     double keys = t + 1;  // |T| of the row: all causal keys, or at most k blocks
     if (v_ == Variant::kSparse) keys = std::min(keys, static_cast<double>(s_.k) * s_.Bk);
-    double row = 6.0 * s_.D * s_.Hq * keys, col = 8.0 * s_.D * s_.Hq * after;
-    if (index_) {
-      row += 4.0 * s_.Di * s_.Hi * keys + (v_ == Variant::kSparse ? 2.0 * s_.Di * s_.Hi * (t + 1) : 0.0);
+    double row = (backward_ ? 6.0 : 4.0) * s_.D * s_.Hq * keys, col = backward_ ? 8.0 * s_.D * s_.Hq * after : 0.0;
+    if (v_ == Variant::kSparse) row += 2.0 * s_.Di * s_.Hi * (t + 1);  // the selection's brute force
+    if (index_ && backward_) {
+      row += 4.0 * s_.Di * s_.Hi * keys;
       col += (2.0 * s_.D * s_.Hq + 4.0 * s_.Di * s_.Hi) * after;
     }
     return row + col;
@@ -401,6 +412,7 @@ class Reference {
         }
         compare_vec(st.out, o_.out, g, h, o_ref, "out");
         compare_lse(st.lse, g, h, lse);
+        if (!backward_) continue;
         // Backward of the row: dq = scale * sum_j P_j (dO.v_j - dO.O) k_j.
         o_.out.load_row(g, h, O.data());
         in_.dout.load_row(g, h, dO.data());
@@ -416,7 +428,7 @@ class Reference {
         }
         compare_vec(st.dq, o_.dq, g, h, dq_ref, "dq");
       }
-      if (!index_) continue;
+      if (!index_ || !backward_) continue;
       // dq_idx = scale_idx * sum_j gamma/(N*Hi) (sigma_j - pi_j) k_idx_j, gamma = 1.
       const int32_t ik = i / s_.idx_per_key();
       in_.q_idx.load_row(g, i, qi.data());
@@ -439,6 +451,7 @@ class Reference {
   // ---- columns: dk, dv, dk_idx of key token gj ----
 
   void check_column(int64_t gj, bool with_dk_idx, CheckStats& st) const {
+    if (!backward_) return;
     const int64_t base = s_.base_of(gj), j = gj - base, len = s_.len_of(gj), bj = j / s_.Bk;
     const int32_t D = s_.D, Di = s_.Di, G = s_.group();
     std::vector<double> kj(D), vj(D), q(D), dO(D), O(D), dk_ref(D), dv_ref(D), kij(Di), qi(Di), dki_ref(Di);
@@ -547,6 +560,8 @@ class Reference {
   const bool index_;
   const int32_t Hl_, hpi_;  // index heads as the loops see them (1 without an index branch)
   const double coef_;       // gamma / (N * Hi), gamma = kl_weight = 1
+  const bool backward_;     // the run has backward outputs (dq, dk, dv, ...)
+  const bool kl_;           // the run has the exact KL value
   std::vector<double> lse_idx_;
 };
 

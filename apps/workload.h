@@ -132,17 +132,32 @@ struct OutputSet {  // DeviceTensor or HostTensor; undefined members are not pro
 using DeviceOutputs = OutputSet<DeviceTensor>;
 using HostOutputs = OutputSet<HostTensor>;
 
-inline DeviceOutputs make_outputs(Allocator& a, const Shape& s, Variant v) {
+// What a device computes. The CPU backend: everything. The CUDA backend: selection and forward
+// (no exact KL value, no backward yet).
+struct Capabilities {
+  bool kl = true;        // the exact KL value in the forward
+  bool backward = true;  // backward with the KL gradient
+};
+
+inline Capabilities capabilities(msa::DeviceType dev) {
+  if (dev == msa::DeviceType::kCuda) return {false, false};
+  return {};
+}
+
+// The outputs of one variant; those the device does not compute stay undefined (not passed).
+inline DeviceOutputs make_outputs(Allocator& a, const Shape& s, Variant v, const Capabilities& can) {
   DeviceOutputs o;
   const msa::DType f32 = msa::DType::kFloat32;
   if (v == Variant::kSparse) o.block_idx = DeviceTensor(a, msa::DType::kInt32, {s.T, s.Hi, s.k});
   o.out = DeviceTensor(a, s.dtype, {s.T, s.Hq, s.D});
   o.lse = DeviceTensor(a, f32, {s.T, s.Hq});
-  o.dq = DeviceTensor(a, s.dtype, {s.T, s.Hq, s.D});
-  o.dk = DeviceTensor(a, s.dtype, {s.T, s.Hkv, s.D});
-  o.dv = DeviceTensor(a, s.dtype, {s.T, s.Hkv, s.D});
-  if (has_index(v)) {
-    o.kl = DeviceTensor(a, f32, {1});
+  if (can.backward) {
+    o.dq = DeviceTensor(a, s.dtype, {s.T, s.Hq, s.D});
+    o.dk = DeviceTensor(a, s.dtype, {s.T, s.Hkv, s.D});
+    o.dv = DeviceTensor(a, s.dtype, {s.T, s.Hkv, s.D});
+  }
+  if (has_index(v) && can.kl) o.kl = DeviceTensor(a, f32, {1});
+  if (has_index(v) && can.backward) {
     o.dq_idx = DeviceTensor(a, s.dtype, {s.T, s.Hi, s.Di});
     o.dk_idx = DeviceTensor(a, s.dtype, {s.T, s.Hik, s.Di});
   }
@@ -179,12 +194,14 @@ inline msa::Options options_for(const Shape& s, Variant v) {
   return o;
 }
 
-// Workspace for one call (0 bytes on the CPU backend, which allocates host memory itself).
+// Workspace and stream of one call (0 bytes on the CPU backend, which allocates host memory
+// itself; the stream is the allocator's).
 class Workspace {
  public:
   explicit Workspace(Allocator& a) : alloc_(a) {}
   template <class P>
   void attach(P* p) {
+    p->launch.stream = alloc_.stream();
     const size_t need = msa::workspace_size(*p);
     if (need > 0 && (!buf_.defined() || buf_.shape()[0] < static_cast<int64_t>(need)))
       buf_ = DeviceTensor(alloc_, msa::DType::kInt32, {static_cast<int64_t>((need + 3) / 4)});
@@ -208,7 +225,8 @@ inline msa::Status run_select(const Shape& s, const DeviceInputs& in, DeviceOutp
   return msa::select_blocks(p);
 }
 
-// kSparse reads the block_idx written by run_select; the index variants also return the exact KL.
+// kSparse reads the block_idx written by run_select; the index variants also return the exact KL
+// when the outputs hold it (o.kl undefined: not requested).
 inline msa::Status run_forward(const Shape& s, Variant v, const DeviceInputs& in, DeviceOutputs& o,
                                Workspace& ws) {
   msa::ForwardParams p;
