@@ -57,14 +57,20 @@ BIG = 1 << 62
 
 # Targets of the forward milestone on the H200: (what, row value, threshold, rows it covers).
 TARGETS = [
-    ("sparse forward, realistic, T >= 32K (TFLOP/s)", "fwd_realistic_tflops", 600.0,
+    ("sparse forward, shared realistic, T >= 32K (TFLOP/s)", "fwd_shared_tflops", 600.0,
      lambda r: r["T"] >= 32 * 1024),
+    ("sparse forward, realistic with per-token slots, T >= 32K (TFLOP/s)",
+     "fwd_realistic_tflops", 600.0, lambda r: r["T"] >= 32 * 1024),
     ("index selection, T >= 64K (TFLOP/s)", "select_tflops", 550.0,
      lambda r: r["T"] >= 64 * 1024),
-    ("MSA forward vs dense, paper heads, T = 128K (x)", "speedup", 13.0,
+    ("MSA forward vs dense, paper heads, T = 128K, random idx (x)", "speedup", 13.0,
      lambda r: r["config"] == "paper" and r["T"] == 128 * 1024),
-    ("MSA forward vs dense, paper heads, T = 1M (x)", "speedup", 22.0,
+    ("MSA forward vs dense, paper heads, T = 128K, structured idx (x)", "speedup_structured",
+     13.0, lambda r: r["config"] == "paper" and r["T"] == 128 * 1024),
+    ("MSA forward vs dense, paper heads, T = 1M, random idx (x)", "speedup", 22.0,
      lambda r: r["config"] == "paper" and r["T"] == 1024 * 1024),
+    ("MSA forward vs dense, paper heads, T = 1M, structured idx (x)", "speedup_structured",
+     22.0, lambda r: r["config"] == "paper" and r["T"] == 1024 * 1024),
 ]
 
 
@@ -123,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-dim", type=int, default=128, help="main head dim D")
     p.add_argument("--index-dim", type=int, default=128, help="index head dim Di")
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
-    p.add_argument("--patterns", default="realistic,random",
+    p.add_argument("--patterns", default="shared,realistic,random",
                    help="block_idx patterns for the given-selection forward")
     p.add_argument("--reps", type=int, default=5, help="at least this many timed calls")
     p.add_argument("--max-reps", type=int, default=50, help="at most this many timed calls")
@@ -196,13 +202,15 @@ def random_pattern(B: int, L: int, Hi: int, k: int, Bk: int, device,
 
 
 def realistic_pattern(B: int, L: int, Hi: int, k: int, Bk: int, device,
-                      gen: Optional[torch.Generator] = None) -> torch.Tensor:
+                      gen: Optional[torch.Generator] = None,
+                      per_token: int = PER_TOKEN_SLOTS) -> torch.Tensor:
     """[B*L, Hi, k]: block 0 (sink), the own block and LOCAL_BEFORE before it, then
     long-range blocks shared by the tokens of each QUERY_BLOCK-token query block, with
-    PER_TOKEN_SLOTS of them chosen per token (all earlier blocks when fewer are left)."""
+    ``per_token`` of them chosen per token (all earlier blocks when fewer are left); with
+    ``per_token=0`` ("shared") every token of a query block selects the same blocks."""
     nforced = LOCAL_BEFORE + 2
-    if k < nforced + PER_TOKEN_SLOTS:
-        raise ValueError(f"the realistic pattern needs k >= {nforced + PER_TOKEN_SLOTS}")
+    if k < nforced + per_token:
+        raise ValueError(f"the realistic pattern needs k >= {nforced + per_token}")
     pos = torch.arange(L, device=device)
     blk = pos // Bk  # [L]
     # forced: sink 0 and blocks blk-LOCAL_BEFORE .. blk (each once)
@@ -217,13 +225,13 @@ def realistic_pattern(B: int, L: int, Hi: int, k: int, Bk: int, device,
     nq = (L + QUERY_BLOCK - 1) // QUERY_BLOCK
     qfirst = torch.arange(nq, device=device) * QUERY_BLOCK
     n_q = (qfirst // Bk - LOCAL_BEFORE - 1).clamp(min=0)  # candidates every token of it has
-    m_max = k - nforced - PER_TOKEN_SLOTS
+    m_max = k - nforced - per_token
     shared = sample_distinct(n_q[None, :, None].expand(B, nq, Hi).contiguous(), m_max, gen=gen)
     qb = pos // QUERY_BLOCK
     shared_tok = shared[:, qb]  # [B, L, Hi, m_max]
     # per token: all candidates when they fit, else m shared + the rest per token
     fits = n_tok <= slots
-    m = torch.where(fits, torch.zeros_like(slots), torch.minimum(slots - PER_TOKEN_SLOTS, n_q[qb]))
+    m = torch.where(fits, torch.zeros_like(slots), torch.minimum(slots - per_token, n_q[qb]))
     col = torch.arange(m_max, device=device)
     use = col[None, :] < m[:, None]  # [L, m_max]
     chosen = torch.where(use[None, :, None, :], shared_tok, torch.full_like(shared_tok, -1))
@@ -441,8 +449,11 @@ def bench_case(msa, cfg_name: str, L: int, B: int, full_only: bool, args, timer:
     if not full_only:
         for pat in [p for p in args.patterns.split(",") if p]:
             try:
-                make = realistic_pattern if pat == "realistic" else random_pattern
-                bi = make(B, L, Hi, k, Bk, device, gen=gen)
+                if pat == "random":
+                    bi = random_pattern(B, L, Hi, k, Bk, device, gen=gen)
+                else:
+                    bi = realistic_pattern(B, L, Hi, k, Bk, device, gen=gen,
+                                           per_token=0 if pat == "shared" else PER_TOKEN_SLOTS)
                 keys = visible_keys(bi, B, L, Bk)
                 fl = attention_flops(keys, Hq, Hi, D)
                 row[f"fwd_{pat}_gflop"] = fl / 1e9
@@ -487,6 +498,37 @@ def bench_case(msa, cfg_name: str, L: int, B: int, full_only: bool, args, timer:
             row["dense_error"] = error_text(e)
         log(f"  dense       {row.get('dense_ms', float('nan')):10.3f} ms "
             f"({row.get('dense_backend', row.get('dense_error', ''))})")
+    # The whole forward on structured index inputs: k_idx carries a per-block salience along
+    # one direction (the same for every query), so the selection is the sink, the 4 local
+    # blocks and the most salient earlier blocks, shared by neighbouring tokens, as trained
+    # index branches behave; random index inputs give a random selection instead.
+    try:
+        s0 = sets[0]
+        e0 = torch.zeros(Di, device=device, dtype=torch.float32)
+        e0[0] = 1.0
+        nblk = (L + Bk - 1) // Bk
+        sal = torch.randn(B, nblk, device=device, generator=gen) * 30.0
+        blk_of = (torch.arange(L, device=device) // Bk)
+        ki = (sal[:, blk_of].reshape(T, 1, 1) * e0
+              + 0.5 * torch.randn(T, Hik, Di, device=device, generator=gen)).to(dtype)
+        qi = (4.0 * e0 + torch.randn(T, Hi, Di, device=device, generator=gen)).to(dtype)
+
+        def structured():
+            return msa.sparse_attention(s0["q"], s0["k"], s0["v"], qi, ki, k, Bk, cu_seqlens=cu,
+                                        sink_blocks=1, local_blocks=4, kl_value=False)
+
+        _, _, bi = msa.sparse_attention(s0["q"], s0["k"], s0["v"], qi, ki, k, Bk, cu_seqlens=cu,
+                                        sink_blocks=1, local_blocks=4, kl_value=False,
+                                        return_block_idx=True)
+        keys = visible_keys(bi, B, L, Bk)
+        del bi
+        fl = sel_fl + attention_flops(keys, Hq, Hi, D)
+        ms = timer.median_ms([structured])
+        row.update(msa_structured_ms=ms, msa_structured_tflops=tflops(fl, ms))
+        del qi, ki
+    except Exception as e:  # noqa: BLE001
+        row["msa_structured_error"] = error_text(e)
+    log(f"  msa fwd str {row.get('msa_structured_ms', float('nan')):10.3f} ms")
     del sets
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -510,6 +552,8 @@ def extrapolate_dense(rows: List[Dict]):
     for row in rows:
         if row.get("dense_ms") and row.get("msa_ms"):
             row["speedup"] = row["dense_ms"] / row["msa_ms"]
+        if row.get("dense_ms") and row.get("msa_structured_ms"):
+            row["speedup_structured"] = row["dense_ms"] / row["msa_structured_ms"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -535,7 +579,8 @@ def _ms_tf(row, key):
 def markdown_table(rows: List[Dict], patterns: List[str]) -> str:
     head = ["config", "T", "B", "select ms (TF/s)"]
     head += [f"fwd {p} ms (TF/s)" for p in patterns]
-    head += ["MSA fwd ms (TF/s)", "sel. frac", "dense ms (TF/s)", "dense", "speedup", "ideal"]
+    head += ["MSA fwd ms (TF/s)", "MSA fwd, structured idx ms (TF/s)", "sel. frac",
+             "dense ms (TF/s)", "dense", "speedup", "speedup, structured", "ideal"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         dense = _ms_tf(r, "dense")
@@ -544,9 +589,12 @@ def markdown_table(rows: List[Dict], patterns: List[str]) -> str:
             dense = f"{r['dense_ms']:.1f} (extrapolated)"
         cells = [r["config"], fmt_tokens(r["T"]), str(r["B"]), _ms_tf(r, "select")]
         cells += [_ms_tf(r, f"fwd_{p}") for p in patterns]
-        cells += [_ms_tf(r, "msa"), _f(r.get("selected_fraction"), ".3f"), dense,
+        cells += [_ms_tf(r, "msa"), _ms_tf(r, "msa_structured"),
+                  _f(r.get("selected_fraction"), ".3f"), dense,
                   f"{r.get('dense_backend', '—')}{'' if src in ('', 'measured') else ' ' + src}",
                   _f(r.get("speedup"), ".1f") + ("x" if r.get("speedup") else ""),
+                  _f(r.get("speedup_structured"), ".1f")
+                  + ("x" if r.get("speedup_structured") else ""),
                   _f(r.get("ideal_speedup"), ".1f") + ("x" if r.get("ideal_speedup") else "")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -649,6 +697,8 @@ def main(argv=None) -> int:
             raise SystemExit("no CUDA device visible (use --device cpu to exercise the script)")
         if not msa.backend_available("cuda"):
             raise SystemExit("this libmsa has no usable CUDA backend")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     gen = torch.Generator(device=device)

@@ -161,13 +161,40 @@ bool available() {
 Status select_blocks(const Problem& prob, const SelectParams& p) {
   const char* fn = "select_blocks";
   MSA_TRY(check_select(fn, prob, p.q_idx, p.k_idx));
-  if (p.lse_idx.defined())
-    return fail(fn, "lse_idx", "not produced by the CUDA backend yet (leave it empty)");
+  if (p.lse_idx.defined() && prob.Hi > 128)
+    return fail(fn, "lse_idx", "the CUDA backend computes it for at most 128 index heads");
   if (prob.T == 0) return Status::Ok();
   DeviceGuard guard(p.q_idx.device.index);
-  const SelectArgs a = select_args(prob, p.q_idx, p.k_idx, p.cu_seqlens, p.block_idx,
-                                   static_cast<cudaStream_t>(p.launch.stream));
-  return dispatch_select(a, p.q_idx.dtype, prob.Di, prob.opts.block_size);
+  const cudaStream_t stream = static_cast<cudaStream_t>(p.launch.stream);
+  const SelectArgs a = select_args(prob, p.q_idx, p.k_idx, p.cu_seqlens, p.block_idx, stream);
+  MSA_TRY(dispatch_select(a, p.q_idx.dtype, prob.Di, prob.opts.block_size));
+  if (!p.lse_idx.defined()) return Status::Ok();
+  // lse_idx: the forward kernel in LSE-only mode over the index branch (queries q_idx, keys
+  // k_idx, one selection row per index head, scale_idx).
+  FwdArgs f{};
+  f.q = p.q_idx.data;
+  f.q_s0 = p.q_idx.stride[0];
+  f.q_s1 = p.q_idx.stride[1];
+  f.k = f.v = p.k_idx.data;
+  f.k_s0 = f.v_s0 = p.k_idx.stride[0];
+  f.k_s1 = f.v_s1 = p.k_idx.stride[1];
+  f.lse = static_cast<float*>(p.lse_idx.data);
+  f.lse_s0 = p.lse_idx.stride[0];
+  f.lse_s1 = p.lse_idx.stride[1];
+  f.block_idx = a.block_idx;
+  f.bi_s0 = a.bi_s0;
+  f.bi_s1 = a.bi_s1;
+  f.cu_seqlens = a.cu_seqlens;
+  f.nseq = a.nseq;
+  f.T = prob.T;
+  f.Hq = prob.Hi;
+  f.Hkv = prob.Hik;
+  f.Hi = prob.Hi;
+  f.top_k = prob.k;
+  f.scale = prob.opts.scale_idx;
+  f.lse_only = true;
+  f.stream = stream;
+  return dispatch_forward(f, p.q_idx.dtype, prob.Di, prob.opts.block_size);
 }
 
 Status attention_forward(const Problem& prob, const ForwardParams& p) {

@@ -67,6 +67,7 @@ Status launch_forward(const FwdArgs& a) {
   p.scale_log2 = p.scale * static_cast<float>(M_LOG2E);
   p.negate = a.scale < 0.f;
   p.dense = a.dense;
+  p.lse_only = a.lse_only;
   const int64_t num_blocks = (a.T + kBlockN - 1) / kBlockN;
   if (a.dense) {
     p.bitmap_words = p.capacity = p.mask_words = 0;
@@ -122,7 +123,7 @@ Status launch_select(const SelectArgs& a) {
   p.scale = std::fabs(a.scale_idx);
   p.negate = a.scale_idx < 0.f;
   p.num_tiles = kern::num_tile_ids(a.nseq, a.T, p.tile_tokens);
-  const size_t smem = Traits::kListOffset + size_t(Traits::kBlockM) * a.top_k * 8;
+  const size_t smem = Traits::kListOffset + size_t(Traits::kBlockM) * (a.top_k | 1) * 8;
   if (smem > size_t(detail::smem_limit()))
     return Status::NotSupported("msa::select_blocks: argument 'top_k': " + std::to_string(a.top_k) +
                                 " is more than this GPU's shared memory holds per tile");

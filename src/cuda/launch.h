@@ -29,6 +29,7 @@ struct FwdArgs {
   int32_t Hq, Hkv, Hi, top_k;
   float scale;
   bool dense;
+  bool lse_only;  // LSE only (out unused): the index branch's normaliser over a selection
   cudaStream_t stream;
 };
 

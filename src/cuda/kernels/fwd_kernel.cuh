@@ -96,6 +96,7 @@ struct FwdParams {
   float scale_log2;  // |scale| * log2(e)
   bool negate;       // the softmax scale is negative: Q is negated on load, |scale| used
   bool dense;
+  bool lse_only;  // LSE over the support only: no V, no out (the index softmax's normaliser)
   int32_t bitmap_words, capacity, mask_words;
   int64_t num_tiles;
 };
@@ -179,8 +180,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       const int32_t b = p.dense ? u : us.blocks[u];
       pipe_k.producer_acquire(state);
       copy(p.tma_k.with(*pipe_k.producer_get_barrier(state), 0), tKg(_, b), tKs(_, state.index()));
-      pipe_v.producer_acquire(state);
-      copy(p.tma_v.with(*pipe_v.producer_get_barrier(state), 0), tVg(_, b), tVs(_, state.index()));
+      if (!p.lse_only) {
+        pipe_v.producer_acquire(state);
+        copy(p.tma_v.with(*pipe_v.producer_get_barrier(state), 0), tVg(_, b), tVs(_, state.index()));
+      }
       ++state;
     }
     return;
@@ -263,27 +266,37 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     softmax.update(S, corr);
   };
   // Keys past the sequence end belong to the next sequence: P is 0 there, but 0 * NaN is not,
-  // so those rows of the V stage are zeroed (both consumer warpgroups, then a barrier).
+  // so those rows of the V stage are zeroed. Each warpgroup zeroes them before its own P V (the
+  // two may both write the same zeros), then syncs its 128 threads.
+  const int wg = tidx / 128;
   auto zero_v_tail = [&](int32_t u, int stage) {
     const int32_t key0 = (p.dense ? u : us.blocks[u]) * kBlockN;
     if (key0 + kBlockN <= tile.seq_len) return;
     const int32_t valid = tile.seq_len - key0;
     constexpr int kChunks = kHeadDim / 8;
-    for (int e = tidx; e < (kBlockN - valid) * kChunks; e += Traits::kConsumerThreads) {
+    for (int e = tidx % 128; e < (kBlockN - valid) * kChunks; e += 128) {
       const int row = valid + e / kChunks, c = e % kChunks;
       *reinterpret_cast<uint4*>(&sV(row, c * 8, stage)) = make_uint4(0, 0, 0, 0);
     }
     cutlass::arch::fence_view_async_shared();
-    cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads,
-                                      static_cast<uint32_t>(Barrier::kVTail));
+    cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(Barrier::kVTail) + wg);
   };
 
-  // Software pipeline: S of block u+1 is computed while O += P V of block u runs.
   Tensor rP = make_tensor<Element>(tSrS.layout());
   Tensor tOrP = make_tensor(rP.data(), acc_as_a_operand(rP.layout()));
   typename Pipeline::PipelineState sk, sv;  // consumer start states: index 0, phase 0
-  if (n > 0) {
-    float corr[kRows];
+  float corr[kRows];
+  if (p.lse_only) {
+    for (int32_t u = 0; u < n; ++u) {
+      pipe_k.consumer_wait(sk);
+      wg_gemm<true>(mma_qk, tSrQ, tSrK(_, _, _, sk.index()), tSrS);
+      warpgroup_wait<0>();
+      pipe_k.consumer_release(sk);
+      ++sk;
+      softmax_step(u, corr);
+    }
+  } else if (n > 0) {
+    // Software pipeline: S of block u+1 is computed while O += P V of block u runs.
     pipe_k.consumer_wait(sk);
     wg_gemm<true>(mma_qk, tSrQ, tSrK(_, _, _, sk.index()), tSrS);
     warpgroup_wait<0>();
@@ -323,9 +336,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   for (int r = 0; r < kRows; ++r) {
     if (!row_ok[r]) continue;
     const int row = get<0>(cOrc(r, 0));
-    const int h = row - row_tok[r] * Gi;
     const int64_t t = tile.seq_start + tile.first + row_tok[r];
-    const int64_t head = (int64_t)ih * Gi + h;
+    const int64_t head = (int64_t)ih * Gi + (row - row_tok[r] * Gi);
+    if ((tidx & 3) == 0) p.lse[t * p.lse_s0 + head * p.lse_s1] = lse[r];
+    if (p.lse_only) continue;
     Element* dst = p.out + t * p.o_s0 + head * p.o_s1;
 #pragma unroll
     for (int c = 0; c < size<1>(O); c += 2) {
@@ -334,7 +348,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       pair[1] = static_cast<Element>(O(r, c + 1));
       *reinterpret_cast<cutlass::Array<Element, 2>*>(dst + get<1>(cOrc(r, c))) = pair;
     }
-    if ((tidx & 3) == 0) p.lse[t * p.lse_s0 + head * p.lse_s1] = lse[r];
   }
 }
 

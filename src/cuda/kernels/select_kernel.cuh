@@ -85,8 +85,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   extern __shared__ __align__(1024) char smem_raw[];
   SharedStorage& ss = *reinterpret_cast<SharedStorage*>(smem_raw);
+  // Row stride k | 1 (odd): the owner lanes of a warp hit distinct banks.
+  const int32_t list_stride = p.k | 1;
   float* list_score = reinterpret_cast<float*>(smem_raw + Traits::kListOffset);
-  int32_t* list_block = reinterpret_cast<int32_t*>(list_score + kBlockM * p.k);
+  int32_t* list_block = reinterpret_cast<int32_t*>(list_score + kBlockM * list_stride);
 
   const int64_t tile_id = p.num_tiles - 1 - blockIdx.x;
   const int32_t ik = blockIdx.y;
@@ -174,18 +176,30 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int32_t first_local = max(0, own - p.local_blocks + 1);
   const int32_t first_cand = p.sink_blocks, end_cand = first_local;  // [sink, first_local)
   int32_t slots = 0;
-  float* my_score = list_score + my_row * p.k;
-  int32_t* my_block = list_block + my_row * p.k;
+  float* my_score = list_score + my_row * list_stride;
+  int32_t* my_block = list_block + my_row * list_stride;
   if (active) {
     slots = p.k - (min(p.sink_blocks, first_local) + (own - first_local + 1));
-    for (int j = 0; j < slots; ++j) {
-      my_score[j] = -INFINITY;
-      my_block[j] = -1;
-    }
+    for (int j = 0; j < slots; ++j) my_block[j] = -1;
   }
-  // The current slots-th best: a candidate must beat it (or fill an empty slot).
-  float thr_score = -INFINITY;
-  bool full = slots == 0;
+  // The list is unsorted. Once full, a candidate must beat the worst entry, at worst_pos: the
+  // lowest score, and among equal lowest scores the highest block id (lower ids win ties).
+  int32_t filled = 0, worst_pos = 0;
+  float worst = -INFINITY;
+  auto find_worst = [&]() {
+    worst = my_score[0];
+    worst_pos = 0;
+    int32_t worst_block = my_block[0];
+    for (int j = 1; j < slots; ++j) {
+      const float sc = my_score[j];
+      const int32_t bl = my_block[j];
+      if (sc < worst || (sc == worst && bl > worst_block)) {
+        worst = sc;
+        worst_pos = j;
+        worst_block = bl;
+      }
+    }
+  };
 
   typename Pipeline::PipelineState wait_state, release_state;
   auto issue = [&](auto& acc) {
@@ -215,20 +229,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
       block_max[r] = quad_max(m);
     }
-    if (!active || b < first_cand || b >= end_cand) return;
+    if (!active || b < first_cand || b >= end_cand || slots == 0) return;
     const float score = (second ? block_max[1] : block_max[0]) * p.scale;
-    if (full && !(score > thr_score)) return;
-    // Insert after every entry that scores at least as much (those have lower block ids).
-    int j = slots - 1;
-    while (j > 0 && (my_block[j - 1] < 0 || my_score[j - 1] < score)) {
-      my_score[j] = my_score[j - 1];
-      my_block[j] = my_block[j - 1];
-      --j;
+    if (filled < slots) {
+      my_score[filled] = score;
+      my_block[filled] = b;
+      if (++filled == slots) find_worst();
+    } else if (score > worst) {  // a later block that only ties the worst never enters
+      my_score[worst_pos] = score;
+      my_block[worst_pos] = b;
+      find_worst();
     }
-    my_score[j] = score;
-    my_block[j] = b;
-    full = my_block[slots - 1] >= 0;
-    thr_score = my_score[slots - 1];
   };
 
   issue(tSrS0);

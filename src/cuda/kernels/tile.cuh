@@ -30,8 +30,12 @@ __device__ inline QueryTile decode_tile(const int32_t* cu_seqlens, int32_t nseq,
       if (base <= tile_id) lo = mid; else hi = mid - 1;
     }
     s = lo;
-    t.seq_start = cu_seqlens[s];
-    t.seq_len = cu_seqlens[s + 1] - cu_seqlens[s];
+    // Clamped to [0, T] and to a non-negative length: cu_seqlens lives on the device and is not
+    // validated on the host, so a malformed one must not send any access out of bounds.
+    const int64_t start = min(max<int64_t>(cu_seqlens[s], 0), T);
+    const int64_t end = min(max<int64_t>(cu_seqlens[s + 1], start), T);
+    t.seq_start = start;
+    t.seq_len = static_cast<int32_t>(end - start);
   } else {
     t.seq_len = static_cast<int32_t>(T);
   }

@@ -16,8 +16,7 @@ using namespace cute;
 enum class Barrier : uint32_t {
   kListReady = 0,  // producer warp + consumers: the tile's block list is in shared memory
   kQReady = 1,     // consumers: Q is in shared memory
-  kVTail = 2,      // consumers: the tail rows of a V stage were zeroed
-  kTopK = 3,       // consumers: per-row selection state
+  kVTail = 2,      // one consumer warpgroup (2 + its index): the tail rows of V were zeroed
 };
 
 // Row/column view of a wgmma accumulator: ((2, 2, N/8), M, N) -> ((2, M), (2, N/8, N)).
