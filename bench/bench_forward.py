@@ -485,6 +485,15 @@ def bench_case(msa, cfg_name: str, L: int, B: int, full_only: bool, args, timer:
     dfl = dense_flops(B, L, Hq, D)
     row["dense_gflop"] = dfl / 1e9
     if not args.skip_dense and L <= args.dense_max_tokens:
+        # The warmup forward (dense causal main branch through the same kernel, every block).
+        try:
+            s0 = sets[0]
+            ms = timer.median_ms([lambda: msa.warmup_attention(s0["q"], s0["k"], s0["v"], None, None,
+                                                                cu_seqlens=cu, kl_value=False)])
+            row.update(warmup_ms=ms, warmup_tflops=tflops(dfl, ms))
+        except Exception as e:  # noqa: BLE001
+            row["warmup_error"] = error_text(e)
+        log(f"  warmup fwd  {row.get('warmup_ms', float('nan')):10.3f} ms")
         try:
             s0 = sets[0]
             # [B, H, L, D] views of the packed tensors (SDPA's preferred BSHD memory layout)
@@ -580,7 +589,8 @@ def markdown_table(rows: List[Dict], patterns: List[str]) -> str:
     head = ["config", "T", "B", "select ms (TF/s)"]
     head += [f"fwd {p} ms (TF/s)" for p in patterns]
     head += ["MSA fwd ms (TF/s)", "MSA fwd, structured idx ms (TF/s)", "sel. frac",
-             "dense ms (TF/s)", "dense", "speedup", "speedup, structured", "ideal"]
+             "warmup fwd ms (TF/s)", "dense ms (TF/s)", "dense", "speedup",
+             "speedup, structured", "ideal"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         dense = _ms_tf(r, "dense")
@@ -590,7 +600,7 @@ def markdown_table(rows: List[Dict], patterns: List[str]) -> str:
         cells = [r["config"], fmt_tokens(r["T"]), str(r["B"]), _ms_tf(r, "select")]
         cells += [_ms_tf(r, f"fwd_{p}") for p in patterns]
         cells += [_ms_tf(r, "msa"), _ms_tf(r, "msa_structured"),
-                  _f(r.get("selected_fraction"), ".3f"), dense,
+                  _f(r.get("selected_fraction"), ".3f"), _ms_tf(r, "warmup"), dense,
                   f"{r.get('dense_backend', '—')}{'' if src in ('', 'measured') else ' ' + src}",
                   _f(r.get("speedup"), ".1f") + ("x" if r.get("speedup") else ""),
                   _f(r.get("speedup_structured"), ".1f")

@@ -3,11 +3,12 @@
 // ever reaches device memory.
 //
 // A tile packs m tokens x the Gk = Hi / Hik index heads that share one index key head into
-// kBlockM = 128 MMA rows (row = token * Gk + head). Warp 0 streams k_idx blocks with TMA; two
-// consumer warpgroups (64 rows each) compute S with wgmma, reduce each row's block max over the
-// quad that holds the row, and one lane per row keeps that row's best candidates, sorted by
-// (score desc, block asc), in shared memory. Blocks arrive in ascending order, so a candidate
-// that only ties the current k-th best never displaces it: ties go to the lower block index.
+// kBlockM = 256 MMA rows (row = token * Gk + head): every k_idx block loaded serves 256 rows,
+// which halves the key traffic against 128-row tiles. Warp 0 streams k_idx blocks with TMA; two
+// consumer warpgroups (128 rows each, two m64 wgmma tiles) compute S, reduce each row's block
+// max over the quad that holds the row, and one lane per row keeps that row's best candidates in
+// shared memory. Blocks arrive in ascending order, so a candidate that only ties the current
+// k-th best never displaces it: ties go to the lower block index.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -24,8 +25,8 @@ struct SelectTraits {
   using Element = Element_;
   static constexpr int kDim = kDim_;
   static constexpr int kBlockN = kBlockN_;
-  static constexpr int kBlockM = 128;
-  static constexpr int kStages = 4;
+  static constexpr int kBlockM = 256;  // each consumer warpgroup owns 128 rows
+  static constexpr int kStages = 3;
   static constexpr int kConsumerThreads = 256;
   static constexpr int kThreads = kConsumerThreads + 128;
 
@@ -154,23 +155,25 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   auto thr = mma.get_thread_slice(tidx);
   Tensor tSrQ = thr.partition_fragment_A(sQ);
   Tensor tSrK = thr.partition_fragment_B(sK);
-  // Two score accumulators: the GEMM of block b+1 runs while block b's maxima are reduced.
-  Tensor tSrS0 = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
-  Tensor tSrS1 = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+  Tensor tSrS = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+  Tensor S = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
   Tensor cS = thr.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
   Tensor cSrc = make_tensor(cS.data(), acc_rowcol(cS.layout()));
   constexpr int kRows = decltype(size<0>(cSrc))::value;
-  static_assert(kRows == 2, "one quad holds two rows of a 64-row wgmma tile");
+  static_assert(kRows == 4, "a quad holds four rows: two per 64-row wgmma tile, two tiles");
 
-  // Lane 0 of a quad keeps the list of the quad's first row, lane 1 of its second row.
+  // Lane j of a quad keeps the candidate list of the quad's j-th row.
   const int quad_lane = tidx & 3;
-  const bool owner = quad_lane < kRows;
-  const bool second = quad_lane == 1;
-  const int row0 = get<0>(cSrc(0, 0)), row1 = get<0>(cSrc(1, 0));
-  const int32_t tok0 = row0 / Gk, tok1 = row1 / Gk;
-  const int32_t my_row = second ? row1 : row0;
-  const int32_t my_tok = second ? tok1 : tok0;
-  const bool active = owner && my_row < rows_used && my_tok < tile.count;
+  int32_t row_tok[kRows];
+  int32_t my_row = 0;
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const int row = get<0>(cSrc(r, 0));
+    row_tok[r] = row / Gk;
+    if (r == quad_lane) my_row = row;
+  }
+  const int32_t my_tok = my_row / Gk;
+  const bool active = my_row < rows_used && my_tok < tile.count;
   const int32_t my_pos = tile.first + my_tok;
   const int32_t own = my_pos / kBlockN;
   const int32_t first_local = max(0, own - p.local_blocks + 1);
@@ -201,36 +204,39 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
   };
 
-  typename Pipeline::PipelineState wait_state, release_state;
-  auto issue = [&](auto& acc) {
-    __syncwarp();  // the list update diverges; wgmma needs the warp converged
-    pipe.consumer_wait(wait_state);
-    wg_gemm<true>(mma, tSrQ, tSrK(_, _, _, wait_state.index()), acc);
-    ++wait_state;
-  };
-  auto process = [&](auto& acc, int32_t b) {
-    pipe.consumer_release(release_state);
-    ++release_state;
-    Tensor S = make_tensor(acc.data(), acc_rowcol(acc.layout()));
+  typename Pipeline::PipelineState state;
+  for (int32_t b = 0; b <= last_block; ++b) {
+    __syncwarp();  // the list update below diverges; wgmma needs the warp converged
+    pipe.consumer_wait(state);
+    wg_gemm<true>(mma, tSrQ, tSrK(_, _, _, state.index()), tSrS);
+    warpgroup_wait<0>();
+    pipe.consumer_release(state);
+    ++state;
+
+    // Each row's max over the block's causal keys: four independent chains, then the quad.
     const int32_t key0 = b * kBlockN;
     const bool causal = key0 + kBlockN - 1 > tile.first;
     float block_max[kRows];
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
-      float m = -INFINITY;
+      float m[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
       if (causal) {
-        const int32_t last_key = tile.first + (r == 0 ? tok0 : tok1) - key0;
+        const int32_t last_key = tile.first + row_tok[r] - key0;
 #pragma unroll
         for (int c = 0; c < size<1>(S); ++c)
-          m = fmaxf(m, get<1>(cSrc(r, c)) <= last_key ? S(r, c) : -INFINITY);
+          m[c & 3] = fmaxf(m[c & 3], get<1>(cSrc(r, c)) <= last_key ? S(r, c) : -INFINITY);
       } else {
 #pragma unroll
-        for (int c = 0; c < size<1>(S); ++c) m = fmaxf(m, S(r, c));
+        for (int c = 0; c < size<1>(S); ++c) m[c & 3] = fmaxf(m[c & 3], S(r, c));
       }
-      block_max[r] = quad_max(m);
+      block_max[r] = quad_max(fmaxf(fmaxf(m[0], m[1]), fmaxf(m[2], m[3])));
     }
-    if (!active || b < first_cand || b >= end_cand || slots == 0) return;
-    const float score = (second ? block_max[1] : block_max[0]) * p.scale;
+    if (!active || b < first_cand || b >= end_cand || slots == 0) continue;
+    float mine = block_max[0];
+#pragma unroll
+    for (int r = 1; r < kRows; ++r)
+      if (quad_lane == r) mine = block_max[r];
+    const float score = mine * p.scale;
     if (filled < slots) {
       my_score[filled] = score;
       my_block[filled] = b;
@@ -240,25 +246,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       my_block[worst_pos] = b;
       find_worst();
     }
-  };
-
-  issue(tSrS0);
-  for (int32_t b = 0; b <= last_block; b += 2) {
-    if (b + 1 <= last_block) {
-      issue(tSrS1);
-      warpgroup_wait<1>();
-    } else {
-      warpgroup_wait<0>();
-    }
-    process(tSrS0, b);
-    if (b + 1 > last_block) break;
-    if (b + 2 <= last_block) {
-      issue(tSrS0);
-      warpgroup_wait<1>();
-    } else {
-      warpgroup_wait<0>();
-    }
-    process(tSrS1, b + 1);
   }
 
   if (!active) return;
