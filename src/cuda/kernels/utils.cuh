@@ -86,15 +86,4 @@ CUTE_DEVICE void convert_into(TSrc const& src, TDst& dst) {
       conv(*reinterpret_cast<cutlass::Array<float, N> const*>(src.data()));
 }
 
-// Element conversion of a register tensor (fp32 accumulators to the 16-bit input type).
-template <class To, class Tensor>
-CUTE_DEVICE auto convert_to(Tensor const& t) {
-  constexpr int N = decltype(size(t))::value;
-  auto out = make_tensor_like<To>(t);
-  cutlass::NumericArrayConverter<To, float, N> conv;
-  *reinterpret_cast<cutlass::Array<To, N>*>(out.data()) =
-      conv(*reinterpret_cast<cutlass::Array<float, N> const*>(t.data()));
-  return out;
-}
-
 }  // namespace msa::cuda::kern
