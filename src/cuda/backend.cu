@@ -7,54 +7,11 @@
 #include <string>
 
 #include "backend.h"
+#include "host_util.h"
 #include "launch.h"
 
 namespace msa::cuda {
 namespace {
-
-Status fail(const char* fn, const char* arg, const std::string& what) {
-  return Status::NotSupported(std::string("msa::") + fn + ": argument '" + arg + "': " + what);
-}
-
-// 16-byte rows: TMA and the vector loads need 16-byte aligned bases and token/head strides.
-Status check_aligned(const char* fn, const char* arg, const TensorRef& t) {
-  const size_t elem = dtype_size(t.dtype);
-  if (reinterpret_cast<uintptr_t>(t.data) % 16 != 0)
-    return fail(fn, arg, "the CUDA backend needs a 16-byte aligned data pointer");
-  for (int d = 0; d + 1 < t.rank; ++d)
-    if ((t.stride[d] * elem) % 16 != 0 && t.shape[d] > 1)
-      return fail(fn, arg, "the CUDA backend needs strides that are multiples of 16 bytes (dim " +
-                               std::to_string(d) + " has stride " + std::to_string(t.stride[d]) +
-                               ")");
-  return Status::Ok();
-}
-
-Status check_half(const char* fn, const char* arg, const TensorRef& t) {
-  if (t.dtype == DType::kBFloat16 || t.dtype == DType::kFloat16) return Status::Ok();
-  return fail(fn, arg, std::string("the CUDA backend takes bfloat16 or float16, got ") +
-                           dtype_name(t.dtype));
-}
-
-int32_t num_seqs(const TensorRef& cu) {
-  return cu.defined() ? static_cast<int32_t>(cu.shape[0] - 1) : 1;
-}
-
-// Runs on the tensors' device, restoring the caller's current device afterwards.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    cudaGetDevice(&prev_);
-    if (device != prev_) cudaSetDevice(device);
-  }
-  ~DeviceGuard() {
-    int now = 0;
-    cudaGetDevice(&now);
-    if (now != prev_) cudaSetDevice(prev_);
-  }
-
- private:
-  int prev_ = 0;
-};
 
 template <int kDim, int kBlockN>
 Status select_dtype(const SelectArgs& a, DType dt) {
@@ -86,6 +43,8 @@ Status dispatch_select(const SelectArgs& a, DType dt, int32_t Di, int32_t Bk) {
 #endif
 }
 
+}  // namespace
+
 Status dispatch_forward(const FwdArgs& a, DType dt, int32_t D, int32_t Bk) {
 #if MSA_CUDA_FAST_BUILD
   if (D == 128 && Bk == 128) return forward_dtype<128, 128>(a, dt);
@@ -96,15 +55,7 @@ Status dispatch_forward(const FwdArgs& a, DType dt, int32_t D, int32_t Bk) {
 #endif
 }
 
-Status check_block_size(const char* fn, int32_t Bk) {
-  if (Bk == 64 || Bk == 128) return Status::Ok();
-  return fail(fn, "block_size", "the CUDA backend supports 64 and 128, got " + std::to_string(Bk));
-}
-
-Status check_head_dim(const char* fn, const char* arg, int32_t d) {
-  if (d == 64 || d == 128) return Status::Ok();
-  return fail(fn, arg, "the CUDA backend supports head dims 64 and 128, got " + std::to_string(d));
-}
+namespace {
 
 Status check_select(const char* fn, const Problem& prob, const TensorRef& q_idx,
                     const TensorRef& k_idx) {
@@ -141,6 +92,22 @@ SelectArgs select_args(const Problem& prob, const TensorRef& q_idx, const Tensor
   a.scale_idx = prob.opts.scale_idx;
   a.stream = stream;
   return a;
+}
+
+// The KL value of a forward call: over the forward's own LSE and support.
+KlParams kl_params(const ForwardParams& p) {
+  KlParams kp;
+  kp.q = p.q;
+  kp.k = p.k;
+  kp.lse = p.lse;
+  kp.q_idx = p.q_idx;
+  kp.k_idx = p.k_idx;
+  kp.cu_seqlens = p.cu_seqlens;
+  kp.block_idx = p.block_idx;
+  kp.kl = p.kl;
+  kp.opts = p.opts;
+  kp.launch = p.launch;
+  return kp;
 }
 
 }  // namespace
@@ -200,8 +167,6 @@ Status select_blocks(const Problem& prob, const SelectParams& p) {
 Status attention_forward(const Problem& prob, const ForwardParams& p) {
   const char* fn = "forward";
   const bool dense = prob.opts.mode == Mode::kDense;
-  if (p.kl.defined())
-    return fail(fn, "kl", "the exact KL value is not computed by the CUDA backend yet");
   MSA_TRY(check_half(fn, "q", p.q));
   MSA_TRY(check_head_dim(fn, "q", prob.D));
   MSA_TRY(check_block_size(fn, prob.opts.block_size));
@@ -255,7 +220,13 @@ Status attention_forward(const Problem& prob, const ForwardParams& p) {
   a.scale = prob.opts.scale;
   a.dense = dense;
   a.stream = stream;
-  return dispatch_forward(a, p.q.dtype, prob.D, prob.opts.block_size);
+  MSA_TRY(dispatch_forward(a, p.q.dtype, prob.D, prob.opts.block_size));
+  if (!p.kl.defined()) return Status::Ok();
+  return kl_divergence(prob, kl_params(p));
+}
+
+size_t forward_workspace(const Problem& prob, const ForwardParams& p) {
+  return p.kl.defined() ? kl_workspace(prob, kl_params(p)) : 0;
 }
 
 }  // namespace msa::cuda

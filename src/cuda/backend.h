@@ -16,8 +16,19 @@ bool available();
 // Spec §2: block_idx (and, when given, lse_idx) from q_idx / k_idx.
 Status select_blocks(const Problem& prob, const SelectParams& p);
 
-// Spec §3 / §5: out and lse; runs the selection first when p.select is set. The exact KL value
-// (p.kl) is not computed by this backend yet: kNotSupported names the argument.
+// Spec §3 / §5: out and lse; runs the selection first when p.select is set, and the exact KL
+// value after when p.kl is given (which needs workspace).
 Status attention_forward(const Problem& prob, const ForwardParams& p);
+
+// Spec §4 / §5: dq, dk, dv and, when given, dq_idx, dk_idx (backward.cu).
+Status attention_backward(const Problem& prob, const BackwardParams& p);
+
+// Spec §4: the exact KL value and its per-row terms (backward.cu).
+Status kl_divergence(const Problem& prob, const KlParams& p);
+
+// Device workspace of each call, in bytes (0 when the arguments are not supported).
+size_t forward_workspace(const Problem& prob, const ForwardParams& p);
+size_t backward_workspace(const Problem& prob, const BackwardParams& p);
+size_t kl_workspace(const Problem& prob, const KlParams& p);
 
 }  // namespace msa::cuda

@@ -1,10 +1,10 @@
 # Sources of the CUDA backend (included by CMakeLists.txt). The kernel instantiations, one per
 # (kind, dtype, head dim, block size), are generated into the build tree from one line each;
 # MSA_CUDA_FAST_BUILD keeps only bf16 with head dim and block size 128.
-set(MSA_CUDA_SOURCES ${CMAKE_CURRENT_LIST_DIR}/backend.cu)
+set(MSA_CUDA_SOURCES ${CMAKE_CURRENT_LIST_DIR}/backend.cu ${CMAKE_CURRENT_LIST_DIR}/backward.cu)
 set(_msa_gen_dir ${CMAKE_CURRENT_BINARY_DIR}/msa_cuda_instances)
 set(_msa_types "bf16=cutlass::bfloat16_t" "fp16=cutlass::half_t")
-foreach(_kind forward select)
+foreach(_kind forward select bwd_q bwd_kv kl)
   foreach(_type IN LISTS _msa_types)
     string(REGEX REPLACE "=.*" "" _tname "${_type}")
     string(REGEX REPLACE ".*=" "" _ctype "${_type}")

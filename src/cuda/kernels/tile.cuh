@@ -11,15 +11,21 @@ namespace msa::cuda::kern {
 
 struct QueryTile {
   int64_t seq_start;  // packed index of the sequence's first token
+  int32_t seq;        // the sequence's index
   int32_t seq_len;
   int32_t first;      // position of the tile's first token inside its sequence
   int32_t count;      // tokens in the tile (0: empty tile id)
 };
 
+// v clamped to [lo, hi].
+__host__ __device__ inline int64_t clamp_offset(int64_t v, int64_t lo, int64_t hi) {
+  return v < lo ? lo : (v > hi ? hi : v);
+}
+
 // cu_seqlens == nullptr: one sequence of T tokens.
 __device__ inline QueryTile decode_tile(const int32_t* cu_seqlens, int32_t nseq, int64_t T,
                                         int32_t m, int64_t tile_id) {
-  QueryTile t{0, 0, 0, 0};
+  QueryTile t{0, 0, 0, 0, 0};
   int32_t s = 0;
   if (cu_seqlens != nullptr) {
     // The last sequence s with base(s) <= tile_id.
@@ -30,10 +36,11 @@ __device__ inline QueryTile decode_tile(const int32_t* cu_seqlens, int32_t nseq,
       if (base <= tile_id) lo = mid; else hi = mid - 1;
     }
     s = lo;
+    t.seq = s;
     // Clamped to [0, T] and to a non-negative length: cu_seqlens lives on the device and is not
     // validated on the host, so a malformed one must not send any access out of bounds.
-    const int64_t start = min(max<int64_t>(cu_seqlens[s], 0), T);
-    const int64_t end = min(max<int64_t>(cu_seqlens[s + 1], start), T);
+    const int64_t start = clamp_offset(cu_seqlens[s], 0, T);
+    const int64_t end = clamp_offset(cu_seqlens[s + 1], start, T);
     t.seq_start = start;
     t.seq_len = static_cast<int32_t>(end - start);
   } else {

@@ -1,0 +1,245 @@
+#!/usr/bin/env python3
+"""MSA training benchmark on one GPU (forward + backward with the KL gradient), against dense
+causal attention (cuDNN through torch SDPA) measured in the same run.
+
+Per head configuration and length T (B sequences of T tokens packed as varlen) and per index
+input ("structured": k_idx carries a per-block salience, so neighbouring tokens select alike, as
+trained index branches do; "random": random index vectors, so every token selects its own random
+blocks) it times, with the selection computed once by the library (sink 1, local 4, top-k k):
+
+* fwd        the sparse forward over that block_idx (no KL value);
+* bwd        the backward without the KL branch (dq, dk, dv);
+* bwd+kl     the backward with the KL gradient (dq, dk, dv, dq_idx, dk_idx);
+* step       a whole training step through autograd: selection, forward, backward with KL
+             (``loss = task(out) + kl``), the KL value skipped (its gradient is not);
+* step+klv   the same with the exact KL value computed in the forward;
+* dense      cuDNN causal GQA attention forward, and forward + backward.
+
+Effective TFLOP/s count the selected work only: forward 4 * D * Gi * (visible keys summed over
+(token, index head)), backward 2.5x that (the KL branch's extra work is not counted). Times are
+medians of CUDA-event timed calls after a warm-up, with the L2 cache flushed before each call.
+``--profile`` adds a per-kernel breakdown of one bwd+kl call (torch.profiler).
+
+    python bench/bench_backward.py                 # paper + flash-msa heads, 16K..128K
+    python bench/bench_backward.py --quick         # a smoke run
+"""
+
+import argparse
+import os
+import statistics
+import sys
+from typing import Dict, List
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_forward as bf  # noqa: E402  (patterns, FLOP counts, dense runner)
+
+HEADS = {
+    "paper": dict(Hq=64, Hkv=4, Hi=4, Hik=1),
+    "flash-msa": dict(Hq=16, Hkv=2, Hi=4, Hik=1),
+}
+# flash-msa's published GH200 numbers at its benchmark shape (16K tokens, top-k 2048 tokens,
+# Hq=16, Hkv=2, Hp=4): forward 6.4-11.4 ms, backward 23.4-24.4 ms.
+FLASH_MSA_BEST_MS = 6.434 + 23.348
+
+
+def log(msg: str):
+    print(msg, file=sys.stderr, flush=True)
+
+
+class Timer:
+    def __init__(self, device, flush: bool):
+        l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or (64 << 20)
+        self.flush = torch.empty(2 * l2, dtype=torch.uint8, device=device) if flush else None
+
+    def ms(self, fn, reps: int = 10, warm: int = 2) -> float:
+        for _ in range(warm):
+            fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            if self.flush is not None:
+                self.flush.zero_()
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            e.synchronize()
+            times.append(s.elapsed_time(e))
+        return statistics.median(times)
+
+
+def index_inputs(kind: str, T: int, L: int, Hi: int, Hik: int, Di: int, Bk: int, dtype, gen,
+                 device):
+    if kind == "random":
+        return (torch.randn(T, Hi, Di, device=device, generator=gen).to(dtype),
+                torch.randn(T, Hik, Di, device=device, generator=gen).to(dtype))
+    B = T // L
+    e0 = torch.zeros(Di, device=device)
+    e0[0] = 1.0
+    nblk = (L + Bk - 1) // Bk
+    sal = torch.randn(B, nblk, device=device, generator=gen) * 30.0
+    blk_of = torch.arange(L, device=device) // Bk
+    ki = (sal[:, blk_of].reshape(T, 1, 1) * e0
+          + 0.5 * torch.randn(T, Hik, Di, device=device, generator=gen)).to(dtype)
+    qi = (4.0 * e0 + torch.randn(T, Hi, Di, device=device, generator=gen)).to(dtype)
+    return qi, ki
+
+
+def profile_kernels(fn) -> List[tuple]:
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    out = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            name = ev.name.split("<")[0].split("(")[0][-60:]
+            out[name] = out.get(name, 0.0) + ev.device_time_total / 1e3
+    return sorted(out.items(), key=lambda x: -x[1])
+
+
+def bench_case(msa, cfg: str, L: int, B: int, args, timer: Timer, device, dtype, gen) -> List[Dict]:
+    h = HEADS[cfg]
+    Hq, Hkv, Hi, Hik = h["Hq"], h["Hkv"], h["Hi"], h["Hik"]
+    D, Di, Bk, k = 128, 128, args.block_size, args.top_k
+    T = B * L
+    cu = torch.arange(B + 1, device=device, dtype=torch.int32) * L
+    reps = args.reps if T * Hq <= 32768 * 64 else max(3, args.reps // 3)
+
+    def r(*shape):
+        return torch.randn(*shape, device=device, dtype=dtype, generator=gen)
+
+    q, kk, v = r(T, Hq, D), r(T, Hkv, D), r(T, Hkv, D)
+    dout = r(T, Hq, D)
+    rows = []
+    dfl = bf.dense_flops(B, L, Hq, D)
+    dense_fwd = dense_step = None
+    if L <= args.dense_max_tokens:
+        q4, k4, v4 = (t.view(B, L, -1, D).transpose(1, 2) for t in (q, kk, v))
+        run, backend = bf.dense_runner(q4, k4, v4, device)
+        dense_fwd = timer.ms(run, reps)
+        qg, kg, vg = (t.detach().clone().requires_grad_(True) for t in (q4, k4, v4))
+        run_g, _ = bf.dense_runner(qg, kg, vg, device)
+        do4 = dout.view(B, L, Hq, D).transpose(1, 2)
+
+        def dense_train():
+            out = run_g()
+            torch.autograd.backward(out, do4)
+        dense_step = timer.ms(dense_train, reps)
+        log(f"  dense fwd {dense_fwd:9.3f} ms, fwd+bwd {dense_step:9.3f} ms ({backend})")
+    for kind in args.index.split(","):
+        qi, ki = index_inputs(kind, T, L, Hi, Hik, Di, Bk, dtype, gen, device)
+        opts = dict(cu_seqlens=cu, sink_blocks=1, local_blocks=4)
+        bi = msa.select_blocks(qi, ki, k, Bk, **opts)
+        keys = bf.visible_keys(bi, B, L, Bk)
+        fl = bf.attention_flops(keys, Hq, Hi, D)
+        sel_fl = bf.selection_flops(B, L, Hi, Di)
+        row = dict(config=cfg, T=L, B=B, index=kind, dense_fwd_ms=dense_fwd,
+                   dense_step_ms=dense_step, fwd_gflop=fl / 1e9)
+        out, _, lse = msa.sparse_attention(q, kk, v, None, None, block_idx=bi, block_size=Bk,
+                                           cu_seqlens=cu, kl_value=False, return_lse=True)
+        kl_grad = torch.ones(1, device=device, dtype=torch.float32)
+        scale = D ** -0.5
+
+        def fwd():
+            return msa.sparse_attention(q, kk, v, None, None, block_idx=bi, block_size=Bk,
+                                        cu_seqlens=cu, kl_value=False)
+
+        def bwd(kl: bool, det: bool = False):
+            return lambda: torch.ops.msa.backward(
+                dout, q, kk, v, out, lse, qi, ki, bi, cu, kl_grad, False, Bk, scale, 0.0, kl, kl,
+                det)
+
+        xs = [t.detach().clone().requires_grad_(True) for t in (q, kk, v, qi, ki)]
+
+        def step(klv: bool):
+            def run():
+                o, kl = msa.sparse_attention(*xs, k, Bk, kl_value=klv, **opts)
+                torch.autograd.backward([o, kl], [dout, torch.ones((), device=device)])
+            return run
+
+        row["fwd_ms"] = timer.ms(fwd, reps)
+        row["bwd_ms"] = timer.ms(bwd(False), reps)
+        row["bwd_kl_ms"] = timer.ms(bwd(True), reps)
+        row["step_ms"] = timer.ms(step(False), reps)
+        row["step_klv_ms"] = timer.ms(step(True), reps)
+        row["select_ms"] = timer.ms(lambda: msa.select_blocks(qi, ki, k, Bk, **opts), reps)
+        row["fwd_tflops"] = bf.tflops(fl, row["fwd_ms"])
+        row["bwd_tflops"] = bf.tflops(2.5 * fl, row["bwd_ms"])
+        row["bwd_kl_tflops"] = bf.tflops(2.5 * fl, row["bwd_kl_ms"])
+        row["step_tflops"] = bf.tflops(3.5 * fl + sel_fl, row["step_ms"])
+        if dense_step:
+            row["step_speedup"] = dense_step / row["step_ms"]
+            row["ideal_speedup"] = 3.5 * dfl / (3.5 * fl + sel_fl)
+        if cfg == "flash-msa" and L == 16384 and B == 1:
+            row["vs_flash_msa"] = FLASH_MSA_BEST_MS / row["step_ms"]
+        log("  " + kind + ": " + ", ".join(f"{n} {row[n + '_ms']:.3f} ms" for n in
+                                           ("select", "fwd", "bwd", "bwd_kl", "step", "step_klv")))
+        if args.profile:
+            row["profile"] = profile_kernels(bwd(True))
+            for name, ms in row["profile"][:10]:
+                log(f"      {ms:9.3f} ms  {name}")
+        rows.append(row)
+        del qi, ki, bi, xs
+    return rows
+
+
+def fmt(v, spec=".2f"):
+    return "—" if v is None else format(v, spec)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--configs", default="flash-msa,paper")
+    ap.add_argument("--lengths", default="16384,32768,131072")
+    ap.add_argument("--batch-tokens", type=int, default=0,
+                    help="pack B = max(1, this // T) sequences (default: one sequence)")
+    ap.add_argument("--index", default="structured,random")
+    ap.add_argument("--top-k", type=int, default=16)
+    ap.add_argument("--block-size", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--dense-max-tokens", type=int, default=131072)
+    ap.add_argument("--no-l2-flush", action="store_true")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.lengths, args.reps = "4096", 3
+    import msa
+    device = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator(device=device)
+    gen.manual_seed(0)
+    timer = Timer(device, not args.no_l2_flush)
+    rows = []
+    for cfg in args.configs.split(","):
+        for L in [bf.parse_tokens(x) for x in args.lengths.split(",")]:
+            B = max(1, args.batch_tokens // L)
+            log(f"{cfg}: T={bf.fmt_tokens(L)} B={B}")
+            rows += bench_case(msa, cfg, L, B, args, timer, device, torch.bfloat16, gen)
+            torch.cuda.empty_cache()
+    print(f"\n## MSA training benchmark ({torch.cuda.get_device_name(device)}, bf16, D=Di=128, "
+          f"Bk={args.block_size}, k={args.top_k}, sink 1, local 4)\n")
+    print("| heads | T (B) | index | select | fwd ms (TF/s) | bwd ms (TF/s) | bwd+KL ms (TF/s) "
+          "| step ms | step+KL value ms | dense fwd+bwd ms | step speedup (ideal) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['config']} | {bf.fmt_tokens(r['T'])} ({r['B']}) | {r['index']} | "
+              f"{fmt(r['select_ms'])} | {fmt(r['fwd_ms'])} ({fmt(r['fwd_tflops'], '.0f')}) | "
+              f"{fmt(r['bwd_ms'])} ({fmt(r['bwd_tflops'], '.0f')}) | "
+              f"{fmt(r['bwd_kl_ms'])} ({fmt(r['bwd_kl_tflops'], '.0f')}) | {fmt(r['step_ms'])} | "
+              f"{fmt(r['step_klv_ms'])} | {fmt(r['dense_step_ms'])} | "
+              f"{fmt(r.get('step_speedup'), '.1f')}x ({fmt(r.get('ideal_speedup'), '.1f')}x) |")
+    for r in rows:
+        if "vs_flash_msa" in r:
+            print(f"\nflash-msa shape (16K, top-k 2048, Hq=16, Hkv=2, Hi=4), {r['index']} index: "
+                  f"step {r['step_ms']:.2f} ms = {r['vs_flash_msa']:.1f}x faster than flash-msa's "
+                  f"best published GH200 forward + backward ({FLASH_MSA_BEST_MS:.1f} ms)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+// Host helpers shared by the CUDA backend's sources: error messages that name the argument,
+// the kernels' alignment and dtype requirements, and a device guard.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "../api/problem.h"
+#include "launch.h"
+#include "msa/types.h"
+
+namespace msa::cuda {
+
+inline Status fail(const char* fn, const char* arg, const std::string& what) {
+  return Status::NotSupported(std::string("msa::") + fn + ": argument '" + arg + "': " + what);
+}
+
+// 16-byte rows: TMA and the vector loads need 16-byte aligned bases and token/head strides.
+inline Status check_aligned(const char* fn, const char* arg, const TensorRef& t) {
+  const size_t elem = dtype_size(t.dtype);
+  if (reinterpret_cast<uintptr_t>(t.data) % 16 != 0)
+    return fail(fn, arg, "the CUDA backend needs a 16-byte aligned data pointer");
+  for (int d = 0; d + 1 < t.rank; ++d)
+    if ((t.stride[d] * elem) % 16 != 0 && t.shape[d] > 1)
+      return fail(fn, arg, "the CUDA backend needs strides that are multiples of 16 bytes (dim " +
+                               std::to_string(d) + " has stride " + std::to_string(t.stride[d]) +
+                               ")");
+  return Status::Ok();
+}
+
+inline Status check_half(const char* fn, const char* arg, const TensorRef& t) {
+  if (t.dtype == DType::kBFloat16 || t.dtype == DType::kFloat16) return Status::Ok();
+  return fail(fn, arg, std::string("the CUDA backend takes bfloat16 or float16, got ") +
+                           dtype_name(t.dtype));
+}
+
+inline int32_t num_seqs(const TensorRef& cu) {
+  return cu.defined() ? static_cast<int32_t>(cu.shape[0] - 1) : 1;
+}
+
+// Runs on the tensors' device, restoring the caller's current device afterwards.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    cudaGetDevice(&prev_);
+    if (device != prev_) cudaSetDevice(device);
+  }
+  ~DeviceGuard() {
+    int now = 0;
+    cudaGetDevice(&now);
+    if (now != prev_) cudaSetDevice(prev_);
+  }
+
+ private:
+  int prev_ = 0;
+};
+
+inline Status check_block_size(const char* fn, int32_t Bk) {
+  if (Bk == 64 || Bk == 128) return Status::Ok();
+  return fail(fn, "block_size", "the CUDA backend supports 64 and 128, got " + std::to_string(Bk));
+}
+
+inline Status check_head_dim(const char* fn, const char* arg, int32_t d) {
+  if (d == 64 || d == 128) return Status::Ok();
+  return fail(fn, arg, "the CUDA backend supports head dims 64 and 128, got " + std::to_string(d));
+}
+
+// One instantiation of the forward kernel per (dtype, head dim, block size); backend.cu.
+Status dispatch_forward(const FwdArgs& a, DType dt, int32_t D, int32_t Bk);
+
+}  // namespace msa::cuda

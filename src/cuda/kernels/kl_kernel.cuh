@@ -1,0 +1,361 @@
+// The KL branch (spec §4) on the KV side: for one KV block and one KV head, over the same entry
+// list as bwd_kv_kernel.cuh,
+//   teacher  pi(t, j)    = mean over index head i's Gi query heads of P_h(t, j) (recomputed),
+//   student  sigma(t, j) = exp(scale_idx * q_idx[t, i] . k_idx[j] - LSE_idx(t, i)),
+//   dS(t, j) = sigma - pi (the factor gamma / (N Hi) is applied when the sums are finalised),
+//   dk_idx[j] += dS^T q_idx (RS wgmma, the block's keys as rows, kept in registers),
+//   dq_idx[t] += k_idx^T dS (SS wgmma over the block's keys, added to the token's row),
+//   and, when asked, the KL terms pi * (log pi - log sigma) per (token, index head).
+// Sums that cross CTAs (dq_idx, dk_idx over the KV heads sharing an index key head, the KL rows)
+// are added as 64-bit fixed point (2^-32 units) with integer atomics: integer addition is
+// associative, so every run gives the same bits whatever the order of the CTAs.
+//
+// The teacher needs the mean over heads, i.e. over columns of P^T: P^T goes to shared memory
+// (fp32) and each (key, token) pair is summed in a fixed order by one thread.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/gemm/collective/builders/sm90_common.inl>
+
+#include "bwd_common.cuh"
+#include "softmax.cuh"
+#include "tile.cuh"
+#include "utils.cuh"
+
+namespace msa::cuda::kern {
+
+// kDim: D == Di (the index branch and the main branch share the instantiation's head dim).
+template <class Element_, int kDim_, int kBlockN_>
+struct KlTraits {
+  using Element = Element_;
+  static constexpr int kDim = kDim_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kBlockC = 64;  // main columns (token, head)
+  static constexpr int kTok = 16;     // index columns: the entry's tokens (m <= 16)
+  static constexpr int kWarpGroups = kBlockN / 64;
+  static constexpr int kThreads = 128 * kWarpGroups;
+  static constexpr int kStages = 4;  // entries in flight: cp.async prefetch depth + 1
+  static constexpr int kDqWarpGroups = kWarpGroups < kDim / 64 ? kWarpGroups : kDim / 64;
+  static constexpr int kPStride = kBlockC + 1;
+
+  using TileS = Shape<Int<kBlockN>, Int<kBlockC>, Int<kDim>>;
+  using TileSi = Shape<Int<kBlockN>, Int<kTok>, Int<kDim>>;
+  using TileDK = Shape<Int<kBlockN>, Int<kDim>, Int<kTok>>;
+  using TileDQ = Shape<Int<kDim>, Int<kTok>, Int<kBlockN>>;
+  using MmaS = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, TileS>(),
+                                       Layout<Shape<Int<kWarpGroups>, _1, _1>>{}));
+  using MmaSi = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, TileSi>(),
+                                        Layout<Shape<Int<kWarpGroups>, _1, _1>>{}));
+  using MmaDK = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, TileDK, GMMA::Major::K, GMMA::Major::MN>(),
+      Layout<Shape<Int<kWarpGroups>, _1, _1>>{}));
+  using MmaDQ = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, TileDQ, GMMA::Major::MN, GMMA::Major::K>(),
+      Layout<Shape<Int<kDqWarpGroups>, _1, _1>>{}));
+
+  using SmemAtomK = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
+                             GMMA::Major::K, Element, Int<kBlockN>, Int<kDim>>());
+  using SmemLayoutK = decltype(tile_to_shape(SmemAtomK{}, Shape<Int<kBlockN>, Int<kDim>>{}));
+  using SmemLayoutKt = decltype(composition(
+      SmemLayoutK{}, make_ordered_layout(Shape<Int<kDim>, Int<kBlockN>>{}, Step<_2, _1>{})));
+  using SmemAtomQ = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
+                             GMMA::Major::K, Element, Int<kBlockC>, Int<kDim>>());
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtomQ{}, Shape<Int<kBlockC>, Int<kDim>, Int<kStages>>{}));
+  using SmemAtomQi = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
+                              GMMA::Major::K, Element, Int<kTok>, Int<kDim>>());
+  using SmemLayoutQi = decltype(tile_to_shape(SmemAtomQi{}, Shape<Int<kTok>, Int<kDim>, Int<kStages>>{}));
+  using SmemLayoutQit = decltype(composition(
+      SmemLayoutQi{}, make_ordered_layout(Shape<Int<kDim>, Int<kTok>, Int<kStages>>{}, Step<_2, _1, _3>{})));
+  // dS^T as the B operand (tokens, keys) of dq_idx^T = k_idx^T dS^T, K-major.
+  using SmemAtomDS = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
+                              GMMA::Major::K, Element, Int<kTok>, Int<kBlockN>>());
+  using SmemLayoutDS = decltype(tile_to_shape(SmemAtomDS{}, Shape<Int<kTok>, Int<kBlockN>>{}));
+
+  struct SharedStorage {
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k_idx;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQi>> q_idx;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutDS>> ds;
+    float p[kBlockN * kPStride];  // P^T, then the teacher at column token * Gi
+    float lse[kStages][kBlockC];  // main LSE per column
+    float lidx[kStages][kTok];    // LSE_idx per token
+    Entry entry[kStages];
+  };
+};
+
+template <class Traits>
+struct KlParams {
+  using Element = typename Traits::Element;
+  const Element *q, *k, *q_idx, *k_idx;
+  int64_t q_s0, q_s1, k_s0, k_s1, qi_s0, qi_s1, ki_s0, ki_s1;
+  const float* lse;
+  int64_t lse_s0, lse_s1;
+  const float* lse_idx;  // [T, Hi] contiguous
+  unsigned long long* dq_idx;   // [T, Hi, Di] fixed point, or null
+  unsigned long long* dk_idx;   // [T, Hik, Di] fixed point, or null
+  unsigned long long* kl_rows;  // [T, Hi] fixed point, or null
+  EntryListParams list;
+  WorkListParams work;
+  const int32_t* cu_seqlens;
+  int32_t nseq;
+  int32_t T;
+  int32_t Hq, Hkv, Hi, Hik;
+  int32_t heads_per_idx, idx_per_kv, idx_per_key, group_tokens;
+  float scale_log2, scale_idx;  // signed
+};
+
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    kl_kernel(const __grid_constant__ KlParams<Traits> p) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockN = Traits::kBlockN, kBlockC = Traits::kBlockC, kDim = Traits::kDim;
+  constexpr int kThreads = Traits::kThreads, kPStride = Traits::kPStride;
+  using SharedStorage = typename Traits::SharedStorage;
+
+  extern __shared__ __align__(1024) char smem_raw[];
+  SharedStorage& ss = *reinterpret_cast<SharedStorage*>(smem_raw);
+
+  const WorkItem it = decode_work(p.work, p.Hkv, blockIdx.x);
+  if (it.item < 0) return;
+  const int64_t x = it.x;
+  const int32_t r = it.r;
+  const QueryTile tile = decode_tile(p.cu_seqlens, p.nseq, p.T, kBlockN, x);
+  if (tile.count == 0) return;
+  const int tid = threadIdx.x;
+  const int wg = tid / 128;
+  const int32_t Gi = p.heads_per_idx, m = p.group_tokens, ipk = p.idx_per_kv;
+  const int64_t key_base = tile.seq_start + tile.first;
+  const EntryList list(p.list, tile, x, r, p.Hkv, ipk, m);
+  const int64_t e_begin = min<int64_t>(int64_t(it.c) * p.work.chunk, list.n);
+  const int64_t e_end = min<int64_t>(e_begin + p.work.chunk, list.n);
+
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutK{});
+  Tensor sKi = make_tensor(make_smem_ptr(ss.k_idx.data()), typename Traits::SmemLayoutK{});
+  Tensor sKit = make_tensor(make_smem_ptr(ss.k_idx.data()), typename Traits::SmemLayoutKt{});
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQ{});
+  Tensor sQi = make_tensor(make_smem_ptr(ss.q_idx.data()), typename Traits::SmemLayoutQi{});
+  Tensor sQit = make_tensor(make_smem_ptr(ss.q_idx.data()), typename Traits::SmemLayoutQit{});
+  Tensor sDS = make_tensor(make_smem_ptr(ss.ds.data()), typename Traits::SmemLayoutDS{});
+
+  // The block's main keys and index keys (index key head of the chunk's first index head; they
+  // are reloaded below when an entry's index head uses another one).
+  int32_t loaded_ik = -1;
+  load_rows_async<kBlockN, kDim>(
+      sK, [&](int row) { return row < tile.count ? p.k + (key_base + row) * p.k_s0 + r * p.k_s1 : nullptr; },
+      tid, kThreads);
+  auto load_kidx = [&](int32_t ik) {
+    load_rows_async<kBlockN, kDim>(
+        sKi,
+        [&](int row) { return row < tile.count ? p.k_idx + (key_base + row) * p.ki_s0 + ik * p.ki_s1 : nullptr; },
+        tid, kThreads);
+  };
+
+  const ColumnLoader<kDim, kThreads> cols_in(sQ(_, _, 0), Gi, tid);
+  constexpr int kStageElems = kBlockC * kDim;
+  auto issue = [&](const EntryList::Raw& raw, int st) {
+    const Entry en = list.get(p.list, tile, raw, ipk, m);
+    const int32_t i = r * ipk + en.il;
+    const int32_t head0 = i * Gi;
+    const int64_t t0 = tile.seq_start + en.first;
+    cols_in.load(ss.q.data() + st * kStageElems, p.q + t0 * p.q_s0 + head0 * p.q_s1, p.q_s0, p.q_s1,
+                 en.count);
+    load_rows_async<Traits::kTok, kDim>(
+        sQi(_, _, st),
+        [&](int t) { return t < en.count ? p.q_idx + (t0 + t) * p.qi_s0 + i * p.qi_s1 : nullptr; },
+        tid, kThreads);
+    if (tid < kBlockC) {
+      const int c = tid;
+      const int32_t tok = c / Gi;
+      const bool ok = tok < en.count && c < m * Gi;
+      cp_async4(&ss.lse[st][c],
+                p.lse + (t0 + (ok ? tok : 0)) * p.lse_s0 + (head0 + (ok ? c - tok * Gi : 0)) * p.lse_s1, ok);
+    } else if (tid < kBlockC + Traits::kTok) {
+      const int c = tid - kBlockC;
+      const bool tok = c < en.count;
+      cp_async4(&ss.lidx[st][c], p.lse_idx + (t0 + (tok ? c : 0)) * p.Hi + i, tok);
+    }
+    if (tid == 0) ss.entry[st] = en;
+  };
+
+  typename Traits::MmaS mma_s;
+  typename Traits::MmaSi mma_si;
+  typename Traits::MmaDK mma_dk;
+  typename Traits::MmaDQ mma_dq;
+  auto thr_s = mma_s.get_thread_slice(tid);
+  auto thr_si = mma_si.get_thread_slice(tid);
+  auto thr_dk = mma_dk.get_thread_slice(tid);
+  const bool dq_thread = tid < 128 * Traits::kDqWarpGroups;
+  auto thr_dq = mma_dq.get_thread_slice(dq_thread ? tid : 0);
+  Tensor tSrK = thr_s.partition_fragment_A(sK);
+  Tensor tSrKi = thr_si.partition_fragment_A(sKi);
+  Tensor tSrQ = thr_s.partition_fragment_B(sQ);
+  Tensor tSrQi = thr_si.partition_fragment_B(sQi);
+  Tensor tDKrQit = thr_dk.partition_fragment_B(sQit);
+  Tensor tDQrKit = thr_dq.partition_fragment_A(sKit);
+  Tensor tDQrDS = thr_dq.partition_fragment_B(sDS);
+  Tensor tSrS = partition_fragment_C(mma_s, Shape<Int<kBlockN>, Int<kBlockC>>{});
+  Tensor tSrSi = partition_fragment_C(mma_si, Shape<Int<kBlockN>, Int<Traits::kTok>>{});
+  Tensor tDKrDK = partition_fragment_C(mma_dk, Shape<Int<kBlockN>, Int<kDim>>{});
+  Tensor tDQrDQ = partition_fragment_C(mma_dq, Shape<Int<kDim>, Int<Traits::kTok>>{});
+  clear(tDKrDK);
+
+  Tensor cS = thr_s.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockC>>{}));
+  Tensor S = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
+  Tensor Si = make_tensor(tSrSi.data(), acc_rowcol(tSrSi.layout()));
+  Tensor cSrc = make_tensor(cS.data(), acc_rowcol(cS.layout()));
+  Tensor cSi = thr_si.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<Traits::kTok>>{}));
+  Tensor cSirc = make_tensor(cSi.data(), acc_rowcol(cSi.layout()));
+  constexpr int kRows = decltype(size<0>(S))::value;
+  constexpr int kCols = decltype(size<1>(S))::value;
+  constexpr int kColsI = decltype(size<1>(Si))::value;
+  Tensor rDS = make_tensor<Element>(tSrSi.layout());
+  Tensor tDKrDS = make_tensor(rDS.data(), acc_as_a_operand(rDS.layout()));
+  Tensor cDQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kDim>, Int<Traits::kTok>>{}));
+  Tensor KLt = make_tensor<float>(tSrSi.layout());  // KL terms, in the index-score layout
+  Tensor KL = make_tensor(KLt.data(), acc_rowcol(KLt.layout()));
+
+  const float inv_gi = 1.f / static_cast<float>(Gi);
+  const bool want_grad = p.dq_idx != nullptr || p.dk_idx != nullptr;
+  int32_t cur_il = -1;
+
+  // dk_idx of the keys so far (index head cur_il) -> the fixed-point sums; then zero.
+  auto flush_dk = [&]() {
+    if (cur_il < 0 || p.dk_idx == nullptr) return;
+    const int32_t ik = (r * ipk + cur_il) / p.idx_per_key;
+    Tensor cDK = thr_dk.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kDim>>{}));
+#pragma unroll
+    for (int v = 0; v < size(tDKrDK); ++v) {
+      const int row = get<0>(cDK(v)), col = get<1>(cDK(v));
+      if (row < tile.count) add_fixed(p.dk_idx + ((key_base + row) * p.Hik + ik) * kDim + col, tDKrDK(v));
+    }
+    clear(tDKrDK);
+  };
+
+  constexpr int kStages = Traits::kStages;
+  // Prologue: the first kStages - 1 entries in flight (one cp.async group each; the block's own
+  // rows ride with the first).
+  int64_t next = e_begin;
+  for (int st = 0; st < kStages - 1; ++st, ++next) {
+    if (next < e_end) issue(list.load(p.list, next), st);
+    cp_async_commit();
+  }
+  EntryList::Raw ahead;  // the next entry to issue: its load overlaps this entry's compute
+  if (next < e_end) ahead = list.load(p.list, next);
+  for (int64_t e = e_begin; e < e_end; ++e) {
+    const int st = static_cast<int>((e - e_begin) % kStages);
+    cp_async_wait<kStages - 2>();
+    cutlass::arch::fence_view_async_shared();
+    __syncthreads();
+    const Entry en = ss.entry[st];
+    const int32_t i = r * ipk + en.il;
+    if (en.il != cur_il) {
+      flush_dk();
+      cur_il = en.il;
+      const int32_t ik = i / p.idx_per_key;
+      if (ik != loaded_ik) {  // another index key head: (re)load the block's index keys
+        loaded_ik = ik;
+        load_kidx(ik);
+        cp_async_commit();
+        cp_async_wait_all();
+        cutlass::arch::fence_view_async_shared();
+        __syncthreads();
+      }
+    }
+    if (next < e_end) issue(ahead, static_cast<int>((next - e_begin) % kStages));
+    cp_async_commit();
+    if (++next < e_end) ahead = list.load(p.list, next);
+    if (en.count == 0) continue;
+    const int64_t t0 = tile.seq_start + en.first;
+
+    wg_gemm<true>(mma_s, tSrK, tSrQ(_, _, _, st), tSrS);
+    wg_gemm<true>(mma_si, tSrKi, tSrQi(_, _, _, st), tSrSi);
+    warpgroup_wait<0>();
+    // P^T (masked) to shared memory.
+#pragma unroll
+    for (int a = 0; a < kRows; ++a) {
+      const int row = get<0>(cSrc(a, 0));
+      const int32_t key = tile.first + row;
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) {
+        const int col = get<1>(cSrc(a, c));
+        const int32_t t = col / Gi;
+        const bool ok = t < en.count && ((en.mask >> t) & 1u) && key <= en.first + t;
+        ss.p[row * kPStride + col] =
+            ok ? fast_exp2(S(a, c) * p.scale_log2 - ss.lse[st][col] * static_cast<float>(M_LOG2E)) : 0.f;
+      }
+    }
+    cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(Barrier::kVTail) + wg);
+    // Teacher: one thread per (key, token) of this warpgroup's rows sums the Gi heads in order.
+    for (int w = tid % 128; w < 64 * m; w += 128) {
+      const int row = wg * 64 + w / m, t = w % m;
+      float* pr = ss.p + row * kPStride + t * Gi;
+      float acc = 0.f;
+      for (int h = 0; h < Gi; ++h) acc += pr[h];
+      pr[0] = acc * inv_gi;
+    }
+    cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(Barrier::kVTail) + wg);
+
+    // Student and dS = sigma - pi, in the index-score accumulator (columns are tokens).
+#pragma unroll
+    for (int a = 0; a < kRows; ++a) {
+      const int row = get<0>(cSirc(a, 0));
+      const int32_t key = tile.first + row;
+#pragma unroll
+      for (int c = 0; c < kColsI; ++c) {
+        const int t = get<1>(cSirc(a, c));
+        const bool ok = t < en.count && ((en.mask >> t) & 1u) && key <= en.first + t;
+        const float pi = ok ? ss.p[row * kPStride + t * Gi] : 0.f;
+        const float lsig2 = (Si(a, c) * p.scale_idx - ss.lidx[st][t]) * static_cast<float>(M_LOG2E);
+        Si(a, c) = ok ? fast_exp2(lsig2) - pi : 0.f;
+        // KL term pi * (ln pi - ln sigma).
+        KL(a, c) = ok && pi > 0.f ? pi * (__logf(pi) - lsig2 * 0.69314718056f) : 0.f;
+      }
+    }
+    if (p.kl_rows != nullptr) {
+      // Per token: the thread's rows, then the 8 row groups of the warp; lanes 0-3 add.
+#pragma unroll
+      for (int c = 0; c < kColsI; ++c) {
+        float v = 0.f;
+#pragma unroll
+        for (int a = 0; a < kRows; ++a) v += KL(a, c);
+        v += __shfl_xor_sync(0xffffffff, v, 4);
+        v += __shfl_xor_sync(0xffffffff, v, 8);
+        v += __shfl_xor_sync(0xffffffff, v, 16);
+        const int t = get<1>(cSirc(0, c));
+        if ((tid & 31) < 4 && t < en.count && v != 0.f)
+          add_fixed(p.kl_rows + (t0 + t) * p.Hi + i, v);
+      }
+    }
+    if (!want_grad) continue;
+
+    convert_into(tSrSi, rDS);
+    if (p.dk_idx != nullptr) wg_gemm<false, true>(mma_dk, tDKrDS, tDKrQit(_, _, _, st), tDKrDK);
+    if (p.dq_idx != nullptr) {
+      // dS^T (tokens, keys) to shared memory for dq_idx^T = k_idx^T dS^T over all the block's keys.
+#pragma unroll
+      for (int a = 0; a < kRows; ++a) {
+        const int row = get<0>(cSirc(a, 0));
+#pragma unroll
+        for (int c = 0; c < kColsI; ++c) sDS(get<1>(cSirc(a, c)), row) = static_cast<Element>(Si(a, c));
+      }
+      cutlass::arch::fence_view_async_shared();
+      __syncthreads();
+      if (dq_thread) {
+        wg_gemm<true>(mma_dq, tDQrKit, tDQrDS, tDQrDQ);
+        warpgroup_wait<0>();
+#pragma unroll
+        for (int v = 0; v < size(tDQrDQ); ++v) {
+          const int d = get<0>(cDQ(v)), t = get<1>(cDQ(v));
+          if (t < en.count && ((en.mask >> t) & 1u))
+            add_fixed(p.dq_idx + ((t0 + t) * p.Hi + i) * kDim + d, tDQrDQ(v));
+        }
+      }
+    }
+    warpgroup_wait<0>();
+  }
+  cp_async_wait_all();
+  flush_dk();
+}
+
+}  // namespace msa::cuda::kern
