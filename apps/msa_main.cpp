@@ -4,8 +4,8 @@
 // against a double-precision reference written from the spec, and prints a table.
 //
 // On a GPU (the CUDA backend, when libmsa has it and a compute capability 9.0 GPU is visible) it
-// runs what that backend has: selection, sparse forward and dense forward, on a larger default
-// shape; the backward, the KL value and the warmup step are CPU-only for now and reported skipped.
+// runs the same stages on a larger default shape (the KL branch there needs Di == D; with another
+// Di the KL value, the backward and the warmup step are reported skipped).
 //
 // Progress goes to stderr; the report (shape, backend, KL values, table, check) to stdout.
 // Run with --help for the options. Helpers: apps/*.h.
@@ -164,11 +164,10 @@ void print_header(const Config& cfg, const Shape& s, const DeviceSetup& dev, int
     std::printf("backend: %s%s%s\n", dev.allocator->describe().c_str(), dev.note.empty() ? "" : "; ",
                 dev.note.c_str());
   }
-  const Capabilities can = capabilities(dev.allocator->device().type);
+  const Capabilities can = capabilities(dev.allocator->device().type, s);
   if (!can.backward || !can.kl)
-    std::printf("stages:  the CUDA backend has selection and forward kernels only: the backward with the KL\n"
-                "         gradient, the exact KL value and the warmup step run on the CPU backend only\n"
-                "         (--device cpu) and are skipped here\n");
+    std::printf("stages:  the CUDA KL kernels need Di == D: the backward with the KL gradient, the exact\n"
+                "         KL value and the warmup step are skipped here (--device cpu runs them)\n");
   std::printf("timing:  median of %d run(s) per stage after %d untimed%s; seed %llu\n", iters, warm,
               cpu ? "" : " (CUDA events)", static_cast<unsigned long long>(cfg.seed));
   for (const VariantRun& r : runs)
@@ -240,12 +239,12 @@ int run_main(const Config& cfg, const DeviceSetup& dev) {
   const HostInputs host_in = make_inputs(s, cfg.seed);
   const DeviceInputs in = upload_inputs(alloc, host_in);
   Workspace ws(alloc);
-  const Capabilities can = capabilities(alloc.device().type);
+  const Capabilities can = capabilities(alloc.device().type, s);
   // The warmup step differs from dense attention only by its KL value and gradient.
   const bool warmup = cfg.warmup && (can.kl || can.backward);
   if (cfg.warmup && !warmup)
     std::fprintf(stderr, "msa_main: the warmup step (dense + KL) needs the KL value or the backward: "
-                         "CPU backend only, skipped on this device\n");
+                         "not available for this shape on this device, skipped\n");
   const int bwd = can.backward ? 1 : 0;
   const int total = (cfg.train ? 2 + bwd : 0) + (warmup ? 1 + bwd : 0) + 1 + bwd + (cfg.check ? 1 : 0);
   StageRunner stages(alloc, warm, iters, total);
@@ -261,7 +260,7 @@ int run_main(const Config& cfg, const DeviceSetup& dev) {
   print_table(stdout, rows, !cpu);
   std::printf("FLOPs: selected work only (apps/flops.h); KL rows include the KL value / gradient work;\n"
               "step = sum of its stages; vs dense = dense time / this time; ideal = dense FLOPs / these FLOPs.\n");
-  if (!can.backward) std::printf("backward: not run (CPU backend only; --device cpu runs the whole training step)\n");
+  if (!can.backward) std::printf("backward: not run (the CUDA KL kernels need Di == D; --device cpu runs it)\n");
   std::fflush(stdout);
   if (!cfg.csv.empty() && !write_csv(cfg.csv, rows, &error)) {
     std::fprintf(stderr, "msa_main: %s\n", error.c_str());

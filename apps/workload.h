@@ -132,15 +132,15 @@ struct OutputSet {  // DeviceTensor or HostTensor; undefined members are not pro
 using DeviceOutputs = OutputSet<DeviceTensor>;
 using HostOutputs = OutputSet<HostTensor>;
 
-// What a device computes. The CPU backend: everything. The CUDA backend: selection and forward
-// (no exact KL value, no backward yet).
+// What a device computes. The CPU backend: everything. The CUDA backend: everything too, except
+// the KL branch (value and gradient) when the index head dim differs from the main one.
 struct Capabilities {
   bool kl = true;        // the exact KL value in the forward
   bool backward = true;  // backward with the KL gradient
 };
 
-inline Capabilities capabilities(msa::DeviceType dev) {
-  if (dev == msa::DeviceType::kCuda) return {false, false};
+inline Capabilities capabilities(msa::DeviceType dev, const Shape& s) {
+  if (dev == msa::DeviceType::kCuda && s.Di != s.D) return {false, false};
   return {};
 }
 

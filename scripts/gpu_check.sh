@@ -13,6 +13,7 @@
 #   memcheck   compute-sanitizer --tool memcheck on a few small CUDA tests      -> memcheck.log
 #   racecheck  compute-sanitizer --tool racecheck on the same tests             -> racecheck.log
 #   bench      bench/bench_forward.py                  -> bench.log, bench.csv, bench.json
+#   bench_bwd  bench/bench_backward.py (training step)  -> bench_bwd.log
 # A summary table (stage, result, counts, seconds) and the benchmark's tables come last.
 #
 # Environment:
@@ -23,7 +24,9 @@
 #   PYTEST_ARGS       extra arguments of pytest (e.g. "-k cuda -x")
 #   SANITIZER_FILTER  gtest filter of the sanitizer stages
 #   BENCH_ARGS        arguments of the benchmark (default --with-1m; --quick for a smoke run)
-#   STAGES            the stages to run (default: build gtest pytest memcheck racecheck bench)
+#   BENCH_BWD_ARGS    arguments of the training benchmark (default none)
+#   STAGES            the stages to run (default: build gtest pytest memcheck racecheck bench
+#                     bench_bwd)
 #   GPU_CHECK_BUDGET  seconds for everything (default 560); each stage also has a cap,
 #                     e.g. PYTEST_TIMEOUT=300 (BUILD_, GTEST_, MEMCHECK_, RACECHECK_, BENCH_)
 set -uo pipefail
@@ -43,7 +46,7 @@ if [[ "$PY" == */* ]]; then
 fi
 build_dir="${MSA_BUILD_DIR:-build}"
 stage_dir="$root/build-gpu-py"
-stages="${STAGES:-build gtest pytest memcheck racecheck bench}"
+stages="${STAGES:-build gtest pytest memcheck racecheck bench bench_bwd}"
 bench_args_text="${BENCH_ARGS---with-1m}"
 read -r -a bench_args <<<"$bench_args_text"
 read -r -a gtest_args <<<"${GTEST_ARGS:-}"
@@ -232,6 +235,21 @@ if enabled bench; then
   fi
 fi
 
+# ---- bench_bwd ----------------------------------------------------------------------------
+if enabled bench_bwd; then
+  : >"$OUT/bench_bwd.log"
+  read -r -a bench_bwd_args <<<"${BENCH_BWD_ARGS:-}"
+  if [ "$binding_ok" -ne 1 ]; then
+    note bench_bwd skipped "no binding built" 0
+    failed=1
+  else
+    run_stage bench_bwd "$OUT/bench_bwd.log" "${BENCH_BWD_TIMEOUT:-300}" 0 \
+      env PYTHONPATH="$stage_dir" "$PY" bench/bench_backward.py "${bench_bwd_args[@]}"
+    note bench_bwd "$(result_of "$rc")" "args: ${BENCH_BWD_ARGS:-none}" "$stage_seconds"
+    [ "$rc" -ne 0 ] && failures+=("bench_bwd $OUT/bench_bwd.log")
+  fi
+fi
+
 # ---- summary ------------------------------------------------------------------------------
 echo
 for f in "${failures[@]}"; do
@@ -246,5 +264,9 @@ printf '%s\n' "${summary[@]}"
 if enabled bench && [ -s "$OUT/bench.log" ] && grep -q '^| target' "$OUT/bench.log"; then
   echo
   sed -n '/^| target/,$p' "$OUT/bench.log"
+fi
+if enabled bench_bwd && [ -s "$OUT/bench_bwd.log" ] && grep -q '^## MSA training' "$OUT/bench_bwd.log"; then
+  echo
+  sed -n '/^## MSA training/,$p' "$OUT/bench_bwd.log"
 fi
 exit "$failed"

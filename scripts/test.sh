@@ -17,7 +17,9 @@ cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DMSA_BUILD_TESTS=ON -DM
 cmake --build build -j "$jobs"
 ctest --test-dir build --output-on-failure -j "$jobs"
 
-.venv/bin/python -m pip install -q --no-build-isolation .
+# The package's binding links the library built above (no second compile of the CUDA kernels).
+.venv/bin/python -m pip install -q --no-build-isolation \
+  --config-settings=cmake.define.MSA_PREBUILT_LIBRARY="$PWD/build/libmsa.so" .
 # Run from outside the source tree so that `import msa` is the installed package.
 cd tests/python
 ../../.venv/bin/python -m pytest -q -p no:cacheprovider .

@@ -15,9 +15,9 @@ contiguous is copied first. LSE and the KL value are float32.
 
 Devices: CPU tensors run on the C++ CPU backend; CUDA tensors on the Hopper backend when
 ``backend_available("cuda")``, on the current stream of their device, without host
-synchronisation (CUDA graphs can capture the calls). The CUDA backend has the selection and
-the forward; the exact KL value (pass ``kl_value=False``) and the backward come later and raise
-NotImplementedError meanwhile.
+synchronisation (CUDA graphs can capture the calls). Both backends run everything here: the
+selection, the forward, the exact KL value and the backward (with the KL gradient); the CUDA
+KL kernels need ``Di == D``.
 
 Entry points: :func:`sparse_attention` (training forward with autograd), :func:`warmup_attention`
 (dense causal + KL, the indexer warmup phase), :func:`select_blocks`, :func:`kl_divergence`.
@@ -153,12 +153,12 @@ def sparse_attention(
         scale_idx: index score scale (None: ``Di**-0.5``).
         kl_value: compute the exact KL value in the forward (one more pass over the support,
             comparable to the forward itself); if False, ``kl`` is a zero. Either way its
-            gradient trains ``q_idx``/``k_idx``. The CUDA backend does not compute the value
-            yet: pass ``kl_value=False`` for CUDA tensors (else NotImplementedError).
+            gradient trains ``q_idx``/``k_idx``.
         return_lse: also return the LSE [T, Hq] float32 (natural log; not differentiable).
         return_block_idx: also return the selection [T, Hi, top_k] int32 (ascending block ids
             then -1 padding), or the caller's ``block_idx``.
-        deterministic: ask the backward for bitwise-reproducible gradients.
+        deterministic: ask the backward for bitwise-reproducible gradients (both backends
+            always give them: no floating-point atomics).
 
     Returns:
         ``(out, kl)``, then ``lse`` and ``block_idx`` when asked for, in that order.
@@ -224,7 +224,7 @@ def warmup_attention(
     attention probabilities and ``sigma`` the index softmax, both over all ``j <= t`` of the
     token's sequence. Its gradient trains q_idx, k_idx. ``q_idx``/``k_idx`` may be None (plain
     dense causal attention, ``kl`` = 0). ``kl_value=False`` skips the exact value (``kl`` = 0,
-    gradient unchanged); CUDA tensors need it until the CUDA backend computes the value.
+    gradient unchanged).
     Returns ``(out, kl)`` (+ ``lse`` [T, Hq] float32 if ``return_lse``).
     """
     _tensor("q", q, 3, "[T, Hq, D]")

@@ -14,7 +14,6 @@ Layout rule: the C++ API accepts any strides as long as the last dimension is co
 input is copied only when its last-dim stride is not 1.
 """
 
-import re
 from typing import Optional, Tuple
 
 import torch
@@ -50,15 +49,6 @@ def _launch(fn, device: torch.device, *args, **kwargs):
     with torch.cuda.device(device):
         return fn(*args, stream=torch.cuda.current_stream(device).cuda_stream,
                   workspace_alloc=_alloc(device), **kwargs)
-
-
-_NO_CUDA_KL = ("for CUDA tensors pass kl_value=False to msa.sparse_attention / "
-               "msa.warmup_attention / msa.flash_msa.* (kl is then a zero) until the CUDA "
-               "backend computes the exact KL value")
-
-
-def _mentions_kl(message: str) -> bool:
-    return re.search(r"\bkl\b", message, re.IGNORECASE) is not None
 
 
 def _need_rank(name: str, t: Optional[Tensor], rank: int, shape: str) -> None:
@@ -163,16 +153,11 @@ def forward(
     out = torch.empty(q.shape, dtype=q.dtype, device=dev)
     lse = torch.empty((T, Hq), dtype=torch.float32, device=dev)
     kl = torch.zeros((), dtype=torch.float32, device=dev)
-    try:
-        _launch(_C.forward, dev, _lc(q), _lc(k), _lc(v), _lc(cu_seqlens), bi, sel, _lc(q_idx),
-                _lc(k_idx), out, lse, kl.view(1) if want_kl else None,
-                mode=_MODE_DENSE if dense else _MODE_SPARSE, block_size=block_size,
-                top_k=top_k, sink_blocks=sink_blocks, local_blocks=local_blocks, scale=scale,
-                scale_idx=scale_idx, deterministic=deterministic)
-    except NotImplementedError as e:
-        if want_kl and dev.type == "cuda" and _mentions_kl(str(e)):
-            raise NotImplementedError(f"{e}\nmsa: {_NO_CUDA_KL}") from None
-        raise
+    _launch(_C.forward, dev, _lc(q), _lc(k), _lc(v), _lc(cu_seqlens), bi, sel, _lc(q_idx),
+            _lc(k_idx), out, lse, kl.view(1) if want_kl else None,
+            mode=_MODE_DENSE if dense else _MODE_SPARSE, block_size=block_size,
+            top_k=top_k, sink_blocks=sink_blocks, local_blocks=local_blocks, scale=scale,
+            scale_idx=scale_idx, deterministic=deterministic)
     return out, lse, bi_out, kl
 
 

@@ -113,9 +113,10 @@ Status backward(const BackwardParams& p) {
     MSA_TRY(detail::validate(p, &prob));
     if (p.q.device.type != DeviceType::kCpu) {
 #ifdef MSA_WITH_CUDA
-      if (p.q.device.type == DeviceType::kCuda)
-        return Status::NotSupported(
-            "msa::backward: the CUDA backend has no backward kernels yet (CPU tensors work)");
+      if (p.q.device.type == DeviceType::kCuda) {
+        MSA_TRY(cuda_ready("backward", "q", prob));
+        return cuda::attention_backward(prob, p);
+      }
 #endif
       return not_built("backward", p.q.device);
     }
@@ -129,9 +130,10 @@ Status kl_divergence(const KlParams& p) {
     MSA_TRY(detail::validate(p, &prob));
     if (p.q.device.type != DeviceType::kCpu) {
 #ifdef MSA_WITH_CUDA
-      if (p.q.device.type == DeviceType::kCuda)
-        return Status::NotSupported(
-            "msa::kl_divergence: the CUDA backend has no KL kernels yet (CPU tensors work)");
+      if (p.q.device.type == DeviceType::kCuda) {
+        MSA_TRY(cuda_ready("kl_divergence", "q", prob));
+        return cuda::kl_divergence(prob, p);
+      }
 #endif
       return not_built("kl_divergence", p.q.device);
     }
@@ -139,11 +141,48 @@ Status kl_divergence(const KlParams& p) {
   });
 }
 
-// No built backend needs a device workspace yet (the CPU backend allocates host memory itself).
+// The CPU backend allocates host memory itself; the CUDA backend's backward and KL value use
+// device workspace (reverse index, fixed-point sums).
 size_t workspace_size(const SelectParams&) { return 0; }
-size_t workspace_size(const ForwardParams&) { return 0; }
-size_t workspace_size(const BackwardParams&) { return 0; }
-size_t workspace_size(const KlParams&) { return 0; }
+
+namespace {
+template <class P, class F>
+size_t cuda_workspace(const P& p, const TensorRef& lead, F&& size_of) {
+#ifdef MSA_WITH_CUDA
+  if (lead.device.type != DeviceType::kCuda) return 0;
+  Problem prob;
+  if (!detail::validate(p, &prob).ok()) return 0;
+  return size_of(prob, p);
+#else
+  (void)p;
+  (void)lead;
+  (void)size_of;
+  return 0;
+#endif
+}
+}  // namespace
+
+size_t workspace_size(const ForwardParams& p) {
+#ifdef MSA_WITH_CUDA
+  return cuda_workspace(p, p.q, [](const Problem& pr, const ForwardParams& x) { return cuda::forward_workspace(pr, x); });
+#else
+  return cuda_workspace(p, p.q, 0);
+#endif
+}
+size_t workspace_size(const BackwardParams& p) {
+#ifdef MSA_WITH_CUDA
+  return cuda_workspace(p, p.q, [](const Problem& pr, const BackwardParams& x) { return cuda::backward_workspace(pr, x); });
+#else
+  return cuda_workspace(p, p.q, 0);
+#endif
+}
+size_t workspace_size(const KlParams& p) {
+#ifdef MSA_WITH_CUDA
+  return cuda_workspace(p, p.q, [](const Problem& pr, const KlParams& x) { return cuda::kl_workspace(pr, x); });
+#else
+  return cuda_workspace(p, p.q, 0);
+#endif
+}
 
 bool backend_available(DeviceType device) {
 #ifdef MSA_WITH_CUDA

@@ -507,6 +507,87 @@ class CudaVsCpu : public ::testing::TestWithParam<CudaCase> {
     return r;
   }
 
+  struct GpuGrads {
+    HostTensor dq, dk, dv, dq_idx, dk_idx;
+  };
+
+  // Inputs of one backward call, identical on both sides: the CPU forward's out (rounded to the
+  // dtype) and lse, a random dout. `ref` receives the CPU backward on the float64 copy.
+  struct BwdCase {
+    FwdResult fwd;        // float64 out (rounded values), float32 lse
+    HostTensor out_lo;    // out in the dtype
+    HostTensor dout_lo;   // dout in the dtype
+    HostTensor dout_w;    // the same values in float64
+  };
+  BwdCase bwd_case(Mode mode, HostTensor* bi) {
+    BwdCase b{run_forward(wide(), bi, mode, false), HostTensor(cfg().dtype, {p().T, cfg().Hq, cfg().D}),
+              HostTensor(cfg().dtype, {p().T, cfg().Hq, cfg().D}), HostTensor(DType::kFloat64, {p().T, cfg().Hq, cfg().D})};
+    for (int64_t x = 0; x < b.out_lo.numel(); ++x) {
+      b.out_lo.set(x, b.fwd.out.get(x));
+      b.fwd.out.set(x, b.out_lo.get(x));
+    }
+    std::mt19937_64 rng(cfg().seed * 31 + 7);
+    randomize_nonzero(b.dout_lo, rng, 1.0);
+    for (int64_t x = 0; x < b.dout_lo.numel(); ++x) b.dout_w.set(x, b.dout_lo.get(x));
+    return b;
+  }
+
+  // backward on the GPU, outputs poisoned first; the KL branch with gamma = kl_weight * kl_grad[0]
+  // (kl_grad on the device) when `kl`.
+  GpuGrads gpu_backward(Mode mode, HostTensor* bi, const BwdCase& b, bool kl, float kl_weight, float kl_grad,
+                        bool deterministic = false, msa::Status* status = nullptr) {
+    const Config& c = cfg();
+    const int64_t T = p().T;
+    HostTensor out_lo = b.out_lo, dout_lo = b.dout_lo, lse = b.fwd.lse;
+    DeviceTensor out = DeviceTensor::upload(out_lo, s()), dout = DeviceTensor::upload(dout_lo, s());
+    DeviceTensor dlse = DeviceTensor::upload(lse, s());
+    DeviceTensor dbi;
+    if (mode == Mode::kSparse) dbi = DeviceTensor::upload(*bi, s());
+    HostTensor g_host(DType::kFloat32, {1});
+    g_host.set(0, kl_grad);
+    DeviceTensor dgrad = DeviceTensor::upload(g_host, s());
+    DeviceTensor dq = DeviceTensor::poisoned(c.dtype, {T, c.Hq, c.D}, s());
+    DeviceTensor dk = DeviceTensor::poisoned(c.dtype, {T, c.Hkv, c.D}, s());
+    DeviceTensor dv = DeviceTensor::poisoned(c.dtype, {T, c.Hkv, c.D}, s());
+    DeviceTensor dqi = DeviceTensor::poisoned(c.dtype, {T, c.Hi, c.Di}, s());
+    DeviceTensor dki = DeviceTensor::poisoned(c.dtype, {T, c.Hik, c.Di}, s());
+    msa::BackwardParams bp;
+    bp.q = dev_->q.ref();
+    bp.k = dev_->k.ref();
+    bp.v = dev_->v.ref();
+    bp.out = out.ref();
+    bp.lse = dlse.ref();
+    bp.dout = dout.ref();
+    if (!GetParam().no_cu_seqlens) bp.cu_seqlens = dev_->cu.ref();
+    if (mode == Mode::kSparse) bp.block_idx = dbi.ref();
+    bp.dq = dq.ref();
+    bp.dk = dk.ref();
+    bp.dv = dv.ref();
+    if (kl) {
+      bp.q_idx = dev_->q_idx.ref();
+      bp.k_idx = dev_->k_idx.ref();
+      bp.dq_idx = dqi.ref();
+      bp.dk_idx = dki.ref();
+      bp.kl_grad = dgrad.ref();
+      bp.kl_weight = kl_weight;
+    }
+    bp.opts = p().options(mode);
+    bp.opts.deterministic = deterministic;
+    bp.launch.stream = s();
+    const size_t ws_bytes = msa::workspace_size(bp);
+    DeviceTensor ws(DType::kInt32, {static_cast<int64_t>((ws_bytes + 3) / 4)});
+    bp.launch.workspace = ws.ref().data;
+    bp.launch.workspace_bytes = ws_bytes;
+    const msa::Status st = msa::backward(bp);
+    if (status != nullptr) {
+      *status = st;
+      if (!st.ok()) return {};
+    } else {
+      require_ok(st);
+    }
+    return {dq.download(s()), dk.download(s()), dv.download(s()), dqi.download(s()), dki.download(s())};
+  }
+
  private:
   std::unique_ptr<Stream> stream_;
   std::unique_ptr<Problem> p_, wide_;
@@ -514,6 +595,7 @@ class CudaVsCpu : public ::testing::TestWithParam<CudaCase> {
 
  protected:
   DeviceInputs& dev() { return *dev_; }
+  msa::TensorRef dev_q() { return dev_->q.ref(); }
 };
 
 // select_blocks with lse_idx: the spec's format and tolerance rule on every row.
@@ -563,6 +645,183 @@ TEST_P(CudaVsCpu, DenseWarmupForward) {
   const GpuForward g = gpu_forward(Mode::kDense, nullptr, false);
   const FwdResult ref = run_forward(wide(), nullptr, Mode::kDense, false);
   expect_forward_close(g.out, g.lse, ref, cfg().dtype, what("forward, kDense"));
+}
+
+
+// Gradient tolerance: relative L2 over the tensor, and per row (last dim) within 4x that of
+// max(its own norm, 1/8 of the RMS row norm).
+double grad_tolerance(DType dt) { return dt == kBf16 ? 2e-2 : 6e-3; }
+
+void expect_grad_close(const HostTensor& got, const HostTensor& ref, DType dt, const std::string& what) {
+  const int64_t D = got.shape().back(), rows = got.numel() / D;
+  ASSERT_EQ(got.numel(), ref.numel()) << what;
+  const double tol = grad_tolerance(dt);
+  double err2 = 0, ref2 = 0;
+  for (int64_t x = 0; x < got.numel(); ++x) {
+    const double a = got.get(x), b = ref.get(x);
+    err2 += (a - b) * (a - b);
+    ref2 += b * b;
+  }
+  if (rows == 0) return;
+  const double rel = std::sqrt(err2 / std::max(ref2, 1e-300));
+  EXPECT_LT(rel, tol) << what << ": relative L2 error (NaN: an output left unwritten or a NaN leak)";
+  const double rms_row = std::sqrt(ref2 / static_cast<double>(rows));
+  Failures f;
+  for (int64_t r = 0; r < rows; ++r) {
+    double e2 = 0, n2 = 0;
+    for (int64_t d = 0; d < D; ++d) {
+      const double a = got.get(r * D + d), b = ref.get(r * D + d);
+      e2 += (a - b) * (a - b);
+      n2 += b * b;
+    }
+    const double row_err = std::sqrt(e2) / std::max(std::sqrt(n2), std::max(rms_row / 8, 1e-300));
+    if (!(row_err < 4 * tol)) f.add(what + " row " + std::to_string(r) + ": error " + std::to_string(row_err));
+  }
+  EXPECT_EQ(f.count, 0) << f.first;
+}
+
+// The KL branch needs Di == D on the GPU (one instantiation per head dim).
+bool kl_on_gpu(const Config& c) { return c.D == c.Di; }
+
+// backward over a caller's block_idx: dq, dk, dv and (Di == D) dq_idx, dk_idx with
+// gamma = 0.5 * 1.5 against the CPU backend on the same out, lse and dout.
+TEST_P(CudaVsCpu, BackwardGivenBlockIdx) {
+  SKIP_UNLESS_BUILT(cfg(), true, false);
+  HostTensor bi = scrambled_block_idx(p(), cfg().seed + 11);
+  BwdCase b = bwd_case(Mode::kSparse, &bi);
+  const bool kl = kl_on_gpu(cfg());
+  const GpuGrads g = gpu_backward(Mode::kSparse, &bi, b, kl, 0.5f, 1.5f);
+  const BwdResult ref = run_backward(wide(), &bi, Mode::kSparse, b.fwd, b.dout_w, 0.75);
+  const DType dt = cfg().dtype;
+  expect_grad_close(g.dq, ref.dq, dt, what("backward dq"));
+  expect_grad_close(g.dk, ref.dk, dt, what("backward dk"));
+  expect_grad_close(g.dv, ref.dv, dt, what("backward dv"));
+  if (kl) {
+    expect_grad_close(g.dq_idx, ref.dq_idx, dt, what("backward dq_idx"));
+    expect_grad_close(g.dk_idx, ref.dk_idx, dt, what("backward dk_idx"));
+  } else {
+    msa::Status st;
+    gpu_backward(Mode::kSparse, &bi, b, true, 0.5f, 1.5f, false, &st);
+    EXPECT_EQ(st.code, StatusCode::kNotSupported) << st.message;
+    EXPECT_NE(st.message.find("argument 'q_idx'"), std::string::npos) << st.message;
+  }
+}
+
+// The warmup backward (kDense): dense causal attention backward and the KL over the full causal
+// support.
+TEST_P(CudaVsCpu, DenseWarmupBackward) {
+  SKIP_UNLESS_BUILT(cfg(), true, false);
+  BwdCase b = bwd_case(Mode::kDense, nullptr);
+  const bool kl = kl_on_gpu(cfg());
+  const GpuGrads g = gpu_backward(Mode::kDense, nullptr, b, kl, 2.0f, 1.0f);
+  const BwdResult ref = run_backward(wide(), nullptr, Mode::kDense, b.fwd, b.dout_w, 2.0);
+  const DType dt = cfg().dtype;
+  expect_grad_close(g.dq, ref.dq, dt, what("dense backward dq"));
+  expect_grad_close(g.dk, ref.dk, dt, what("dense backward dk"));
+  expect_grad_close(g.dv, ref.dv, dt, what("dense backward dv"));
+  if (kl) {
+    expect_grad_close(g.dq_idx, ref.dq_idx, dt, what("dense backward dq_idx"));
+    expect_grad_close(g.dk_idx, ref.dk_idx, dt, what("dense backward dk_idx"));
+  }
+}
+
+// Deterministic mode: two backward calls give the same bits in every gradient.
+TEST_P(CudaVsCpu, BackwardIsBitwiseReproducible) {
+  SKIP_UNLESS_BUILT(cfg(), true, false);
+  HostTensor bi = scrambled_block_idx(p(), cfg().seed + 12);
+  BwdCase b = bwd_case(Mode::kSparse, &bi);
+  const bool kl = kl_on_gpu(cfg());
+  const GpuGrads g1 = gpu_backward(Mode::kSparse, &bi, b, kl, 1.0f, 1.0f, true);
+  const GpuGrads g2 = gpu_backward(Mode::kSparse, &bi, b, kl, 1.0f, 1.0f, true);
+  const std::pair<const HostTensor*, const HostTensor*> pairs[] = {
+      {&g1.dq, &g2.dq}, {&g1.dk, &g2.dk}, {&g1.dv, &g2.dv}, {&g1.dq_idx, &g2.dq_idx}, {&g1.dk_idx, &g2.dk_idx}};
+  const char* names[] = {"dq", "dk", "dv", "dq_idx", "dk_idx"};
+  for (int x = 0; x < (kl ? 5 : 3); ++x) {
+    const HostTensor& a = *pairs[x].first;
+    const HostTensor& c = *pairs[x].second;
+    ASSERT_EQ(a.numel(), c.numel());
+    int64_t diff = 0;
+    for (int64_t e = 0; e < a.numel(); ++e) {
+      const double u = a.get(e), v = c.get(e);
+      diff += !(u == v || (std::isnan(u) && std::isnan(v)));
+    }
+    EXPECT_EQ(diff, 0) << what(names[x]) << ": elements that differ between two runs";
+  }
+}
+
+// The exact KL value: forward with kl on the GPU, and kl_divergence's per-row terms, against the CPU.
+TEST_P(CudaVsCpu, KlValue) {
+  SKIP_UNLESS_BUILT(cfg(), true, false);
+  if (!kl_on_gpu(cfg())) GTEST_SKIP() << "the CUDA KL kernels need Di == D";
+  const Config& c = cfg();
+  HostTensor bi = scrambled_block_idx(p(), c.seed + 13);
+  const FwdResult ref = run_forward(wide(), &bi, Mode::kSparse, true);
+  const int64_t T = p().T;
+  DeviceTensor dbi = DeviceTensor::upload(bi, s());
+  DeviceTensor out = DeviceTensor::poisoned(c.dtype, {T, c.Hq, c.D}, s());
+  DeviceTensor lse = DeviceTensor::poisoned(DType::kFloat32, {T, c.Hq}, s());
+  DeviceTensor kl = DeviceTensor::poisoned(DType::kFloat32, {1}, s());
+  DeviceTensor rows = DeviceTensor::poisoned(DType::kFloat32, {T, c.Hi}, s());
+  msa::ForwardParams f;
+  f.q = dev_q();
+  f.k = dev().k.ref();
+  f.v = dev().v.ref();
+  if (!GetParam().no_cu_seqlens) f.cu_seqlens = dev().cu.ref();
+  f.block_idx = dbi.ref();
+  f.q_idx = dev().q_idx.ref();
+  f.k_idx = dev().k_idx.ref();
+  f.out = out.ref();
+  f.lse = lse.ref();
+  f.kl = kl.ref();
+  f.opts = p().options();
+  f.launch.stream = s();
+  const size_t ws_bytes = msa::workspace_size(f);
+  EXPECT_GT(ws_bytes, 0u);
+  DeviceTensor ws(DType::kInt32, {static_cast<int64_t>((ws_bytes + 3) / 4)});
+  f.launch.workspace = ws.ref().data;
+  f.launch.workspace_bytes = ws_bytes;
+  require_ok(msa::forward(f));
+  const double got = kl.download(s()).get(0), want = ref.kl.get(0);
+  EXPECT_NEAR(got, want, 2e-3 * std::fabs(want) + 1e-6) << what("forward kl");
+
+  msa::KlParams kp;
+  kp.q = dev_q();
+  kp.k = dev().k.ref();
+  kp.lse = lse.ref();
+  kp.q_idx = dev().q_idx.ref();
+  kp.k_idx = dev().k_idx.ref();
+  if (!GetParam().no_cu_seqlens) kp.cu_seqlens = dev().cu.ref();
+  kp.block_idx = dbi.ref();
+  kp.kl = kl.ref();
+  kp.kl_rows = rows.ref();
+  kp.opts = p().options();
+  kp.launch.stream = s();
+  kp.launch.workspace = ws.ref().data;
+  kp.launch.workspace_bytes = ws_bytes;
+  ASSERT_LE(msa::workspace_size(kp), ws_bytes);
+  require_ok(msa::kl_divergence(kp));
+  const HostTensor got_rows = rows.download(s());
+  // CPU per-row terms on the GPU's lse.
+  HostTensor lse_host = lse.download(s());
+  HostTensor ref_rows(DType::kFloat32, {T, c.Hi}), ref_kl(DType::kFloat32, {1});
+  msa::KlParams cp;
+  cp.q = wide().q.ref();
+  cp.k = wide().k.ref();
+  cp.lse = lse_host.ref();
+  cp.q_idx = wide().q_idx.ref();
+  cp.k_idx = wide().k_idx.ref();
+  cp.cu_seqlens = wide().cu.ref();
+  cp.block_idx = bi.ref();
+  cp.kl = ref_kl.ref();
+  cp.kl_rows = ref_rows.ref();
+  cp.opts = p().options();
+  require_ok(msa::kl_divergence(cp));
+  Failures fr;
+  for (int64_t x = 0; x < T * c.Hi; ++x)
+    if (!(std::fabs(got_rows.get(x) - ref_rows.get(x)) <= 2e-3 * std::fabs(ref_rows.get(x)) + 1e-5))
+      fr.add("row " + std::to_string(x) + ": " + std::to_string(got_rows.get(x)) + " vs " +
+             std::to_string(ref_rows.get(x)));
+  EXPECT_EQ(fr.count, 0) << what("kl_rows") << fr.first;
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaVsCpu, ::testing::ValuesIn(kCases),
@@ -800,14 +1059,16 @@ TEST(Cuda, Float32AndFloat64AreCpuOnly) {
   expect_error(msa::forward(f64.forward()), StatusCode::kInvalidArgument, "argument 'q'", "forward float64");
 }
 
-TEST(Cuda, BackwardAndKlAreNotSupported) {
+// The backward and the KL value need device workspace: without it (or with too little) the call
+// fails naming launch.workspace and writes nothing; with workspace_size bytes it runs.
+TEST(Cuda, BackwardAndKlNeedTheirWorkspace) {
   SKIP_WITHOUT_CUDA();
   SmallCall s(kBf16);
   msa::ForwardParams f = s.forward();
   f.q_idx = s.d.q_idx.ref();
   f.k_idx = s.d.k_idx.ref();
   f.kl = s.kl.ref();
-  expect_error(msa::forward(f), StatusCode::kNotSupported, "argument 'kl'", "forward with the KL value");
+  expect_error(msa::forward(f), StatusCode::kInvalidArgument, "argument 'launch.workspace'", "forward with kl");
 
   msa::BackwardParams b;
   b.q = s.d.q.ref();
@@ -822,7 +1083,13 @@ TEST(Cuda, BackwardAndKlAreNotSupported) {
   b.dk = s.dk.ref();
   b.dv = s.dv.ref();
   b.opts = s.p.options();
-  expect_error(msa::backward(b), StatusCode::kNotSupported, "msa::backward", "backward");
+  const size_t need = msa::workspace_size(b);
+  EXPECT_GT(need, 0u);
+  expect_error(msa::backward(b), StatusCode::kInvalidArgument, "argument 'launch.workspace'", "backward");
+  DeviceTensor ws(DType::kInt32, {static_cast<int64_t>((need + 3) / 4)});
+  b.launch.workspace = ws.ref().data;
+  b.launch.workspace_bytes = need - 1;
+  expect_error(msa::backward(b), StatusCode::kInvalidArgument, "argument 'launch.workspace'", "backward, short");
 
   msa::KlParams k;
   k.q = s.d.q.ref();
@@ -834,10 +1101,11 @@ TEST(Cuda, BackwardAndKlAreNotSupported) {
   k.block_idx = s.bi.ref();
   k.kl = s.kl.ref();
   k.opts = s.p.options();
-  expect_error(msa::kl_divergence(k), StatusCode::kNotSupported, "msa::kl_divergence", "kl_divergence");
+  expect_error(msa::kl_divergence(k), StatusCode::kInvalidArgument, "argument 'launch.workspace'", "kl_divergence");
 
-  // The rejected calls leave nothing behind: a valid call still works.
   require_ok(msa::forward(s.forward()));
+  b.launch.workspace_bytes = need;
+  require_ok(msa::backward(b));
   CUDA_CHECK(cudaDeviceSynchronize());
 }
 
