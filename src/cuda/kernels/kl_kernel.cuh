@@ -285,7 +285,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
             ok ? fast_exp2(S(a, c) * p.scale_log2 - ss.lse[st][col] * static_cast<float>(M_LOG2E)) : 0.f;
       }
     }
-    cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(Barrier::kVTail) + wg);
+    cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(Barrier::kWarpGroup) + wg);
     // Teacher: one thread per (key, token) of this warpgroup's rows sums the Gi heads in order.
     for (int w = tid % 128; w < 64 * m; w += 128) {
       const int row = wg * 64 + w / m, t = w % m;
@@ -294,7 +294,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       for (int h = 0; h < Gi; ++h) acc += pr[h];
       pr[0] = acc * inv_gi;
     }
-    cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(Barrier::kVTail) + wg);
+    cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(Barrier::kWarpGroup) + wg);
 
     // Student and dS = sigma - pi, in the index-score accumulator (columns are tokens).
 #pragma unroll

@@ -16,7 +16,8 @@ using namespace cute;
 enum class Barrier : uint32_t {
   kListReady = 0,  // producer warp + consumers: the tile's block list is in shared memory
   kQReady = 1,     // consumers: Q is in shared memory
-  kVTail = 2,      // one consumer warpgroup (2 + its index): the tail rows of V were zeroed
+  kVTail = 2,      // one consumer warpgroup (2 + its index): a stage's tail rows were zeroed
+  kWarpGroup = 2,  // the same ids in kernels with no V tail: a sync of one consumer warpgroup
 };
 
 // Row/column view of a wgmma accumulator: ((2, 2, N/8), M, N) -> ((2, M), (2, N/8, N)).
