@@ -4,8 +4,9 @@
 // One CTA walks one chunk of the entry list of one KV block of one KV head (bwd_common.cuh). An
 // item with one chunk writes dK and dV directly; the chunks of a longer list write fp32 partial
 // sums, and the last of them to finish adds them in chunk order and writes the result, so the
-// result does not depend on scheduling and no floating-point atomics are used. The scores are computed transposed, with the keys as MMA rows:
-// S^T = K Q^T and dP^T = V dO^T (SS wgmma, 64 keys per consumer warpgroup, 64 columns per entry),
+// result does not depend on scheduling and no floating-point atomics are used.
+//
+// The scores are computed transposed, with the keys as MMA rows: S^T = K Q^T and dP^T = V dO^T (SS wgmma, 64 keys per consumer warpgroup, 64 columns per entry),
 // which leaves P^T and dS^T in registers as the A operands of dV += P^T dO and dK += dS^T Q
 // (RS wgmma). Entries' Q, dO, LSE and Delta stream through kStages shared-memory stages with
 // cp.async, kStages - 1 entries ahead of the one computing.
@@ -56,7 +57,7 @@ struct BwdKVTraits {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> v;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> dout;
-    float lse2[kStages][kBlockC];   // LSE (natural log) per column
+    float lse[kStages][kBlockC];   // LSE (natural log) per column
     float delta[kStages][kBlockC];  // rowsum(dO * O) per column
     Entry entry[kStages];
   };
@@ -141,7 +142,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       const bool ok = tok < en.count && c < m * Gi;
       const int64_t t = t0 + (ok ? tok : 0);
       const int32_t h = head0 + (ok ? c - tok * Gi : 0);
-      cp_async4(&ss.lse2[st][c], p.lse + t * p.lse_s0 + h * p.lse_s1, ok);
+      cp_async4(&ss.lse[st][c], p.lse + t * p.lse_s0 + h * p.lse_s1, ok);
       cp_async4(&ss.delta[st][c], p.delta + t * p.Hq + h, ok);
     }
     if (tid == 0) ss.entry[st] = en;
@@ -219,7 +220,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         const int col = get<1>(cSrc(i, c));
         const bool ok = col_ok[c] && key <= col_pos[c];
         const float prob =
-            ok ? fast_exp2(S(i, c) * p.scale_log2 - ss.lse2[st][col] * static_cast<float>(M_LOG2E))
+            ok ? fast_exp2(S(i, c) * p.scale_log2 - ss.lse[st][col] * static_cast<float>(M_LOG2E))
                : 0.f;
         S(i, c) = prob;
         dP(i, c) = ok ? prob * (dP(i, c) - ss.delta[st][col]) : 0.f;
