@@ -179,7 +179,7 @@ size_t align_up(size_t x) { return (x + 255) / 256 * 256; }
 // Everything the backward and the KL value keep in device workspace.
 struct Plan {
   bool sparse = false, kl = false, grad = false;
-  int64_t T = 0, n = 0;  // n: reverse-index slots T * Hi * k
+  int64_t n = 0;         // reverse-index slots T * Hi * k
   int32_t Hi_group = 0;  // column groups of the KV side
   int32_t m = 0;         // tokens per KV-side group
   int gbits = 0, end_bit = 0;
@@ -216,7 +216,6 @@ Status make_plan(const char* fn, const Problem& prob, int32_t nseq, bool sparse,
   p.sparse = sparse;
   p.kl = kl;
   p.grad = grad;
-  p.T = prob.T;
   const int32_t Bk = prob.opts.block_size;
   // Column groups of the KV side: the index heads (always in sparse mode or with the KL),
   // else the KV heads.
@@ -234,12 +233,12 @@ Status make_plan(const char* fn, const Problem& prob, int32_t nseq, bool sparse,
     return at;
   };
   if (main) p.delta = take(sizeof(float) * size_t(prob.T) * prob.Hq);
+  const int64_t kv_tiles = kern::num_tile_ids(nseq, prob.T, Bk);
   if (sparse) {
     p.n = prob.T * prob.Hi * int64_t(prob.k);
     if (p.n >= (int64_t(1) << 31))
       return fail(fn, "block_idx", "T * Hi * k must be below 2^31 for the CUDA backward");
     const int64_t groups = kern::num_tile_ids(nseq, prob.T, p.m);
-    const int64_t kv_tiles = kern::num_tile_ids(nseq, prob.T, Bk);
     p.gbits = bits_for(static_cast<uint64_t>(groups));
     const uint64_t prefix = static_cast<uint64_t>(kv_tiles) * prob.Hkv * (prob.Hi / prob.Hkv);
     p.end_bit = bits_for(prefix) + p.gbits;
@@ -260,8 +259,8 @@ Status make_plan(const char* fn, const Problem& prob, int32_t nseq, bool sparse,
                                    BitOr{}, static_cast<int>(p.n));
     p.cub_bytes = std::max(sort_bytes, reduce_bytes);
   }
-  // The KV-side work list: chunks of about (entries bound) / (8 per SM) entries.
-  const int64_t kv_tiles = kern::num_tile_ids(nseq, prob.T, Bk);
+  // The KV-side work lists. e_bound bounds the entries of all lists: one per block_idx slot in
+  // sparse mode, every (index head, KV tile, group) pair in dense mode.
   const double e_bound =
       sparse ? double(p.n)
              : double(p.Hi_group) * double(kv_tiles) * double(kern::num_tile_ids(nseq, prob.T, p.m));
