@@ -4,10 +4,11 @@
 // backward:  Delta = rowsum(dO * O)                          (delta_kernel)
 //            reverse index of block_idx (sparse mode)        (key_kernel, CUB sort + reduce-by-key)
 //            dq                                              (bwd_q_kernel, query side)
-//            dk, dv                                          (bwd_kv_kernel, KV side)
 //            KL branch, when dq_idx or dk_idx is wanted:
 //              LSE_idx over the support                      (forward kernel, LSE-only mode)
-//              fixed-point sums of dq_idx, dk_idx            (kl_kernel)
+//            dk, dv; with the KL branch also the fixed-point sums of dq_idx, dk_idx
+//                                                            (bwd_kv_kernel, KV side)
+//              (Hq / Hi not a power of two: a separate pass  (kl_kernel))
 //              scale by gamma * scale_idx / (N Hi), convert  (finalize_grad_kernel)
 // kl value:  reverse index, LSE_idx, kl_kernel's per-row terms, then finalize_kl_kernel.
 //
@@ -20,6 +21,7 @@
 #include <cutlass/numeric_types.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <string>
 
 #include "backend.h"
@@ -435,14 +437,10 @@ Status check_kl_inputs(const char* fn, const Problem& prob, const KlInputs& in) 
   return Status::Ok();
 }
 
-// LSE_idx over the support, then kl_kernel into the plan's fixed-point buffers.
-Status run_kl(const char* fn, const Plan& pl, const Problem& prob, const KlInputs& in,
-              const EntryArgs& entries, const WorkArgs& work, void* ws, cudaStream_t stream) {
+// LSE_idx over the support into the plan's buffer (the forward kernel in LSE-only mode).
+Status index_lse(const Plan& pl, const Problem& prob, const KlInputs& in, void* ws,
+                 cudaStream_t stream) {
   const bool dense = !pl.sparse;
-  const int32_t* cu =
-      in.cu_seqlens.defined() ? static_cast<const int32_t*>(in.cu_seqlens.data) : nullptr;
-  const int32_t nseq = num_seqs(in.cu_seqlens);
-  float* lse_idx = at<float>(ws, pl.lse_idx);
   FwdArgs f{};
   f.q = in.q_idx.data;
   f.q_s0 = in.q_idx.stride[0];
@@ -450,14 +448,14 @@ Status run_kl(const char* fn, const Plan& pl, const Problem& prob, const KlInput
   f.k = f.v = in.k_idx.data;
   f.k_s0 = f.v_s0 = in.k_idx.stride[0];
   f.k_s1 = f.v_s1 = in.k_idx.stride[1];
-  f.lse = lse_idx;
+  f.lse = at<float>(ws, pl.lse_idx);
   f.lse_s0 = prob.Hi;
   f.lse_s1 = 1;
   f.block_idx = dense ? nullptr : static_cast<const int32_t*>(in.block_idx.data);
   f.bi_s0 = dense ? 0 : in.block_idx.stride[0];
   f.bi_s1 = dense ? 0 : in.block_idx.stride[1];
-  f.cu_seqlens = cu;
-  f.nseq = nseq;
+  f.cu_seqlens = in.cu_seqlens.defined() ? static_cast<const int32_t*>(in.cu_seqlens.data) : nullptr;
+  f.nseq = num_seqs(in.cu_seqlens);
   f.T = prob.T;
   f.Hq = prob.Hi;
   f.Hkv = prob.Hik;
@@ -467,7 +465,42 @@ Status run_kl(const char* fn, const Plan& pl, const Problem& prob, const KlInput
   f.dense = dense;
   f.lse_only = true;
   f.stream = stream;
-  MSA_TRY(dispatch_forward(f, in.q_idx.dtype, prob.Di, prob.opts.block_size));
+  return dispatch_forward(f, in.q_idx.dtype, prob.Di, prob.opts.block_size);
+}
+
+// Zeroes the fixed-point sums of the KL gradient (grad) or of the KL terms.
+Status zero_kl_sums(const char* fn, const Plan& pl, const Problem& prob, void* ws,
+                    cudaStream_t stream) {
+  const size_t acc_bytes =
+      pl.grad ? 8 * size_t(prob.T) * prob.Hi * prob.Di : 8 * size_t(prob.T) * prob.Hi;
+  cudaError_t e = cudaMemsetAsync(pl.grad ? at<void>(ws, pl.dq_acc) : at<void>(ws, pl.kl_acc), 0,
+                                  acc_bytes, stream);
+  if (e == cudaSuccess && pl.grad)
+    e = cudaMemsetAsync(at<void>(ws, pl.dk_acc), 0, 8 * size_t(prob.T) * prob.Hik * prob.Di, stream);
+  return e == cudaSuccess ? Status::Ok() : cuda_error(fn, e);
+}
+
+// The KL gradient rides in bwd_kv when the teacher's head mean is a butterfly over accumulator
+// columns (Gi a power of two); MSA_BACKWARD_KL=separate forces the separate kl_kernel pass
+// (a switch for measurement).
+bool fused_kl(const Problem& prob) {
+  static const bool separate = [] {
+    const char* v = std::getenv("MSA_BACKWARD_KL");
+    return v != nullptr && std::string(v) == "separate";
+  }();
+  const int32_t gi = prob.Hq / prob.Hi;
+  return !separate && gi >= 1 && gi <= 64 && (gi & (gi - 1)) == 0;
+}
+
+// LSE_idx, then kl_kernel into the plan's fixed-point buffers.
+Status run_kl(const char* fn, const Plan& pl, const Problem& prob, const KlInputs& in,
+              const EntryArgs& entries, const WorkArgs& work, void* ws, cudaStream_t stream) {
+  const bool dense = !pl.sparse;
+  const int32_t* cu =
+      in.cu_seqlens.defined() ? static_cast<const int32_t*>(in.cu_seqlens.data) : nullptr;
+  const int32_t nseq = num_seqs(in.cu_seqlens);
+  float* lse_idx = at<float>(ws, pl.lse_idx);
+  MSA_TRY(index_lse(pl, prob, in, ws, stream));
 
   KlArgs a{};
   a.q = in.q.data;
@@ -502,13 +535,7 @@ Status run_kl(const char* fn, const Plan& pl, const Problem& prob, const KlInput
   a.scale_idx = prob.opts.scale_idx;
   a.dense = dense;
   a.stream = stream;
-  const size_t acc_bytes =
-      pl.grad ? 8 * size_t(prob.T) * prob.Hi * prob.Di : 8 * size_t(prob.T) * prob.Hi;
-  cudaError_t e = cudaMemsetAsync(pl.grad ? at<void>(ws, pl.dq_acc) : at<void>(ws, pl.kl_acc), 0,
-                                  acc_bytes, stream);
-  if (e == cudaSuccess && pl.grad)
-    e = cudaMemsetAsync(at<void>(ws, pl.dk_acc), 0, 8 * size_t(prob.T) * prob.Hik * prob.Di, stream);
-  if (e != cudaSuccess) return cuda_error(fn, e);
+  MSA_TRY(zero_kl_sums(fn, pl, prob, ws, stream));
   return kl_dispatch(a, in.q.dtype, prob.D, prob.opts.block_size);
 }
 
@@ -666,14 +693,32 @@ Status attention_backward(const Problem& prob, const BackwardParams& p) {
   a.scale = prob.opts.scale;
   a.dense = dense;
   a.stream = stream;
+  const KlInputs kl_in{p.q, p.k, p.lse, p.q_idx, p.k_idx, p.cu_seqlens, p.block_idx};
+  const bool fused = pl.kl && fused_kl(prob);
+  if (fused) {
+    MSA_TRY(index_lse(pl, prob, kl_in, ws, stream));
+    MSA_TRY(zero_kl_sums(fn, pl, prob, ws, stream));
+    a.q_idx = p.q_idx.data;
+    a.k_idx = p.k_idx.data;
+    a.qi_s0 = p.q_idx.stride[0];
+    a.qi_s1 = p.q_idx.stride[1];
+    a.ki_s0 = p.k_idx.stride[0];
+    a.ki_s1 = p.k_idx.stride[1];
+    a.lse_idx = at<float>(ws, pl.lse_idx);
+    a.dq_idx = at<unsigned long long>(ws, pl.dq_acc);
+    a.dk_idx = at<unsigned long long>(ws, pl.dk_acc);
+    a.Hik = prob.Hik;
+    a.scale_idx = prob.opts.scale_idx;
+  }
   MSA_TRY(bwd_q_dispatch(a, p.q.dtype, prob.D, prob.opts.block_size));
   MSA_TRY(bwd_kv_dispatch(a, p.q.dtype, prob.D, prob.opts.block_size));
 
-  if (pl.kl) {
+  if (pl.kl && !fused) {
     WorkArgs kl_work{};
     MSA_TRY(build_work(fn, pl, pl.kl_work, prob, entries, cu, nseq, ws, stream, &kl_work));
-    MSA_TRY(run_kl(fn, pl, prob, {p.q, p.k, p.lse, p.q_idx, p.k_idx, p.cu_seqlens, p.block_idx},
-                   entries, kl_work, ws, stream));
+    MSA_TRY(run_kl(fn, pl, prob, kl_in, entries, kl_work, ws, stream));
+  }
+  if (pl.kl) {
     const float* kl_grad = p.kl_grad.defined() ? static_cast<const float*>(p.kl_grad.data) : nullptr;
     const double base = static_cast<double>(p.kl_weight) * prob.opts.scale_idx /
                         (static_cast<double>(prob.T) * prob.Hi);

@@ -227,9 +227,10 @@ inline kern::EntryListParams entry_params(const EntryArgs& e, bool dense) {
   return l;
 }
 
-template <class Element, int kHeadDim, int kBlockN>
-Status launch_bwd_kv(const BwdArgs& a) {
-  using Traits = kern::BwdKVTraits<Element, kHeadDim, kBlockN>;
+namespace detail {
+template <class Traits>
+Status launch_bwd_kv_kernel(const BwdArgs& a) {
+  using Element = typename Traits::Element;
   kern::BwdKVParams<Traits> p{};
   p.q = static_cast<const Element*>(a.q);
   p.k = static_cast<const Element*>(a.k);
@@ -266,9 +267,29 @@ Status launch_bwd_kv(const BwdArgs& a) {
   p.scale = a.scale;
   p.scale_log2 = a.scale * static_cast<float>(M_LOG2E);
   p.work = work_params(a.work);
+  p.q_idx = static_cast<const Element*>(a.q_idx);
+  p.k_idx = static_cast<const Element*>(a.k_idx);
+  p.qi_s0 = a.qi_s0;
+  p.qi_s1 = a.qi_s1;
+  p.ki_s0 = a.ki_s0;
+  p.ki_s1 = a.ki_s1;
+  p.lse_idx = a.lse_idx;
+  p.dq_idx = a.dq_idx;
+  p.dk_idx = a.dk_idx;
+  p.Hik = a.Hik;
+  p.idx_per_key = a.Hi / a.Hik;
+  p.scale_idx = a.scale_idx;
   dim3 grid(static_cast<unsigned>(a.work.grid));
-  return detail::launch_kernel("backward", kern::bwd_kv_kernel<Traits>, grid, Traits::kThreads,
-                               sizeof(typename Traits::SharedStorage), a.stream, p);
+  return launch_kernel("backward", kern::bwd_kv_kernel<Traits>, grid, Traits::kThreads,
+                       sizeof(typename Traits::SharedStorage), a.stream, p);
+}
+}  // namespace detail
+
+template <class Element, int kHeadDim, int kBlockN>
+Status launch_bwd_kv(const BwdArgs& a) {
+  if (a.q_idx != nullptr)
+    return detail::launch_bwd_kv_kernel<kern::BwdKVTraits<Element, kHeadDim, kBlockN, true>>(a);
+  return detail::launch_bwd_kv_kernel<kern::BwdKVTraits<Element, kHeadDim, kBlockN, false>>(a);
 }
 
 template <class Element, int kDim, int kBlockN>

@@ -93,10 +93,18 @@ struct BwdArgs {
   float scale;
   bool dense;
   cudaStream_t stream;
+  // The KL gradient fused into the KV side (kernels/bwd_kv_kernel.cuh, needs Di == D and
+  // Hq / Hi a power of two); null q_idx: none. Fixed-point sums, as in KlArgs.
+  const void *q_idx = nullptr, *k_idx = nullptr;
+  int64_t qi_s0 = 0, qi_s1 = 0, ki_s0 = 0, ki_s1 = 0;
+  const float* lse_idx = nullptr;  // [T, Hi]
+  unsigned long long *dq_idx = nullptr, *dk_idx = nullptr;
+  int32_t Hik = 1;
+  float scale_idx = 0.f;
 };
 
-// The KL branch on the KV side: the gradient sums and/or the KL terms (fixed point, see
-// kernels/kl_kernel.cuh); null outputs are skipped.
+// The KL branch as a KV-side pass of its own: the gradient sums and/or the KL terms (fixed
+// point, see kernels/kl_kernel.cuh); null outputs are skipped.
 struct KlArgs {
   const void *q, *k, *q_idx, *k_idx;
   int64_t q_s0, q_s1, k_s0, k_s1, qi_s0, qi_s1, ki_s0, ki_s1;

@@ -454,6 +454,13 @@ const CudaCase kCases[] = {
     {"G8_D64_Di128_Bk64_sink", shape({4224},    8, 1, 64, 2, 1, 128, 64, 16, kBf16, 4, 1, 2), true, false},
     {"G16_D128_Bk128_varlen_fp16", shape({799, 0, 113, 1}, 16, 1, 128, 1, 1, 128, 128, 3, kFp16, 5), true, false},
     {"KCoversAllBlocks_Bk128", shape({799, 500}, 4, 2, 64, 2, 1, 64, 128, 8, kBf16, 6), false, false},
+    // KL branch paths of the backward: Gi = 4 with two index heads per KV head and two index key
+    // heads (fused, the block's index keys change within a CTA); Gi = 32 and 64 (fused, 2 and 1
+    // tokens per entry); Gi = 3 (not a power of two: the separate KL pass).
+    {"G4_Hi4_Hik2_D128_Bk128", shape({1100, 300}, 16, 2, 128, 4, 2, 128, 128, 4, kBf16, 7), false, false},
+    {"G32_D64_Bk128", shape({900}, 32, 1, 64, 1, 1, 64, 128, 3, kBf16, 8), false, true},
+    {"G3_Hi4_D64_Bk64_fp16", shape({650, 131}, 12, 2, 64, 4, 2, 64, 64, 6, kFp16, 9), true, false},
+    {"G64_D64_Bk64", shape({300}, 64, 1, 64, 1, 1, 64, 64, 3, kBf16, 10), false, false},
 };
 
 class CudaVsCpu : public ::testing::TestWithParam<CudaCase> {

@@ -10,6 +10,19 @@
 // which leaves P^T and dS^T in registers as the A operands of dV += P^T dO and dK += dS^T Q
 // (RS wgmma). Entries' Q, dO, LSE and Delta stream through kStages shared-memory stages with
 // cp.async, kStages - 1 entries ahead of the one computing.
+//
+// With kKl the same pass also computes the KL gradient of the index branch (spec §4) from the P^T
+// it already holds:
+//   teacher  pi(t, j)    = mean of P^T over index head i's Gi heads of token t (butterfly sums over
+//                          the accumulator columns, in a fixed order: Gi is a power of two),
+//   student  sigma(t, j) = exp(scale_idx * k_idx[j] . q_idx[t] - LSE_idx(t, i)) (S_idx^T, one
+//                          more SS wgmma of 16 token columns),
+//   dS_idx(t, j) = sigma - pi (gamma / (N Hi) is applied when the sums are finalised),
+//   dq_idx[t] += k_idx^T dS_idx^T over the block's keys, per entry (SS wgmma),
+//   dk_idx[j] += dS_idx^T q_idx, over batches of up to kBatch tokens kept in shared memory.
+// The dK and dV accumulators fill the register file, so dk_idx has no register home: a batch's
+// product goes straight to the sums. Sums that cross CTAs are 64-bit fixed point (2^-32 units)
+// added with integer atomics, so every run gives the same bits.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -22,15 +35,22 @@
 
 namespace msa::cuda::kern {
 
-template <class Element_, int kHeadDim_, int kBlockN_>
+// With kKl, Di == kHeadDim.
+template <class Element_, int kHeadDim_, int kBlockN_, bool kKl_ = false>
 struct BwdKVTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockN = kBlockN_;  // keys per CTA: one MSA block
   static constexpr int kBlockC = 64;        // columns (token, head) per entry
+  static constexpr bool kKl = kKl_;
+  static constexpr int kTok = 16;    // index columns: the entry's tokens (m <= 16)
+  static constexpr int kBatch = 64;  // tokens of a dk_idx batch
   static constexpr int kWarpGroups = kBlockN / 64;
   static constexpr int kThreads = 128 * kWarpGroups;
-  static constexpr int kStages = 4;  // entries in flight: cp.async prefetch depth + 1
+  // Entries in flight (cp.async prefetch depth + 1); the KL branch's tiles take the shared
+  // memory of two stages.
+  static constexpr int kStages = kKl ? 2 : 4;
+  static constexpr int kDqWarpGroups = kWarpGroups < kHeadDim / 64 ? kWarpGroups : kHeadDim / 64;
 
   using TileS = Shape<Int<kBlockN>, Int<kBlockC>, Int<kHeadDim>>;
   using TileKV = Shape<Int<kBlockN>, Int<kHeadDim>, Int<kBlockC>>;
@@ -52,7 +72,55 @@ struct BwdKVTraits {
       SmemLayoutQ{},
       make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockC>, Int<kStages>>{}, Step<_2, _1, _3>{})));
 
+  // The KL branch: S_idx^T = k_idx q_idx^T, dq_idx^T = k_idx^T dS_idx^T, dk_idx = dS_idx^T q_idx.
+  using TileSi = Shape<Int<kBlockN>, Int<kTok>, Int<kHeadDim>>;
+  using TileDQ = Shape<Int<kHeadDim>, Int<kTok>, Int<kBlockN>>;
+  static constexpr int kDkCols = 64;  // dk_idx columns per flush GEMM (its accumulator is transient)
+  using TileDKi = Shape<Int<kBlockN>, Int<kDkCols>, Int<kBatch>>;
+  using MmaSi = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, TileSi>(),
+                                        Layout<Shape<Int<kWarpGroups>, _1, _1>>{}));
+  using MmaDQ = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, TileDQ, GMMA::Major::MN, GMMA::Major::K>(),
+      Layout<Shape<Int<kDqWarpGroups>, _1, _1>>{}));
+  using MmaDKi = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, TileDKi, GMMA::Major::K, GMMA::Major::MN>(),
+      Layout<Shape<Int<kWarpGroups>, _1, _1>>{}));
+  using SmemLayoutKt = decltype(composition(
+      SmemLayoutK{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Step<_2, _1>{})));
+  using SmemAtomQi = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
+                              GMMA::Major::K, Element, Int<kTok>, Int<kHeadDim>>());
+  using SmemLayoutQi =
+      decltype(tile_to_shape(SmemAtomQi{}, Shape<Int<kTok>, Int<kHeadDim>, Int<kStages>>{}));
+  using SmemAtomQb = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
+                              GMMA::Major::K, Element, Int<kBatch>, Int<kHeadDim>>());
+  using SmemLayoutQb = decltype(tile_to_shape(SmemAtomQb{}, Shape<Int<kBatch>, Int<kHeadDim>>{}));
+  using SmemLayoutQbt = decltype(composition(
+      SmemLayoutQb{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBatch>>{}, Step<_2, _1>{})));
+  // dS_idx^T of a batch: (keys, tokens), tokens contiguous.
+  using SmemAtomDSb = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
+                               GMMA::Major::K, Element, Int<kBlockN>, Int<kBatch>>());
+  using SmemLayoutDSb = decltype(tile_to_shape(SmemAtomDSb{}, Shape<Int<kBlockN>, Int<kBatch>>{}));
+  // dS_idx of one entry as the (tokens, keys) B operand of dq_idx^T, keys contiguous.
+  using SmemAtomDS = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
+                              GMMA::Major::K, Element, Int<kTok>, Int<kBlockN>>());
+  using SmemLayoutDS = decltype(tile_to_shape(SmemAtomDS{}, Shape<Int<kTok>, Int<kBlockN>, _2>{}));
+  static constexpr int kTeacherStride = kTok + 4;
+
+  // The KL branch's tiles; one element each without kKl (never touched then).
+  static constexpr int kl_size(int n) { return kKl ? n : 1; }
+  struct KlStorage {
+    alignas(1024) cute::array_aligned<Element, kl_size(cosize_v<SmemLayoutK>)> k_idx;
+    alignas(1024) cute::array_aligned<Element, kl_size(cosize_v<SmemLayoutQi>)> q_idx;
+    alignas(1024) cute::array_aligned<Element, kl_size(cosize_v<SmemLayoutQb>)> q_batch;
+    alignas(1024) cute::array_aligned<Element, kl_size(cosize_v<SmemLayoutDSb>)> ds_batch;
+    alignas(1024) cute::array_aligned<Element, kl_size(cosize_v<SmemLayoutDS>)> ds;
+    float teacher[kl_size(kBlockN * kTeacherStride)];
+    float lidx[kStages][kl_size(kTok)];  // LSE_idx per token
+    Entry pending[2];  // the entry whose dq_idx is due, by the parity of its position
+  };
+
   struct SharedStorage {
+    KlStorage kl;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> v;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
@@ -83,6 +151,14 @@ struct BwdKVParams {
   int32_t idx_per_kv;
   int32_t group_tokens;  // m, see group_tokens()
   float scale, scale_log2;
+  // kKl: the index branch.
+  const Element *q_idx, *k_idx;
+  int64_t qi_s0, qi_s1, ki_s0, ki_s1;
+  const float* lse_idx;        // [T, Hi] contiguous
+  unsigned long long* dq_idx;  // [T, Hi, Di] fixed point
+  unsigned long long* dk_idx;  // [T, Hik, Di] fixed point
+  int32_t Hik, idx_per_key;
+  float scale_idx;  // signed
 };
 
 template <class Traits>
@@ -116,6 +192,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename Traits::SmemLayoutQ{});
   Tensor sQt = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQt{});
   Tensor sdOt = make_tensor(make_smem_ptr(ss.dout.data()), typename Traits::SmemLayoutQt{});
+  // The KL branch's tiles (unused without kKl).
+  Tensor sKi = make_tensor(make_smem_ptr(ss.kl.k_idx.data()), typename Traits::SmemLayoutK{});
+  Tensor sKit = make_tensor(make_smem_ptr(ss.kl.k_idx.data()), typename Traits::SmemLayoutKt{});
+  Tensor sQi = make_tensor(make_smem_ptr(ss.kl.q_idx.data()), typename Traits::SmemLayoutQi{});
+  Tensor sQb = make_tensor(make_smem_ptr(ss.kl.q_batch.data()), typename Traits::SmemLayoutQb{});
+  Tensor sQbt = make_tensor(make_smem_ptr(ss.kl.q_batch.data()), typename Traits::SmemLayoutQbt{});
+  Tensor sDSb = make_tensor(make_smem_ptr(ss.kl.ds_batch.data()), typename Traits::SmemLayoutDSb{});
+  Tensor sDS = make_tensor(make_smem_ptr(ss.kl.ds.data()), typename Traits::SmemLayoutDS{});
 
   // K and V of the block; keys past the sequence end are zero rows.
   load_rows_async<kBlockN, kHeadDim>(
@@ -124,18 +208,34 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   load_rows_async<kBlockN, kHeadDim>(
       sV, [&](int row) { return row < tile.count ? p.v + (key_base + row) * p.v_s0 + r * p.v_s1 : nullptr; },
       tid, kThreads);
+  if constexpr (Traits::kKl) {
+    // The batch tiles start (and after each flush, dS_idx restarts) at zero: columns past the
+    // batch's tokens then add nothing.
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    for (int e = tid; e < cosize_v<typename Traits::SmemLayoutQb> / 8; e += kThreads)
+      reinterpret_cast<uint4*>(ss.kl.q_batch.data())[e] = zero;
+    for (int e = tid; e < cosize_v<typename Traits::SmemLayoutDSb> / 8; e += kThreads)
+      reinterpret_cast<uint4*>(ss.kl.ds_batch.data())[e] = zero;
+  }
 
   // An entry's columns into stage st (everything by cp.async: nothing here waits for memory).
   const ColumnLoader<kHeadDim, kThreads> cols_in(sQ(_, _, 0), Gi, tid);
   constexpr int kStageElems = kBlockC * kHeadDim;
+  constexpr int kTok = Traits::kTok;
   auto issue = [&](const EntryList::Raw& raw, int st) {
     const Entry en = list.get(p.list, tile, raw, ipk, m);
     const int32_t head0 = (r * ipk + en.il) * Gi;
     const int64_t t0 = tile.seq_start + en.first;
-    cols_in.load(ss.q.data() + st * kStageElems, p.q + t0 * p.q_s0 + head0 * p.q_s1, p.q_s0, p.q_s1,
-                 en.count);
-    cols_in.load(ss.dout.data() + st * kStageElems, p.dout + t0 * p.do_s0 + head0 * p.do_s1,
-                 p.do_s0, p.do_s1, en.count);
+    auto load_columns = [&](const ColumnLoader<kHeadDim, kThreads>& cl) {
+      cl.load(ss.q.data() + st * kStageElems, p.q + t0 * p.q_s0 + head0 * p.q_s1, p.q_s0, p.q_s1,
+              en.count);
+      cl.load(ss.dout.data() + st * kStageElems, p.dout + t0 * p.do_s0 + head0 * p.do_s1, p.do_s0,
+              p.do_s1, en.count);
+    };
+    // With the KL branch the loader's addressing is rebuilt per entry: registers are scarcer
+    // than the few integer operations.
+    if constexpr (Traits::kKl) load_columns(ColumnLoader<kHeadDim, kThreads>(sQ(_, _, 0), Gi, fresh_thread_index()));
+    else load_columns(cols_in);
     if (tid < kBlockC) {
       const int c = tid;
       const int32_t tok = c / Gi;
@@ -144,6 +244,19 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       const int32_t h = head0 + (ok ? c - tok * Gi : 0);
       cp_async4(&ss.lse[st][c], p.lse + t * p.lse_s0 + h * p.lse_s1, ok);
       cp_async4(&ss.delta[st][c], p.delta + t * p.Hq + h, ok);
+    }
+    if constexpr (Traits::kKl) {
+      const int32_t i = r * ipk + en.il;
+      const int ltid = fresh_thread_index();
+      load_rows_async<kTok, kHeadDim>(
+          sQi(_, _, st),
+          [&](int t) { return t < en.count ? p.q_idx + (t0 + t) * p.qi_s0 + i * p.qi_s1 : nullptr; },
+          ltid, kThreads);
+      if (ltid >= kBlockC && ltid < kBlockC + kTok) {
+        const int c = ltid - kBlockC;
+        const bool ok = c < en.count;
+        cp_async4(&ss.kl.lidx[st][c], p.lse_idx + (t0 + (ok ? c : 0)) * p.Hi + i, ok);
+      }
     }
     if (tid == 0) ss.entry[st] = en;
   };
@@ -172,13 +285,97 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr int kRows = decltype(size<0>(S))::value;
   constexpr int kCols = decltype(size<1>(S))::value;
   int32_t col_tok[kCols];
+  if constexpr (!Traits::kKl) {
 #pragma unroll
-  for (int c = 0; c < kCols; ++c) col_tok[c] = get<1>(cSrc(0, c)) / Gi;
+    for (int c = 0; c < kCols; ++c) col_tok[c] = get<1>(cSrc(0, c)) / Gi;
+  }
+  const int gi_shift = __ffs(Gi) - 1;  // kKl: Gi is a power of two
 
   Tensor rP = make_tensor<Element>(tSrS.layout());
   Tensor rdS = make_tensor<Element>(tSrS.layout());
   Tensor tKVrP = make_tensor(rP.data(), acc_as_a_operand(rP.layout()));
   Tensor tKVrdS = make_tensor(rdS.data(), acc_as_a_operand(rdS.layout()));
+
+  // The KL branch's GEMMs (unused without kKl).
+  typename Traits::MmaSi mma_si;
+  typename Traits::MmaDQ mma_dq;
+  typename Traits::MmaDKi mma_dki;
+  auto thr_si = mma_si.get_thread_slice(tid);
+  const bool dq_thread = tid < 128 * Traits::kDqWarpGroups;
+  Tensor tSrKi = thr_si.partition_fragment_A(sKi);
+  Tensor tSrQi = thr_si.partition_fragment_B(sQi);
+  Tensor tSrSi = partition_fragment_C(mma_si, Shape<Int<kBlockN>, Int<kTok>>{});
+  Tensor Si = make_tensor(tSrSi.data(), acc_rowcol(tSrSi.layout()));
+  constexpr int kColsI = decltype(size<1>(Si))::value;
+  const float inv_gi = 1.f / static_cast<float>(Gi);
+  int32_t loaded_ik = -1;  // index key head in sKi
+  int32_t nb = 0;          // tokens in the dk_idx batch
+
+  // dk_idx += dS_idx^T q_idx over the batch (this warpgroup's keys), to the fixed-point sums;
+  // then the batch restarts. Ends with a CTA barrier: the batch tiles may be written again.
+  auto flush_batch = [&]() {
+    if constexpr (Traits::kKl) {
+      if (nb == 0) return;
+      const int ltid = fresh_thread_index();
+      auto thr_dki = mma_dki.get_thread_slice(ltid);
+      constexpr int kDkCols = Traits::kDkCols;
+      Tensor tDKrDSb = thr_dki.partition_fragment_A(sDSb);
+      unsigned long long* dst = p.dk_idx + ((key_base * p.Hik) + loaded_ik) * kHeadDim;
+#pragma unroll 1
+      for (int h = 0; h < kHeadDim / kDkCols; ++h) {
+        Tensor tDKrQbt = thr_dki.partition_fragment_B(
+            local_tile(sQbt, Shape<Int<kDkCols>, Int<Traits::kBatch>>{}, make_coord(h, 0)));
+        Tensor acc = partition_fragment_C(mma_dki, Shape<Int<kBlockN>, Int<kDkCols>>{});
+        wg_gemm<true>(mma_dki, tDKrDSb, tDKrQbt, acc);
+        warpgroup_wait<0>();
+        Tensor cDK = thr_dki.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kDkCols>>{}));
+#pragma unroll
+        for (int v = 0; v < size(acc); ++v) {
+          const int row = get<0>(cDK(v)), col = h * kDkCols + get<1>(cDK(v));
+          if (row < tile.count) add_fixed(dst + int64_t(row) * p.Hik * kHeadDim + col, acc(v));
+        }
+      }
+      // This warpgroup's rows of dS_idx^T back to zero.
+      const int wg_row0 = (ltid / 128) * 64;
+      constexpr int kRowChunks = Traits::kBatch / 8;
+      for (int e = ltid % 128; e < 64 * kRowChunks; e += 128) {
+        const int row = wg_row0 + e / kRowChunks, c = e % kRowChunks;
+        *reinterpret_cast<uint4*>(&sDSb(row, c * 8)) = make_uint4(0, 0, 0, 0);
+      }
+      nb = 0;
+      __syncthreads();
+    }
+  };
+
+  // dq_idx^T = k_idx^T dS_idx^T of the entry at position n (its dS_idx tile must be complete: a
+  // CTA barrier since it was written), to the fixed-point sums. It runs one entry late, after
+  // the next entry's GEMMs, so that it needs no barrier of its own.
+  int32_t dq_due = -1;  // position in the chunk of the entry whose dq_idx is pending
+  auto run_dq = [&]() {
+    if constexpr (Traits::kKl) {
+      if (dq_due < 0) return;
+      const int buf = static_cast<int>(dq_due & 1);
+      const Entry pe = ss.kl.pending[buf];
+      dq_due = -1;
+      if (Traits::kDqWarpGroups == Traits::kWarpGroups || dq_thread) {
+        auto thr_dq = mma_dq.get_thread_slice(fresh_thread_index());
+        Tensor tDQrKit = thr_dq.partition_fragment_A(sKit);
+        Tensor tDQrDS = thr_dq.partition_fragment_B(sDS(_, _, buf));
+        Tensor acc = partition_fragment_C(mma_dq, Shape<Int<kHeadDim>, Int<kTok>>{});
+        wg_gemm<true>(mma_dq, tDQrKit, tDQrDS, acc);
+        warpgroup_wait<0>();
+        Tensor cDQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kHeadDim>, Int<kTok>>{}));
+        const int64_t t0 = tile.seq_start + pe.first;
+        const int32_t pi = r * ipk + pe.il;
+#pragma unroll
+        for (int v = 0; v < size(acc); ++v) {
+          const int d = get<0>(cDQ(v)), t = get<1>(cDQ(v));
+          if (t < pe.count && ((pe.mask >> t) & 1u))
+            add_fixed(p.dq_idx + ((t0 + t) * p.Hi + pi) * kHeadDim + d, acc(v));
+        }
+      }
+    }
+  };
 
   constexpr int kStages = Traits::kStages;
   // Prologue: the first kStages - 1 entries in flight (one cp.async group each; the block's own
@@ -195,42 +392,185 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     cp_async_wait<kStages - 2>();
     cutlass::arch::fence_view_async_shared();
     __syncthreads();
+    const Entry en = ss.entry[st];
+    int32_t i = 0;
+    if constexpr (Traits::kKl) {
+      if (tid == 0) ss.kl.pending[(e - e_begin) & 1] = en;
+      i = r * ipk + en.il;
+      const int32_t ik = i / p.idx_per_key;
+      if (ik != loaded_ik) {  // another index key head: (re)load the block's index keys
+        run_dq();  // the pending entry and the batch use the old ones
+        flush_batch();
+        __syncthreads();
+        loaded_ik = ik;
+        load_rows_async<kBlockN, kHeadDim>(
+            sKi,
+            [&](int row) { return row < tile.count ? p.k_idx + (key_base + row) * p.ki_s0 + ik * p.ki_s1 : nullptr; },
+            tid, kThreads);
+        cp_async_commit();
+        cp_async_wait_all();
+        cutlass::arch::fence_view_async_shared();
+        __syncthreads();
+      } else if (nb + en.count > Traits::kBatch) {
+        flush_batch();
+      }
+    }
     if (next < e_end) issue(ahead, static_cast<int>((next - e_begin) % kStages));
     cp_async_commit();
     if (++next < e_end) ahead = list.load(p.list, next);
-    const Entry en = ss.entry[st];
-    if (en.count == 0) continue;
+    if (en.count == 0) {
+      if constexpr (Traits::kKl) run_dq();  // its tiles are rewritten by the next entry
+      continue;
+    }
 
+    if constexpr (Traits::kKl) {
+      // The score accumulators start from plain zeros (their last values would otherwise be
+      // copied into the GEMMs' operand registers while an earlier GEMM is in flight, and ptxas
+      // would serialise the wgmma pipeline to allow it).
+      clear(tSrS);
+      clear(tSrdP);
+      clear(tSrSi);
+    }
     wg_gemm<true>(mma_s, tSrK, tSrQ(_, _, _, st), tSrS);
     wg_gemm<true>(mma_s, tSrV, tSrdO(_, _, _, st), tSrdP);
+    if constexpr (Traits::kKl) wg_gemm<true>(mma_si, tSrKi, tSrQi(_, _, _, st), tSrSi);
     warpgroup_wait<0>();
+    // Column c's token: precomputed, or a shift when Gi is a power of two (kKl: fewer live
+    // registers).
+    auto col_token = [&](int c) {
+      if constexpr (Traits::kKl) return get<1>(cSrc(0, c)) >> gi_shift;
+      else return col_tok[c];
+    };
     bool col_ok[kCols];
-    int32_t col_pos[kCols];
 #pragma unroll
     for (int c = 0; c < kCols; ++c) {
-      const int32_t t = col_tok[c];
+      const int32_t t = col_token(c);
       col_ok[c] = t < en.count && ((en.mask >> t) & 1u);
-      col_pos[c] = en.first + t;
     }
 #pragma unroll
-    for (int i = 0; i < kRows; ++i) {
-      const int32_t key = tile.first + get<0>(cSrc(i, 0));
+    for (int a = 0; a < kRows; ++a) {
+      const int32_t rel = tile.first + get<0>(cSrc(a, 0)) - en.first;  // key - first token
 #pragma unroll
       for (int c = 0; c < kCols; ++c) {
-        const int col = get<1>(cSrc(i, c));
-        const bool ok = col_ok[c] && key <= col_pos[c];
+        const int col = get<1>(cSrc(a, c));
+        const bool ok = col_ok[c] && rel <= col_token(c);
         const float prob =
-            ok ? fast_exp2(S(i, c) * p.scale_log2 - ss.lse[st][col] * static_cast<float>(M_LOG2E))
+            ok ? fast_exp2(S(a, c) * p.scale_log2 - ss.lse[st][col] * static_cast<float>(M_LOG2E))
                : 0.f;
-        S(i, c) = prob;
-        dP(i, c) = ok ? prob * (dP(i, c) - ss.delta[st][col]) : 0.f;
+        S(a, c) = prob;
+        dP(a, c) = ok ? prob * (dP(a, c) - ss.delta[st][col]) : 0.f;
       }
+    }
+    if constexpr (Traits::kKl) {
+      // Teacher: the mean of P over each token's Gi columns, by butterfly sums (a thread holds
+      // columns 8j + 2q + {0, 1}, q = lane % 4), into this warp's rows of the teacher tile.
+      Tensor cT = mma_s.get_thread_slice(fresh_thread_index())
+                      .partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockC>>{}));
+      Tensor cTrc = make_tensor(cT.data(), acc_rowcol(cT.layout()));
+#pragma unroll
+      for (int a = 0; a < kRows; ++a) {
+        const int row = get<0>(cTrc(a, 0));
+        float* trow = ss.kl.teacher + row * Traits::kTeacherStride;
+        if (Gi == 1) {
+#pragma unroll
+          for (int c = 0; c < kCols; ++c) {
+            const int col = get<1>(cTrc(a, c));
+            if (col < kTok) trow[col] = S(a, c);
+          }
+        } else {
+          float w[kCols / 2];
+#pragma unroll
+          for (int j = 0; j < kCols / 2; ++j) w[j] = S(a, 2 * j) + S(a, 2 * j + 1);
+          if (Gi >= 4) {
+#pragma unroll
+            for (int j = 0; j < kCols / 2; ++j) w[j] += __shfl_xor_sync(0xffffffff, w[j], 1);
+          }
+          if (Gi >= 8) {
+#pragma unroll
+            for (int j = 0; j < kCols / 2; ++j) w[j] += __shfl_xor_sync(0xffffffff, w[j], 2);
+          }
+#pragma unroll
+          for (int s = 1; s < kCols / 2; s *= 2) {
+            if (Gi >= 16 * s) {
+              float u[kCols / 2];
+#pragma unroll
+              for (int j = 0; j < kCols / 2; ++j) u[j] = w[j] + w[j ^ s];
+#pragma unroll
+              for (int j = 0; j < kCols / 2; ++j) w[j] = u[j];
+            }
+          }
+#pragma unroll
+          for (int j = 0; j < kCols / 2; ++j) {
+            const int col = get<1>(cTrc(a, 2 * j));
+            if ((col & (Gi - 1)) == 0 && (col >> gi_shift) < kTok) trow[col >> gi_shift] = w[j] * inv_gi;
+          }
+        }
+      }
+      __syncwarp();
     }
     convert_into(tSrS, rP);
     convert_into(tSrdP, rdS);
+    if constexpr (Traits::kKl) {
+      // The thread's coordinates are re-derived here from a fresh read of the thread index, so
+      // that their address arithmetic stays in this block instead of holding registers across
+      // the loop.
+      const int ltid = fresh_thread_index();
+      auto thr_l = mma_si.get_thread_slice(ltid);
+      Tensor cI = thr_l.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kTok>>{}));
+      Tensor cIrc = make_tensor(cI.data(), acc_rowcol(cI.layout()));
+      // Student and dS_idx = sigma - pi in the index-score accumulator (columns are tokens).
+#pragma unroll
+      for (int a = 0; a < kRows; ++a) {
+        const int row = get<0>(cIrc(a, 0));
+        const int32_t key = tile.first + row;
+#pragma unroll
+        for (int c = 0; c < kColsI; ++c) {
+          const int t = get<1>(cIrc(a, c));
+          const bool ok = t < en.count && ((en.mask >> t) & 1u) && key <= en.first + t;
+          const float pi = ss.kl.teacher[row * Traits::kTeacherStride + t];
+          const float lsig2 = (Si(a, c) * p.scale_idx - ss.kl.lidx[st][t]) * static_cast<float>(M_LOG2E);
+          Si(a, c) = ok ? fast_exp2(lsig2) - pi : 0.f;
+        }
+      }
+      // dS_idx to the entry tile (dq_idx) and to the batch (dk_idx); the entry's q_idx rows to
+      // the batch.
+#pragma unroll
+      for (int a = 0; a < kRows; ++a) {
+        const int row = get<0>(cIrc(a, 0));
+#pragma unroll
+        for (int c = 0; c < kColsI; ++c) {
+          const int t = get<1>(cIrc(a, c));
+          const Element v = static_cast<Element>(Si(a, c));
+          sDS(t, row, (e - e_begin) & 1) = v;
+          if (t < en.count) sDSb(row, nb + t) = v;
+        }
+      }
+      constexpr int kChunks = kHeadDim / 8;
+      for (int e = ltid; e < en.count * kChunks; e += kThreads) {
+        const int t = e / kChunks, c = e % kChunks;
+        *reinterpret_cast<uint4*>(&sQb(nb + t, c * 8)) =
+            *reinterpret_cast<const uint4*>(&sQi(t, c * 8, st));
+      }
+    }
+    // Every read of the score accumulators happens before the two GEMMs are issued (ptxas
+    // serialises the wgmma pipeline if one is scheduled inside it).
+    warpgroup_fence_operand(tSrS);
+    warpgroup_fence_operand(tSrdP);
+    if constexpr (Traits::kKl) warpgroup_fence_operand(tSrSi);
     wg_gemm<false, true>(mma_kv, tKVrP, tKVrdOt(_, _, _, st), tdVrdV);
     wg_gemm<false, true>(mma_kv, tKVrdS, tKVrQt(_, _, _, st), tdKrdK);
     warpgroup_wait<0>();
+    if constexpr (Traits::kKl) {
+      run_dq();
+      dq_due = static_cast<int32_t>(e - e_begin);
+      nb += en.count;
+    }
+  }
+  if constexpr (Traits::kKl) {
+    cutlass::arch::fence_view_async_shared();
+    __syncthreads();
+    run_dq();
+    flush_batch();
   }
   cp_async_wait_all();
 

@@ -1,5 +1,6 @@
-// The KL branch (spec §4) on the KV side: for one KV block and one KV head, over the same entry
-// list as bwd_kv_kernel.cuh,
+// The KL branch (spec §4) as a pass of its own on the KV side, for the exact KL value and for the
+// gradient when bwd_kv_kernel.cuh cannot carry it (Gi = Hq / Hi not a power of two). For one KV
+// block and one KV head, over the same entry list as bwd_kv_kernel.cuh,
 //   teacher  pi(t, j)    = mean over index head i's Gi query heads of P_h(t, j) (recomputed),
 //   student  sigma(t, j) = exp(scale_idx * q_idx[t, i] . k_idx[j] - LSE_idx(t, i)),
 //   dS(t, j) = sigma - pi (the factor gamma / (N Hi) is applied when the sums are finalised),

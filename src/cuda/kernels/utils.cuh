@@ -77,6 +77,14 @@ CUTE_DEVICE float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffff, x, 2);
 }
 
+// threadIdx.x, read afresh: values derived from it are then computed where they are used
+// rather than hoisted out of a loop into registers that stay live across it.
+CUTE_DEVICE int fresh_thread_index() {
+  int t;
+  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(t));
+  return t;
+}
+
 // Element conversion of a register tensor into another of the same shape.
 template <class TSrc, class TDst>
 CUTE_DEVICE void convert_into(TSrc const& src, TDst& dst) {
