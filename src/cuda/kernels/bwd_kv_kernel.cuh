@@ -366,12 +366,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         warpgroup_wait<0>();
         Tensor cDQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kHeadDim>, Int<kTok>>{}));
         const int64_t t0 = tile.seq_start + pe.first;
-        const int32_t pi = r * ipk + pe.il;
+        const int32_t ih = r * ipk + pe.il;  // index head
 #pragma unroll
         for (int v = 0; v < size(acc); ++v) {
           const int d = get<0>(cDQ(v)), t = get<1>(cDQ(v));
           if (t < pe.count && ((pe.mask >> t) & 1u))
-            add_fixed(p.dq_idx + ((t0 + t) * p.Hi + pi) * kHeadDim + d, acc(v));
+            add_fixed(p.dq_idx + ((t0 + t) * p.Hi + ih) * kHeadDim + d, acc(v));
         }
       }
     }
@@ -393,11 +393,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     cutlass::arch::fence_view_async_shared();
     __syncthreads();
     const Entry en = ss.entry[st];
-    int32_t i = 0;
     if constexpr (Traits::kKl) {
       if (tid == 0) ss.kl.pending[(e - e_begin) & 1] = en;
-      i = r * ipk + en.il;
-      const int32_t ik = i / p.idx_per_key;
+      const int32_t ik = (r * ipk + en.il) / p.idx_per_key;
       if (ik != loaded_ik) {  // another index key head: (re)load the block's index keys
         run_dq();  // the pending entry and the batch use the old ones
         flush_batch();
