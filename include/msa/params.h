@@ -18,6 +18,13 @@ namespace msa {
 // dense causal attention with the KL taken over the full causal support; block_idx is unused.
 enum class Mode : int32_t { kSparse = 0, kDense = 1 };
 
+// How a backend computes the KL gradient of the index branch (backward with dq_idx or dk_idx).
+// kAuto: the backend's choice (CUDA: inside the KV-side pass when Hq / Hi is a power of two,
+// else a separate pass). kFused: inside the KV-side pass, or kNotSupported naming 'kl_pass'
+// where that pass cannot carry it. kSeparate: a pass of its own (for comparison). The CPU
+// backend has one implementation and accepts every value. Results agree to rounding.
+enum class KlPass : int32_t { kAuto = 0, kFused = 1, kSeparate = 2 };
+
 struct Options {
   Mode mode = Mode::kSparse;
   int32_t block_size = 128;  // Bk, tokens per KV block
@@ -27,15 +34,25 @@ struct Options {
   float scale = 0.f;         // main softmax scale; 0 means D^-0.5
   float scale_idx = 0.f;     // index score scale; 0 means Di^-0.5
   bool deterministic = false;  // backward: bitwise-reproducible gradients
+  KlPass kl_pass = KlPass::kAuto;
 };
 
 // Per-call execution context. `stream` is a cudaStream_t for CUDA tensors (nullptr: the legacy
 // default stream) and is ignored on the CPU. `workspace` is device memory of at least
 // `workspace_size(params)` bytes; it may be null when that size is 0.
+//
+// `check_values`: the values of `cu_seqlens` and of a caller's `block_idx` are checked before
+// anything runs (docs/contract.md §7). On the CPU this is free. On a GPU the check is a small
+// kernel whose verdict the host waits for (one stream synchronisation), so a call with checks
+// cannot be captured into a CUDA graph: such a call fails with an error naming
+// 'launch.check_values'. Set it to false to capture (or to skip the wait); the values are then
+// the caller's responsibility: the kernels still never access memory outside the tensors, but
+// malformed values give unspecified results.
 struct Launch {
   void* stream = nullptr;
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
+  bool check_values = true;
 };
 
 // Index selection (spec §2).

@@ -25,9 +25,7 @@ class Check {
  public:
   explicit Check(const char* fn) : fn_(fn) {}
 
-  Status fail(const char* arg, const std::string& what) const {
-    return Status::Invalid(std::string("msa::") + fn_ + ": argument '" + arg + "': " + what);
-  }
+  Status fail(const char* arg, const std::string& what) const { return invalid_arg(fn_, arg, what); }
 
   Status option(const char* name, bool good, const std::string& what) const {
     return good ? Status::Ok() : fail(name, what);

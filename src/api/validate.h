@@ -4,7 +4,7 @@
 #pragma once
 
 #include "msa/params.h"
-#include "problem.h"
+#include "../core/problem.h"
 
 namespace msa::detail {
 

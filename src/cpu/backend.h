@@ -3,7 +3,7 @@
 // validated by the caller (src/api); these functions assume a valid Problem.
 #pragma once
 
-#include "../api/problem.h"
+#include "../core/problem.h"
 #include "msa/params.h"
 
 namespace msa::cpu {

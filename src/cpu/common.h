@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "../api/problem.h"
+#include "../core/problem.h"
 #include "msa/params.h"
 #include "numeric.h"
 

@@ -3,7 +3,7 @@
 // `launch.stream` without synchronising the host. Built only when MSA_WITH_CUDA is defined.
 #pragma once
 
-#include "../api/problem.h"
+#include "../core/problem.h"
 #include "msa/params.h"
 
 namespace msa::cuda {

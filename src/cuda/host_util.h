@@ -7,14 +7,14 @@
 #include <cstdint>
 #include <string>
 
-#include "../api/problem.h"
+#include "../core/problem.h"
 #include "launch.h"
 #include "msa/types.h"
 
 namespace msa::cuda {
 
 inline Status fail(const char* fn, const char* arg, const std::string& what) {
-  return Status::NotSupported(std::string("msa::") + fn + ": argument '" + arg + "': " + what);
+  return detail::unsupported_arg(fn, arg, what);
 }
 
 // 16-byte rows: TMA and the vector loads need 16-byte aligned bases and token/head strides.

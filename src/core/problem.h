@@ -1,18 +1,13 @@
 // The validated shape of one call: sizes read off the tensors, options with defaults resolved,
-// and the sequence offsets. Built by validate.cpp, consumed by the backends.
+// and the sequence offsets. Built by src/api/validate.cpp, consumed by the backends. Part of the
+// core that src/api, src/cpu and src/cuda all stand on; it includes none of them.
 #pragma once
 
 #include <cstdint>
 #include <vector>
 
 #include "msa/params.h"
-
-// Returns the Status of `expr` from the enclosing function unless it is ok.
-#define MSA_TRY(expr)          \
-  do {                         \
-    Status _s = (expr);        \
-    if (!_s.ok()) return _s;   \
-  } while (0)
+#include "status.h"
 
 namespace msa::detail {
 
