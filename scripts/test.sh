@@ -17,6 +17,15 @@ cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DMSA_BUILD_TESTS=ON -DM
 cmake --build build -j "$jobs"
 ctest --test-dir build --output-on-failure -j "$jobs"
 
+# The installed tree as a C++ engine sees it: find_package(msa), msa::msa, a small real call
+# (tests/consumer, a CMake project of its own configured against the install prefix).
+rm -rf build/install build/consumer
+cmake --install build --prefix "$PWD/build/install" >/dev/null
+cmake -S tests/consumer -B build/consumer -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  -DCMAKE_PREFIX_PATH="$PWD/build/install" >/dev/null
+cmake --build build/consumer
+build/consumer/msa_consumer
+
 # The package's binding links the library built above (no second compile of the CUDA kernels).
 .venv/bin/python -m pip install -q --no-build-isolation \
   --config-settings=cmake.define.MSA_PREBUILT_LIBRARY="$PWD/build/libmsa.so" .
