@@ -1,5 +1,7 @@
 #include "msa/types.h"
 
+#include <algorithm>
+
 namespace msa {
 
 const char* dtype_name(DType dtype) {
@@ -25,12 +27,14 @@ size_t dtype_size(DType dtype) {
 }
 
 int64_t TensorRef::numel() const {
+  if (rank <= 0 || rank > kMaxRank) return 0;  // not given, or malformed (validation names it)
   int64_t n = 1;
   for (int d = 0; d < rank; ++d) n *= shape[d];
   return rank > 0 ? n : 0;
 }
 
 bool TensorRef::is_contiguous() const {
+  if (rank < 0 || rank > kMaxRank) return false;
   int64_t expect = 1;
   for (int d = rank - 1; d >= 0; --d) {
     if (shape[d] != 1 && stride[d] != expect) return false;
@@ -44,6 +48,8 @@ TensorRef make_tensor(void* data, DType dtype, std::initializer_list<int64_t> sh
   t.data = data;
   t.dtype = dtype;
   t.device = device;
+  // More than kMaxRank sizes: rank kMaxRank + 1, which validation refuses by name; only the first
+  // kMaxRank sizes are stored (the arrays hold no more).
   t.rank = static_cast<int32_t>(shape.size() > static_cast<size_t>(kMaxRank) ? kMaxRank + 1 : shape.size());
   int d = 0;
   for (int64_t s : shape) {

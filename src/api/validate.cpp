@@ -2,22 +2,114 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <numeric>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace msa::detail {
 namespace {
 
+constexpr int32_t kMaxTopK = 1 << 20;  // also the largest k (dim 2) of a caller's block_idx
+
+bool rank_in_range(const TensorRef& t) { return t.rank >= 0 && t.rank <= kMaxRank; }
+
 std::string shape_str(const TensorRef& t) {
+  if (!rank_in_range(t)) return "(rank " + std::to_string(t.rank) + ")";
   std::ostringstream os;
   os << '[';
   for (int d = 0; d < t.rank; ++d) os << (d ? ", " : "") << t.shape[d];
   os << ']';
   return os.str();
+}
+
+// A tensor's bytes as rows: `T` tokens `s0` bytes apart, each holding `H` rows `s1` bytes apart
+// of `len` contiguous bytes (rank 3 [T, H, n]; rank 2 [T, n] is H = 1; rank 1 [n] is T = H = 1).
+// A stride of a dimension of size 1 is irrelevant and set to 0. Bytes [begin, end) hold it all.
+struct RowLayout {
+  bool empty = true;   // no elements: shares nothing
+  bool rows = false;   // rank <= 3: the row form applies
+  __int128 begin = 0, end = 0;
+  int64_t T = 1, H = 1, len = 0, s0 = 0, s1 = 0;
+  int64_t footprint() const { return (H - 1) * s1 + len; }  // bytes of one token's rows
+};
+
+// `t` has passed Check::tensor: rank in [1, kMaxRank], non-negative sizes and strides, the last
+// dimension contiguous, and a byte extent below 2^62.
+RowLayout row_layout(const TensorRef& t) {
+  RowLayout r;
+  if (t.numel() == 0) return r;
+  r.empty = false;
+  const int64_t e = static_cast<int64_t>(dtype_size(t.dtype));
+  __int128 last = 0;  // byte offset of the last element
+  for (int d = 0; d < t.rank; ++d) last += static_cast<__int128>(t.shape[d] - 1) * t.stride[d] * e;
+  r.begin = static_cast<__int128>(reinterpret_cast<uintptr_t>(t.data));
+  r.end = r.begin + last + e;
+  if (t.rank > 3) return r;
+  r.rows = true;
+  const int n = t.rank - 1;  // the contiguous dimension
+  r.len = t.shape[n] * e;
+  if (t.rank >= 2) {
+    r.T = t.shape[0];
+    r.s0 = t.stride[0] * e;
+  }
+  if (t.rank == 3) {
+    r.H = t.shape[1];
+    r.s1 = t.stride[1] * e;
+  }
+  if (r.T == 1) r.s0 = 0;
+  if (r.H == 1) r.s1 = 0;
+  return r;
+}
+
+// Whether one of the H rows of `y`'s token, at [h * s1, h * s1 + len), meets the bytes [a, b)
+// of that token (0 <= a < b).
+bool rows_meet(const RowLayout& y, int64_t a, int64_t b) {
+  if (y.s1 == 0) return a < y.len;
+  const int64_t lo = a < y.len ? 0 : (a - y.len) / y.s1 + 1;  // first row ending after a
+  const int64_t hi = std::min(y.H - 1, (b - 1) / y.s1);        // last row starting before b
+  return lo <= hi;
+}
+
+enum class Overlap { kNone, kShared, kUnknown };
+
+// Whether two tensors share a byte. Decided exactly when both are in row form with one token
+// stride that holds each token's rows (any head and element slices of one buffer, e.g. dq, dk,
+// dv as head ranges of one [T, Hq + 2 Hkv, D] tensor); otherwise kUnknown when their address
+// ranges overlap.
+Overlap overlap(const TensorRef& ta, const TensorRef& tb) {
+  RowLayout x = row_layout(ta), y = row_layout(tb);
+  if (x.empty || y.empty || x.end <= y.begin || y.end <= x.begin) return Overlap::kNone;
+  if (!x.rows || !y.rows) return Overlap::kUnknown;
+  int64_t s0;
+  if (x.T > 1 && y.T > 1) {
+    if (x.s0 != y.s0) return Overlap::kUnknown;
+    s0 = x.s0;
+  } else {
+    s0 = x.T > 1 ? x.s0 : y.T > 1 ? y.s0 : std::max(x.footprint(), y.footprint());
+  }
+  if (s0 <= 0 || x.footprint() > s0 || y.footprint() > s0) return Overlap::kUnknown;
+  if (x.H > y.H) std::swap(x, y);  // walk the rows of the one with fewer heads
+  // Token u of x starts at y.begin + (u + q) * s0 + r, 0 <= r < s0: a row of x at r + g * s1
+  // lies in y's token u + q, or reaches into token u + q + 1 (footprints are at most s0).
+  const int64_t delta = static_cast<int64_t>(x.begin - y.begin);  // |delta| < 2^62 here
+  int64_t q = delta / s0, r = delta % s0;
+  if (r < 0) {
+    r += s0;
+    --q;
+  }
+  // Some u in [0, x.T) puts token u + q + j in [0, y.T).
+  const bool tok[2] = {q <= y.T - 1 && q + x.T - 1 >= 0, q + 1 <= y.T - 1 && q + x.T >= 0};
+  for (int64_t g = 0; g < x.H; ++g) {
+    const int64_t o = r + g * x.s1, e = o + x.len;
+    if (tok[0] && o < s0 && rows_meet(y, o, std::min(e, s0))) return Overlap::kShared;
+    if (tok[1] && e > s0 && rows_meet(y, std::max(o, s0) - s0, e - s0)) return Overlap::kShared;
+  }
+  return Overlap::kNone;
 }
 
 // One entry point's checks: every message names the entry and the argument.
@@ -31,8 +123,21 @@ class Check {
     return good ? Status::Ok() : fail(name, what);
   }
 
-  // Presence, rank, device and layout. Outputs must not overlap themselves.
+  // The rank of every TensorRef of the parameters, given or not, before anything reads a shape:
+  // a rank outside [0, kMaxRank] is a malformed view (rank 0 means "not given").
+  Status ranks(std::initializer_list<std::pair<const char*, const TensorRef*>> all) const {
+    for (const auto& [arg, t] : all)
+      if (!rank_in_range(*t))
+        return fail(arg, "rank " + std::to_string(t->rank) + " is outside [0, " +
+                             std::to_string(kMaxRank) + "] (0 means not given)");
+    return Status::Ok();
+  }
+
+  // Presence, rank, device and layout. Outputs must not overlap themselves; aliasing between
+  // tensors is checked by no_aliasing() once every tensor of the call has passed here.
   Status tensor(const char* arg, const TensorRef& t, int rank, bool output) {
+    if (!rank_in_range(t))
+      return fail(arg, "rank " + std::to_string(t.rank) + " is outside [0, " + std::to_string(kMaxRank) + "]");
     if (!t.defined()) return fail(arg, "required but not given");
     if (t.rank != rank)
       return fail(arg, "expected rank " + std::to_string(rank) + ", got rank " +
@@ -41,6 +146,8 @@ class Check {
       if (t.shape[d] < 0) return fail(arg, "negative size in shape " + shape_str(t));
       if (t.stride[d] < 0) return fail(arg, "negative strides are not supported");
     }
+    if (!addressable(t))
+      return fail(arg, "shape " + shape_str(t) + " and strides address more than 2^62 bytes");
     if (t.numel() > 0 && t.data == nullptr) return fail(arg, "null data pointer");
     if (t.shape[rank - 1] > 1 && t.stride[rank - 1] != 1)
       return fail(arg, "the last dimension must be contiguous (stride 1), got stride " +
@@ -54,6 +161,34 @@ class Check {
     } else if (t.device != device_) {
       return fail(arg, std::string("on another device than '") + device_arg_ + "'");
     }
+    seen_.push_back({arg, t, output});
+    return Status::Ok();
+  }
+
+  // No output shares memory with an input or with another output of the call (inputs may share
+  // memory with each other). Outputs that are disjoint slices of one buffer are fine.
+  Status no_aliasing() const {
+    for (size_t j = 0; j < seen_.size(); ++j)
+      for (size_t i = 0; i < j; ++i) {
+        const Seen& a = seen_[i];
+        const Seen& b = seen_[j];
+        if (!a.output && !b.output) continue;
+        const Seen& out = b.output ? b : a;  // the one named: the later output
+        const Seen& other = b.output ? a : b;
+        switch (overlap(out.t, other.t)) {
+          case Overlap::kNone:
+            break;
+          case Overlap::kShared:
+            return fail(out.arg, std::string("shares memory with argument '") + other.arg +
+                                     "': an output must not alias an input or another output");
+          case Overlap::kUnknown:
+            return fail(out.arg,
+                        std::string("overlaps the address range of argument '") + other.arg +
+                            "' in a layout whose elements cannot be told apart; an output may "
+                            "share a buffer only as a slice disjoint from the other tensors, with "
+                            "the same token stride (dim 0) and rows that fit in it");
+        }
+      }
     return Status::Ok();
   }
 
@@ -103,6 +238,19 @@ class Check {
   const char* fn() const { return fn_; }
 
  private:
+  // Every element's byte offset, and the element count, fit in 62 bits.
+  static bool addressable(const TensorRef& t) {
+    const __int128 limit = static_cast<__int128>(1) << 62;
+    __int128 n = 1, last = 0;
+    for (int d = 0; d < t.rank; ++d) {
+      n *= t.shape[d];
+      if (n > limit) return false;
+      last += static_cast<__int128>(t.shape[d] > 0 ? t.shape[d] - 1 : 0) * t.stride[d];
+      if (last > limit) return false;
+    }
+    return (last + 1) * static_cast<__int128>(dtype_size(t.dtype)) <= limit;
+  }
+
   static bool non_overlapping(const TensorRef& t) {
     std::vector<int> order;
     for (int d = 0; d < t.rank; ++d)
@@ -117,7 +265,14 @@ class Check {
     return true;
   }
 
+  struct Seen {
+    const char* arg;
+    TensorRef t;
+    bool output;
+  };
+
   const char* fn_;
+  std::vector<Seen> seen_;
   bool device_set_ = false;
   Device device_{};
   const char* device_arg_ = "";
@@ -194,27 +349,41 @@ Status index_vs_main(const Check& c, const char* arg, const Problem& prob) {
   return Status::Ok();
 }
 
-Status common_options(const Check& c, const Options& o, Problem* prob) {
-  MSA_TRY(c.option("block_size", o.block_size >= 1,
-                   "must be at least 1, got " + std::to_string(o.block_size)));
+// The range of every option, whether or not this call uses it (a caller's block_idx makes the
+// selection options unused; kDense mode makes block_idx and top_k unused).
+Status option_ranges(const Check& c, const Options& o) {
   MSA_TRY(c.option("mode", o.mode == Mode::kSparse || o.mode == Mode::kDense,
-                   "must be kSparse or kDense"));
-  MSA_TRY(c.option("scale", std::isfinite(o.scale), "must be finite"));
-  MSA_TRY(c.option("scale_idx", std::isfinite(o.scale_idx), "must be finite"));
-  prob->opts = o;
-  if (o.scale == 0.f && prob->D > 0) prob->opts.scale = 1.f / std::sqrt(static_cast<float>(prob->D));
-  if (o.scale_idx == 0.f && prob->Di > 0)
-    prob->opts.scale_idx = 1.f / std::sqrt(static_cast<float>(prob->Di));
-  return Status::Ok();
-}
-
-Status selection_options(const Check& c, const Options& o) {
-  MSA_TRY(c.option("top_k", o.top_k >= 1, "must be at least 1, got " + std::to_string(o.top_k)));
+                   "must be kSparse or kDense, got " + std::to_string(static_cast<int32_t>(o.mode))));
+  // One rule for every backend (the CUDA kernels take 64 and 128 and say so by kNotSupported).
+  MSA_TRY(c.option("block_size", o.block_size >= 1 && (o.block_size & (o.block_size - 1)) == 0,
+                   "must be a power of two (1, 2, 4, ..., 2^30), got " + std::to_string(o.block_size)));
+  MSA_TRY(c.option("top_k", o.top_k >= 1 && o.top_k <= kMaxTopK,
+                   "must be in [1, 2^20], got " + std::to_string(o.top_k)));
   MSA_TRY(c.option("local_blocks", o.local_blocks >= 1,
                    "must be at least 1 (the token's own block is always selected), got " +
                        std::to_string(o.local_blocks)));
   MSA_TRY(c.option("sink_blocks", o.sink_blocks >= 0,
                    "must be non-negative, got " + std::to_string(o.sink_blocks)));
+  MSA_TRY(c.option("scale", std::isfinite(o.scale), "must be finite"));
+  MSA_TRY(c.option("scale_idx", std::isfinite(o.scale_idx), "must be finite"));
+  MSA_TRY(c.option("kl_pass",
+                   o.kl_pass == KlPass::kAuto || o.kl_pass == KlPass::kFused ||
+                       o.kl_pass == KlPass::kSeparate,
+                   "must be kAuto, kFused or kSeparate, got " +
+                       std::to_string(static_cast<int32_t>(o.kl_pass))));
+  return Status::Ok();
+}
+
+// Options with the scales' defaults resolved (after option_ranges and the tensors: D, Di known).
+void resolve_options(const Options& o, Problem* prob) {
+  prob->opts = o;
+  if (o.scale == 0.f && prob->D > 0) prob->opts.scale = 1.f / std::sqrt(static_cast<float>(prob->D));
+  if (o.scale_idx == 0.f && prob->Di > 0)
+    prob->opts.scale_idx = 1.f / std::sqrt(static_cast<float>(prob->Di));
+}
+
+// What selecting needs beyond the ranges: room for the forced blocks.
+Status selection_options(const Check& c, const Options& o) {
   MSA_TRY(c.option("top_k", static_cast<int64_t>(o.sink_blocks) + o.local_blocks <= o.top_k,
                    "must hold the forced blocks: top_k = " + std::to_string(o.top_k) +
                        " < sink_blocks + local_blocks = " +
@@ -284,7 +453,7 @@ Status block_idx_shape(Check& c, const TensorRef& bi, bool output, Problem* prob
   MSA_TRY(c.dtype("block_idx", bi, DType::kInt32));
   MSA_TRY(c.shape("block_idx", bi, {prob->T, -1, -1}, "[T, Hi, k]"));
   MSA_TRY(check_head_dim(c, "block_idx", bi.shape[1], "the index head count Hi (dim 1)"));
-  if (bi.shape[2] < 1 || bi.shape[2] > (1 << 20))
+  if (bi.shape[2] < 1 || bi.shape[2] > kMaxTopK)
     return c.fail("block_idx", "k (dim 2) must be in [1, 2^20], got " + std::to_string(bi.shape[2]));
   prob->Hi = static_cast<int32_t>(bi.shape[1]);
   prob->k = static_cast<int32_t>(bi.shape[2]);
@@ -314,22 +483,31 @@ Status scalar_out(Check& c, const char* arg, const TensorRef& t) {
 Status validate(const SelectParams& p, Problem* prob) {
   Check c("select_blocks");
   *prob = Problem{};
-  MSA_TRY(index_qk(c, p.q_idx, p.k_idx, /*standalone=*/true, prob));
-  MSA_TRY(common_options(c, p.opts, prob));
+  MSA_TRY(c.ranks({{"q_idx", &p.q_idx}, {"k_idx", &p.k_idx}, {"cu_seqlens", &p.cu_seqlens},
+                   {"block_idx", &p.block_idx}, {"lse_idx", &p.lse_idx}}));
+  MSA_TRY(option_ranges(c, p.opts));
   MSA_TRY(c.option("mode", p.opts.mode == Mode::kSparse, "select_blocks needs kSparse mode"));
   MSA_TRY(selection_options(c, p.opts));
+  MSA_TRY(index_qk(c, p.q_idx, p.k_idx, /*standalone=*/true, prob));
+  resolve_options(p.opts, prob);
   prob->k = p.opts.top_k;
   MSA_TRY(out_tensor(c, "block_idx", p.block_idx, DType::kInt32, {prob->T, prob->Hi, prob->k}, "[T, Hi, top_k]"));
   if (p.lse_idx.defined())
     MSA_TRY(out_tensor(c, "lse_idx", p.lse_idx, DType::kFloat32, {prob->T, prob->Hi}, "[T, Hi]"));
-  return seqlens(c, p.cu_seqlens, prob);
+  MSA_TRY(seqlens(c, p.cu_seqlens, prob));
+  return c.no_aliasing();
 }
 
 Status validate(const ForwardParams& p, Problem* prob) {
   Check c("forward");
   *prob = Problem{};
-  MSA_TRY(main_qkv(c, p.q, p.k, p.v, prob));
+  MSA_TRY(c.ranks({{"q", &p.q}, {"k", &p.k}, {"v", &p.v}, {"cu_seqlens", &p.cu_seqlens},
+                   {"block_idx", &p.block_idx}, {"q_idx", &p.q_idx}, {"k_idx", &p.k_idx},
+                   {"out", &p.out}, {"lse", &p.lse}, {"kl", &p.kl}}));
+  MSA_TRY(option_ranges(c, p.opts));
   const bool sparse = p.opts.mode == Mode::kSparse;
+  if (sparse && p.select) MSA_TRY(selection_options(c, p.opts));
+  MSA_TRY(main_qkv(c, p.q, p.k, p.v, prob));
   const bool need_index = (sparse && p.select) || p.kl.defined();
   if (sparse) MSA_TRY(block_idx_shape(c, p.block_idx, /*output=*/p.select, prob));
   if (need_index) {
@@ -338,17 +516,15 @@ Status validate(const ForwardParams& p, Problem* prob) {
   } else if (sparse) {
     MSA_TRY(index_vs_main(c, "block_idx", *prob));
   }
-  MSA_TRY(common_options(c, p.opts, prob));
-  if (sparse && p.select) {
-    MSA_TRY(selection_options(c, p.opts));
-    if (prob->k != p.opts.top_k)
-      return c.fail("block_idx", "expected k (dim 2) = top_k = " + std::to_string(p.opts.top_k) +
-                                     ", got " + std::to_string(prob->k));
-  }
+  resolve_options(p.opts, prob);
+  if (sparse && p.select && prob->k != p.opts.top_k)
+    return c.fail("block_idx", "expected k (dim 2) = top_k = " + std::to_string(p.opts.top_k) +
+                                   ", got " + std::to_string(prob->k));
   MSA_TRY(out_tensor(c, "out", p.out, prob->dtype, {prob->T, prob->Hq, prob->D}, "[T, Hq, D]"));
   MSA_TRY(out_tensor(c, "lse", p.lse, DType::kFloat32, {prob->T, prob->Hq}, "[T, Hq]"));
   if (p.kl.defined()) MSA_TRY(scalar_out(c, "kl", p.kl));
   MSA_TRY(seqlens(c, p.cu_seqlens, prob));
+  MSA_TRY(c.no_aliasing());
   if (sparse && !p.select) MSA_TRY(block_idx_values(c, p.block_idx, *prob));
   return Status::Ok();
 }
@@ -356,6 +532,13 @@ Status validate(const ForwardParams& p, Problem* prob) {
 Status validate(const BackwardParams& p, Problem* prob) {
   Check c("backward");
   *prob = Problem{};
+  MSA_TRY(c.ranks({{"q", &p.q}, {"k", &p.k}, {"v", &p.v}, {"out", &p.out}, {"lse", &p.lse},
+                   {"dout", &p.dout}, {"cu_seqlens", &p.cu_seqlens}, {"block_idx", &p.block_idx},
+                   {"dq", &p.dq}, {"dk", &p.dk}, {"dv", &p.dv}, {"q_idx", &p.q_idx},
+                   {"k_idx", &p.k_idx}, {"dq_idx", &p.dq_idx}, {"dk_idx", &p.dk_idx},
+                   {"kl_grad", &p.kl_grad}}));
+  MSA_TRY(option_ranges(c, p.opts));
+  MSA_TRY(c.option("kl_weight", std::isfinite(p.kl_weight), "must be finite"));
   MSA_TRY(main_qkv(c, p.q, p.k, p.v, prob));
   const bool sparse = p.opts.mode == Mode::kSparse;
   const bool kl = p.dq_idx.defined() || p.dk_idx.defined();
@@ -366,8 +549,7 @@ Status validate(const BackwardParams& p, Problem* prob) {
   } else if (sparse) {
     MSA_TRY(index_vs_main(c, "block_idx", *prob));
   }
-  MSA_TRY(common_options(c, p.opts, prob));
-  MSA_TRY(c.option("kl_weight", std::isfinite(p.kl_weight), "must be finite"));
+  resolve_options(p.opts, prob);
   const int64_t T = prob->T;
   MSA_TRY(in_tensor(c, "out", p.out, prob->dtype, {T, prob->Hq, prob->D}, "[T, Hq, D]"));
   MSA_TRY(in_tensor(c, "lse", p.lse, DType::kFloat32, {T, prob->Hq}, "[T, Hq]"));
@@ -381,6 +563,7 @@ Status validate(const BackwardParams& p, Problem* prob) {
     MSA_TRY(out_tensor(c, "dk_idx", p.dk_idx, prob->dtype, {T, prob->Hik, prob->Di}, "[T, Hik, Di]"));
   if (p.kl_grad.defined()) MSA_TRY(in_tensor(c, "kl_grad", p.kl_grad, DType::kFloat32, {1}, "[1]"));
   MSA_TRY(seqlens(c, p.cu_seqlens, prob));
+  MSA_TRY(c.no_aliasing());
   if (sparse) MSA_TRY(block_idx_values(c, p.block_idx, *prob));
   return Status::Ok();
 }
@@ -388,17 +571,22 @@ Status validate(const BackwardParams& p, Problem* prob) {
 Status validate(const KlParams& p, Problem* prob) {
   Check c("kl_divergence");
   *prob = Problem{};
+  MSA_TRY(c.ranks({{"q", &p.q}, {"k", &p.k}, {"lse", &p.lse}, {"q_idx", &p.q_idx},
+                   {"k_idx", &p.k_idx}, {"cu_seqlens", &p.cu_seqlens}, {"block_idx", &p.block_idx},
+                   {"kl", &p.kl}, {"kl_rows", &p.kl_rows}}));
+  MSA_TRY(option_ranges(c, p.opts));
   MSA_TRY(main_qk(c, p.q, p.k, prob));
   const bool sparse = p.opts.mode == Mode::kSparse;
   if (sparse) MSA_TRY(block_idx_shape(c, p.block_idx, false, prob));
   MSA_TRY(index_qk(c, p.q_idx, p.k_idx, false, prob));
   MSA_TRY(index_vs_main(c, "q_idx", *prob));
-  MSA_TRY(common_options(c, p.opts, prob));
+  resolve_options(p.opts, prob);
   MSA_TRY(in_tensor(c, "lse", p.lse, DType::kFloat32, {prob->T, prob->Hq}, "[T, Hq]"));
   MSA_TRY(scalar_out(c, "kl", p.kl));
   if (p.kl_rows.defined())
     MSA_TRY(out_tensor(c, "kl_rows", p.kl_rows, DType::kFloat32, {prob->T, prob->Hi}, "[T, Hi]"));
   MSA_TRY(seqlens(c, p.cu_seqlens, prob));
+  MSA_TRY(c.no_aliasing());
   if (sparse) MSA_TRY(block_idx_values(c, p.block_idx, *prob));
   return Status::Ok();
 }

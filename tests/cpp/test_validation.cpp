@@ -3,6 +3,9 @@
 #include <gtest/gtest.h>
 
 #include <functional>
+#include <limits>
+#include <string>
+#include <vector>
 
 #include "harness.h"
 
@@ -252,6 +255,408 @@ TEST(Validation, Kl) {
     P params = v.klp();
     cs.mutate(params, v);
     expect_invalid(msa::kl_divergence(params), cs.arg, cs.what);
+  }
+}
+
+// Malformed ranks are refused by name before anything reads the shape array (rank 2^28 used to
+// crash in the message), for required and optional arguments alike.
+TEST(Validation, RankOutOfRange) {
+  for (int32_t rank : {-1, msa::kMaxRank + 1, 1 << 28, std::numeric_limits<int32_t>::min()}) {
+    const std::string what = "rank " + std::to_string(rank);
+    {
+      Valid v;
+      msa::ForwardParams f = v.forward();
+      f.q.rank = rank;
+      expect_invalid(msa::forward(f), "q", what);
+    }
+    {
+      Valid v;
+      msa::ForwardParams f = v.forward();
+      f.kl.rank = rank;  // optional
+      expect_invalid(msa::forward(f), "kl", what);
+    }
+    {
+      Valid v;
+      msa::ForwardParams f = v.forward();
+      f.opts.mode = Mode::kDense;  // block_idx unused, but malformed all the same
+      f.block_idx.rank = rank;
+      expect_invalid(msa::forward(f), "block_idx", what);
+    }
+    {
+      Valid v;
+      msa::BackwardParams b = v.backward();
+      b.dk_idx.rank = rank;
+      expect_invalid(msa::backward(b), "dk_idx", what);
+    }
+    {
+      Valid v;
+      msa::SelectParams s = v.select();
+      s.lse_idx.rank = rank;
+      expect_invalid(msa::select_blocks(s), "lse_idx", what);
+    }
+    {
+      Valid v;
+      msa::KlParams k = v.klp();
+      k.cu_seqlens.rank = rank;
+      expect_invalid(msa::kl_divergence(k), "cu_seqlens", what);
+    }
+    msa::TensorRef t;
+    t.rank = rank;
+    EXPECT_EQ(t.numel(), 0);
+    EXPECT_FALSE(t.is_contiguous());
+  }
+}
+
+// make_tensor with more sizes than kMaxRank writes nothing past its arrays and gives a rank that
+// validation refuses by name.
+TEST(Validation, MakeTensorTooManySizes) {
+  struct Guarded {
+    msa::TensorRef t;
+    int64_t guard[8];
+  } g;
+  for (int64_t& x : g.guard) x = 0x5a5a5a5a;
+  float data[64];
+  g.t = msa::make_tensor(data, DType::kFloat32, {2, 2, 2, 2, 2, 2});
+  for (int64_t x : g.guard) EXPECT_EQ(x, 0x5a5a5a5a);
+  EXPECT_EQ(g.t.rank, msa::kMaxRank + 1);
+  Valid v;
+  msa::ForwardParams f = v.forward();
+  f.q = g.t;
+  expect_invalid(msa::forward(f), "q", "six sizes");
+  const msa::TensorRef empty = msa::make_tensor(data, DType::kFloat32, {});
+  EXPECT_FALSE(empty.defined());
+}
+
+// Sizes and strides whose byte extent does not fit in 62 bits are refused by name.
+TEST(Validation, HugeExtent) {
+  Valid v;
+  msa::ForwardParams f = v.forward();
+  f.v.stride[0] = int64_t{1} << 61;
+  expect_invalid(msa::forward(f), "v", "huge token stride");
+  f = v.forward();
+  f.out.shape[0] = int64_t{1} << 62;
+  f.out.stride[0] = 1;
+  expect_invalid(msa::forward(f), "out", "huge token count");
+}
+
+// Options are checked for their ranges even where this call does not use them.
+TEST(Validation, OptionRangesAlwaysChecked) {
+  Valid v;
+  msa::ForwardParams f = v.forward();  // a caller's block_idx: the selection options are unused
+  f.opts.top_k = -3;
+  expect_invalid(msa::forward(f), "top_k", "top_k -3 with a caller's block_idx");
+  f = v.forward();
+  f.opts.local_blocks = 0;
+  expect_invalid(msa::forward(f), "local_blocks", "local_blocks 0 with a caller's block_idx");
+  f = v.forward();
+  f.opts.sink_blocks = -1;
+  expect_invalid(msa::forward(f), "sink_blocks", "sink_blocks -1 with a caller's block_idx");
+  f = v.forward();
+  f.opts.mode = Mode::kDense;
+  f.opts.top_k = 0;
+  expect_invalid(msa::forward(f), "top_k", "top_k 0 in dense mode");
+  msa::BackwardParams b = v.backward();
+  b.opts.top_k = (1 << 20) + 1;
+  expect_invalid(msa::backward(b), "top_k", "top_k 2^20 + 1 in backward");
+  b = v.backward();
+  b.opts.kl_pass = static_cast<msa::KlPass>(3);
+  expect_invalid(msa::backward(b), "kl_pass", "kl_pass 3");
+  msa::KlParams k = v.klp();
+  k.opts.top_k = 0;
+  expect_invalid(msa::kl_divergence(k), "top_k", "top_k 0 in kl_divergence");
+  // Selecting with a top_k above the limit names top_k, not block_idx.
+  f = v.forward();
+  f.select = true;
+  f.opts.top_k = 1 << 21;
+  expect_invalid(msa::forward(f), "top_k", "top_k 2^21 with select");
+  msa::SelectParams s = v.select();
+  s.opts.top_k = 1 << 21;
+  expect_invalid(msa::select_blocks(s), "top_k", "top_k 2^21 in select_blocks");
+  // The largest top_k passes the option check (then block_idx's k must match it).
+  f.opts.top_k = 1 << 20;
+  expect_invalid(msa::forward(f), "block_idx", "top_k 2^20 with select");
+}
+
+// block_size: a power of two, one rule for every backend, checked before the backend is chosen.
+TEST(Validation, BlockSizePowerOfTwo) {
+  for (int32_t bs : {3, 24, 48, 96, 100, -8, 0, std::numeric_limits<int32_t>::max()}) {
+    Valid v;
+    msa::ForwardParams f = v.forward();
+    f.opts.block_size = bs;
+    expect_invalid(msa::forward(f), "block_size", "block_size " + std::to_string(bs));
+    msa::BackwardParams b = v.backward();
+    b.opts.block_size = bs;
+    expect_invalid(msa::backward(b), "block_size", "backward block_size " + std::to_string(bs));
+    msa::SelectParams s = v.select();
+    s.opts.block_size = bs;
+    expect_invalid(msa::select_blocks(s), "block_size", "select block_size " + std::to_string(bs));
+    // CUDA tensors: the same rule at validation, whether or not a CUDA backend is built.
+    for (msa::TensorRef* t : {&f.q, &f.k, &f.v, &f.cu_seqlens, &f.block_idx, &f.q_idx, &f.k_idx, &f.out, &f.lse, &f.kl})
+      t->device.type = msa::DeviceType::kCuda;
+    expect_invalid(msa::forward(f), "block_size", "CUDA block_size " + std::to_string(bs));
+  }
+  Valid v;
+  msa::ForwardParams f = v.forward();
+  for (int32_t bs : {1, 2, 4, 16, 1 << 30}) {
+    f.opts.block_size = bs;
+    f.select = true;  // a selection for this block size, then its forward
+    expect_ok(msa::forward(f));
+  }
+}
+
+// ---- Aliasing: an output must not share memory with an input or another output -------------
+
+// A [n0, n1, n2] view of `buf` from element `offset` with strides `st` (in elements), shifted
+// by `byte_shift` bytes.
+msa::TensorRef view(HostTensor& buf, int64_t offset, std::vector<int64_t> shape, std::vector<int64_t> st,
+                    int64_t byte_shift = 0) {
+  msa::TensorRef t = buf.ref();
+  t.data = static_cast<char*>(t.data) + offset * static_cast<int64_t>(msa::dtype_size(buf.dtype())) + byte_shift;
+  t.rank = static_cast<int32_t>(shape.size());
+  for (size_t d = 0; d < shape.size(); ++d) {
+    t.shape[d] = shape[d];
+    t.stride[d] = st[d];
+  }
+  return t;
+}
+
+// Copies the values of a contiguous [T, H, n] tensor into a strided view.
+void copy_into(const msa::TensorRef& dst, const HostTensor& src) {
+  const auto& sh = src.shape();
+  const size_t es = msa::dtype_size(dst.dtype);
+  for (int64_t a = 0; a < sh[0]; ++a)
+    for (int64_t b = 0; b < sh[1]; ++b)
+      for (int64_t c = 0; c < sh[2]; ++c)
+        double_to_bits(dst.dtype, src.at(a, b, c),
+                       static_cast<char*>(dst.data) + (a * dst.stride[0] + b * dst.stride[1] + c * dst.stride[2]) * es);
+}
+
+std::vector<double> values_of(const msa::TensorRef& t) {
+  std::vector<double> v;
+  const size_t es = msa::dtype_size(t.dtype);
+  for (int64_t a = 0; a < t.shape[0]; ++a)
+    for (int64_t b = 0; b < t.shape[1]; ++b)
+      for (int64_t c = 0; c < t.shape[2]; ++c)
+        v.push_back(bits_to_double(t.dtype, static_cast<const char*>(t.data) +
+                                                (a * t.stride[0] + b * t.stride[1] + c * t.stride[2]) * es));
+  return v;
+}
+
+TEST(Aliasing, ForwardOutputsOverInputsAreRefused) {
+  using P = msa::ForwardParams;
+  // One buffer [T, Hq + Hkv, D] = [40, 6, 8] for the cases that slice it by heads.
+  const std::vector<Case<P>> cases = {
+      {"out over v (other layout)", "out", [](P& p, Valid&) { p.out.data = p.v.data; }},
+      {"out over q (same layout)", "out", [](P& p, Valid&) { p.out.data = p.q.data; }},
+      {"lse inside out", "lse", [](P& p, Valid&) { p.lse.data = p.out.data; }},
+      {"kl over lse", "kl", [](P& p, Valid&) { p.kl.data = static_cast<float*>(p.lse.data) + 5; }},
+      {"kl inside k", "kl", [](P& p, Valid&) { p.kl.data = static_cast<float*>(p.k.data) + 17; }},
+      {"kl over cu_seqlens", "kl", [](P& p, Valid&) { p.kl.data = p.cu_seqlens.data; }},
+      {"out over q_idx used by the KL", "out", [](P& p, Valid&) { p.out.data = p.q_idx.data; }},
+      {"select: block_idx over q_idx", "block_idx", [](P& p, Valid&) { p.select = true; p.block_idx.data = p.q_idx.data; }},
+      {"select: block_idx over cu_seqlens", "block_idx",
+       [](P& p, Valid&) { p.select = true; p.block_idx.data = static_cast<int32_t*>(p.cu_seqlens.data) + 1; }},
+      {"select: out over block_idx", "out", [](P& p, Valid&) { p.select = true; p.out.data = p.block_idx.data; }},
+  };
+  for (const auto& cs : cases) {
+    Valid v;
+    P params = v.forward();
+    cs.mutate(params, v);
+    expect_invalid(msa::forward(params), cs.arg, cs.what);
+  }
+  // Slices of one buffer: out = heads [0, 4); v = heads [3, 5) shares head 3.
+  Valid v;
+  const int64_t T = v.p.T, Hq = v.c.Hq, Hkv = v.c.Hkv, D = v.c.D, W = Hq + Hkv;
+  HostTensor buf(v.c.dtype, {T, W, D});
+  P f = v.forward();
+  f.out = view(buf, 0, {T, Hq, D}, {W * D, D, 1});
+  f.v = view(buf, (Hq - 1) * D, {T, Hkv, D}, {W * D, D, 1});
+  expect_invalid(msa::forward(f), "out", "out and v share a head of one buffer");
+  // v = heads [4, 6) and out = heads [0, 4) moved by 2 bytes: out's last element reaches into v.
+  f.v = view(buf, Hq * D, {T, Hkv, D}, {W * D, D, 1});
+  f.out = view(buf, 0, {T, Hq, D}, {W * D, D, 1}, 2);
+  expect_invalid(msa::forward(f), "out", "out two bytes into v");
+  // For T - 1 tokens: out from head 4 of each token, so that its rows wrap into heads 0 and 1
+  // of the next token (the rows of one token still fit in the token stride). v = heads [2, 4)
+  // is beside them; v = heads [0, 2) is what the next token's rows cover.
+  f = v.forward();
+  const int64_t T1 = T - 1;
+  f.q.shape[0] = f.k.shape[0] = f.lse.shape[0] = f.q_idx.shape[0] = f.k_idx.shape[0] = T1;
+  f.block_idx.shape[0] = T1;
+  f.cu_seqlens = {};  // one sequence: the selection of the two stays causal
+  f.out = view(buf, 4 * D, {T1, Hq, D}, {W * D, D, 1});
+  f.v = view(buf, 2 * D, {T1, Hkv, D}, {W * D, D, 1});
+  expect_ok(msa::forward(f));
+  f.v = view(buf, 0, {T1, Hkv, D}, {W * D, D, 1});
+  expect_invalid(msa::forward(f), "out", "out's rows wrapping onto v's heads of the next token");
+}
+
+TEST(Aliasing, ForwardSharedBuffersThatDoNotAlias) {
+  Valid v;
+  const int64_t T = v.p.T, Hq = v.c.Hq, Hkv = v.c.Hkv, D = v.c.D;
+  msa::ForwardParams f = v.forward();
+  expect_ok(msa::forward(f));
+  const std::vector<double> want = v.out.values(), want_lse = v.lse.values();
+  const double want_kl = v.kl.get(0);
+
+  // q, k, v as head slices of one fused qkv [T, Hq + 2 Hkv, D]; inputs may overlap each other
+  // (k and v the very same view in the second run).
+  const int64_t W = Hq + 2 * Hkv;
+  HostTensor qkv(v.c.dtype, {T, W, D});
+  f.q = view(qkv, 0, {T, Hq, D}, {W * D, D, 1});
+  f.k = view(qkv, Hq * D, {T, Hkv, D}, {W * D, D, 1});
+  f.v = view(qkv, (Hq + Hkv) * D, {T, Hkv, D}, {W * D, D, 1});
+  copy_into(f.q, v.p.q);
+  copy_into(f.k, v.p.k);
+  copy_into(f.v, v.p.v);
+  v.out.fill(NAN);
+  expect_ok(msa::forward(f));
+  EXPECT_EQ(v.out.values(), want);
+  EXPECT_EQ(v.lse.values(), want_lse);
+  EXPECT_EQ(v.kl.get(0), want_kl);
+  msa::ForwardParams same_kv = f;
+  same_kv.v = same_kv.k;
+  expect_ok(msa::forward(same_kv));
+
+  // The outputs in the same buffer as the inputs, beside them: [T, Hq + Hkv + Hq, D] holding
+  // v's heads, then k's, then out's; lse and kl in one fp32 buffer [T, Hq + 1].
+  const int64_t W2 = Hkv + Hkv + Hq;
+  HostTensor all(v.c.dtype, {T, W2, D});
+  f = v.forward();
+  f.v = view(all, 0, {T, Hkv, D}, {W2 * D, D, 1});
+  f.k = view(all, Hkv * D, {T, Hkv, D}, {W2 * D, D, 1});
+  f.out = view(all, 2 * Hkv * D, {T, Hq, D}, {W2 * D, D, 1});
+  copy_into(f.v, v.p.v);
+  copy_into(f.k, v.p.k);
+  HostTensor stats(DType::kFloat32, {T, Hq + 1});
+  f.lse = view(stats, 0, {T, Hq}, {Hq + 1, 1});
+  f.kl = view(stats, Hq, {1}, {1});  // row 0's spare slot
+  expect_ok(msa::forward(f));
+  EXPECT_EQ(values_of(f.out), want);
+  f.kl = view(stats, 2 * (Hq + 1) - 1, {1}, {1});  // row 1's spare slot
+  expect_ok(msa::forward(f));
+  f.kl = view(stats, 2 * (Hq + 1) - 2, {1}, {1});  // row 1's last lse: refused
+  expect_invalid(msa::forward(f), "kl", "kl over lse[1, Hq - 1]");
+
+  // Head-major storage: out = [Hq, T, D] and v = [Hkv, T, D] back to back, seen as [T, H, D].
+  HostTensor hm(v.c.dtype, {Hq + Hkv, T, D});
+  f = v.forward();
+  f.out = view(hm, 0, {T, Hq, D}, {D, T * D, 1});
+  f.v = view(hm, Hq * T * D, {T, Hkv, D}, {D, T * D, 1});
+  copy_into(f.v, v.p.v);
+  expect_ok(msa::forward(f));
+  EXPECT_EQ(values_of(f.out), want);
+}
+
+TEST(Aliasing, BackwardFusedGradients) {
+  Valid v;
+  const int64_t T = v.p.T, Hq = v.c.Hq, Hkv = v.c.Hkv, D = v.c.D;
+  expect_ok(msa::forward(v.forward()));
+  msa::BackwardParams b = v.backward();
+  expect_ok(msa::backward(b));
+  const std::vector<double> dq = v.dq.values(), dk = v.dk.values(), dv = v.dv.values();
+
+  // dq, dk, dv as head slices of one dqkv [T, Hq + 2 Hkv, D], as frameworks allocate them.
+  const int64_t W = Hq + 2 * Hkv;
+  HostTensor dqkv(v.c.dtype, {T, W, D});
+  dqkv.fill(NAN);
+  b.dq = view(dqkv, 0, {T, Hq, D}, {W * D, D, 1});
+  b.dk = view(dqkv, Hq * D, {T, Hkv, D}, {W * D, D, 1});
+  b.dv = view(dqkv, (Hq + Hkv) * D, {T, Hkv, D}, {W * D, D, 1});
+  expect_ok(msa::backward(b));
+  EXPECT_EQ(values_of(b.dq), dq);
+  EXPECT_EQ(values_of(b.dk), dk);
+  EXPECT_EQ(values_of(b.dv), dv);
+
+  // dk and dv interleaved along the head dim of one [T, Hkv, 2 D] buffer.
+  HostTensor kv(v.c.dtype, {T, Hkv, 2 * D});
+  msa::BackwardParams b2 = v.backward();
+  b2.dk = view(kv, 0, {T, Hkv, D}, {Hkv * 2 * D, 2 * D, 1});
+  b2.dv = view(kv, D, {T, Hkv, D}, {Hkv * 2 * D, 2 * D, 1});
+  expect_ok(msa::backward(b2));
+  EXPECT_EQ(values_of(b2.dk), dk);
+  EXPECT_EQ(values_of(b2.dv), dv);
+
+  // Head-major dqkv [Hq + 2 Hkv, T, D]: disjoint address ranges.
+  HostTensor hm(v.c.dtype, {W, T, D});
+  msa::BackwardParams b3 = v.backward();
+  b3.dq = view(hm, 0, {T, Hq, D}, {D, T * D, 1});
+  b3.dk = view(hm, Hq * T * D, {T, Hkv, D}, {D, T * D, 1});
+  b3.dv = view(hm, (Hq + Hkv) * T * D, {T, Hkv, D}, {D, T * D, 1});
+  expect_ok(msa::backward(b3));
+  EXPECT_EQ(values_of(b3.dq), dq);
+
+  // Refused: dk over dq's last head, dv equal to dk, dk and dv overlapping in the interleaved
+  // layout, and the head-major dk starting one token early.
+  msa::BackwardParams bad = b;
+  bad.dk = view(dqkv, (Hq - 1) * D, {T, Hkv, D}, {W * D, D, 1});
+  expect_invalid(msa::backward(bad), "dk", "dk over dq's last head");
+  bad = b;
+  bad.dv = bad.dk;
+  expect_invalid(msa::backward(bad), "dv", "dv == dk");
+  bad = b2;
+  bad.dv = view(kv, D - 1, {T, Hkv, D}, {Hkv * 2 * D, 2 * D, 1});
+  expect_invalid(msa::backward(bad), "dv", "dv one element into dk");
+  bad = b3;
+  bad.dk = view(hm, Hq * T * D - D, {T, Hkv, D}, {D, T * D, 1});
+  expect_invalid(msa::backward(bad), "dk", "head-major dk over dq's last token");
+}
+
+TEST(Aliasing, BackwardOutputsOverInputsAreRefused) {
+  using P = msa::BackwardParams;
+  const std::vector<Case<P>> cases = {
+      {"dq over dout", "dq", [](P& p, Valid&) { p.dq.data = p.dout.data; }},
+      {"dq over q", "dq", [](P& p, Valid&) { p.dq.data = p.q.data; }},
+      {"dq over out", "dq", [](P& p, Valid&) { p.dq.data = p.out.data; }},
+      {"dk over k", "dk", [](P& p, Valid&) { p.dk.data = p.k.data; }},
+      {"dv over v", "dv", [](P& p, Valid&) { p.dv.data = p.v.data; }},
+      {"dk over lse", "dk", [](P& p, Valid&) { p.dk.data = p.lse.data; }},
+      {"dv over block_idx", "dv", [](P& p, Valid&) { p.dv.data = p.block_idx.data; }},
+      {"dq_idx over q_idx", "dq_idx", [](P& p, Valid&) { p.dq_idx.data = p.q_idx.data; }},
+      {"dk_idx over k_idx", "dk_idx", [](P& p, Valid&) { p.dk_idx.data = p.k_idx.data; }},
+      {"dk_idx over dq_idx", "dk_idx", [](P& p, Valid&) { p.dk_idx.data = p.dq_idx.data; }},
+      {"dk_idx over kl_grad", "dk_idx", [](P& p, Valid&) { p.kl_grad.data = p.dk_idx.data; }},
+      {"dq over cu_seqlens", "dq", [](P& p, Valid&) { p.dq.data = static_cast<int32_t*>(p.cu_seqlens.data) + 1; }},
+  };
+  for (const auto& cs : cases) {
+    Valid v;
+    P params = v.backward();
+    cs.mutate(params, v);
+    expect_invalid(msa::backward(params), cs.arg, cs.what);
+  }
+}
+
+TEST(Aliasing, SelectAndKlOutputs) {
+  {
+    Valid v;
+    msa::SelectParams s = v.select();
+    s.lse_idx.data = s.block_idx.data;
+    expect_invalid(msa::select_blocks(s), "lse_idx", "lse_idx over block_idx");
+    s = v.select();
+    s.block_idx.data = s.k_idx.data;
+    expect_invalid(msa::select_blocks(s), "block_idx", "block_idx over k_idx");
+    // block_idx and lse_idx side by side in one int32-sized buffer [T, Hi * k + Hi].
+    const int64_t T = v.p.T, Hi = v.c.Hi, k = v.c.k, W = Hi * k + Hi;
+    HostTensor both(DType::kInt32, {T, W});
+    s = v.select();
+    s.block_idx = view(both, 0, {T, Hi, k}, {W, k, 1});
+    s.lse_idx = view(both, Hi * k, {T, Hi}, {W, 1});
+    s.lse_idx.dtype = DType::kFloat32;
+    expect_ok(msa::select_blocks(s));
+    EXPECT_EQ(values_of(s.block_idx), v.bi.values());
+  }
+  {
+    Valid v;
+    expect_ok(msa::forward(v.forward()));
+    msa::KlParams k = v.klp();
+    k.kl_rows.data = k.lse.data;
+    expect_invalid(msa::kl_divergence(k), "kl_rows", "kl_rows over lse");
+    k = v.klp();
+    k.kl.data = static_cast<float*>(k.kl_rows.data) + 7;
+    expect_invalid(msa::kl_divergence(k), "kl_rows", "kl inside kl_rows");
+    k = v.klp();
+    k.kl.data = k.q.data;
+    expect_invalid(msa::kl_divergence(k), "kl", "kl over q");
   }
 }
 
