@@ -1136,7 +1136,7 @@ TEST(Cuda, KernelLimitsNameTheArgument) {
   };
   const Limit limits[] = {{"D = 72", 72, 128, 128, "'q'", nullptr},
                           {"Di = 72", 128, 72, 128, nullptr, "'q_idx'"},
-                          {"block_size = 48", 128, 128, 48, "'block_size'", "'block_size'"}};
+                          {"block_size = 32", 128, 128, 32, "'block_size'", "'block_size'"}};
   for (const Limit& l : limits) {
     SmallCall s(kBf16, l.D, l.Di, l.Bk);
     if (l.arg_forward) {
