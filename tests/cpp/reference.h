@@ -222,8 +222,10 @@ inline RefForward naive_dense(const Problem& p) {
 }
 
 // Teacher pi and student sigma of row (g, i) over the sequence's keys (0 outside the support).
+// `lse` [T, Hq]: the LSE the teacher's probabilities use (null: computed here).
 inline void kl_row(const Problem& p, const Sets& sets, int64_t g, int i, std::vector<double>* pi,
-                   std::vector<double>* sigma, std::vector<double>* s_idx) {
+                   std::vector<double>* sigma, std::vector<double>* s_idx,
+                   const std::vector<double>* lse = nullptr) {
   const Config& c = p.cfg;
   const int hpi = c.Hq / c.Hi;
   const int64_t b0 = seq_begin(p, g), L = seq_end(p, g) - b0;
@@ -232,7 +234,7 @@ inline void kl_row(const Problem& p, const Sets& sets, int64_t g, int i, std::ve
   s_idx->assign(L, 0);
   std::vector<char> mask;
   for (int h = i * hpi; h < (i + 1) * hpi; ++h) {
-    const RowView rv = main_row(p, sets, g, h);
+    const RowView rv = main_row(p, sets, g, h, lse != nullptr, lse ? (*lse)[g * c.Hq + h] : 0.0);
     for (int64_t j = 0; j < L; ++j) (*pi)[j] += rv.prob[j] / hpi;
     mask = rv.mask;
   }
@@ -262,17 +264,21 @@ struct RefGrads {
   std::vector<double> dq, dk, dv, dq_idx, dk_idx;
 };
 
-inline RefGrads ref_backward(const Problem& p, const Sets& sets, const HostTensor& dout, double gamma) {
+// `given`: the forward's stored out and lse, which the backward takes as its inputs (a backend's
+// are rounded to their dtypes); null: the exact forward, computed here.
+inline RefGrads ref_backward(const Problem& p, const Sets& sets, const HostTensor& dout, double gamma,
+                             const RefForward* given = nullptr) {
   const Config& c = p.cfg;
   RefGrads r{std::vector<double>(p.T * c.Hq * c.D, 0), std::vector<double>(p.T * c.Hkv * c.D, 0),
              std::vector<double>(p.T * c.Hkv * c.D, 0), std::vector<double>(p.T * c.Hi * c.Di, 0),
              std::vector<double>(p.T * c.Hik * c.Di, 0)};
-  const RefForward f = ref_forward(p, sets);
+  const RefForward f = given ? *given : ref_forward(p, sets);
+  const std::vector<double>* lse = given ? &given->lse : nullptr;
   for (int64_t g = 0; g < p.T; ++g) {
     const int64_t b0 = seq_begin(p, g);
     for (int h = 0; h < c.Hq; ++h) {
       const int rr = h / (c.Hq / c.Hkv);
-      const RowView rv = main_row(p, sets, g, h);
+      const RowView rv = main_row(p, sets, g, h, lse != nullptr, lse ? (*lse)[g * c.Hq + h] : 0.0);
       double delta = 0;
       for (int d = 0; d < c.D; ++d) delta += dout.at(g, h, d) * f.out[(g * c.Hq + h) * c.D + d];
       for (size_t j = 0; j < rv.prob.size(); ++j) {
@@ -290,7 +296,7 @@ inline RefGrads ref_backward(const Problem& p, const Sets& sets, const HostTenso
     std::vector<double> pi, sigma, s;
     for (int i = 0; i < c.Hi; ++i) {
       const int ik = i / (c.Hi / c.Hik);
-      kl_row(p, sets, g, i, &pi, &sigma, &s);
+      kl_row(p, sets, g, i, &pi, &sigma, &s, lse);
       for (size_t j = 0; j < pi.size(); ++j) {
         const double ds = gamma / (static_cast<double>(p.T) * c.Hi) * (sigma[j] - pi[j]);
         if (ds == 0) continue;

@@ -4,6 +4,7 @@
 
 #include "harness.h"
 #include "reference.h"
+#include "rounding.h"
 
 namespace msatest {
 namespace {
@@ -129,6 +130,56 @@ const GradCase kGradCases[] = {
 };
 
 INSTANTIATE_TEST_SUITE_P(Cases, Gradients, ::testing::ValuesIn(kGradCases));
+
+// 16-bit (and float32) gradients: the double sums are rounded once, correctly. Every stored dq,
+// dk, dv, dq_idx, dk_idx is within half an ulp of the exact gradient given the forward's stored
+// out and lse: of the independent reference (its own error is near 1e-15 of the largest value)
+// and of this backend run in float64 on exact copies of the inputs, out, lse and dout.
+class GradientsDtype : public ::testing::TestWithParam<std::tuple<DType, Mode>> {};
+
+TEST_P(GradientsDtype, RoundOnlyTheOutputs) {
+  const auto [dtype, mode] = GetParam();
+  Config c = make_config({150, 97}, 8, 2, 16, 4, 2, 16, 3, 31);
+  c.dtype = dtype;
+  Problem p(c);
+  HostTensor bi = run_select(p);
+  HostTensor* bip = mode == Mode::kSparse ? &bi : nullptr;
+  const Sets sets = mode == Mode::kSparse ? sets_from(p, bi) : all_causal_blocks(p);
+  std::mt19937_64 rng(12);
+  HostTensor dout(dtype, {p.T, c.Hq, c.D});
+  dout.randomize(rng);
+  const double gamma = 37.0;  // KL gradients of a size comparable to the main ones
+  FwdResult f = run_forward(p, bip, mode, false);
+  BwdResult g = run_backward(p, bip, mode, f, dout, gamma);
+
+  Problem w = float64_copy(p);
+  FwdResult fw{float64_copy(f.out), f.lse, f.kl};
+  HostTensor dout64 = float64_copy(dout);
+  BwdResult gw = run_backward(w, bip, mode, fw, dout64, gamma);
+  const RefForward stored{f.out.values(), f.lse.values()};
+  const RefGrads r = ref_backward(p, sets, dout, gamma, &stored);
+
+  const struct {
+    const char* name;
+    const HostTensor& got;
+    const HostTensor& f64;
+    const std::vector<double>& ref;
+  } grads[] = {{"dq", g.dq, gw.dq, r.dq},
+               {"dk", g.dk, gw.dk, r.dk},
+               {"dv", g.dv, gw.dv, r.dv},
+               {"dq_idx", g.dq_idx, gw.dq_idx, r.dq_idx},
+               {"dk_idx", g.dk_idx, gw.dk_idx, r.dk_idx}};
+  const std::string m = mode == Mode::kSparse ? " sparse" : " warmup";
+  for (const auto& x : grads) {
+    EXPECT_GT(max_abs(x.ref), 0.0) << x.name;
+    expect_correctly_rounded(dtype, x.got.values(), x.ref, 1e-13 * max_abs(x.ref), x.name + m + " vs reference");
+    expect_correctly_rounded(dtype, x.got.values(), x.f64.values(), 0.0, x.name + m + " vs float64 run");
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, GradientsDtype,
+                         ::testing::Combine(::testing::Values(DType::kBFloat16, DType::kFloat16, DType::kFloat32),
+                                            ::testing::Values(Mode::kSparse, Mode::kDense)));
 
 // Larger shapes against the analytic reference only: D 64/128, Bk 64/128, odd lengths.
 void expect_reference_gradients(const Config& c) {
