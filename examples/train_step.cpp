@@ -1,5 +1,8 @@
 // A minimal MSA training step through the C++ API (CPU tensors): selection, forward with the
-// exact KL value, backward with the KL gradient. Built as `msa_example`; the README quotes it.
+// exact KL value, backward with the KL gradient; then a check of the results against a small
+// double-precision computation written here from the spec. Built as `msa_example` and run by
+// the tests (it exits with status 1 on a mismatch); the README quotes it.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <random>
@@ -65,6 +68,56 @@ int main() {
   std::printf("kl = %.6f, |dq_idx| = %.3e, token 700 head 0 selects blocks", kl[0], std::sqrt(norm));
   for (int j = 0; j < k; ++j) std::printf(" %d", block_idx[(700 * Hi + 0) * k + j]);
   std::printf("\n");
+
+  // Check the values. out and lse: softmax attention in double over the causal keys of the
+  // selected blocks (spec §3), for every token and head. dv: every softmax row sums to 1, so
+  // the dv rows of a KV head sum to the dout rows of the query heads it serves.
+  const int Bk = opts.block_size;
+  const double scale = 1.0 / std::sqrt(double(D));
+  double err_out = 0, err_lse = 0;
+  std::vector<double> s, o(D);
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t base = t < cu[1] ? cu[0] : cu[1], pos = t - base;  // sequence start, position
+    for (int h = 0; h < Hq; ++h) {
+      const int i = h / (Hq / Hi), r = h / (Hq / Hkv);  // index head, KV head
+      std::vector<int64_t> keys;  // positions in the sequence
+      for (int j = 0; j < k; ++j) {
+        const int64_t b = block_idx[(t * Hi + i) * k + j];  // -1: an empty slot
+        for (int64_t x = b * Bk; b >= 0 && x < (b + 1) * Bk && x <= pos; ++x) keys.push_back(x);
+      }
+      s.assign(keys.size(), 0.0);
+      for (size_t j = 0; j < keys.size(); ++j) {
+        for (int d = 0; d < D; ++d) s[j] += double(q[(t * Hq + h) * D + d]) * kk[((base + keys[j]) * Hkv + r) * D + d];
+        s[j] *= scale;
+      }
+      const double mx = *std::max_element(s.begin(), s.end());
+      double z = 0;
+      for (double x : s) z += std::exp(x - mx);
+      const double l = mx + std::log(z);
+      std::fill(o.begin(), o.end(), 0.0);
+      for (size_t j = 0; j < keys.size(); ++j)
+        for (int d = 0; d < D; ++d) o[d] += std::exp(s[j] - l) * v[((base + keys[j]) * Hkv + r) * D + d];
+      for (int d = 0; d < D; ++d) err_out = std::max(err_out, std::fabs(o[d] - out[(t * Hq + h) * D + d]));
+      err_lse = std::max(err_lse, std::fabs(l - lse[t * Hq + h]));
+    }
+  }
+  double err_dv = 0;
+  for (int r = 0; r < Hkv; ++r)
+    for (int d = 0; d < D; ++d) {
+      double sum_dv = 0, sum_dout = 0;
+      for (int64_t t = 0; t < T; ++t) sum_dv += dv[(t * Hkv + r) * D + d];
+      for (int64_t t = 0; t < T; ++t)
+        for (int h = r * (Hq / Hkv); h < (r + 1) * (Hq / Hkv); ++h) sum_dout += dout[(t * Hq + h) * D + d];
+      err_dv = std::max(err_dv, std::fabs(sum_dv - sum_dout) / T);
+    }
+  // Outputs are float32: their rounding and that of lse allow errors near 1e-7 and 1e-6.
+  if (!(err_out < 1e-5 && err_lse < 1e-5 && err_dv < 1e-5)) {
+    std::printf("MISMATCH with the double-precision reference: max |out error| = %.2e, max |lse error| = "
+                "%.2e, dv sums vs dout sums = %.2e per token\n", err_out, err_lse, err_dv);
+    return 1;
+  }
+  std::printf("values match the double-precision reference: max |out error| = %.1e, max |lse error| = "
+              "%.1e, dv sums vs dout sums = %.1e per token\n", err_out, err_lse, err_dv);
 
   // Bad input is rejected with a message naming the argument.
   f.k.shape[2] = 32;
