@@ -5,11 +5,13 @@
 // the Python version only. The Python layer (python/msa/_ops.py) allocates every output.
 //
 // Errors: kInvalidArgument -> ValueError, kNotSupported -> NotImplementedError, else RuntimeError.
+// Integer options arrive as Python ints of any size; one outside int32 is a ValueError naming it.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 
+#include <climits>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -87,27 +89,50 @@ msa::TensorRef to_ref(const char* name, const OptArray& a) {
   return a ? to_ref(name, *a) : msa::TensorRef{};
 }
 
-msa::Options options(int32_t mode, int32_t block_size, int32_t top_k, int32_t sink_blocks,
-                     int32_t local_blocks, float scale, float scale_idx, bool deterministic) {
-  if (mode != 0 && mode != 1) bad_arg("mode", "must be 0 (sparse) or 1 (dense), got " + std::to_string(mode));
+// A Python int that must fit the C++ API's int32_t: out of range (any size) is a ValueError
+// naming the argument; the library checks the value's meaning.
+int32_t int32_arg(const char* name, const nb::int_& v) {
+  int overflow = 0;
+  const long long x = PyLong_AsLongLongAndOverflow(v.ptr(), &overflow);
+  if (x == -1 && PyErr_Occurred()) throw nb::python_error();
+  if (overflow != 0 || x < INT32_MIN || x > INT32_MAX)
+    bad_arg(name, "must fit in a 32-bit signed integer, got " + std::string(nb::str(v).c_str()));
+  return static_cast<int32_t>(x);
+}
+
+msa::KlPass kl_pass_arg(const std::string& s) {
+  if (s == "auto") return msa::KlPass::kAuto;
+  if (s == "fused") return msa::KlPass::kFused;
+  if (s == "separate") return msa::KlPass::kSeparate;
+  bad_arg("kl_pass", "expected 'auto', 'fused' or 'separate', got '" + s + "'");
+}
+
+msa::Options options(const nb::int_& mode, const nb::int_& block_size, const nb::int_& top_k,
+                     const nb::int_& sink_blocks, const nb::int_& local_blocks, float scale,
+                     float scale_idx, bool deterministic) {
+  const int32_t m = int32_arg("mode", mode);
+  if (m != 0 && m != 1) bad_arg("mode", "must be 0 (sparse) or 1 (dense), got " + std::to_string(m));
   msa::Options o;
-  o.mode = static_cast<msa::Mode>(mode);
-  o.block_size = block_size;
-  o.top_k = top_k;
-  o.sink_blocks = sink_blocks;
-  o.local_blocks = local_blocks;
+  o.mode = static_cast<msa::Mode>(m);
+  o.block_size = int32_arg("block_size", block_size);
+  o.top_k = int32_arg("top_k", top_k);
+  o.sink_blocks = int32_arg("sink_blocks", sink_blocks);
+  o.local_blocks = int32_arg("local_blocks", local_blocks);
   o.scale = scale;
   o.scale_idx = scale_idx;
   o.deterministic = deterministic;
   return o;
 }
 
-// Fills `launch` (stream, workspace) and runs `call` without the GIL. A backend that needs
-// device workspace gets it from `alloc(nbytes)`, a Python callable returning a uint8 tensor on
-// the tensors' device, kept alive for the duration of the call.
+// Fills `launch` (stream, value checks, workspace) and runs `call` without the GIL. A backend
+// that needs device workspace gets it from `alloc(nbytes)`, a Python callable returning a uint8
+// tensor on the tensors' device, kept alive for the duration of the call. `check_values`: see
+// msa::Launch (a CUDA call that checks values waits for the check; one being captured into a
+// CUDA graph must pass false).
 template <class P, class F>
-void run(P& p, uintptr_t stream, const nb::object& alloc, F&& call) {
+void run(P& p, uintptr_t stream, bool check_values, const nb::object& alloc, F&& call) {
   p.launch.stream = reinterpret_cast<void*>(stream);
+  p.launch.check_values = check_values;
   const size_t need = msa::workspace_size(p);
   nb::object ws_obj;
   std::optional<Array> ws;
@@ -146,29 +171,31 @@ NB_MODULE(_C, m) {
   m.def(
       "select_blocks",
       [](const Array& q_idx, const Array& k_idx, const OptArray& cu_seqlens, const Array& block_idx,
-         const OptArray& lse_idx, int32_t block_size, int32_t top_k, int32_t sink_blocks,
-         int32_t local_blocks, float scale_idx, uintptr_t stream, const nb::object& workspace_alloc) {
+         const OptArray& lse_idx, const nb::int_& block_size, const nb::int_& top_k,
+         const nb::int_& sink_blocks, const nb::int_& local_blocks, float scale_idx, uintptr_t stream,
+         bool check_values, const nb::object& workspace_alloc) {
         msa::SelectParams p;
         p.q_idx = to_ref("q_idx", q_idx);
         p.k_idx = to_ref("k_idx", k_idx);
         p.cu_seqlens = to_ref("cu_seqlens", cu_seqlens);
         p.block_idx = to_ref("block_idx", block_idx);
         p.lse_idx = to_ref("lse_idx", lse_idx);
-        p.opts = options(0, block_size, top_k, sink_blocks, local_blocks, 0.f, scale_idx, false);
-        run(p, stream, workspace_alloc, [](const msa::SelectParams& x) { return msa::select_blocks(x); });
+        p.opts = options(nb::int_(0), block_size, top_k, sink_blocks, local_blocks, 0.f, scale_idx, false);
+        run(p, stream, check_values, workspace_alloc, [](const msa::SelectParams& x) { return msa::select_blocks(x); });
       },
       nb::arg("q_idx"), nb::arg("k_idx"), nb::arg("cu_seqlens").none(), nb::arg("block_idx"),
       nb::arg("lse_idx").none() = nb::none(), nb::arg("block_size") = 128, nb::arg("top_k") = 16,
       nb::arg("sink_blocks") = 0, nb::arg("local_blocks") = 1, nb::arg("scale_idx") = 0.f,
-      nb::arg("stream") = 0, nb::arg("workspace_alloc") = nb::none());
+      nb::arg("stream") = 0, nb::arg("check_values") = true, nb::arg("workspace_alloc") = nb::none());
 
   m.def(
       "forward",
       [](const Array& q, const Array& k, const Array& v, const OptArray& cu_seqlens,
          const OptArray& block_idx, bool select, const OptArray& q_idx, const OptArray& k_idx,
-         const Array& out, const Array& lse, const OptArray& kl, int32_t mode, int32_t block_size,
-         int32_t top_k, int32_t sink_blocks, int32_t local_blocks, float scale, float scale_idx,
-         bool deterministic, uintptr_t stream, const nb::object& workspace_alloc) {
+         const Array& out, const Array& lse, const OptArray& kl, const nb::int_& mode,
+         const nb::int_& block_size, const nb::int_& top_k, const nb::int_& sink_blocks,
+         const nb::int_& local_blocks, float scale, float scale_idx, bool deterministic,
+         uintptr_t stream, bool check_values, const nb::object& workspace_alloc) {
         msa::ForwardParams p;
         p.q = to_ref("q", q);
         p.k = to_ref("k", k);
@@ -182,7 +209,7 @@ NB_MODULE(_C, m) {
         p.lse = to_ref("lse", lse);
         p.kl = to_ref("kl", kl);
         p.opts = options(mode, block_size, top_k, sink_blocks, local_blocks, scale, scale_idx, deterministic);
-        run(p, stream, workspace_alloc, [](const msa::ForwardParams& x) { return msa::forward(x); });
+        run(p, stream, check_values, workspace_alloc, [](const msa::ForwardParams& x) { return msa::forward(x); });
       },
       nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("cu_seqlens").none(),
       nb::arg("block_idx").none(), nb::arg("select"), nb::arg("q_idx").none(),
@@ -190,7 +217,7 @@ NB_MODULE(_C, m) {
       nb::arg("mode") = 0, nb::arg("block_size") = 128, nb::arg("top_k") = 16,
       nb::arg("sink_blocks") = 0, nb::arg("local_blocks") = 1, nb::arg("scale") = 0.f,
       nb::arg("scale_idx") = 0.f, nb::arg("deterministic") = false, nb::arg("stream") = 0,
-      nb::arg("workspace_alloc") = nb::none());
+      nb::arg("check_values") = true, nb::arg("workspace_alloc") = nb::none());
 
   m.def(
       "backward",
@@ -198,8 +225,9 @@ NB_MODULE(_C, m) {
          const Array& dout, const OptArray& cu_seqlens, const OptArray& block_idx, const Array& dq,
          const Array& dk, const Array& dv, const OptArray& q_idx, const OptArray& k_idx,
          const OptArray& dq_idx, const OptArray& dk_idx, const OptArray& kl_grad, float kl_weight,
-         int32_t mode, int32_t block_size, float scale, float scale_idx, bool deterministic,
-         uintptr_t stream, const nb::object& workspace_alloc) {
+         const nb::int_& mode, const nb::int_& block_size, float scale, float scale_idx,
+         bool deterministic, const std::string& kl_pass, uintptr_t stream, bool check_values,
+         const nb::object& workspace_alloc) {
         msa::BackwardParams p;
         p.q = to_ref("q", q);
         p.k = to_ref("k", k);
@@ -218,8 +246,9 @@ NB_MODULE(_C, m) {
         p.dk_idx = to_ref("dk_idx", dk_idx);
         p.kl_grad = to_ref("kl_grad", kl_grad);
         p.kl_weight = kl_weight;
-        p.opts = options(mode, block_size, 16, 0, 1, scale, scale_idx, deterministic);
-        run(p, stream, workspace_alloc, [](const msa::BackwardParams& x) { return msa::backward(x); });
+        p.opts = options(mode, block_size, nb::int_(16), nb::int_(0), nb::int_(1), scale, scale_idx, deterministic);
+        p.opts.kl_pass = kl_pass_arg(kl_pass);
+        run(p, stream, check_values, workspace_alloc, [](const msa::BackwardParams& x) { return msa::backward(x); });
       },
       nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("lse"), nb::arg("dout"),
       nb::arg("cu_seqlens").none(), nb::arg("block_idx").none(), nb::arg("dq"), nb::arg("dk"),
@@ -227,15 +256,15 @@ NB_MODULE(_C, m) {
       nb::arg("dq_idx").none() = nb::none(), nb::arg("dk_idx").none() = nb::none(),
       nb::arg("kl_grad").none() = nb::none(), nb::arg("kl_weight") = 1.f, nb::arg("mode") = 0,
       nb::arg("block_size") = 128, nb::arg("scale") = 0.f, nb::arg("scale_idx") = 0.f,
-      nb::arg("deterministic") = false, nb::arg("stream") = 0,
-      nb::arg("workspace_alloc") = nb::none());
+      nb::arg("deterministic") = false, nb::arg("kl_pass") = "auto", nb::arg("stream") = 0,
+      nb::arg("check_values") = true, nb::arg("workspace_alloc") = nb::none());
 
   m.def(
       "kl_divergence",
       [](const Array& q, const Array& k, const Array& lse, const Array& q_idx, const Array& k_idx,
          const OptArray& cu_seqlens, const OptArray& block_idx, const Array& kl,
-         const OptArray& kl_rows, int32_t mode, int32_t block_size, float scale, float scale_idx,
-         uintptr_t stream, const nb::object& workspace_alloc) {
+         const OptArray& kl_rows, const nb::int_& mode, const nb::int_& block_size, float scale,
+         float scale_idx, uintptr_t stream, bool check_values, const nb::object& workspace_alloc) {
         msa::KlParams p;
         p.q = to_ref("q", q);
         p.k = to_ref("k", k);
@@ -246,12 +275,12 @@ NB_MODULE(_C, m) {
         p.block_idx = to_ref("block_idx", block_idx);
         p.kl = to_ref("kl", kl);
         p.kl_rows = to_ref("kl_rows", kl_rows);
-        p.opts = options(mode, block_size, 16, 0, 1, scale, scale_idx, false);
-        run(p, stream, workspace_alloc, [](const msa::KlParams& x) { return msa::kl_divergence(x); });
+        p.opts = options(mode, block_size, nb::int_(16), nb::int_(0), nb::int_(1), scale, scale_idx, false);
+        run(p, stream, check_values, workspace_alloc, [](const msa::KlParams& x) { return msa::kl_divergence(x); });
       },
       nb::arg("q"), nb::arg("k"), nb::arg("lse"), nb::arg("q_idx"), nb::arg("k_idx"),
       nb::arg("cu_seqlens").none(), nb::arg("block_idx").none(), nb::arg("kl"),
       nb::arg("kl_rows").none() = nb::none(), nb::arg("mode") = 0, nb::arg("block_size") = 128,
       nb::arg("scale") = 0.f, nb::arg("scale_idx") = 0.f, nb::arg("stream") = 0,
-      nb::arg("workspace_alloc") = nb::none());
+      nb::arg("check_values") = true, nb::arg("workspace_alloc") = nb::none());
 }

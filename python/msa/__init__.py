@@ -60,11 +60,23 @@ def backend_available(device_type: str) -> bool:
 # --------------------------------------------------------------------------------------------
 
 
-def _int(name: str, value, lo: int) -> int:
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+_MAX_TOP_K = 2**20  # the library's limit on top_k (and on block_idx's k)
+
+
+def _int(name: str, value, lo: int, hi: int = _INT32_MAX) -> int:
+    """An int argument in [lo, hi] (the library's options are 32-bit)."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"msa: argument '{name}': expected an int, got {type(value).__name__}")
-    if value < lo:
-        raise ValueError(f"msa: argument '{name}': must be at least {lo}, got {value}")
+    if value < lo or value > hi:
+        raise ValueError(f"msa: argument '{name}': must be in [{lo}, {hi}], got {value}")
+    return value
+
+
+def _kl_pass(value) -> str:
+    if value not in ("auto", "fused", "separate"):
+        raise ValueError(f"msa: argument 'kl_pass': expected 'auto', 'fused' or 'separate', "
+                         f"got {value!r}")
     return value
 
 
@@ -94,12 +106,31 @@ def _tensor(name: str, t, rank: int, shape: str, optional: bool = False) -> Opti
 
 
 def _cu_seqlens(cu, device: torch.device) -> Optional[Tensor]:
+    """cu_seqlens as int32. Other integer dtypes are converted; values outside int32 must not
+    wrap around (a plain cast turns [0, 2**32 + 20, 40] into [0, 20, 40]):
+
+    * on the CPU they are refused here, naming 'cu_seqlens';
+    * on CUDA, reading them would synchronise the host, so they are clamped to the int32 range
+      on the device instead. A clamped value (2**31 - 1 or -2**31) can never be a valid offset
+      (T < 2**31 - 1 for any real tensor), so the library's value check of cu_seqlens
+      (msa::Launch::check_values) reports the array as not starting at 0, decreasing, or not
+      ending at T, naming 'cu_seqlens'; with checks off, the kernels clamp offsets to [0, T].
+    """
     if cu is None:
         return None
     _tensor("cu_seqlens", cu, 1, "[nseq+1] int32")
     if cu.dtype != torch.int32:
         if cu.dtype.is_floating_point or cu.dtype.is_complex or cu.dtype == torch.bool:
             raise ValueError(f"msa: argument 'cu_seqlens': expected dtype int32, got {cu.dtype}")
+        info = torch.iinfo(cu.dtype)
+        if info.min < _INT32_MIN or info.max > _INT32_MAX:
+            if cu.device.type == "cpu":
+                if cu.numel() and (int(cu.min()) < _INT32_MIN or int(cu.max()) > _INT32_MAX):
+                    raise ValueError(
+                        f"msa: argument 'cu_seqlens': values must fit in int32, got "
+                        f"{cu.tolist()}")
+            else:
+                cu = cu.clamp(_INT32_MIN, _INT32_MAX)
         cu = cu.to(torch.int32)
     if cu.device != device:
         raise ValueError(f"msa: argument 'cu_seqlens': expected device {device} (that of q), "
@@ -131,6 +162,7 @@ def sparse_attention(
     return_lse: bool = False,
     return_block_idx: bool = False,
     deterministic: bool = False,
+    kl_pass: str = "auto",
 ):
     """MSA training attention: index selection, sparse attention, KL loss (spec §2-§4).
 
@@ -140,8 +172,8 @@ def sparse_attention(
         q_idx: [T, Hi, Di] index queries, q's dtype. May be None only when ``block_idx`` is
             given (then no KL: ``kl`` is 0 and has no gradient path).
         k_idx: [T, Hik, Di] index keys.
-        top_k: blocks selected per (token, index head), forced blocks included (``k``);
-            ignored when ``block_idx`` is given (its last dim is ``k``).
+        top_k: blocks selected per (token, index head), forced blocks included (``k``), in
+            [1, 2**20]; unused when ``block_idx`` is given (its last dim is ``k``), but checked.
         block_size: tokens per block (``Bk``).
         cu_seqlens: int32 [nseq+1] sequence offsets (None: one sequence).
         block_idx: int32 [T, Hi, k], a caller's selection (ascending or not, ``-1`` = empty
@@ -159,6 +191,10 @@ def sparse_attention(
             then -1 padding), or the caller's ``block_idx``.
         deterministic: ask the backward for bitwise-reproducible gradients (both backends
             always give them: no floating-point atomics).
+        kl_pass: how the backward computes the KL gradient: "auto" (the backend's choice),
+            "fused" (inside the KV-side pass of the CUDA backward, or NotImplementedError where
+            it cannot be) or "separate" (a pass of its own). Results agree to rounding; the CPU
+            backend has one implementation.
 
     Returns:
         ``(out, kl)``, then ``lse`` and ``block_idx`` when asked for, in that order.
@@ -176,11 +212,12 @@ def sparse_attention(
     _int("block_size", block_size, 1)
     _int("sink_blocks", sink_blocks, 0)
     _int("local_blocks", local_blocks, 1)
+    _int("top_k", top_k, 1, _MAX_TOP_K)
+    _kl_pass(kl_pass)
     select = block_idx is None
     if select:
         _tensor("q_idx", q_idx, 3, "[T, Hi, Di]")
         _tensor("k_idx", k_idx, 3, "[T, Hik, Di]")
-        _int("top_k", top_k, 1)
     else:
         _tensor("block_idx", block_idx, 3, "[T, Hi, k] int32")
         _tensor("q_idx", q_idx, 3, "[T, Hi, Di]", optional=True)
@@ -193,7 +230,7 @@ def sparse_attention(
     out, lse, bi, kl = torch.ops.msa.forward(
         q, k, v, q_idx, k_idx, None if select else block_idx, cu, False, select, block_size,
         top_k, sink_blocks, local_blocks, _scale("scale", scale), _scale("scale_idx", scale_idx),
-        bool(kl_value) and has_idx, bool(deterministic))
+        bool(kl_value) and has_idx, bool(deterministic), kl_pass)
     result = (out, kl)
     if return_lse:
         result += (lse,)
@@ -215,6 +252,7 @@ def warmup_attention(
     kl_value: bool = True,
     return_lse: bool = False,
     deterministic: bool = False,
+    kl_pass: str = "auto",
 ):
     """Indexer warmup (spec §5): dense causal attention, KL over the full causal support.
 
@@ -224,7 +262,7 @@ def warmup_attention(
     attention probabilities and ``sigma`` the index softmax, both over all ``j <= t`` of the
     token's sequence. Its gradient trains q_idx, k_idx. ``q_idx``/``k_idx`` may be None (plain
     dense causal attention, ``kl`` = 0). ``kl_value=False`` skips the exact value (``kl`` = 0,
-    gradient unchanged).
+    gradient unchanged). ``kl_pass`` as in :func:`sparse_attention`.
     Returns ``(out, kl)`` (+ ``lse`` [T, Hq] float32 if ``return_lse``).
     """
     _tensor("q", q, 3, "[T, Hq, D]")
@@ -234,11 +272,12 @@ def warmup_attention(
     _tensor("k_idx", k_idx, 3, "[T, Hik, Di]", optional=True)
     if (q_idx is None) != (k_idx is None):
         raise ValueError("msa: argument 'k_idx': q_idx and k_idx must be given together")
+    _kl_pass(kl_pass)
     cu = _cu_seqlens(cu_seqlens, q.device)
     out, lse, _, kl = torch.ops.msa.forward(
         q, k, v, q_idx, k_idx, None, cu, True, False, 128, 16, 0, 1,
         _scale("scale", scale), _scale("scale_idx", scale_idx),
-        bool(kl_value) and q_idx is not None, bool(deterministic))
+        bool(kl_value) and q_idx is not None, bool(deterministic), kl_pass)
     return (out, kl, lse) if return_lse else (out, kl)
 
 
@@ -264,7 +303,7 @@ def select_blocks(
     """
     _tensor("q_idx", q_idx, 3, "[T, Hi, Di]")
     _tensor("k_idx", k_idx, 3, "[T, Hik, Di]")
-    _int("top_k", top_k, 1)
+    _int("top_k", top_k, 1, _MAX_TOP_K)
     _int("block_size", block_size, 1)
     _int("sink_blocks", sink_blocks, 0)
     _int("local_blocks", local_blocks, 1)

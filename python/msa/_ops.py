@@ -8,7 +8,11 @@ so the ops trace under torch.compile. ``msa::forward`` is differentiable (see
 CUDA path: the call runs with the tensors' device current and passes that device's current
 stream (so it is ordered after the producers of the inputs, works on any torch.cuda.Stream and
 under CUDA-graph capture); device workspace comes from torch's caching allocator. Nothing here
-reads a device value on the host (no .item(), .cpu(), .tolist()), so no call synchronises.
+reads a device value on the host (no .item(), .cpu(), .tolist()). The library checks the values
+of ``cu_seqlens`` and of a caller's ``block_idx`` (``check_values``, msa::Launch): on the CPU
+that is free; on CUDA it waits for a small check kernel, so it is off while the current stream
+is being captured into a CUDA graph, and in the autograd backward, whose saved tensors the
+forward already checked (torch's version counters refuse saved tensors changed in place since).
 
 Layout rule: the C++ API accepts any strides as long as the last dimension is contiguous, so an
 input is copied only when its last-dim stride is not 1.
@@ -41,14 +45,16 @@ def _alloc(device: torch.device):
     return lambda nbytes: torch.empty(int(nbytes), dtype=torch.uint8, device=device)
 
 
-def _launch(fn, device: torch.device, *args, **kwargs):
+def _launch(fn, device: torch.device, *args, check_values: bool = True, **kwargs):
     """Calls the binding function ``fn`` for tensors on ``device``: on the CPU directly; for
-    CUDA with ``device`` current and its current stream, without synchronising the host."""
+    CUDA with ``device`` current and its current stream. ``check_values`` (CUDA only; the CPU
+    always checks, for free) is turned off while that stream is being captured."""
     if device.type != "cuda":
-        return fn(*args, stream=0, workspace_alloc=_alloc(device), **kwargs)
+        return fn(*args, stream=0, check_values=True, workspace_alloc=_alloc(device), **kwargs)
     with torch.cuda.device(device):
+        check = bool(check_values) and not torch.cuda.is_current_stream_capturing()
         return fn(*args, stream=torch.cuda.current_stream(device).cuda_stream,
-                  workspace_alloc=_alloc(device), **kwargs)
+                  check_values=check, workspace_alloc=_alloc(device), **kwargs)
 
 
 def _need_rank(name: str, t: Optional[Tensor], rank: int, shape: str) -> None:
@@ -61,9 +67,24 @@ def _need_rank(name: str, t: Optional[Tensor], rank: int, shape: str) -> None:
             f"msa: argument '{name}': expected rank {rank} {shape}, got shape {tuple(t.shape)}")
 
 
-def _need_int(name: str, value: int, lo: int) -> None:
-    if value < lo:
-        raise ValueError(f"msa: argument '{name}': must be at least {lo}, got {value}")
+_INT32_MAX = 2**31 - 1
+_MAX_TOP_K = 2**20  # the library's limit on top_k and on block_idx's k
+
+
+def _need_int(name: str, value: int, lo: int, hi: int = _INT32_MAX) -> None:
+    """Checked here where the op allocates by the value (top_k); the binding refuses any other
+    int outside int32 by name, and the library checks what the values mean."""
+    if value < lo or value > hi:
+        raise ValueError(f"msa: argument '{name}': must be in [{lo}, {hi}], got {value}")
+
+
+_KL_PASSES = ("auto", "fused", "separate")
+
+
+def _need_kl_pass(kl_pass: str) -> None:
+    if kl_pass not in _KL_PASSES:
+        raise ValueError(f"msa: argument 'kl_pass': expected 'auto', 'fused' or 'separate', "
+                         f"got {kl_pass!r}")
 
 
 def _empty(dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -88,7 +109,7 @@ def select_blocks(
 ) -> Tensor:
     """block_idx [T, Hi, top_k] int32: ascending selected block ids, then -1 (spec §2)."""
     _need_rank("q_idx", q_idx, 3, "[T, Hi, Di]")
-    _need_int("top_k", top_k, 1)
+    _need_int("top_k", top_k, 1, _MAX_TOP_K)
     block_idx = torch.empty((q_idx.shape[0], q_idx.shape[1], top_k), dtype=torch.int32,
                             device=q_idx.device)
     _launch(_C.select_blocks, q_idx.device, _lc(q_idx), _lc(k_idx), _lc(cu_seqlens), block_idx,
@@ -126,20 +147,23 @@ def forward(
     scale_idx: float,
     want_kl: bool,
     deterministic: bool,
+    kl_pass: str = "auto",
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(out [T, Hq, D] dtype of q, lse [T, Hq] fp32, block_idx, kl 0-dim fp32).
 
     ``block_idx`` (output) is the selection written by this call, [T, Hi, top_k] int32, when
     ``select`` is set in sparse mode, else an empty [0] int32 tensor. ``kl`` is the exact KL
-    value when ``want_kl`` is set, else 0.
+    value when ``want_kl`` is set, else 0. ``kl_pass`` is for the autograd backward (see
+    ``msa::backward``); it is checked here.
     """
+    _need_kl_pass(kl_pass)
     _need_rank("q", q, 3, "[T, Hq, D]")
     T, Hq, _ = q.shape
     dev = q.device
     sel = (not dense) and select
     if sel:
         _need_rank("q_idx", q_idx, 3, "[T, Hi, Di]")
-        _need_int("top_k", top_k, 1)
+        _need_int("top_k", top_k, 1, _MAX_TOP_K)
         bi_out = torch.empty((T, q_idx.shape[1], top_k), dtype=torch.int32, device=dev)
         bi = bi_out
     else:
@@ -163,7 +187,8 @@ def forward(
 
 @forward.register_fake
 def _(q, k, v, q_idx, k_idx, block_idx, cu_seqlens, dense, select, block_size, top_k,
-      sink_blocks, local_blocks, scale, scale_idx, want_kl, deterministic):
+      sink_blocks, local_blocks, scale, scale_idx, want_kl, deterministic, kl_pass="auto"):
+    _need_kl_pass(kl_pass)
     T, Hq, D = q.shape
     out = q.new_empty((T, Hq, D))
     lse = q.new_empty((T, Hq), dtype=torch.float32)
@@ -200,13 +225,19 @@ def backward(
     want_dq_idx: bool,
     want_dk_idx: bool,
     deterministic: bool,
+    kl_pass: str = "auto",
+    check_values: bool = True,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dq_idx, dk_idx).
 
     dq, dk, dv come from ``dout``; dq_idx, dk_idx ([T, Hi, Di], [T, Hik, Di], or empty [0]
     tensors when not wanted) come from the KL with gamma = kl_grad[0] (``kl_grad``: fp32 [1] on
-    the tensors' device, so no host sync; None means gamma = 1).
+    the tensors' device, so no host sync; None means gamma = 1). ``kl_pass``: how the KL
+    gradient is computed, "auto" | "fused" | "separate" (msa::KlPass; the CPU backend takes
+    all three alike). ``check_values``: whether the CUDA backend checks the values of
+    ``cu_seqlens`` and ``block_idx`` first (a host wait; the CPU always checks).
     """
+    _need_kl_pass(kl_pass)
     _need_rank("q", q, 3, "[T, Hq, D]")
     _need_rank("k", k, 3, "[T, Hkv, D]")
     dev = q.device
@@ -229,13 +260,16 @@ def backward(
             dq_idx if want_dq_idx else None, dk_idx if want_dk_idx else None,
             kl_grad if want_idx else None, kl_weight=1.0,
             mode=_MODE_DENSE if dense else _MODE_SPARSE, block_size=block_size,
-            scale=scale, scale_idx=scale_idx, deterministic=deterministic)
+            scale=scale, scale_idx=scale_idx, deterministic=deterministic, kl_pass=kl_pass,
+            check_values=check_values)
     return dq, dk, dv, dq_idx, dk_idx
 
 
 @backward.register_fake
 def _(dout, q, k, v, out, lse, q_idx, k_idx, block_idx, cu_seqlens, kl_grad, dense,
-      block_size, scale, scale_idx, want_dq_idx, want_dk_idx, deterministic):
+      block_size, scale, scale_idx, want_dq_idx, want_dk_idx, deterministic, kl_pass="auto",
+      check_values=True):
+    _need_kl_pass(kl_pass)
     dq = q.new_empty(q.shape)
     dk = q.new_empty(k.shape)
     dv = q.new_empty(k.shape)
@@ -295,7 +329,8 @@ def _(q, k, lse, q_idx, k_idx, block_idx, cu_seqlens, dense, block_size, scale, 
 
 def _forward_setup_context(ctx, inputs, output):
     (q, k, v, q_idx, k_idx, block_idx, cu_seqlens, dense, select, block_size, top_k,
-     sink_blocks, local_blocks, scale, scale_idx, want_kl, deterministic) = inputs
+     sink_blocks, local_blocks, scale, scale_idx, want_kl, deterministic) = inputs[:17]
+    kl_pass = inputs[17] if len(inputs) > 17 else "auto"
     out, lse, bi_out, kl = output
     support = None if dense else (bi_out if select else block_idx)
     ctx.save_for_backward(q, k, v, q_idx, k_idx, support, cu_seqlens, out, lse)
@@ -304,6 +339,7 @@ def _forward_setup_context(ctx, inputs, output):
     ctx.scale = scale
     ctx.scale_idx = scale_idx
     ctx.deterministic = deterministic
+    ctx.kl_pass = kl_pass
     ctx.has_idx = q_idx is not None and k_idx is not None
     ctx.mark_non_differentiable(lse, bi_out)
     ctx.set_materialize_grads(False)
@@ -316,15 +352,18 @@ def _forward_backward(ctx, grad_out, grad_lse, grad_bi, grad_kl):
     want_dk_idx = ctx.has_idx and grad_kl is not None and needs[4]
     want_main = needs[0] or needs[1] or needs[2]
     if not (want_main or want_dq_idx or want_dk_idx):
-        return (None,) * 17
+        return (None,) * 18
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     kl_grad = grad_kl.reshape(1).float() if (want_dq_idx or want_dk_idx) else None
+    # CUDA: the forward checked the values of these saved tensors, so the backward skips the
+    # check and its host wait (the CPU checks anyway, for free).
     dq, dk, dv, dq_idx, dk_idx = backward(
         grad_out, q, k, v, out, lse, q_idx, k_idx, support, cu_seqlens, kl_grad, ctx.dense,
-        ctx.block_size, ctx.scale, ctx.scale_idx, want_dq_idx, want_dk_idx, ctx.deterministic)
+        ctx.block_size, ctx.scale, ctx.scale_idx, want_dq_idx, want_dk_idx, ctx.deterministic,
+        kl_pass=ctx.kl_pass, check_values=q.device.type != "cuda")
     return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None,
-            dq_idx if want_dq_idx else None, dk_idx if want_dk_idx else None) + (None,) * 12
+            dq_idx if want_dq_idx else None, dk_idx if want_dk_idx else None) + (None,) * 13
 
 
 torch.library.register_autograd("msa::forward", _forward_backward,
