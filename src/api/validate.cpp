@@ -391,16 +391,23 @@ Status selection_options(const Check& c, const Options& o) {
   return Status::Ok();
 }
 
-// cu_seqlens: int32 [nseq+1], 0 = cu[0] <= ... <= cu[nseq] = T. Values are read on the CPU only.
-Status seqlens(Check& c, const TensorRef& cu, Problem* prob) {
+// cu_seqlens: int32 [nseq+1] (optional).
+Status seqlens_shape(Check& c, const TensorRef& cu) {
+  if (!cu.defined()) return Status::Ok();
+  MSA_TRY(c.tensor("cu_seqlens", cu, 1, false));
+  MSA_TRY(c.dtype("cu_seqlens", cu, DType::kInt32));
+  if (cu.shape[0] < 2) return c.fail("cu_seqlens", "expected shape [nseq+1] with nseq >= 1, got " + shape_str(cu));
+  return Status::Ok();
+}
+
+// Its values, 0 = cu[0] <= ... <= cu[nseq] = T, read into prob->cu on the CPU only (after
+// seqlens_shape and the layout checks).
+Status seqlens_values(const Check& c, const TensorRef& cu, Problem* prob) {
   prob->cu.clear();
   if (!cu.defined()) {
     if (c.device().type == DeviceType::kCpu) prob->cu = {0, prob->T};
     return Status::Ok();
   }
-  MSA_TRY(c.tensor("cu_seqlens", cu, 1, false));
-  MSA_TRY(c.dtype("cu_seqlens", cu, DType::kInt32));
-  if (cu.shape[0] < 2) return c.fail("cu_seqlens", "expected shape [nseq+1] with nseq >= 1, got " + shape_str(cu));
   if (cu.device.type != DeviceType::kCpu) return Status::Ok();
   const int32_t* v = static_cast<const int32_t*>(cu.data);
   const int64_t n = cu.shape[0];
@@ -494,8 +501,9 @@ Status validate(const SelectParams& p, Problem* prob) {
   MSA_TRY(out_tensor(c, "block_idx", p.block_idx, DType::kInt32, {prob->T, prob->Hi, prob->k}, "[T, Hi, top_k]"));
   if (p.lse_idx.defined())
     MSA_TRY(out_tensor(c, "lse_idx", p.lse_idx, DType::kFloat32, {prob->T, prob->Hi}, "[T, Hi]"));
-  MSA_TRY(seqlens(c, p.cu_seqlens, prob));
-  return c.no_aliasing();
+  MSA_TRY(seqlens_shape(c, p.cu_seqlens));
+  MSA_TRY(c.no_aliasing());
+  return seqlens_values(c, p.cu_seqlens, prob);
 }
 
 Status validate(const ForwardParams& p, Problem* prob) {
@@ -523,8 +531,9 @@ Status validate(const ForwardParams& p, Problem* prob) {
   MSA_TRY(out_tensor(c, "out", p.out, prob->dtype, {prob->T, prob->Hq, prob->D}, "[T, Hq, D]"));
   MSA_TRY(out_tensor(c, "lse", p.lse, DType::kFloat32, {prob->T, prob->Hq}, "[T, Hq]"));
   if (p.kl.defined()) MSA_TRY(scalar_out(c, "kl", p.kl));
-  MSA_TRY(seqlens(c, p.cu_seqlens, prob));
-  MSA_TRY(c.no_aliasing());
+  MSA_TRY(seqlens_shape(c, p.cu_seqlens));
+  MSA_TRY(c.no_aliasing());  // the layout is all checked: the values of inputs come last
+  MSA_TRY(seqlens_values(c, p.cu_seqlens, prob));
   if (sparse && !p.select) MSA_TRY(block_idx_values(c, p.block_idx, *prob));
   return Status::Ok();
 }
@@ -562,8 +571,9 @@ Status validate(const BackwardParams& p, Problem* prob) {
   if (p.dk_idx.defined())
     MSA_TRY(out_tensor(c, "dk_idx", p.dk_idx, prob->dtype, {T, prob->Hik, prob->Di}, "[T, Hik, Di]"));
   if (p.kl_grad.defined()) MSA_TRY(in_tensor(c, "kl_grad", p.kl_grad, DType::kFloat32, {1}, "[1]"));
-  MSA_TRY(seqlens(c, p.cu_seqlens, prob));
-  MSA_TRY(c.no_aliasing());
+  MSA_TRY(seqlens_shape(c, p.cu_seqlens));
+  MSA_TRY(c.no_aliasing());  // the layout is all checked: the values of inputs come last
+  MSA_TRY(seqlens_values(c, p.cu_seqlens, prob));
   if (sparse) MSA_TRY(block_idx_values(c, p.block_idx, *prob));
   return Status::Ok();
 }
@@ -585,8 +595,9 @@ Status validate(const KlParams& p, Problem* prob) {
   MSA_TRY(scalar_out(c, "kl", p.kl));
   if (p.kl_rows.defined())
     MSA_TRY(out_tensor(c, "kl_rows", p.kl_rows, DType::kFloat32, {prob->T, prob->Hi}, "[T, Hi]"));
-  MSA_TRY(seqlens(c, p.cu_seqlens, prob));
-  MSA_TRY(c.no_aliasing());
+  MSA_TRY(seqlens_shape(c, p.cu_seqlens));
+  MSA_TRY(c.no_aliasing());  // the layout is all checked: the values of inputs come last
+  MSA_TRY(seqlens_values(c, p.cu_seqlens, prob));
   if (sparse) MSA_TRY(block_idx_values(c, p.block_idx, *prob));
   return Status::Ok();
 }
