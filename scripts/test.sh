@@ -29,6 +29,9 @@ cmake -S tests/consumer -B build/consumer -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_PREFIX_PATH="$PWD/build/install" >/dev/null
 cmake --build build/consumer
 build/consumer/msa_consumer
+# Kept only when something above failed: build/ (which the GPU machine's check is given) holds
+# one copy of libmsa, not two.
+rm -rf build/install build/consumer
 
 # The package's binding links the library built above (no second compile of the CUDA kernels).
 .venv/bin/python -m pip install -q --no-build-isolation \
