@@ -11,9 +11,11 @@
 // rule with a score slack of 1e-3 * (1 + |k-th score|), lse_idx within 1e-3 * (1 + |ref|) when the
 // backend produces it. Gradients: rel-L2 < 2e-2 (bf16) / 6e-3 (fp16) per tensor (KL gradients:
 // 2e-2 / 1.5e-2) and 4x that per row, against the CPU backend run on the same out, lse and dout; the reproducibility test
-// compares bits. Shapes a library built with MSA_CUDA_FAST_BUILD lacks are skipped there.
+// compares bits. Kernel variants the library was built without are skipped.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
+
+#include "msa_cuda_variants.h"
 
 #include <algorithm>
 #include <atomic>
@@ -56,20 +58,23 @@ void require_ok(const msa::Status& s) {
   if (!msa::backend_available(DeviceType::kCuda))             \
   GTEST_SKIP() << "no CUDA backend built or no compute capability 9.0 GPU visible"
 
-// A library built with MSA_CUDA_FAST_BUILD instantiates the bf16 kernels with head dims and block
-// size 128 only: other shapes skip there. `main`: the attention kernel runs; `index`: selection.
+// The kernel variants this library was built with (src/cuda/sources.cmake's table; a
+// MSA_CUDA_FAST_BUILD library has bf16 with head dim and block size 128 only): other shapes skip.
+// `main`: the attention kernels run (head dim D); `index`: selection (head dim Di).
+bool variant_built(DType dt, int32_t dim, int32_t bk) {
+#define MSA_X(E, DT, D, BK) \
+  if (dt == DType::DT && dim == D && bk == BK) return true;
+  MSA_CUDA_FOR_EACH_VARIANT(MSA_X)
+#undef MSA_X
+  return false;
+}
 bool kernels_built(const Config& c, bool main, bool index) {
-#if MSA_CUDA_FAST_BUILD
-  return c.dtype == DType::kBFloat16 && c.Bk == 128 && (!main || c.D == 128) && (!index || c.Di == 128);
-#else
-  (void)c, (void)main, (void)index;
-  return true;
-#endif
+  return (!main || variant_built(c.dtype, c.D, c.Bk)) && (!index || variant_built(c.dtype, c.Di, c.Bk));
 }
 
 #define SKIP_UNLESS_BUILT(cfg, main, index)  \
   if (!kernels_built((cfg), (main), (index))) \
-  GTEST_SKIP() << "shape not instantiated in an MSA_CUDA_FAST_BUILD library"
+  GTEST_SKIP() << "kernel variant not built into this library"
 
 // The stream of a test: the legacy default stream or a new non-blocking one. Copies and poison
 // go on the same stream, so a backend that ignored Launch.stream would race with them.

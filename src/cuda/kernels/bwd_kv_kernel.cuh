@@ -1,7 +1,7 @@
 // Attention backward, KV side: dK = scale * sum dS^T Q and dV = sum P^T dO for one KV block,
 // over every (token, head) whose support holds it.
 //
-// One CTA walks one chunk of the entry list of one KV block of one KV head (bwd_common.cuh). An
+// One CTA walks one chunk of the entry list of one KV block of one KV head (device/entry_list.cuh). An
 // item with one chunk writes dK and dV directly; the chunks of a longer list write fp32 partial
 // sums, and the last of them to finish adds them in chunk order and writes the result, so the
 // result does not depend on scheduling and no floating-point atomics are used.
@@ -28,12 +28,17 @@
 #include <cute/tensor.hpp>
 #include <cutlass/gemm/collective/builders/sm90_common.inl>
 
-#include "bwd_common.cuh"
-#include "softmax.cuh"
-#include "tile.cuh"
-#include "utils.cuh"
+#include "../device/entry_list.cuh"
+#include "../device/load.cuh"
+#include "../device/mask.cuh"
+#include "../device/softmax.cuh"
+#include "../device/tile.cuh"
+#include "../device/utils.cuh"
+#include "../host/args.h"
 
 namespace msa::cuda::kern {
+
+using cuda::BwdKvArgs;
 
 // With kKl, Di == kHeadDim.
 template <class Element_, int kHeadDim_, int kBlockN_, bool kKl_ = false>
@@ -132,35 +137,11 @@ struct BwdKVTraits {
 };
 
 template <class Traits>
-struct BwdKVParams {
-  using Element = typename Traits::Element;
-  const Element *q, *dout, *k, *v;
-  int64_t q_s0, q_s1, do_s0, do_s1, k_s0, k_s1, v_s0, v_s1;
-  const float* lse;
-  int64_t lse_s0, lse_s1;
-  const float* delta;  // [T, Hq]
-  Element *dk, *dv;
-  int64_t dk_s0, dk_s1, dv_s0, dv_s1;
-  EntryListParams list;
-  WorkListParams work;
-  const int32_t* cu_seqlens;
-  int32_t nseq;
-  int32_t T;
-  int32_t Hq, Hkv, Hi;
-  int32_t heads_per_idx;  // Gi <= 64
-  int32_t idx_per_kv;
-  int32_t group_tokens;  // m, see group_tokens()
-  float scale, scale_log2;
-  // kKl: the index branch.
-  const Element *q_idx, *k_idx;
-  int64_t qi_s0, qi_s1, ki_s0, ki_s1;
-  const float* lse_idx;        // [T, Hi] contiguous
-  unsigned long long* dq_idx;  // [T, Hi, Di] fixed point
-  unsigned long long* dk_idx;  // [T, Hik, Di] fixed point
-  int32_t Hik, idx_per_key;
-  float scale_idx;  // signed
-};
+struct BwdKVParams : BwdKvArgs {};
 
+// Warp roles: kBlockN / 64 warpgroups, all consumers (64 keys each); every thread also issues its
+// share of the cp.async loads of the entries. Pipeline: the entry stream (EntryStream, kStages
+// stages), CTA barriers between entries. Work: one chunk of one (KV block, KV head) entry list.
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     bwd_kv_kernel(const __grid_constant__ BwdKVParams<Traits> p) {
@@ -173,18 +154,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   SharedStorage& ss = *reinterpret_cast<SharedStorage*>(smem_raw);
 
   __shared__ int32_t last_chunk;
-  const WorkItem it = decode_work(p.work, p.Hkv, blockIdx.x);
-  if (it.item < 0) return;
-  const int64_t x = it.x;
+  WorkItem it;
+  QueryTile tile;
+  EntryList list;
+  int64_t e_begin, e_end;
+  if (!kv_chunk<kBlockN>(p, &it, &tile, &list, &e_begin, &e_end)) return;
   const int32_t r = it.r;
-  const QueryTile tile = decode_tile(p.cu_seqlens, p.nseq, p.T, kBlockN, x);
-  if (tile.count == 0) return;
+  const int64_t key_base = tile.seq_start + tile.first;  // packed index of the block's first key
   const int tid = threadIdx.x;
   const int32_t Gi = p.heads_per_idx, m = p.group_tokens, ipk = p.idx_per_kv;
-  const int64_t key_base = tile.seq_start + tile.first;  // packed index of the block's first key
-  const EntryList list(p.list, tile, x, r, p.Hkv, ipk, m);
-  const int64_t e_begin = min<int64_t>(int64_t(it.c) * p.work.chunk, list.n);
-  const int64_t e_end = min<int64_t>(e_begin + p.work.chunk, list.n);
 
   Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutK{});
   Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutK{});
@@ -202,11 +180,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor sDS = make_tensor(make_smem_ptr(ss.kl.ds.data()), typename Traits::SmemLayoutDS{});
 
   // K and V of the block; keys past the sequence end are zero rows.
-  load_rows_async<kBlockN, kHeadDim>(
-      sK, [&](int row) { return row < tile.count ? p.k + (key_base + row) * p.k_s0 + r * p.k_s1 : nullptr; },
+  load_block_rows_async<kBlockN, kHeadDim>(
+      sK, as<Element>(p.k) + key_base * p.k_s0 + r * p.k_s1, p.k_s0, tile.count,
       tid, kThreads);
-  load_rows_async<kBlockN, kHeadDim>(
-      sV, [&](int row) { return row < tile.count ? p.v + (key_base + row) * p.v_s0 + r * p.v_s1 : nullptr; },
+  load_block_rows_async<kBlockN, kHeadDim>(
+      sV, as<Element>(p.v) + key_base * p.v_s0 + r * p.v_s1, p.v_s0, tile.count,
       tid, kThreads);
   if constexpr (Traits::kKl) {
     // The batch tiles start (and after each flush, dS_idx restarts) at zero: columns past the
@@ -227,9 +205,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const int32_t head0 = (r * ipk + en.il) * Gi;
     const int64_t t0 = tile.seq_start + en.first;
     auto load_columns = [&](const ColumnLoader<kHeadDim, kThreads>& cl) {
-      cl.load(ss.q.data() + st * kStageElems, p.q + t0 * p.q_s0 + head0 * p.q_s1, p.q_s0, p.q_s1,
+      cl.load(ss.q.data() + st * kStageElems, as<Element>(p.q) + t0 * p.q_s0 + head0 * p.q_s1, p.q_s0, p.q_s1,
               en.count);
-      cl.load(ss.dout.data() + st * kStageElems, p.dout + t0 * p.do_s0 + head0 * p.do_s1, p.do_s0,
+      cl.load(ss.dout.data() + st * kStageElems, as<Element>(p.dout) + t0 * p.do_s0 + head0 * p.do_s1, p.do_s0,
               p.do_s1, en.count);
     };
     // With the KL branch the loader's addressing is rebuilt per entry: registers are scarcer
@@ -248,10 +226,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if constexpr (Traits::kKl) {
       const int32_t i = r * ipk + en.il;
       const int ltid = fresh_thread_index();
-      load_rows_async<kTok, kHeadDim>(
-          sQi(_, _, st),
-          [&](int t) { return t < en.count ? p.q_idx + (t0 + t) * p.qi_s0 + i * p.qi_s1 : nullptr; },
-          ltid, kThreads);
+      load_block_rows_async<kTok, kHeadDim>(
+          sQi(_, _, st), as<Element>(p.q_idx) + t0 * p.qi_s0 + i * p.qi_s1, p.qi_s0, en.count, ltid,
+          kThreads);
       if (ltid >= kBlockC && ltid < kBlockC + kTok) {
         const int c = ltid - kBlockC;
         const bool ok = c < en.count;
@@ -370,28 +347,18 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
         for (int v = 0; v < size(acc); ++v) {
           const int d = get<0>(cDQ(v)), t = get<1>(cDQ(v));
-          if (t < pe.count && ((pe.mask >> t) & 1u))
+          if (entry_selects(pe, t))
             add_fixed(p.dq_idx + ((t0 + t) * p.Hi + ih) * kHeadDim + d, acc(v));
         }
       }
     }
   };
 
-  constexpr int kStages = Traits::kStages;
-  // Prologue: the first kStages - 1 entries in flight (one cp.async group each; the block's own
-  // rows ride with the first).
-  int64_t next = e_begin;
-  for (int st = 0; st < kStages - 1; ++st, ++next) {
-    if (next < e_end) issue(list.load(p.list, next), st);
-    cp_async_commit();
-  }
-  EntryList::Raw ahead;  // the next entry to issue: its load overlaps this entry's compute
-  if (next < e_end) ahead = list.load(p.list, next);
+  // The first kStages - 1 entries in flight (the block's own rows ride with the first).
+  EntryStream<Traits::kStages> stream(list, p.list, e_begin, e_end, issue);
   for (int64_t e = e_begin; e < e_end; ++e) {
-    const int st = static_cast<int>((e - e_begin) % kStages);
-    cp_async_wait<kStages - 2>();
-    cutlass::arch::fence_view_async_shared();
-    __syncthreads();
+    const int st = stream.stage(e);
+    stream.wait();
     const Entry en = ss.entry[st];
     if constexpr (Traits::kKl) {
       if (tid == 0) ss.kl.pending[(e - e_begin) & 1] = en;
@@ -401,9 +368,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         flush_batch();
         __syncthreads();
         loaded_ik = ik;
-        load_rows_async<kBlockN, kHeadDim>(
-            sKi,
-            [&](int row) { return row < tile.count ? p.k_idx + (key_base + row) * p.ki_s0 + ik * p.ki_s1 : nullptr; },
+        load_block_rows_async<kBlockN, kHeadDim>(
+            sKi, as<Element>(p.k_idx) + key_base * p.ki_s0 + ik * p.ki_s1, p.ki_s0, tile.count,
             tid, kThreads);
         cp_async_commit();
         cp_async_wait_all();
@@ -413,9 +379,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         flush_batch();
       }
     }
-    if (next < e_end) issue(ahead, static_cast<int>((next - e_begin) % kStages));
-    cp_async_commit();
-    if (++next < e_end) ahead = list.load(p.list, next);
+    stream.issue_next(list, p.list, issue);
     if (en.count == 0) {
       if constexpr (Traits::kKl) run_dq();  // its tiles are rewritten by the next entry
       continue;
@@ -443,7 +407,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
     for (int c = 0; c < kCols; ++c) {
       const int32_t t = col_token(c);
-      col_ok[c] = t < en.count && ((en.mask >> t) & 1u);
+      col_ok[c] = entry_selects(en, t);
     }
 #pragma unroll
     for (int a = 0; a < kRows; ++a) {
@@ -524,7 +488,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
         for (int c = 0; c < kColsI; ++c) {
           const int t = get<1>(cIrc(a, c));
-          const bool ok = t < en.count && ((en.mask >> t) & 1u) && key <= en.first + t;
+          const bool ok = entry_sees(en, t, key);
           const float pi = ss.kl.teacher[row * Traits::kTeacherStride + t];
           const float lsig2 = (Si(a, c) * p.scale_idx - ss.kl.lidx[st][t]) * static_cast<float>(M_LOG2E);
           Si(a, c) = ok ? fast_exp2(lsig2) - pi : 0.f;
@@ -581,8 +545,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     for (int i = 0; i < size<0>(dK); ++i) {
       const int row = get<0>(cKVrc(i, 0));
       if (row >= tile.count) continue;
-      Element* dk = p.dk + (key_base + row) * p.dk_s0 + r * p.dk_s1;
-      Element* dv = p.dv + (key_base + row) * p.dv_s0 + r * p.dv_s1;
+      Element* dk = as<Element>(p.dk) + (key_base + row) * p.dk_s0 + r * p.dk_s1;
+      Element* dv = as<Element>(p.dv) + (key_base + row) * p.dv_s0 + r * p.dv_s1;
 #pragma unroll
       for (int c = 0; c < size<1>(dK); c += 2) {
         const int col = get<1>(cKVrc(i, c));
@@ -635,8 +599,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     a[1] = static_cast<Element>(sk.y * p.scale);
     b[0] = static_cast<Element>(sv.x);
     b[1] = static_cast<Element>(sv.y);
-    *reinterpret_cast<cutlass::Array<Element, 2>*>(p.dk + (key_base + row) * p.dk_s0 + r * p.dk_s1 + col) = a;
-    *reinterpret_cast<cutlass::Array<Element, 2>*>(p.dv + (key_base + row) * p.dv_s0 + r * p.dv_s1 + col) = b;
+    *reinterpret_cast<cutlass::Array<Element, 2>*>(as<Element>(p.dk) + (key_base + row) * p.dk_s0 + r * p.dk_s1 + col) = a;
+    *reinterpret_cast<cutlass::Array<Element, 2>*>(as<Element>(p.dv) + (key_base + row) * p.dv_s0 + r * p.dv_s1 + col) = b;
   }
 }
 

@@ -18,12 +18,17 @@
 #include <cute/tensor.hpp>
 #include <cutlass/gemm/collective/builders/sm90_common.inl>
 
-#include "bwd_common.cuh"
-#include "softmax.cuh"
-#include "tile.cuh"
-#include "utils.cuh"
+#include "../device/entry_list.cuh"
+#include "../device/load.cuh"
+#include "../device/mask.cuh"
+#include "../device/softmax.cuh"
+#include "../device/tile.cuh"
+#include "../device/utils.cuh"
+#include "../host/args.h"
 
 namespace msa::cuda::kern {
+
+using cuda::KlArgs;
 
 // kDim: D == Di (the index branch and the main branch share the instantiation's head dim).
 template <class Element_, int kDim_, int kBlockN_>
@@ -86,26 +91,10 @@ struct KlTraits {
 };
 
 template <class Traits>
-struct KlParams {
-  using Element = typename Traits::Element;
-  const Element *q, *k, *q_idx, *k_idx;
-  int64_t q_s0, q_s1, k_s0, k_s1, qi_s0, qi_s1, ki_s0, ki_s1;
-  const float* lse;
-  int64_t lse_s0, lse_s1;
-  const float* lse_idx;  // [T, Hi] contiguous
-  unsigned long long* dq_idx;   // [T, Hi, Di] fixed point, or null
-  unsigned long long* dk_idx;   // [T, Hik, Di] fixed point, or null
-  unsigned long long* kl_rows;  // [T, Hi] fixed point, or null
-  EntryListParams list;
-  WorkListParams work;
-  const int32_t* cu_seqlens;
-  int32_t nseq;
-  int32_t T;
-  int32_t Hq, Hkv, Hi, Hik;
-  int32_t heads_per_idx, idx_per_kv, idx_per_key, group_tokens;
-  float scale_log2, scale_idx;  // signed
-};
+struct KlParams : KlArgs {};
 
+// Warp roles, pipeline and work: those of bwd_kv_kernel.cuh (kBlockN / 64 consumer warpgroups,
+// the entry stream, one chunk of one entry list per CTA).
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     kl_kernel(const __grid_constant__ KlParams<Traits> p) {
@@ -117,19 +106,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   extern __shared__ __align__(1024) char smem_raw[];
   SharedStorage& ss = *reinterpret_cast<SharedStorage*>(smem_raw);
 
-  const WorkItem it = decode_work(p.work, p.Hkv, blockIdx.x);
-  if (it.item < 0) return;
-  const int64_t x = it.x;
+  WorkItem it;
+  QueryTile tile;
+  EntryList list;
+  int64_t e_begin, e_end;
+  if (!kv_chunk<kBlockN>(p, &it, &tile, &list, &e_begin, &e_end)) return;
   const int32_t r = it.r;
-  const QueryTile tile = decode_tile(p.cu_seqlens, p.nseq, p.T, kBlockN, x);
-  if (tile.count == 0) return;
+  const int64_t key_base = tile.seq_start + tile.first;  // packed index of the block's first key
   const int tid = threadIdx.x;
   const int wg = tid / 128;
   const int32_t Gi = p.heads_per_idx, m = p.group_tokens, ipk = p.idx_per_kv;
-  const int64_t key_base = tile.seq_start + tile.first;
-  const EntryList list(p.list, tile, x, r, p.Hkv, ipk, m);
-  const int64_t e_begin = min<int64_t>(int64_t(it.c) * p.work.chunk, list.n);
-  const int64_t e_end = min<int64_t>(e_begin + p.work.chunk, list.n);
 
   Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutK{});
   Tensor sKi = make_tensor(make_smem_ptr(ss.k_idx.data()), typename Traits::SmemLayoutK{});
@@ -142,13 +128,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // The block's main keys and index keys (index key head of the chunk's first index head; they
   // are reloaded below when an entry's index head uses another one).
   int32_t loaded_ik = -1;
-  load_rows_async<kBlockN, kDim>(
-      sK, [&](int row) { return row < tile.count ? p.k + (key_base + row) * p.k_s0 + r * p.k_s1 : nullptr; },
+  load_block_rows_async<kBlockN, kDim>(
+      sK, as<Element>(p.k) + key_base * p.k_s0 + r * p.k_s1, p.k_s0, tile.count,
       tid, kThreads);
   auto load_kidx = [&](int32_t ik) {
-    load_rows_async<kBlockN, kDim>(
-        sKi,
-        [&](int row) { return row < tile.count ? p.k_idx + (key_base + row) * p.ki_s0 + ik * p.ki_s1 : nullptr; },
+    load_block_rows_async<kBlockN, kDim>(
+        sKi, as<Element>(p.k_idx) + key_base * p.ki_s0 + ik * p.ki_s1, p.ki_s0, tile.count,
         tid, kThreads);
   };
 
@@ -159,12 +144,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const int32_t i = r * ipk + en.il;
     const int32_t head0 = i * Gi;
     const int64_t t0 = tile.seq_start + en.first;
-    cols_in.load(ss.q.data() + st * kStageElems, p.q + t0 * p.q_s0 + head0 * p.q_s1, p.q_s0, p.q_s1,
+    cols_in.load(ss.q.data() + st * kStageElems, as<Element>(p.q) + t0 * p.q_s0 + head0 * p.q_s1, p.q_s0, p.q_s1,
                  en.count);
-    load_rows_async<Traits::kTok, kDim>(
-        sQi(_, _, st),
-        [&](int t) { return t < en.count ? p.q_idx + (t0 + t) * p.qi_s0 + i * p.qi_s1 : nullptr; },
-        tid, kThreads);
+    load_block_rows_async<Traits::kTok, kDim>(
+        sQi(_, _, st), as<Element>(p.q_idx) + t0 * p.qi_s0 + i * p.qi_s1, p.qi_s0, en.count, tid,
+        kThreads);
     if (tid < kBlockC) {
       const int c = tid;
       const int32_t tok = c / Gi;
@@ -233,21 +217,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     clear(tDKrDK);
   };
 
-  constexpr int kStages = Traits::kStages;
-  // Prologue: the first kStages - 1 entries in flight (one cp.async group each; the block's own
-  // rows ride with the first).
-  int64_t next = e_begin;
-  for (int st = 0; st < kStages - 1; ++st, ++next) {
-    if (next < e_end) issue(list.load(p.list, next), st);
-    cp_async_commit();
-  }
-  EntryList::Raw ahead;  // the next entry to issue: its load overlaps this entry's compute
-  if (next < e_end) ahead = list.load(p.list, next);
+  // The first kStages - 1 entries in flight (the block's own rows ride with the first).
+  EntryStream<Traits::kStages> stream(list, p.list, e_begin, e_end, issue);
   for (int64_t e = e_begin; e < e_end; ++e) {
-    const int st = static_cast<int>((e - e_begin) % kStages);
-    cp_async_wait<kStages - 2>();
-    cutlass::arch::fence_view_async_shared();
-    __syncthreads();
+    const int st = stream.stage(e);
+    stream.wait();
     const Entry en = ss.entry[st];
     const int32_t i = r * ipk + en.il;
     if (en.il != cur_il) {
@@ -263,9 +237,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         __syncthreads();
       }
     }
-    if (next < e_end) issue(ahead, static_cast<int>((next - e_begin) % kStages));
-    cp_async_commit();
-    if (++next < e_end) ahead = list.load(p.list, next);
+    stream.issue_next(list, p.list, issue);
     if (en.count == 0) continue;
     const int64_t t0 = tile.seq_start + en.first;
 
@@ -281,7 +253,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       for (int c = 0; c < kCols; ++c) {
         const int col = get<1>(cSrc(a, c));
         const int32_t t = col / Gi;
-        const bool ok = t < en.count && ((en.mask >> t) & 1u) && key <= en.first + t;
+        const bool ok = entry_sees(en, t, key);
         ss.p[row * kPStride + col] =
             ok ? fast_exp2(S(a, c) * p.scale_log2 - ss.lse[st][col] * static_cast<float>(M_LOG2E)) : 0.f;
       }
@@ -305,7 +277,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
       for (int c = 0; c < kColsI; ++c) {
         const int t = get<1>(cSirc(a, c));
-        const bool ok = t < en.count && ((en.mask >> t) & 1u) && key <= en.first + t;
+        const bool ok = entry_sees(en, t, key);
         const float pi = ok ? ss.p[row * kPStride + t * Gi] : 0.f;
         const float lsig2 = (Si(a, c) * p.scale_idx - ss.lidx[st][t]) * static_cast<float>(M_LOG2E);
         Si(a, c) = ok ? fast_exp2(lsig2) - pi : 0.f;
@@ -348,7 +320,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
         for (int v = 0; v < size(tDQrDQ); ++v) {
           const int d = get<0>(cDQ(v)), t = get<1>(cDQ(v));
-          if (t < en.count && ((en.mask >> t) & 1u))
+          if (entry_selects(en, t))
             add_fixed(p.dq_idx + ((t0 + t) * p.Hi + i) * kDim + d, tDQrDQ(v));
         }
       }

@@ -15,17 +15,21 @@
 #include <cutlass/gemm/collective/builders/sm90_common.inl>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
-#include "tile.cuh"
-#include "utils.cuh"
+#include "../device/load.cuh"
+#include "../device/tile.cuh"
+#include "../device/utils.cuh"
+#include "../host/args.h"
 
 namespace msa::cuda::kern {
+
+using cuda::SelectArgs;
 
 template <class Element_, int kDim_, int kBlockN_>
 struct SelectTraits {
   using Element = Element_;
   static constexpr int kDim = kDim_;
   static constexpr int kBlockN = kBlockN_;
-  static constexpr int kBlockM = 256;  // each consumer warpgroup owns 128 rows
+  static constexpr int kBlockM = cuda::kSelectTileRows;  // each consumer warpgroup owns 128 rows
   static constexpr int kStages = 3;
   static constexpr int kConsumerThreads = 256;
   static constexpr int kThreads = kConsumerThreads + 128;
@@ -57,25 +61,13 @@ struct SelectTraits {
 };
 
 template <class Traits>
-struct SelectKernelParams {
-  using Element = typename Traits::Element;
+struct SelectKernelParams : SelectArgs {
   typename Traits::Tma tma_k;
-  const Element* q_idx;
-  int64_t q_s0, q_s1;
-  int32_t* block_idx;  // [T, Hi, k]
-  int64_t bi_s0, bi_s1;
-  const int32_t* cu_seqlens;
-  int32_t nseq;
-  int32_t T;
-  int32_t Hik;
-  int32_t idx_per_key;  // Gk = Hi / Hik
-  int32_t tile_tokens;  // m = kBlockM / Gk
-  int32_t k, sink_blocks, local_blocks;
-  float scale;  // |scale_idx|
-  bool negate;  // scale_idx < 0: q_idx is negated on load and |scale_idx| used
-  int64_t num_tiles;
 };
 
+// Warp roles: warp 0 of the first warpgroup streams k_idx blocks by TMA (the other three warps
+// leave); warpgroups 1 and 2 own 128 rows each. Pipeline: pipe (kStages), producer -> consumers.
+// Work: one tile (blockIdx.x, late tiles first) of one index key head (blockIdx.y).
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     select_kernel(const __grid_constant__ SelectKernelParams<Traits> p) {
@@ -132,24 +124,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int tidx = threadIdx.x - 128;
   const int32_t Gk = p.idx_per_key;
   const int32_t rows_used = p.tile_tokens * Gk;
-  {
-    constexpr int kChunks = kDim / 8;
-    for (int e = tidx; e < kBlockM * kChunks; e += Traits::kConsumerThreads) {
-      const int row = e / kChunks, c = e % kChunks;
-      const int tok = row / Gk, h = row - tok * Gk;
-      uint4 val = make_uint4(0, 0, 0, 0);
-      if (row < rows_used && tok < tile.count) {
-        const Element* src = p.q_idx + (tile.seq_start + tile.first + tok) * p.q_s0 +
-                             (int64_t)(ik * Gk + h) * p.q_s1 + c * 8;
-        val = *reinterpret_cast<const uint4*>(src);
-        if (p.negate) val = negate8(val);
-      }
-      *reinterpret_cast<uint4*>(&sQ(row, c * 8)) = val;
-    }
-    cutlass::arch::fence_view_async_shared();
-    cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads,
-                                      static_cast<uint32_t>(Barrier::kQReady));
-  }
+  load_head_rows<kBlockM, kDim, Traits::kConsumerThreads>(
+      sQ, as<Element>(p.q_idx) + (tile.seq_start + tile.first) * p.q_s0, p.q_s0, p.q_s1, ik * Gk, Gk,
+      tile.count, tidx, p.negate);
+  cutlass::arch::fence_view_async_shared();
+  cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, static_cast<uint32_t>(Barrier::kQReady));
 
   typename Traits::MmaQK mma;
   auto thr = mma.get_thread_slice(tidx);

@@ -1,11 +1,12 @@
-// Pieces shared by the KV-side backward kernels (bwd_kv_kernel.cuh, kl_kernel.cuh): the list of
-// query groups that selected a KV block, and cp.async loads of row tiles.
+// Entry lists of the KV-side kernels (bwd_kv_kernel.cuh, kl_kernel.cuh): the query groups that
+// selected a KV block, the work items and chunks they are cut into, and the entry stream that
+// keeps kStages entries in flight.
 //
 // A KV-side work item is one KV block (Bk keys of one sequence) of one KV head r. Its work is a
 // list of entries (index head i of r, query group g): a group is m = min(64 / Gi, 16) consecutive
 // tokens of the sequence, and the entry's 64 columns are (token, head) pairs of those tokens and of i's Gi query
 // heads (column = token * Gi + head). `mask` bit t says that token t of the group selected the
-// block. Sparse mode reads the entries from the reverse index (bwd_aux.cuh): keys sorted by
+// block. Sparse mode reads the entries from the reverse index (host/reverse_index.cu): keys sorted by
 // (KV tile, r, i, g), one per distinct entry, with the OR of the selecting tokens' bits. Dense
 // (warmup) mode enumerates every group at or after the block, all bits set.
 //
@@ -15,9 +16,11 @@
 #pragma once
 
 #include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
 
 #include <cstdint>
 
+#include "load.cuh"
 #include "tile.cuh"
 
 namespace msa::cuda::kern {
@@ -28,79 +31,6 @@ constexpr double kFixedOne = 4294967296.0;
 __device__ __forceinline__ void add_fixed(unsigned long long* dst, float v) {
   atomicAdd(dst, static_cast<unsigned long long>(__double2ll_rn(static_cast<double>(v) * kFixedOne)));
 }
-
-// 16-byte cp.async with zero fill: copies 16 bytes when `pred`, else writes 16 zero bytes.
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pred) {
-  const uint32_t s = cute::cast_smem_ptr_to_uint(smem);
-  const int n = pred ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
-}
-// 4-byte cp.async with zero fill.
-__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool pred) {
-  const uint32_t s = cute::cast_smem_ptr_to_uint(smem);
-  const int n = pred ? 4 : 0;
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_all() {
-  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-}
-// Waits until at most N of this thread's cp.async groups are pending.
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-// Rows [0, kRowsTile) of a swizzled shared tile from global rows: row_ptr(row) gives the row's
-// first element, or nullptr for a zero row. kDim elements per row, 16 bytes per copy.
-template <int kRowsTile, int kDim, class SmemTensor, class RowPtr>
-__device__ inline void load_rows_async(SmemTensor&& s, RowPtr row_ptr, int tid, int nthreads) {
-  constexpr int kChunks = kDim / 8;
-  for (int e = tid; e < kRowsTile * kChunks; e += nthreads) {
-    const int row = e / kChunks, c = e % kChunks;
-    const auto* src = row_ptr(row);
-    cp_async16(&s(row, c * 8), src != nullptr ? src + c * 8 : nullptr, src != nullptr);
-  }
-}
-
-// The 64 (token, head) columns of an entry as a [64, kDim] row tile (column c = token * Gi +
-// head), loaded by kThreads threads with cp.async. What does not change from entry to entry (each
-// thread's rows, their token and head, their shared-memory offsets) is worked out once, so that
-// an entry costs each thread a few multiply-adds per 16-byte copy.
-template <int kDim, int kThreads>
-struct ColumnLoader {
-  static constexpr int kRows = 64;
-  static constexpr int kChunks = kDim / 8;
-  static constexpr int kIters = kRows * kChunks / kThreads;
-  static_assert(kRows * kChunks % kThreads == 0, "");
-  int32_t tok[kIters], head[kIters], soff[kIters];
-  int32_t chunk;
-
-  // smem: the tile of stage 0 (a CuTe tensor); offsets are in elements from its start.
-  template <class SmemTensor>
-  __device__ ColumnLoader(const SmemTensor& smem, int32_t Gi, int tid) {
-    chunk = tid % kChunks;
-    const auto* base = &smem(0, 0);
-#pragma unroll
-    for (int j = 0; j < kIters; ++j) {
-      const int row = (tid + j * kThreads) / kChunks;
-      tok[j] = row / Gi;
-      head[j] = row - tok[j] * Gi;
-      soff[j] = static_cast<int32_t>(&smem(row, chunk * 8) - base);
-    }
-  }
-
-  // Rows of `count` tokens from src (the entry's first token and head), into the tile at dst.
-  template <class Element>
-  __device__ void load(Element* dst, const Element* src, int64_t s0, int64_t s1,
-                       int32_t count) const {
-#pragma unroll
-    for (int j = 0; j < kIters; ++j) {
-      const bool ok = tok[j] < count;
-      cp_async16(dst + soff[j], ok ? src + tok[j] * s0 + head[j] * s1 + chunk * 8 : src, ok);
-    }
-  }
-};
 
 // Reverse-index key of entry (KV tile x, KV head r, index head i_local of r, group g).
 __host__ __device__ inline uint64_t entry_key(int64_t x, int32_t r, int32_t Hkv, int32_t il,
@@ -130,6 +60,7 @@ struct EntryList {
   int64_t g_first = 0;  // dense: first group at or after the block
   int64_t ng = 0;       // dense: groups per index head
 
+  EntryList() = default;
   __device__ EntryList(const EntryListParams& p, const QueryTile& tile, int64_t x, int32_t r,
                        int32_t Hkv, int32_t ipk, int32_t m) {
     g_base = tile.seq + tile.seq_start / m;
@@ -230,5 +161,58 @@ __device__ inline WorkItem decode_work(const WorkListParams& p, int32_t Hkv, int
   it.chunks = p.num_chunks[lo];
   return it;
 }
+
+// The work of one KV-side CTA: chunk it.c of the entry list of (KV block it.x, KV head it.r), as
+// `tile` (the block's keys, a tile of kBlockN of its sequence), `list` and entries [begin, end).
+// False: nothing to do. Params: the KV-side kernel's parameters (work, list, cu_seqlens, nseq, T,
+// Hkv, idx_per_kv, group_tokens).
+template <int kBlockN, class Params>
+__device__ inline bool kv_chunk(const Params& p, WorkItem* it, QueryTile* tile, EntryList* list,
+                                int64_t* begin, int64_t* end) {
+  *it = decode_work(p.work, p.Hkv, blockIdx.x);
+  if (it->item < 0) return false;
+  *tile = decode_tile(p.cu_seqlens, p.nseq, p.T, kBlockN, it->x);
+  if (tile->count == 0) return false;
+  *list = EntryList(p.list, *tile, it->x, it->r, p.Hkv, p.idx_per_kv, p.group_tokens);
+  *begin = min<int64_t>(int64_t(it->c) * p.work.chunk, list->n);
+  *end = min<int64_t>(*begin + p.work.chunk, list->n);
+  return true;
+}
+
+// A chunk's entries [begin, end) through kStages shared-memory stages, kStages - 1 of them in
+// flight ahead of the one being computed. issue(raw, stage) starts the cp.async loads of one
+// entry; each entry is one commit group (empty past the end, so that the wait counts stay right).
+template <int kStages>
+struct EntryStream {
+  int64_t begin, end, next;
+  EntryList::Raw ahead;  // the next entry to issue: its load overlaps the current entry's compute
+
+  template <class Issue>
+  __device__ EntryStream(const EntryList& list, const EntryListParams& lp, int64_t begin_,
+                         int64_t end_, Issue&& issue)
+      : begin(begin_), end(end_), next(begin_) {
+    for (int st = 0; st < kStages - 1; ++st, ++next) {
+      if (next < end) issue(list.load(lp, next), st);
+      cp_async_commit();
+    }
+    if (next < end) ahead = list.load(lp, next);
+  }
+
+  __device__ int stage(int64_t e) const { return static_cast<int>((e - begin) % kStages); }
+
+  // Entry e has landed in its stage, and every thread is done with the stage issue_next refills.
+  __device__ void wait() const {
+    cp_async_wait<kStages - 2>();
+    cutlass::arch::fence_view_async_shared();
+    __syncthreads();
+  }
+
+  template <class Issue>
+  __device__ void issue_next(const EntryList& list, const EntryListParams& lp, Issue&& issue) {
+    if (next < end) issue(ahead, stage(next));
+    cp_async_commit();
+    if (++next < end) ahead = list.load(lp, next);
+  }
+};
 
 }  // namespace msa::cuda::kern

@@ -1,10 +1,13 @@
-// The KV blocks a query tile visits: the union of its tokens' selections, in ascending order,
-// with a token-membership bitmask per block. Built by one warp in shared memory.
+// Block iteration of the query-tile kernels: the KV blocks a tile visits, in ascending order.
+// Dense (warmup) mode visits every causal block; sparse mode the union of its tokens' selections,
+// with a token-membership bitmask per block, built by one warp in shared memory.
 //
 // Entries of block_idx outside [0, blk(t)] (the -1 padding, or a caller's out-of-range id) are
 // skipped, so no selection can make a kernel read outside its sequence's causal prefix.
 #pragma once
 
+#include <algorithm>
+#include <cstddef>
 #include <cstdint>
 
 namespace msa::cuda::kern {
@@ -15,6 +18,51 @@ struct UnionSmem {
   int32_t* blocks;    // [capacity] ascending block ids
   uint32_t* members;  // [capacity][mask_words] token bits of each block
   int32_t mask_words;
+};
+
+// Sizes of the union arrays, which follow a kernel's SharedStorage in dynamic shared memory
+// (all zero in dense mode).
+struct UnionLayout {
+  int32_t bitmap_words = 0, capacity = 0, mask_words = 0;
+
+  // Host: the arrays of tiles of `tile_tokens` tokens selecting k blocks each.
+  static UnionLayout make(bool dense, int64_t T, int32_t Bk, int32_t tile_tokens, int32_t k) {
+    UnionLayout l;
+    if (dense) return l;
+    const int64_t num_blocks = (T + Bk - 1) / Bk;
+    l.bitmap_words = static_cast<int32_t>((num_blocks + 31) / 32);
+    l.capacity = static_cast<int32_t>(std::min<int64_t>(int64_t(tile_tokens) * k, num_blocks));
+    l.mask_words = (tile_tokens + 31) / 32;
+    return l;
+  }
+  __host__ __device__ size_t bytes() const {
+    return 4 * (2 * size_t(bitmap_words) + size_t(capacity) * (1 + mask_words));
+  }
+  __device__ UnionSmem carve(char* base) const {
+    int32_t* a = reinterpret_cast<int32_t*>(base);
+    UnionSmem u;
+    u.bitmap = reinterpret_cast<uint32_t*>(a);
+    u.prefix = a + bitmap_words;
+    u.blocks = a + 2 * bitmap_words;
+    u.members = reinterpret_cast<uint32_t*>(a + 2 * bitmap_words + capacity);
+    u.mask_words = mask_words;
+    return u;
+  }
+};
+
+// The list a tile walks: entry u is block block(u); member(u, tok, ok) says whether the tile's
+// token tok, on a real row (`ok`), selected it (always, in dense mode). Params: the kernel's
+// parameters (dense, uni); they are read where used, not held in registers across loops.
+template <class Params>
+struct BlockList {
+  const Params& p;
+  UnionSmem us;
+
+  __device__ int32_t block(int32_t u) const { return p.dense ? u : us.blocks[u]; }
+  __device__ bool member(int32_t u, int32_t tok, bool ok) const {
+    if (!p.dense && ok) ok = (us.members[u * p.uni.mask_words + (tok >> 5)] >> (tok & 31)) & 1u;
+    return ok;
+  }
 };
 
 // Returns the number of blocks in the union (the same value in every lane).

@@ -1,5 +1,5 @@
 // Host helpers shared by the CUDA backend's sources: error messages that name the argument,
-// the kernels' alignment and dtype requirements, and a device guard.
+// the kernels' alignment and dtype requirements, the device guard, the SM count.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -7,8 +7,7 @@
 #include <cstdint>
 #include <string>
 
-#include "../core/problem.h"
-#include "launch.h"
+#include "../../core/problem.h"
 #include "msa/types.h"
 
 namespace msa::cuda {
@@ -67,7 +66,32 @@ inline Status check_head_dim(const char* fn, const char* arg, int32_t d) {
   return fail(fn, arg, "the CUDA backend supports head dims 64 and 128, got " + std::to_string(d));
 }
 
-// One instantiation of the forward kernel per (dtype, head dim, block size); backend.cu.
-Status dispatch_forward(const FwdArgs& a, DType dt, int32_t D, int32_t Bk);
+// 4-byte aligned rows (even strides): the epilogues store element pairs.
+inline Status check_even(const char* fn, const char* arg, const TensorRef& t) {
+  if (!t.defined()) return Status::Ok();
+  if (t.stride[0] % 2 != 0 || t.stride[1] % 2 != 0 || reinterpret_cast<uintptr_t>(t.data) % 4 != 0)
+    return fail(fn, arg, "the CUDA backend needs 4-byte aligned rows (even strides)");
+  return Status::Ok();
+}
+
+inline Status cuda_error(const char* fn, cudaError_t e) {
+  return Status::Internal(std::string("msa::") + fn + ": " + cudaGetErrorString(e));
+}
+
+// Multiprocessors of the current device.
+inline int num_sms() {
+  int dev = 0, n = 0;
+  cudaGetDevice(&dev);
+  if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n <= 0) {
+    cudaGetLastError();
+    n = 1;
+  }
+  return n;
+}
+
+template <class T>
+T* at(void* ws, size_t off) {
+  return reinterpret_cast<T*>(static_cast<char*>(ws) + off);
+}
 
 }  // namespace msa::cuda

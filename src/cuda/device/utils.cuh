@@ -12,6 +12,16 @@ namespace msa::cuda::kern {
 
 using namespace cute;
 
+// An untyped pointer of the kernels' Args (host/args.h) as the instantiation's element type.
+template <class E>
+CUTE_HOST_DEVICE const E* as(const void* p) {
+  return static_cast<const E*>(p);
+}
+template <class E>
+CUTE_HOST_DEVICE E* as(void* p) {
+  return static_cast<E*>(p);
+}
+
 // Named barriers (user ids; CUTLASS offsets them past its reserved ones).
 enum class Barrier : uint32_t {
   kListReady = 0,  // producer warp + consumers: the tile's block list is in shared memory

@@ -1,0 +1,167 @@
+// The KV stream of the query-tile kernels (fwd_kernel.cuh, bwd_q_kernel.cuh): the tile a CTA
+// owns, the shared memory of its block list, two mbarrier pipelines (K and V), and the producer
+// warp that builds the tile's block list (block_list.cuh), hands it to the consumer warpgroups
+// (Barrier::kListReady) and streams the K tile, and optionally the V tile, of every listed block
+// by TMA, in list order.
+//
+// Traits: a QueryTileTraits with a SharedStorage (holding pipe_k, pipe_v, num_blocks) and
+// kUnionOffset. Params: the kernel's parameters, which hold the TMA
+// descriptors tma_k / tma_v and the QueryTileArgs fields (args.h).
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/gemm/collective/builders/sm90_common.inl>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+#include "block_list.cuh"
+#include "tile.cuh"
+#include "utils.cuh"
+
+namespace msa::cuda::kern {
+
+// The shapes both query-tile kernels share: kBlockM = 128 rows of (token, head), Q in a K-major
+// swizzled tile, K/V blocks in kStages TMA stages, two consumer warpgroups and a producer one.
+template <class Element_, int kHeadDim_, int kBlockN_>
+struct QueryTileTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockN = kBlockN_;  // the MSA block size Bk
+  static constexpr int kBlockM = 128;
+  static constexpr int kStages = 2;
+  static constexpr int kConsumerThreads = 256;
+  static constexpr int kThreads = kConsumerThreads + 128;
+
+  using SmemAtomQ = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
+                             GMMA::Major::K, Element, Int<kBlockM>, Int<kHeadDim>>());
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtomQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using SmemAtomKV = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
+                              GMMA::Major::K, Element, Int<kBlockN>, Int<kHeadDim>>());
+  using SmemLayoutKV = decltype(tile_to_shape(
+      SmemAtomKV{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+  // K or V viewed as the (D, Bk) B operand of P V or dS K: D-contiguous, i.e. MN-major.
+  using SmemLayoutKVt = decltype(composition(
+      SmemLayoutKV{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{},
+                                          Step<_2, _1, _3>{})));
+
+  // K and V in global memory as (tokens, dim, kv head).
+  using GLayout = Layout<Shape<int32_t, int32_t, int32_t>, Stride<int64_t, _1, int64_t>>;
+  using Tma = decltype(make_tma_copy(
+      SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GLayout{}),
+      take<0, 2>(SmemLayoutKV{}), Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  static constexpr uint32_t kTmaBytes = kBlockN * kHeadDim * sizeof(Element);
+};
+
+// The CTA's tile: blockIdx.x counts from the last (heavy, late tiles first); count 0: nothing to do.
+template <class Params>
+__device__ QueryTile query_tile(const Params& p) {
+  return decode_tile(p.cu_seqlens, p.nseq, p.T, p.tile_tokens, p.num_tiles - 1 - blockIdx.x);
+}
+
+template <class Traits>
+struct QueryTileStream {
+  using Pipeline = typename Traits::Pipeline;
+  using SharedStorage = typename Traits::SharedStorage;
+  char* smem;
+  SharedStorage& ss;
+  int32_t ih;   // the tile's head group (index head; dense mode: KV head)
+  int32_t kvh;  // its KV head
+  bool producer;  // the first warpgroup: warp 0 produces, the others leave
+  Pipeline pipe_k, pipe_v;
+
+  // Every thread constructs the stream (of the CTA's tile, query_tile()), then waits at the CTA
+  // barrier in start().
+  template <class Params>
+  __device__ QueryTileStream(char* smem_, const Params& p)
+      : smem(smem_),
+        ss(*reinterpret_cast<SharedStorage*>(smem_)),
+        ih(blockIdx.y),
+        kvh(blockIdx.y / p.idx_per_kv),
+        producer(cutlass::canonical_warp_idx_sync() < 4),
+        pipe_k(ss.pipe_k, pipeline_params(producer), Shape<_1, _1, _1>{}),
+        pipe_v(ss.pipe_v, pipeline_params(producer), Shape<_1, _1, _1>{}) {}
+
+  static __device__ typename Pipeline::Params pipeline_params(bool producer) {
+    typename Pipeline::Params pp;
+    pp.transaction_bytes = Traits::kTmaBytes;
+    pp.role = producer ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+    pp.is_leader = threadIdx.x == 0;
+    pp.num_consumers = Traits::kConsumerThreads;
+    return pp;
+  }
+
+  // The block-union arrays (block_list.cuh) after SharedStorage.
+  template <class Params>
+  __device__ UnionSmem us(const Params& p) const {
+    return p.uni.carve(smem + Traits::kUnionOffset);
+  }
+
+  // Clears the union bitmap, then a CTA barrier (the pipelines' barriers are initialised too).
+  template <class Params>
+  __device__ void start(const Params& p) {
+    if (cutlass::canonical_warp_idx_sync() == 0) {
+      uint32_t* bitmap = us(p).bitmap;
+      for (int w = threadIdx.x & 31; w < p.uni.bitmap_words; w += 32) bitmap[w] = 0u;
+    }
+    __syncthreads();
+  }
+
+  // Warp 0 of the producer warpgroup: the block list, then the TMA stream.
+  template <class Params, class TensorK, class TensorV>
+  __device__ void produce(const Params& p, const QueryTile& tile, TensorK& sK, TensorV& sV,
+                          bool with_v) {
+    constexpr int kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
+    const int lane = threadIdx.x & 31;
+    int32_t n;
+    if (p.dense) {
+      n = (tile.first + tile.count - 1) / kBlockN + 1;
+    } else {
+      const int32_t* rows = p.block_idx + (tile.seq_start + tile.first) * p.bi_s0 + ih * p.bi_s1;
+      n = build_block_union(us(p), rows, p.bi_s0, p.top_k, tile.first, tile.count, kBlockN, lane);
+    }
+    if (lane == 0) ss.num_blocks = n;
+    __syncwarp();
+    cutlass::arch::NamedBarrier::arrive(Traits::kConsumerThreads + 32,
+                                        static_cast<uint32_t>(Barrier::kListReady));
+    if (lane != 0) return;
+
+    Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.T, kHeadDim, p.Hkv));
+    Tensor mV = p.tma_v.get_tma_tensor(make_shape(p.T, kHeadDim, p.Hkv));
+    const int32_t seq0 = static_cast<int32_t>(tile.seq_start);
+    Tensor gK = local_tile(domain_offset(make_coord(seq0, _0{}), mK(_, _, kvh)),
+                           Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));
+    Tensor gV = local_tile(domain_offset(make_coord(seq0, _0{}), mV(_, _, kvh)),
+                           Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));
+    auto [tKg, tKs] = tma_partition(p.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
+                                    group_modes<0, 2>(gK));
+    auto [tVg, tVs] = tma_partition(p.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
+                                    group_modes<0, 2>(gV));
+    const BlockList<Params> list{p, us(p)};
+    auto state = cutlass::make_producer_start_state<Pipeline>();
+    for (int32_t u = 0; u < n; ++u) {
+      const int32_t b = list.block(u);
+      pipe_k.producer_acquire(state);
+      copy(p.tma_k.with(*pipe_k.producer_get_barrier(state), 0), tKg(_, b), tKs(_, state.index()));
+      if (with_v) {
+        pipe_v.producer_acquire(state);
+        copy(p.tma_v.with(*pipe_v.producer_get_barrier(state), 0), tVg(_, b), tVs(_, state.index()));
+      }
+      ++state;
+    }
+  }
+
+  // Consumers: waits for the block list; returns its length.
+  __device__ int32_t wait_list() const {
+    cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads + 32,
+                                      static_cast<uint32_t>(Barrier::kListReady));
+    return ss.num_blocks;
+  }
+  // The list to walk (a view; see BlockList).
+  template <class Params>
+  __device__ BlockList<Params> list(const Params& p) const {
+    return BlockList<Params>{p, us(p)};
+  }
+};
+
+}  // namespace msa::cuda::kern

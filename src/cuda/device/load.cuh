@@ -1,0 +1,132 @@
+// Loads of row tiles into shared memory: cp.async with zero fill (the KV-side kernels' entry
+// stream) and plain vector loads of a query tile's (token, head) rows.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include <cstdint>
+
+#include "utils.cuh"
+
+namespace msa::cuda::kern {
+
+// 16-byte cp.async with zero fill: copies 16 bytes when `pred`, else writes 16 zero bytes.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pred) {
+  const uint32_t s = cute::cast_smem_ptr_to_uint(smem);
+  const int n = pred ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
+}
+// 4-byte cp.async with zero fill.
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool pred) {
+  const uint32_t s = cute::cast_smem_ptr_to_uint(smem);
+  const int n = pred ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+}
+// Waits until at most N of this thread's cp.async groups are pending.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Rows [0, kRowsTile) of a swizzled shared tile from global rows: row_ptr(row) gives the row's
+// first element, or nullptr for a zero row. kDim elements per row, 16 bytes per copy.
+template <int kRowsTile, int kDim, class SmemTensor, class RowPtr>
+__device__ inline void load_rows_async(SmemTensor&& s, RowPtr row_ptr, int tid, int nthreads) {
+  constexpr int kChunks = kDim / 8;
+  for (int e = tid; e < kRowsTile * kChunks; e += nthreads) {
+    const int row = e / kChunks, c = e % kChunks;
+    const auto* src = row_ptr(row);
+    cp_async16(&s(row, c * 8), src != nullptr ? src + c * 8 : nullptr, src != nullptr);
+  }
+}
+
+// The 64 (token, head) columns of an entry as a [64, kDim] row tile (column c = token * Gi +
+// head), loaded by kThreads threads with cp.async. What does not change from entry to entry (each
+// thread's rows, their token and head, their shared-memory offsets) is worked out once, so that
+// an entry costs each thread a few multiply-adds per 16-byte copy.
+template <int kDim, int kThreads>
+struct ColumnLoader {
+  static constexpr int kRows = 64;
+  static constexpr int kChunks = kDim / 8;
+  static constexpr int kIters = kRows * kChunks / kThreads;
+  static_assert(kRows * kChunks % kThreads == 0, "");
+  int32_t tok[kIters], head[kIters], soff[kIters];
+  int32_t chunk;
+
+  // smem: the tile of stage 0 (a CuTe tensor); offsets are in elements from its start.
+  template <class SmemTensor>
+  __device__ ColumnLoader(const SmemTensor& smem, int32_t Gi, int tid) {
+    chunk = tid % kChunks;
+    const auto* base = &smem(0, 0);
+#pragma unroll
+    for (int j = 0; j < kIters; ++j) {
+      const int row = (tid + j * kThreads) / kChunks;
+      tok[j] = row / Gi;
+      head[j] = row - tok[j] * Gi;
+      soff[j] = static_cast<int32_t>(&smem(row, chunk * 8) - base);
+    }
+  }
+
+  // Rows of `count` tokens from src (the entry's first token and head), into the tile at dst.
+  template <class Element>
+  __device__ void load(Element* dst, const Element* src, int64_t s0, int64_t s1,
+                       int32_t count) const {
+#pragma unroll
+    for (int j = 0; j < kIters; ++j) {
+      const bool ok = tok[j] < count;
+      cp_async16(dst + soff[j], ok ? src + tok[j] * s0 + head[j] * s1 + chunk * 8 : src, ok);
+    }
+  }
+};
+
+// The rows of a block of keys: rows [0, count) of a swizzled [kRowsTile, kDim] tile by cp.async
+// from base + row * s0 (base: the block's first row of one head), zero rows past count.
+template <int kRowsTile, int kDim, class SmemTensor, class Element>
+__device__ inline void load_block_rows_async(SmemTensor&& s, const Element* base, int64_t s0,
+                                             int32_t count, int tid, int nthreads) {
+  load_rows_async<kRowsTile, kDim>(
+      s, [&](int row) { return row < count ? base + row * s0 : nullptr; }, tid, nthreads);
+}
+
+// Rows (token, head) of a [T, H, D] tensor into a swizzled [kRowsTile, kHeadDim] shared tile:
+// row = token * heads + head, `tokens` tokens from `base` (the first token's row of head 0),
+// heads first_head .. first_head + heads - 1; zero rows past them. `negate` flips every sign.
+template <int kRowsTile, int kHeadDim, int kThreadsUsed, class SmemTensor, class Element>
+__device__ inline void load_head_rows(SmemTensor& s, const Element* base, int64_t s0, int64_t s1,
+                                      int32_t first_head, int32_t heads, int32_t tokens, int tidx,
+                                      bool negate = false) {
+  constexpr int kChunks = kHeadDim / 8;
+  const int32_t rows_used = tokens * heads;
+  for (int e = tidx; e < kRowsTile * kChunks; e += kThreadsUsed) {
+    const int row = e / kChunks, c = e % kChunks;
+    uint4 val = make_uint4(0, 0, 0, 0);
+    if (row < rows_used) {
+      const int tok = row / heads, h = row - tok * heads;
+      val = *reinterpret_cast<const uint4*>(base + tok * s0 + (int64_t)(first_head + h) * s1 + c * 8);
+      if (negate) val = negate8(val);
+    }
+    *reinterpret_cast<uint4*>(&s(row, c * 8)) = val;
+  }
+}
+
+// Rows of a [kBlockN, kDim] stage holding the block of keys key0.. that lie past the sequence end
+// (they belong to the next sequence) set to zero: a probability of 0 times a NaN there is not 0.
+// Run by the 128 threads of one consumer warpgroup `wg` (lt: thread index in it), which then sync.
+template <int kBlockN, int kDim, class StageTensor>
+__device__ inline void zero_tail_rows(StageTensor&& s, int32_t key0, int32_t seq_len, int lt, int wg) {
+  if (key0 + kBlockN <= seq_len) return;
+  const int32_t valid = seq_len - key0;
+  constexpr int kChunks = kDim / 8;
+  for (int e = lt; e < (kBlockN - valid) * kChunks; e += 128) {
+    const int row = valid + e / kChunks, c = e % kChunks;
+    *reinterpret_cast<uint4*>(&s(row, c * 8)) = make_uint4(0, 0, 0, 0);
+  }
+  cutlass::arch::fence_view_async_shared();
+  cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(Barrier::kVTail) + wg);
+}
+
+}  // namespace msa::cuda::kern

@@ -1,0 +1,68 @@
+// The support of a score (docs/contract.md §3): a key is seen by a query row when the row's
+// token selected the key's block and the key is not in its future. Only a block that reaches
+// past a tile's first token needs the causal test. Query-tile kernels (rows = tokens) ask
+// row_sees; KV-side kernels (columns = an entry's tokens) ask entry_selects / entry_sees.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include <cute/tensor.hpp>
+
+#include "entry_list.cuh"
+
+namespace msa::cuda::kern {
+
+using namespace cute;
+
+// The rows of a query tile this thread holds (kRows of them): row = token * G + head; ok: the
+// row's token exists (padding rows and tokens past the tile's end are not ok).
+template <int kRows>
+struct TileRows {
+  int32_t tok[kRows];
+  bool ok[kRows];
+
+  // coord: the row/column identity view of the thread's score accumulator.
+  template <class TCoord>
+  __device__ TileRows(const TCoord& coord, int32_t G, int32_t count) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      tok[r] = get<0>(coord(r, 0)) / G;
+      ok[r] = tok[r] < count;
+    }
+  }
+  // The head (within the group) of row r of another accumulator with the same rows.
+  template <class TCoord>
+  __device__ int32_t head(const TCoord& coord, int r, int32_t G) const {
+    return get<0>(coord(r, 0)) - tok[r] * G;
+  }
+};
+
+// A query-tile row: `member`: its token selected the block (and the row is real); `causal`: the
+// block reaches past the tile's first token; key and qpos are positions in the sequence.
+__device__ __forceinline__ bool row_sees(bool member, bool causal, int32_t key, int32_t qpos) {
+  return member && !(causal && key > qpos);
+}
+
+// Row r of a query tile's scores (row/column view S, identity view cS) set to -inf where the row
+// does not see the key (row_sees; written out here as a guarded store, which keeps the forward's
+// register use as low as a hand-written loop). key0: the block's first key.
+template <class TS, class TC>
+__device__ __forceinline__ void mask_row(TS& S, const TC& cS, int r, bool member, bool causal,
+                                         int32_t key0, int32_t qpos) {
+#pragma unroll
+  for (int c = 0; c < size<1>(S); ++c)
+    if (!member || (causal && key0 + get<1>(cS(r, c)) > qpos)) S(r, c) = -INFINITY;
+}
+
+// Token t of an entry (a query group of a KV-side entry list) selected the entry's block.
+__device__ __forceinline__ bool entry_selects(const Entry& en, int32_t t) {
+  return t < en.count && ((en.mask >> t) & 1u);
+}
+
+// ... and key `key` of the block (a position in the sequence) is in its support.
+__device__ __forceinline__ bool entry_sees(const Entry& en, int32_t t, int32_t key) {
+  return entry_selects(en, t) && key <= en.first + t;
+}
+
+}  // namespace msa::cuda::kern

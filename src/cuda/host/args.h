@@ -1,0 +1,127 @@
+// The parameter chain of the Hopper kernels: TensorRef (the public API) -> one Args struct per
+// kernel family, built once per call on the host (builders in plan.h) -> the kernel's Params,
+// which derive from the Args and add only what depends on the instantiation (TMA descriptors;
+// host/launch.cuh). Kernels read these fields directly; pointers are untyped here and typed by the
+// kernel (kern::as<Element>).
+#pragma once
+
+#include <cstdint>
+
+#include "../device/block_list.cuh"
+#include "../device/entry_list.cuh"
+
+namespace msa::cuda {
+
+// Rows of a query tile: the Q-tile kernels pack m tokens x the G query heads of one head group
+// into this many MMA rows (selection: 256, see select_kernel.cuh).
+constexpr int kQueryTileRows = 128;
+constexpr int kSelectTileRows = 256;
+
+// Packed sequences: cu_seqlens (null: one sequence of T tokens).
+struct SeqArgs {
+  const int32_t* cu_seqlens = nullptr;
+  int32_t nseq = 1;
+  int32_t T = 0;
+};
+
+// What the query-tile kernels (forward, bwd_q) share: the tile geometry and the block list.
+// Hi here is the number of tile head groups: index heads, or KV heads in dense mode.
+struct QueryTileArgs : SeqArgs {
+  const int32_t* block_idx = nullptr;  // [T, Hi, k] (sparse mode)
+  int64_t bi_s0 = 0, bi_s1 = 0;
+  int32_t Hq = 0, Hkv = 0, Hi = 0;
+  int32_t heads_per_idx = 0;  // G of a tile: Hq / Hi
+  int32_t idx_per_kv = 0;     // Hi / Hkv
+  int32_t tile_tokens = 0;    // m = kQueryTileRows / heads_per_idx
+  int32_t top_k = 0;          // block_idx width (k)
+  bool dense = false;
+  kern::UnionLayout uni;  // the block-union arrays (zero in dense mode)
+  int64_t num_tiles = 0;  // grid.x
+};
+
+// Attention forward (kernels/fwd_kernel.cuh); also the index branch's LSE over a selection
+// (lse_only: q = q_idx, k = k_idx, heads = index heads).
+struct FwdArgs : QueryTileArgs {
+  const void *q = nullptr, *k = nullptr, *v = nullptr;
+  int64_t q_s0 = 0, q_s1 = 0, k_s0 = 0, k_s1 = 0, v_s0 = 0, v_s1 = 0;
+  void* out = nullptr;
+  int64_t o_s0 = 0, o_s1 = 0;
+  float* lse = nullptr;
+  int64_t lse_s0 = 0, lse_s1 = 0;
+  float scale = 0.f;       // |softmax scale|
+  float scale_log2 = 0.f;  // |scale| * log2(e)
+  bool negate = false;     // the scale is negative: Q is negated on load and |scale| used
+  bool lse_only = false;   // LSE only: no V, no out
+};
+
+// Index selection (kernels/select_kernel.cuh).
+struct SelectArgs : SeqArgs {
+  const void *q_idx = nullptr, *k_idx = nullptr;
+  int64_t q_s0 = 0, q_s1 = 0, k_s0 = 0, k_s1 = 0;
+  int32_t* block_idx = nullptr;
+  int64_t bi_s0 = 0, bi_s1 = 0;
+  int32_t Hik = 0;
+  int32_t idx_per_key = 0;  // Gk = Hi / Hik
+  int32_t tile_tokens = 0;  // kSelectTileRows / Gk
+  int32_t k = 0, sink_blocks = 0, local_blocks = 0;
+  float scale = 0.f;  // |scale_idx|
+  bool negate = false;
+  int64_t num_tiles = 0;
+};
+
+// Attention backward, query side (kernels/bwd_q_kernel.cuh).
+struct BwdQArgs : QueryTileArgs {
+  const void *q = nullptr, *k = nullptr, *v = nullptr, *dout = nullptr;
+  int64_t q_s0 = 0, q_s1 = 0, k_s0 = 0, k_s1 = 0, v_s0 = 0, v_s1 = 0, do_s0 = 0, do_s1 = 0;
+  const float* lse = nullptr;
+  int64_t lse_s0 = 0, lse_s1 = 0;
+  const float* delta = nullptr;  // [T, Hq] contiguous: rowsum(dO * O)
+  void* dq = nullptr;
+  int64_t dq_s0 = 0, dq_s1 = 0;
+  float scale = 0.f, scale_log2 = 0.f;  // signed
+};
+
+// What the KV-side kernels (bwd_kv, kl) share: the entry lists and the work list.
+// Hi: the column groups (index heads; KV heads in dense mode without the KL branch).
+struct KvSideArgs : SeqArgs {
+  kern::EntryListParams list{};
+  kern::WorkListParams work{};
+  int64_t grid = 0;  // CTAs: an upper bound of the chunk count
+  int32_t Hq = 0, Hkv = 0, Hi = 0;
+  int32_t heads_per_idx = 0;  // Gi = Hq / Hi <= 64
+  int32_t idx_per_kv = 0;     // Hi / Hkv
+  int32_t group_tokens = 0;   // m, kern::group_tokens(Gi)
+  // The index branch (KL gradient, KL value); q_idx null: none.
+  const void *q_idx = nullptr, *k_idx = nullptr;
+  int64_t qi_s0 = 0, qi_s1 = 0, ki_s0 = 0, ki_s1 = 0;
+  const float* lse_idx = nullptr;  // [T, Hi] contiguous
+  unsigned long long* dq_idx = nullptr;  // [T, Hi, Di] fixed point (2^-32 units)
+  unsigned long long* dk_idx = nullptr;  // [T, Hik, Di] fixed point
+  int32_t Hik = 1, idx_per_key = 1;
+  float scale_idx = 0.f;  // signed
+};
+
+// Attention backward, KV side (kernels/bwd_kv_kernel.cuh), with the KL gradient when q_idx is set.
+struct BwdKvArgs : KvSideArgs {
+  const void *q = nullptr, *k = nullptr, *v = nullptr, *dout = nullptr;
+  int64_t q_s0 = 0, q_s1 = 0, k_s0 = 0, k_s1 = 0, v_s0 = 0, v_s1 = 0, do_s0 = 0, do_s1 = 0;
+  const float* lse = nullptr;
+  int64_t lse_s0 = 0, lse_s1 = 0;
+  const float* delta = nullptr;
+  void *dk = nullptr, *dv = nullptr;
+  int64_t dk_s0 = 0, dk_s1 = 0, dv_s0 = 0, dv_s1 = 0;
+  float scale = 0.f, scale_log2 = 0.f;  // signed
+};
+
+// The KL branch as a pass of its own (kernels/kl_kernel.cuh): the gradient sums and/or the
+// per-row KL terms; null outputs are skipped.
+struct KlArgs : KvSideArgs {
+  const void *q = nullptr, *k = nullptr;
+  int64_t q_s0 = 0, q_s1 = 0, k_s0 = 0, k_s1 = 0;
+  const float* lse = nullptr;
+  int64_t lse_s0 = 0, lse_s1 = 0;
+  unsigned long long* kl_rows = nullptr;  // [T, Hi] fixed point
+  float scale_log2 = 0.f;                 // signed
+};
+
+}  // namespace msa::cuda

@@ -1,0 +1,268 @@
+// The Hopper backend's backward and KL value: host orchestration and the small kernels around
+// the three main ones.
+//
+// backward:  Delta = rowsum(dO * O)                          (delta_kernel)
+//            reverse index of block_idx (sparse mode)        (key_kernel, CUB sort + reduce-by-key)
+//            dq                                              (bwd_q_kernel, query side)
+//            KL branch, when dq_idx or dk_idx is wanted:
+//              LSE_idx over the support                      (forward kernel, LSE-only mode)
+//            dk, dv; with the KL branch also the fixed-point sums of dq_idx, dk_idx
+//                                                            (bwd_kv_kernel, KV side)
+//              (Hq / Hi not a power of two: a separate pass  (kl_kernel))
+//              scale by gamma * scale_idx / (N Hi), convert  (finalize_grad_kernel)
+// kl value:  reverse index, LSE_idx, kl_kernel's per-row terms, then finalize_kl_kernel.
+//
+// Every step is deterministic: no floating-point atomics anywhere. Plans, Args and limits are in
+// plan.cu, the reverse index and work lists in reverse_index.cu.
+#include <cuda_runtime.h>
+
+#include <cutlass/numeric_types.h>
+
+#include <algorithm>
+#include <string>
+
+#include "../backend.h"
+#include "../device/entry_list.cuh"
+#include "check_values.h"
+#include "common.h"
+#include "launch.h"
+#include "plan.h"
+#include "reverse_index.h"
+#include "variants.h"
+
+namespace msa::cuda {
+namespace {
+
+// ------------------------------------------------------------------------------ small kernels
+
+// delta[t, h] = sum_d dout[t, h, d] * out[t, h, d] (fp32); one warp per (t, h).
+template <class Element>
+__global__ void delta_kernel(const Element* dout, int64_t do_s0, int64_t do_s1, const Element* out,
+                             int64_t o_s0, int64_t o_s1, int64_t rows, int32_t Hq, int32_t D,
+                             float* delta) {
+  const int64_t row = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x & 31;
+  if (row >= rows) return;
+  const int64_t t = row / Hq;
+  const int32_t h = static_cast<int32_t>(row % Hq);
+  const Element* a = dout + t * do_s0 + h * do_s1;
+  const Element* b = out + t * o_s0 + h * o_s1;
+  float acc = 0.f;
+  for (int d = lane; d < D; d += 32) acc += static_cast<float>(a[d]) * static_cast<float>(b[d]);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, o);
+  if (lane == 0) delta[row] = acc;
+}
+
+// out[t, h, :] = acc[t, h, :] * 2^-32 * coef, coef = base * kl_weight * (kl_grad ? kl_grad[0] : 1).
+template <class Element>
+__global__ void finalize_grad_kernel(const unsigned long long* acc, int64_t rows, int32_t H,
+                                     int32_t D, Element* out, int64_t s0, int64_t s1,
+                                     const float* kl_grad, double base) {
+  const double coef = base * (kl_grad != nullptr ? static_cast<double>(kl_grad[0]) : 1.0) /
+                      kern::kFixedOne;
+  const int64_t n = rows * H * D;
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = e / D;
+    const int32_t d = static_cast<int32_t>(e - row * D);
+    const int64_t t = row / H;
+    const int32_t h = static_cast<int32_t>(row - t * H);
+    const double v = static_cast<double>(static_cast<long long>(acc[e])) * coef;
+    out[t * s0 + h * s1 + d] = static_cast<Element>(static_cast<float>(v));
+  }
+}
+
+// kl[0] = sum of the rows / (N Hi); kl_rows (optional) the rows themselves. One block; the sum
+// is over integers, so its order does not matter.
+__global__ void finalize_kl_kernel(const unsigned long long* rows_acc, int64_t T, int32_t Hi,
+                                   float* kl, float* kl_rows, int64_t kr_s0, int64_t kr_s1) {
+  __shared__ unsigned long long part[32];
+  unsigned long long sum = 0;
+  const int64_t n = T * Hi;
+  for (int64_t e = threadIdx.x; e < n; e += blockDim.x) {
+    sum += rows_acc[e];
+    if (kl_rows != nullptr) {
+      const int64_t t = e / Hi;
+      kl_rows[t * kr_s0 + (e - t * Hi) * kr_s1] =
+          static_cast<float>(static_cast<double>(static_cast<long long>(rows_acc[e])) / kern::kFixedOne);
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, o);
+  if ((threadIdx.x & 31) == 0) part[threadIdx.x / 32] = sum;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned long long total = 0;
+    for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) total += part[w];
+    kl[0] = n > 0 ? static_cast<float>(static_cast<double>(static_cast<long long>(total)) /
+                                       kern::kFixedOne / static_cast<double>(n))
+                  : 0.f;
+  }
+}
+
+// ------------------------------------------------------------------------------ steps
+
+// Zeroes the fixed-point sums of the KL gradient (grad) or of the KL terms.
+Status zero_kl_sums(const char* fn, const Plan& pl, const Problem& prob, void* ws,
+                    cudaStream_t stream) {
+  const size_t acc_bytes =
+      pl.grad ? 8 * size_t(prob.T) * prob.Hi * prob.Di : 8 * size_t(prob.T) * prob.Hi;
+  cudaError_t e = cudaMemsetAsync(pl.grad ? at<void>(ws, pl.dq_acc) : at<void>(ws, pl.kl_acc), 0,
+                                  acc_bytes, stream);
+  if (e == cudaSuccess && pl.grad)
+    e = cudaMemsetAsync(at<void>(ws, pl.dk_acc), 0, 8 * size_t(prob.T) * prob.Hik * prob.Di, stream);
+  return e == cudaSuccess ? Status::Ok() : cuda_error(fn, e);
+}
+
+// The KV-side entry and work lists of the plan into `a` (sparse mode: the reverse index first).
+Status kv_lists(const char* fn, const Plan& pl, const Plan::Work& w, const Problem& prob,
+                const TensorRef& block_idx, void* ws, cudaStream_t stream, KvSideArgs* a,
+                bool entries_built) {
+  if (pl.sparse && !entries_built)
+    MSA_TRY(build_entries(fn, pl, prob, block_idx, a->cu_seqlens, a->nseq, ws, stream, &a->list));
+  if (!pl.sparse) a->list.dense = true;
+  return build_work(fn, pl, w, prob, a->list, a->cu_seqlens, a->nseq, ws, stream, &a->work, &a->grid);
+}
+
+// LSE_idx over the support into the plan's buffer (the forward kernel in LSE-only mode).
+Status index_lse(const char* fn, const Plan& pl, const Problem& prob, const KlInputs& in, void* ws,
+                 cudaStream_t stream) {
+  const FwdArgs f = index_lse_args(prob, in, at<float>(ws, pl.lse_idx), prob.Hi, 1);
+  return run_forward(fn, "q_idx", f, in.q_idx.dtype, prob.Di, prob.opts.block_size, stream);
+}
+
+// The KL branch as a pass of its own: LSE_idx, zeroed sums, kl_kernel into them.
+Status run_kl(const char* fn, const Plan& pl, const Problem& prob, const KlInputs& in, KlArgs a,
+              void* ws, cudaStream_t stream) {
+  MSA_TRY(index_lse(fn, pl, prob, in, ws, stream));
+  a.lse_idx = at<float>(ws, pl.lse_idx);
+  a.dq_idx = pl.grad ? at<unsigned long long>(ws, pl.dq_acc) : nullptr;
+  a.dk_idx = pl.grad ? at<unsigned long long>(ws, pl.dk_acc) : nullptr;
+  a.kl_rows = pl.grad ? nullptr : at<unsigned long long>(ws, pl.kl_acc);
+  MSA_TRY(zero_kl_sums(fn, pl, prob, ws, stream));
+  return dispatch(fn, "q", in.q.dtype, prob.D, prob.opts.block_size, [&](auto v) {
+    using V = decltype(v);
+    return launch_kl<typename V::Element, V::kDim, V::kBlockN>(a, stream);
+  });
+}
+
+template <class Element>
+Status finalize_grad(const unsigned long long* acc, int64_t T, int32_t H, int32_t D,
+                     const TensorRef& out, const float* kl_grad, double base, cudaStream_t stream) {
+  const int64_t n = T * H * D;
+  const int blocks = static_cast<int>(std::min<int64_t>((n + 255) / 256, num_sms() * 32));
+  if (n == 0) return Status::Ok();
+  finalize_grad_kernel<Element><<<blocks, 256, 0, stream>>>(
+      acc, T, H, D, static_cast<Element*>(out.data), out.stride[0], out.stride[1], kl_grad, base);
+  return Status::Ok();
+}
+
+}  // namespace
+
+size_t backward_workspace(const Problem& prob, const BackwardParams& p) {
+  Plan pl;
+  return backward_plan(prob, p, &pl).ok() ? pl.total : 0;
+}
+
+size_t kl_workspace(const Problem& prob, const KlParams& p) {
+  Plan pl;
+  return kl_plan(prob, {p.q, p.k, p.lse, p.q_idx, p.k_idx, p.cu_seqlens, p.block_idx}, &pl).ok()
+             ? pl.total
+             : 0;
+}
+
+Status attention_backward(const Problem& prob, const BackwardParams& p) {
+  const char* fn = "backward";
+  Plan pl;
+  MSA_TRY(backward_plan(prob, p, &pl));
+  MSA_TRY(need_workspace(fn, pl, p.launch));
+  if (prob.T == 0) return Status::Ok();
+  DeviceGuard guard(p.q.device.index);
+  MSA_TRY(check_values(fn, prob, p.cu_seqlens, pl.sparse ? p.block_idx : TensorRef{}, p.launch));
+  const cudaStream_t stream = static_cast<cudaStream_t>(p.launch.stream);
+  void* ws = p.launch.workspace;
+
+  float* delta = at<float>(ws, pl.delta);
+  {
+    const int64_t rows = prob.T * prob.Hq;
+    const int blocks = static_cast<int>((rows * 32 + 255) / 256);
+    if (p.q.dtype == DType::kBFloat16)
+      delta_kernel<cutlass::bfloat16_t><<<blocks, 256, 0, stream>>>(
+          static_cast<const cutlass::bfloat16_t*>(p.dout.data), p.dout.stride[0], p.dout.stride[1],
+          static_cast<const cutlass::bfloat16_t*>(p.out.data), p.out.stride[0], p.out.stride[1],
+          rows, prob.Hq, prob.D, delta);
+    else
+      delta_kernel<cutlass::half_t><<<blocks, 256, 0, stream>>>(
+          static_cast<const cutlass::half_t*>(p.dout.data), p.dout.stride[0], p.dout.stride[1],
+          static_cast<const cutlass::half_t*>(p.out.data), p.out.stride[0], p.out.stride[1], rows,
+          prob.Hq, prob.D, delta);
+  }
+  BwdKvArgs kv = bwd_kv_args(prob, p, delta);
+  MSA_TRY(kv_lists(fn, pl, pl.kv, prob, p.block_idx, ws, stream, &kv, false));
+  const KlInputs kl_in{p.q, p.k, p.lse, p.q_idx, p.k_idx, p.cu_seqlens, p.block_idx};
+  const bool fused = kv.q_idx != nullptr;  // bwd_kv_args set the index branch: fused_kl(prob)
+  if (fused) {
+    MSA_TRY(index_lse(fn, pl, prob, kl_in, ws, stream));
+    MSA_TRY(zero_kl_sums(fn, pl, prob, ws, stream));
+    kv.lse_idx = at<float>(ws, pl.lse_idx);
+    kv.dq_idx = at<unsigned long long>(ws, pl.dq_acc);
+    kv.dk_idx = at<unsigned long long>(ws, pl.dk_acc);
+  }
+  const BwdQArgs q = bwd_q_args(prob, p, delta);
+  MSA_TRY(dispatch(fn, "q", p.q.dtype, prob.D, prob.opts.block_size, [&](auto v) {
+    using V = decltype(v);
+    MSA_TRY((launch_bwd_q<typename V::Element, V::kDim, V::kBlockN>(q, stream)));
+    return launch_bwd_kv<typename V::Element, V::kDim, V::kBlockN>(kv, stream);
+  }));
+
+  if (pl.kl && !fused) {
+    KlArgs a = kl_args(prob, kl_in);
+    a.list = kv.list;  // the same reverse index
+    MSA_TRY(kv_lists(fn, pl, pl.kl_work, prob, p.block_idx, ws, stream, &a, true));
+    MSA_TRY(run_kl(fn, pl, prob, kl_in, a, ws, stream));
+  }
+  if (pl.kl) {
+    const float* kl_grad = p.kl_grad.defined() ? static_cast<const float*>(p.kl_grad.data) : nullptr;
+    const double base = static_cast<double>(p.kl_weight) * prob.opts.scale_idx /
+                        (static_cast<double>(prob.T) * prob.Hi);
+    const bool bf16 = p.q_idx.dtype == DType::kBFloat16;
+    for (int which = 0; which < 2; ++which) {
+      const TensorRef& out = which == 0 ? p.dq_idx : p.dk_idx;
+      if (!out.defined()) continue;
+      const auto* acc = at<unsigned long long>(ws, which == 0 ? pl.dq_acc : pl.dk_acc);
+      const int32_t H = which == 0 ? prob.Hi : prob.Hik;
+      MSA_TRY(bf16 ? finalize_grad<cutlass::bfloat16_t>(acc, prob.T, H, prob.Di, out, kl_grad, base, stream)
+                   : finalize_grad<cutlass::half_t>(acc, prob.T, H, prob.Di, out, kl_grad, base, stream));
+    }
+  }
+  const cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? Status::Ok() : cuda_error(fn, e);
+}
+
+Status kl_divergence(const Problem& prob, const KlParams& p) {
+  const char* fn = "kl_divergence";
+  Plan pl;
+  const KlInputs in{p.q, p.k, p.lse, p.q_idx, p.k_idx, p.cu_seqlens, p.block_idx};
+  MSA_TRY(kl_plan(prob, in, &pl));
+  MSA_TRY(need_workspace(fn, pl, p.launch));
+  DeviceGuard guard(p.q.device.index);
+  const cudaStream_t stream = static_cast<cudaStream_t>(p.launch.stream);
+  void* ws = p.launch.workspace;
+  if (prob.T == 0) {
+    const cudaError_t e = cudaMemsetAsync(p.kl.data, 0, sizeof(float), stream);
+    return e == cudaSuccess ? Status::Ok() : cuda_error(fn, e);
+  }
+  MSA_TRY(check_values(fn, prob, p.cu_seqlens, pl.sparse ? p.block_idx : TensorRef{}, p.launch));
+  KlArgs a = kl_args(prob, in);
+  MSA_TRY(kv_lists(fn, pl, pl.kl_work, prob, p.block_idx, ws, stream, &a, false));
+  MSA_TRY(run_kl(fn, pl, prob, in, a, ws, stream));
+  finalize_kl_kernel<<<1, 1024, 0, stream>>>(
+      at<unsigned long long>(ws, pl.kl_acc), prob.T, prob.Hi, static_cast<float*>(p.kl.data),
+      p.kl_rows.defined() ? static_cast<float*>(p.kl_rows.data) : nullptr,
+      p.kl_rows.defined() ? p.kl_rows.stride[0] : 0, p.kl_rows.defined() ? p.kl_rows.stride[1] : 0);
+  const cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? Status::Ok() : cuda_error(fn, e);
+}
+
+}  // namespace msa::cuda

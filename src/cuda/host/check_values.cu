@@ -1,0 +1,150 @@
+// Value checks of GPU inputs (check_values.h).
+#include "check_values.h"
+
+#include <atomic>
+#include <string>
+#include <vector>
+
+#include "../device/tile.cuh"
+#include "common.h"
+
+namespace msa::cuda {
+namespace {
+
+// The first offence found, as (kind << 56) | index; all ones: none. Slots are taken in turn by
+// concurrent calls (each call waits for its verdict before it returns the slot).
+constexpr int kSlots = 64;
+__device__ unsigned long long g_verdict[kSlots];
+constexpr unsigned long long kNone = ~0ull;
+enum Kind : unsigned long long {
+  kCuStart = 0,     // index: 0
+  kCuDecrease = 1,  // index: s, cu[s] < cu[s - 1]
+  kCuEnd = 2,       // index: nseq
+  kBlockRange = 3,  // index: flat entry (t * Hi + i) * k + j
+  kBlockTwice = 4,  // index: flat entry of the second occurrence
+};
+
+__device__ void report(unsigned long long* verdict, Kind kind, long long index) {
+  atomicMin(verdict, (static_cast<unsigned long long>(kind) << 56) | static_cast<unsigned long long>(index));
+}
+
+__global__ void check_kernel(const int32_t* cu, int32_t nseq, int64_t T, const int32_t* bi,
+                             int64_t bi_s0, int64_t bi_s1, int32_t Hi, int32_t k, int32_t Bk,
+                             unsigned long long* verdict) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (cu != nullptr) {
+    for (int64_t s = first; s <= nseq; s += stride) {
+      if (s == 0 && cu[0] != 0) report(verdict, kCuStart, 0);
+      if (s > 0 && cu[s] < cu[s - 1]) report(verdict, kCuDecrease, s);
+      if (s == nseq && cu[s] != T) report(verdict, kCuEnd, s);
+    }
+  }
+  if (bi == nullptr) return;
+  const int64_t n = T * Hi * k;
+  for (int64_t e = first; e < n; e += stride) {
+    const int64_t t = e / (static_cast<int64_t>(Hi) * k);
+    const int32_t rem = static_cast<int32_t>(e - t * Hi * k);
+    const int32_t i = rem / k, j = rem - i * k;
+    int64_t start = 0;
+    if (cu != nullptr) {  // the token's sequence (cu clamped: a bad one is reported above)
+      int32_t lo = 0, hi = nseq - 1;
+      while (lo < hi) {
+        const int32_t mid = (lo + hi + 1) >> 1;
+        if (kern::clamp_offset(cu[mid], 0, T) <= t) lo = mid; else hi = mid - 1;
+      }
+      start = kern::clamp_offset(cu[lo], 0, T);
+    }
+    const int32_t* row = bi + t * bi_s0 + i * bi_s1;
+    const int32_t b = row[j];
+    if (b < -1 || b > (t - start) / Bk) {
+      report(verdict, kBlockRange, e);
+    } else if (b >= 0) {
+      for (int32_t j2 = 0; j2 < j; ++j2)
+        if (row[j2] == b) {
+          report(verdict, kBlockTwice, e);
+          break;
+        }
+    }
+  }
+}
+
+std::atomic<unsigned> next_slot{0};
+
+template <class T>
+Status read(const char* fn, T* host, const T* dev, size_t n, cudaStream_t stream) {
+  cudaError_t e = cudaMemcpyAsync(host, dev, n * sizeof(T), cudaMemcpyDeviceToHost, stream);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
+  return e == cudaSuccess ? Status::Ok() : cuda_error(fn, e);
+}
+
+}  // namespace
+
+Status check_values(const char* fn, const Problem& prob, const TensorRef& cu_seqlens,
+                    const TensorRef& block_idx, const Launch& launch) {
+  if (!launch.check_values || (!cu_seqlens.defined() && !block_idx.defined())) return Status::Ok();
+  const cudaStream_t stream = static_cast<cudaStream_t>(launch.stream);
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  cudaError_t e = cudaStreamIsCapturing(stream, &capture);
+  if (e != cudaSuccess) return cuda_error(fn, e);
+  if (capture != cudaStreamCaptureStatusNone)
+    return detail::invalid_arg(
+        fn, "launch.check_values",
+        "the values of cu_seqlens and block_idx cannot be checked on a stream that is being "
+        "captured into a CUDA graph (the check waits for the device): set it to false to capture");
+  const int32_t* cu = cu_seqlens.defined() ? static_cast<const int32_t*>(cu_seqlens.data) : nullptr;
+  const int32_t nseq = num_seqs(cu_seqlens);
+  const int32_t* bi = block_idx.defined() ? static_cast<const int32_t*>(block_idx.data) : nullptr;
+  const int64_t n = bi != nullptr ? prob.T * prob.Hi * prob.k : 0;
+
+  unsigned long long* slots = nullptr;
+  e = cudaGetSymbolAddress(reinterpret_cast<void**>(&slots), g_verdict);
+  if (e != cudaSuccess) return cuda_error(fn, e);
+  unsigned long long* verdict = slots + next_slot.fetch_add(1) % kSlots;
+  e = cudaMemsetAsync(verdict, 0xff, sizeof(unsigned long long), stream);
+  if (e != cudaSuccess) return cuda_error(fn, e);
+  const int64_t work = std::max<int64_t>(n, nseq + 1);
+  const int blocks = static_cast<int>(std::min<int64_t>((work + 255) / 256, int64_t(num_sms()) * 16));
+  check_kernel<<<blocks, 256, 0, stream>>>(cu, nseq, prob.T, bi, bi ? block_idx.stride[0] : 0,
+                                          bi ? block_idx.stride[1] : 0, prob.Hi, prob.k,
+                                          prob.opts.block_size, verdict);
+  e = cudaGetLastError();
+  if (e != cudaSuccess) return cuda_error(fn, e);
+  unsigned long long v = 0;
+  MSA_TRY(read(fn, &v, verdict, 1, stream));
+  if (v == kNone) return Status::Ok();
+
+  // An offence: read what the message quotes.
+  const auto kind = static_cast<Kind>(v >> 56);
+  const int64_t index = static_cast<int64_t>(v & ((1ull << 56) - 1));
+  const auto bad = [&](const char* arg, const std::string& what) { return detail::invalid_arg(fn, arg, what); };
+  if (kind <= kCuEnd) {
+    std::vector<int32_t> c(nseq + 1);
+    MSA_TRY(read(fn, c.data(), cu, c.size(), stream));
+    if (kind == kCuStart) return bad("cu_seqlens", "must start at 0, got " + std::to_string(c[0]));
+    if (kind == kCuEnd)
+      return bad("cu_seqlens", "must end at T = " + std::to_string(prob.T) + ", got " + std::to_string(c[nseq]));
+    return bad("cu_seqlens", "must be non-decreasing, but cu_seqlens[" + std::to_string(index) + "] = " +
+                                 std::to_string(c[index]) + " < cu_seqlens[" + std::to_string(index - 1) +
+                                 "] = " + std::to_string(c[index - 1]));
+  }
+  const int64_t t = index / (int64_t(prob.Hi) * prob.k);
+  const int32_t i = static_cast<int32_t>(index / prob.k % prob.Hi), j = static_cast<int32_t>(index % prob.k);
+  int32_t value = 0;
+  MSA_TRY(read(fn, &value, bi + t * block_idx.stride[0] + i * block_idx.stride[1] + j, 1, stream));
+  if (kind == kBlockTwice)
+    return bad("block_idx", "row [" + std::to_string(t) + ", " + std::to_string(i) + "] selects block " +
+                                std::to_string(value) + " twice");
+  int64_t start = 0;
+  if (cu != nullptr) {
+    std::vector<int32_t> c(nseq + 1);
+    MSA_TRY(read(fn, c.data(), cu, c.size(), stream));
+    for (int32_t s = 0; s < nseq; ++s)
+      if (c[s] <= t) start = c[s];
+  }
+  return bad("block_idx", "entry [" + std::to_string(t) + ", " + std::to_string(i) + ", " + std::to_string(j) +
+                              "] = " + std::to_string(value) + " is out of range: expected -1 or a block in [0, " +
+                              std::to_string((t - start) / prob.opts.block_size) + "] (the token's own block)");
+}
+
+}  // namespace msa::cuda

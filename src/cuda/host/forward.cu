@@ -1,0 +1,108 @@
+// Entry points of the Hopper backend's forward side: selection (spec §2) and attention forward
+// (spec §3, §5). Each call: the kernels' limits (plan.h), the value checks of GPU inputs
+// (check_values.h), the Args once, then one dispatch per kernel (variants.h).
+#include <cuda_runtime.h>
+
+#include "../backend.h"
+#include "check_values.h"
+#include "common.h"
+#include "launch.h"
+#include "plan.h"
+#include "variants.h"
+
+namespace msa::cuda {
+namespace {
+
+Status run_select(const char* fn, const Problem& prob, const SelectArgs& a, DType dt,
+                  cudaStream_t stream) {
+  return dispatch(fn, "q_idx", dt, prob.Di, prob.opts.block_size, [&](auto v) {
+    using V = decltype(v);
+    return launch_select<typename V::Element, V::kDim, V::kBlockN>(a, stream);
+  });
+}
+
+}  // namespace
+
+Status run_forward(const char* fn, const char* arg, const FwdArgs& a, DType dt, int32_t dim,
+                   int32_t bk, cudaStream_t stream) {
+  return dispatch(fn, arg, dt, dim, bk, [&](auto v) {
+    using V = decltype(v);
+    return launch_forward<typename V::Element, V::kDim, V::kBlockN>(a, stream);
+  });
+}
+
+bool available() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
+    cudaGetLastError();
+    return false;
+  }
+  for (int d = 0; d < n; ++d) {
+    cudaDeviceProp prop;
+    if (cudaGetDeviceProperties(&prop, d) == cudaSuccess && prop.major == 9) return true;
+  }
+  return false;
+}
+
+Status select_blocks(const Problem& prob, const SelectParams& p) {
+  const char* fn = "select_blocks";
+  MSA_TRY(can_select(fn, prob, p.q_idx, p.k_idx, p.lse_idx.defined()));
+  if (prob.T == 0) return Status::Ok();
+  DeviceGuard guard(p.q_idx.device.index);
+  MSA_TRY(check_values(fn, prob, p.cu_seqlens, TensorRef{}, p.launch));
+  const cudaStream_t stream = static_cast<cudaStream_t>(p.launch.stream);
+  const SelectArgs a = select_args(prob, p.q_idx, p.k_idx, p.cu_seqlens, p.block_idx);
+  MSA_TRY(run_select(fn, prob, a, p.q_idx.dtype, stream));
+  if (!p.lse_idx.defined()) return Status::Ok();
+  // lse_idx: the index softmax's normaliser over the selection just made.
+  const KlInputs in{TensorRef{}, TensorRef{}, TensorRef{}, p.q_idx, p.k_idx, p.cu_seqlens, p.block_idx};
+  const FwdArgs f = index_lse_args(prob, in, static_cast<float*>(p.lse_idx.data),
+                                   p.lse_idx.stride[0], p.lse_idx.stride[1]);
+  return run_forward(fn, "q_idx", f, p.q_idx.dtype, prob.Di, prob.opts.block_size, stream);
+}
+
+Status attention_forward(const Problem& prob, const ForwardParams& p) {
+  const char* fn = "forward";
+  const bool dense = prob.opts.mode == Mode::kDense;
+  MSA_TRY(can_forward(fn, prob, p));
+  if (p.kl.defined()) {
+    MSA_TRY(can_kl(fn, prob, {p.q, p.k, p.lse, p.q_idx, p.k_idx, p.cu_seqlens, p.block_idx}));
+    Plan pl;
+    MSA_TRY(kl_plan(prob, {p.q, p.k, p.lse, p.q_idx, p.k_idx, p.cu_seqlens, p.block_idx}, &pl));
+    MSA_TRY(need_workspace(fn, pl, p.launch));
+  }
+  if (prob.T == 0 && !p.kl.defined()) return Status::Ok();
+  DeviceGuard guard(p.q.device.index);
+  const bool caller_selection = !dense && !p.select;
+  MSA_TRY(check_values(fn, prob, p.cu_seqlens, caller_selection ? p.block_idx : TensorRef{}, p.launch));
+  const cudaStream_t stream = static_cast<cudaStream_t>(p.launch.stream);
+  if (prob.T > 0) {
+    if (!dense && p.select) {
+      const SelectArgs sa = select_args(prob, p.q_idx, p.k_idx, p.cu_seqlens, p.block_idx);
+      MSA_TRY(run_select(fn, prob, sa, p.q_idx.dtype, stream));
+    }
+    MSA_TRY(run_forward(fn, "q", forward_args(prob, p), p.q.dtype, prob.D, prob.opts.block_size, stream));
+  }
+  if (!p.kl.defined()) return Status::Ok();
+  KlParams kp;
+  kp.q = p.q;
+  kp.k = p.k;
+  kp.lse = p.lse;
+  kp.q_idx = p.q_idx;
+  kp.k_idx = p.k_idx;
+  kp.cu_seqlens = p.cu_seqlens;
+  kp.block_idx = p.block_idx;
+  kp.kl = p.kl;
+  kp.opts = p.opts;
+  kp.launch = p.launch;
+  kp.launch.check_values = false;  // checked above
+  return kl_divergence(prob, kp);
+}
+
+size_t forward_workspace(const Problem& prob, const ForwardParams& p) {
+  if (!p.kl.defined()) return 0;
+  Plan pl;
+  return kl_plan(prob, {p.q, p.k, p.lse, p.q_idx, p.k_idx, p.cu_seqlens, p.block_idx}, &pl).ok() ? pl.total : 0;
+}
+
+}  // namespace msa::cuda

@@ -1,0 +1,134 @@
+// Host code that turns a kernel family's Args into the Params of one instantiation (adding the
+// TMA descriptors) and launches it. Included by the generated instantiation sources only.
+#pragma once
+
+#include <string>
+
+#include "../kernels/bwd_kv_kernel.cuh"
+#include "../kernels/bwd_q_kernel.cuh"
+#include "../kernels/fwd_kernel.cuh"
+#include "../kernels/kl_kernel.cuh"
+#include "../kernels/select_kernel.cuh"
+#include "launch.h"
+
+namespace msa::cuda {
+
+namespace detail {
+
+inline Status launch_error(const char* fn, cudaError_t e) {
+  return Status::Internal(std::string("msa::") + fn + ": kernel launch failed: " +
+                          cudaGetErrorString(e));
+}
+
+inline int smem_limit() {
+  int dev = 0, bytes = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  return bytes;
+}
+
+// Sets the kernel's dynamic shared memory, launches it on `stream` and reports launch errors.
+// `too_large` is the message (naming the argument that sized it) when smem exceeds the GPU's.
+template <class Kernel, class Params>
+Status launch_kernel(const char* fn, Kernel kernel, dim3 grid, int threads, size_t smem,
+                     cudaStream_t stream, const Params& p, const std::string& too_large = "") {
+  if (smem > size_t(smem_limit()))
+    return Status::NotSupported(std::string("msa::") + fn + ": " +
+                                (too_large.empty() ? "the kernel" : too_large) + " needs " +
+                                std::to_string(smem) +
+                                " bytes of shared memory per block, more than this GPU has");
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(smem));
+  if (e != cudaSuccess) return launch_error(fn, e);
+  if (grid.x == 0 || grid.y == 0) return Status::Ok();
+  kernel<<<grid, threads, smem, stream>>>(p);
+  e = cudaGetLastError();
+  return e == cudaSuccess ? Status::Ok() : launch_error(fn, e);
+}
+
+// A query-tile kernel (forward, bwd_q): the K and V TMA descriptors over (tokens, dim, KV head),
+// then one CTA per (tile, head group) with the block-union arrays after SharedStorage.
+template <class Traits, class Params, class Args, class Kernel>
+Status launch_query_tile(const char* fn, Kernel kernel, const Args& a, cudaStream_t stream) {
+  using namespace cute;
+  using Element = typename Traits::Element;
+  constexpr int kHeadDim = Traits::kHeadDim, kBlockN = Traits::kBlockN;
+  Params p{};
+  static_cast<Args&>(p) = a;
+  const auto kv_tensor = [&](const void* ptr, int64_t s0, int64_t s1) {
+    return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)),
+                       make_layout(make_shape(a.T, int32_t(kHeadDim), a.Hkv), make_stride(s0, _1{}, s1)));
+  };
+  const auto smem_kv = take<0, 2>(typename Traits::SmemLayoutKV{});
+  const auto box = Shape<Int<kBlockN>, Int<kHeadDim>>{};
+  p.tma_k = make_tma_copy(SM90_TMA_LOAD{}, kv_tensor(a.k, a.k_s0, a.k_s1), smem_kv, box, _1{});
+  p.tma_v = make_tma_copy(SM90_TMA_LOAD{}, kv_tensor(a.v, a.v_s0, a.v_s1), smem_kv, box, _1{});
+  const size_t smem = Traits::kUnionOffset + a.uni.bytes();
+  const dim3 grid(static_cast<unsigned>(a.num_tiles), static_cast<unsigned>(a.Hi));
+  return launch_kernel(fn, kernel, grid, Traits::kThreads, smem, stream, p,
+                       "argument 'block_idx': the union of a tile's selections (" +
+                           std::to_string(a.tile_tokens) + " tokens x k = " + std::to_string(a.top_k) +
+                           " blocks)");
+}
+
+// A KV-side kernel (bwd_kv, kl): one CTA per chunk of the work list.
+template <class Traits, class Params, class Args, class Kernel>
+Status launch_kv_side(const char* fn, Kernel kernel, const Args& a, cudaStream_t stream) {
+  Params p{};
+  static_cast<Args&>(p) = a;
+  return launch_kernel(fn, kernel, dim3(static_cast<unsigned>(a.grid)), Traits::kThreads,
+                       sizeof(typename Traits::SharedStorage), stream, p);
+}
+
+}  // namespace detail
+
+template <class Element, int kHeadDim, int kBlockN>
+Status launch_forward(const FwdArgs& a, cudaStream_t stream) {
+  using Traits = kern::FwdTraits<Element, kHeadDim, kBlockN>;
+  return detail::launch_query_tile<Traits, kern::FwdParams<Traits>>("forward", kern::fwd_kernel<Traits>,
+                                                                    a, stream);
+}
+
+template <class Element, int kHeadDim, int kBlockN>
+Status launch_bwd_q(const BwdQArgs& a, cudaStream_t stream) {
+  using Traits = kern::BwdQTraits<Element, kHeadDim, kBlockN>;
+  return detail::launch_query_tile<Traits, kern::BwdQParams<Traits>>("backward",
+                                                                     kern::bwd_q_kernel<Traits>, a, stream);
+}
+
+template <class Element, int kDim, int kBlockN>
+Status launch_select(const SelectArgs& a, cudaStream_t stream) {
+  using namespace cute;
+  using Traits = kern::SelectTraits<Element, kDim, kBlockN>;
+  kern::SelectKernelParams<Traits> p{};
+  static_cast<SelectArgs&>(p) = a;
+  auto g = make_tensor(make_gmem_ptr(static_cast<Element const*>(a.k_idx)),
+                       make_layout(make_shape(a.T, int32_t(kDim), a.Hik), make_stride(a.k_s0, _1{}, a.k_s1)));
+  p.tma_k = make_tma_copy(SM90_TMA_LOAD{}, g, take<0, 2>(typename Traits::SmemLayoutK{}),
+                          Shape<Int<kBlockN>, Int<kDim>>{}, _1{});
+  const size_t smem = Traits::kListOffset + size_t(Traits::kBlockM) * (a.k | 1) * 8;
+  const dim3 grid(static_cast<unsigned>(a.num_tiles), static_cast<unsigned>(a.Hik));
+  return detail::launch_kernel("select_blocks", kern::select_kernel<Traits>, grid, Traits::kThreads,
+                               smem, stream, p,
+                               "argument 'top_k': " + std::to_string(a.k) + " candidates per row");
+}
+
+template <class Element, int kHeadDim, int kBlockN>
+Status launch_bwd_kv(const BwdKvArgs& a, cudaStream_t stream) {
+  if (a.q_idx != nullptr) {
+    using Traits = kern::BwdKVTraits<Element, kHeadDim, kBlockN, true>;
+    return detail::launch_kv_side<Traits, kern::BwdKVParams<Traits>>("backward", kern::bwd_kv_kernel<Traits>,
+                                                                     a, stream);
+  }
+  using Traits = kern::BwdKVTraits<Element, kHeadDim, kBlockN, false>;
+  return detail::launch_kv_side<Traits, kern::BwdKVParams<Traits>>("backward", kern::bwd_kv_kernel<Traits>,
+                                                                   a, stream);
+}
+
+template <class Element, int kDim, int kBlockN>
+Status launch_kl(const KlArgs& a, cudaStream_t stream) {
+  using Traits = kern::KlTraits<Element, kDim, kBlockN>;
+  return detail::launch_kv_side<Traits, kern::KlParams<Traits>>("kl", kern::kl_kernel<Traits>, a, stream);
+}
+
+}  // namespace msa::cuda

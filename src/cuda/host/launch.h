@@ -1,0 +1,30 @@
+// The launch of one kernel instantiation (defined in launch.cuh, instantiated per variant in
+// generated sources): Args (args.h) -> the kernel's Params (TMA descriptors added) -> launch on
+// `stream`. Called through dispatch() (variants.h).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "args.h"
+#include "msa/types.h"
+
+namespace msa::cuda {
+
+template <class Element, int kHeadDim, int kBlockN>
+Status launch_forward(const FwdArgs& a, cudaStream_t stream);
+template <class Element, int kDim, int kBlockN>
+Status launch_select(const SelectArgs& a, cudaStream_t stream);
+template <class Element, int kHeadDim, int kBlockN>
+Status launch_bwd_q(const BwdQArgs& a, cudaStream_t stream);
+// With the KL gradient when a.q_idx is set (kDim: D == Di).
+template <class Element, int kHeadDim, int kBlockN>
+Status launch_bwd_kv(const BwdKvArgs& a, cudaStream_t stream);
+template <class Element, int kDim, int kBlockN>
+Status launch_kl(const KlArgs& a, cudaStream_t stream);
+
+// The forward kernel of the variant (dt, dim, bk) (forward.cu); `arg` names the tensor whose
+// dtype and head dim pick it.
+Status run_forward(const char* fn, const char* arg, const FwdArgs& a, DType dt, int32_t dim,
+                   int32_t bk, cudaStream_t stream);
+
+}  // namespace msa::cuda

@@ -1,0 +1,462 @@
+// The host plan of a call: the kernels' limits, the Args of each kernel (the parameter chain)
+// and the workspace of the backward and the KL value. See plan.h.
+#include "plan.h"
+
+#include <cub/device/device_radix_sort.cuh>
+#include <cub/device/device_reduce.cuh>
+#include <cub/device/device_scan.cuh>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "common.h"
+#include "reverse_index.h"
+
+namespace msa::cuda {
+namespace {
+
+constexpr int kBlockC = 64;  // columns of a KV-side entry (kernels/bwd_kv_kernel.cuh)
+
+// Tokens: int32 positions in the kernels.
+Status check_tokens(const char* fn, const Problem& prob) {
+  if (prob.T >= (int64_t(1) << 31)) return fail(fn, "q", "more than 2^31 - 1 tokens");
+  return Status::Ok();
+}
+
+// The main branch: q, k (and v) 16-bit, head dim and block size of a kernel variant, 16-byte rows.
+Status can_main(const char* fn, const Problem& prob, const TensorRef& q, const TensorRef& k,
+                const TensorRef& v) {
+  MSA_TRY(check_half(fn, "q", q));
+  MSA_TRY(check_head_dim(fn, "q", prob.D));
+  MSA_TRY(check_block_size(fn, prob.opts.block_size));
+  MSA_TRY(check_aligned(fn, "q", q));
+  MSA_TRY(check_aligned(fn, "k", k));
+  if (v.defined()) MSA_TRY(check_aligned(fn, "v", v));
+  return check_tokens(fn, prob);
+}
+
+// Query heads per tile head group (index head; KV head in dense mode): the tile's 128 rows.
+Status can_query_tile(const char* fn, const Problem& prob, bool dense) {
+  const int32_t groups = dense ? prob.Hkv : prob.Hi;
+  if (prob.Hq / groups > kQueryTileRows)
+    return fail(fn, "q", "the CUDA backend takes at most " + std::to_string(kQueryTileRows) +
+                             " query heads per " + (dense ? "KV head" : "index head") + ", got " +
+                             std::to_string(prob.Hq / groups));
+  return Status::Ok();
+}
+
+int32_t seqs(const TensorRef& cu) { return num_seqs(cu); }
+const int32_t* cu_ptr(const TensorRef& cu) {
+  return cu.defined() ? static_cast<const int32_t*>(cu.data) : nullptr;
+}
+
+void set_seqs(SeqArgs* a, const Problem& prob, const TensorRef& cu) {
+  a->cu_seqlens = cu_ptr(cu);
+  a->nseq = seqs(cu);
+  a->T = static_cast<int32_t>(prob.T);
+}
+
+// The query-tile geometry of `groups` head groups over Hq heads (dense: every causal block).
+void set_query_tile(QueryTileArgs* a, const Problem& prob, const TensorRef& cu, int32_t Hq,
+                    int32_t Hkv, int32_t groups, const TensorRef& block_idx, bool dense) {
+  set_seqs(a, prob, cu);
+  a->Hq = Hq;
+  a->Hkv = Hkv;
+  a->Hi = groups;
+  a->heads_per_idx = Hq / groups;
+  a->idx_per_kv = groups / Hkv;
+  a->tile_tokens = kQueryTileRows / a->heads_per_idx;
+  a->top_k = prob.k;
+  a->dense = dense;
+  if (!dense) {
+    a->block_idx = static_cast<const int32_t*>(block_idx.data);
+    a->bi_s0 = block_idx.stride[0];
+    a->bi_s1 = block_idx.stride[1];
+  }
+  a->uni = kern::UnionLayout::make(dense, prob.T, prob.opts.block_size, a->tile_tokens, prob.k);
+  a->num_tiles = kern::num_tile_ids(a->nseq, prob.T, a->tile_tokens);
+}
+
+int bits_for(uint64_t v) {  // bits needed to hold values 0..v
+  int b = 0;
+  while (b < 64 && (v >> b) != 0) ++b;
+  return b;
+}
+
+size_t align_up(size_t x) { return (x + 255) / 256 * 256; }
+
+}  // namespace
+
+// ------------------------------------------------------------------------------ limits
+
+Status can_select(const char* fn, const Problem& prob, const TensorRef& q_idx,
+                  const TensorRef& k_idx, bool with_lse_idx) {
+  MSA_TRY(check_half(fn, "q_idx", q_idx));
+  MSA_TRY(check_head_dim(fn, "q_idx", prob.Di));
+  MSA_TRY(check_block_size(fn, prob.opts.block_size));
+  MSA_TRY(check_aligned(fn, "q_idx", q_idx));
+  MSA_TRY(check_aligned(fn, "k_idx", k_idx));
+  if (prob.idx_per_key() > 128)
+    return fail(fn, "q_idx", "the CUDA backend takes at most 128 index heads per index key head");
+  if (with_lse_idx && prob.Hi > kQueryTileRows)
+    return fail(fn, "lse_idx", "the CUDA backend computes it for at most 128 index heads");
+  return check_tokens(fn, prob);
+}
+
+Status can_forward(const char* fn, const Problem& prob, const ForwardParams& p) {
+  const bool dense = prob.opts.mode == Mode::kDense;
+  MSA_TRY(can_main(fn, prob, p.q, p.k, p.v));
+  MSA_TRY(check_even(fn, "out", p.out));
+  MSA_TRY(can_query_tile(fn, prob, dense));
+  if (!dense && p.select) MSA_TRY(can_select(fn, prob, p.q_idx, p.k_idx, false));
+  return Status::Ok();
+}
+
+Status can_kl(const char* fn, const Problem& prob, const KlInputs& in) {
+  MSA_TRY(can_main(fn, prob, in.q, in.k, TensorRef{}));
+  MSA_TRY(check_half(fn, "q_idx", in.q_idx));
+  MSA_TRY(check_head_dim(fn, "q_idx", prob.Di));
+  MSA_TRY(check_aligned(fn, "q_idx", in.q_idx));
+  MSA_TRY(check_aligned(fn, "k_idx", in.k_idx));
+  if (prob.Di != prob.D)
+    return fail(fn, "q_idx", "the CUDA KL kernels need Di == D (got Di = " + std::to_string(prob.Di) +
+                                 ", D = " + std::to_string(prob.D) + ")");
+  if (in.q_idx.dtype != in.q.dtype)
+    return fail(fn, "q_idx", "the CUDA KL kernels need q_idx in the dtype of q");
+  return can_query_tile(fn, prob, /*dense=*/false);  // the index LSE: Hi tile head groups
+}
+
+bool fused_kl(const Problem& prob) {
+  const int32_t gi = prob.Hq / prob.Hi;
+  const bool can = gi >= 1 && gi <= 64 && (gi & (gi - 1)) == 0;
+  return can && prob.opts.kl_pass != KlPass::kSeparate;
+}
+
+Status can_backward(const Problem& prob, const BackwardParams& p) {
+  const char* fn = "backward";
+  const bool sparse = prob.opts.mode == Mode::kSparse;
+  MSA_TRY(can_main(fn, prob, p.q, p.k, p.v));
+  MSA_TRY(check_aligned(fn, "dout", p.dout));
+  MSA_TRY(check_aligned(fn, "out", p.out));
+  MSA_TRY(check_even(fn, "dq", p.dq));
+  MSA_TRY(check_even(fn, "dk", p.dk));
+  MSA_TRY(check_even(fn, "dv", p.dv));
+  MSA_TRY(can_query_tile(fn, prob, !sparse));
+  if (p.dq_idx.defined() || p.dk_idx.defined()) {
+    MSA_TRY(can_kl(fn, prob, {p.q, p.k, p.lse, p.q_idx, p.k_idx, p.cu_seqlens, p.block_idx}));
+    if (prob.opts.kl_pass == KlPass::kFused && !fused_kl(prob))
+      return fail(fn, "kl_pass",
+                  "kFused needs Hq / Hi a power of two up to 64 (the teacher's head mean is a "
+                  "butterfly over accumulator columns), got " + std::to_string(prob.Hq / prob.Hi));
+  }
+  return Status::Ok();
+}
+
+// ------------------------------------------------------------------------------ parameter chain
+
+SelectArgs select_args(const Problem& prob, const TensorRef& q_idx, const TensorRef& k_idx,
+                       const TensorRef& cu, const TensorRef& block_idx) {
+  SelectArgs a;
+  set_seqs(&a, prob, cu);
+  a.q_idx = q_idx.data;
+  a.q_s0 = q_idx.stride[0];
+  a.q_s1 = q_idx.stride[1];
+  a.k_idx = k_idx.data;
+  a.k_s0 = k_idx.stride[0];
+  a.k_s1 = k_idx.stride[1];
+  a.block_idx = static_cast<int32_t*>(block_idx.data);
+  a.bi_s0 = block_idx.stride[0];
+  a.bi_s1 = block_idx.stride[1];
+  a.Hik = prob.Hik;
+  a.idx_per_key = prob.Hi / prob.Hik;
+  a.tile_tokens = kSelectTileRows / a.idx_per_key;
+  a.k = prob.k;
+  a.sink_blocks = prob.opts.sink_blocks;
+  a.local_blocks = prob.opts.local_blocks;
+  a.scale = std::fabs(prob.opts.scale_idx);
+  a.negate = prob.opts.scale_idx < 0.f;
+  a.num_tiles = kern::num_tile_ids(a.nseq, prob.T, a.tile_tokens);
+  return a;
+}
+
+namespace {
+void set_scale(FwdArgs* a, float scale) {
+  a->scale = std::fabs(scale);
+  a->scale_log2 = a->scale * static_cast<float>(M_LOG2E);
+  a->negate = scale < 0.f;
+}
+}  // namespace
+
+FwdArgs forward_args(const Problem& prob, const ForwardParams& p) {
+  const bool dense = prob.opts.mode == Mode::kDense;
+  FwdArgs a;
+  // Dense mode has no index heads to follow: one tile head group per KV head.
+  set_query_tile(&a, prob, p.cu_seqlens, prob.Hq, prob.Hkv, dense ? prob.Hkv : prob.Hi,
+                 p.block_idx, dense);
+  a.q = p.q.data;
+  a.q_s0 = p.q.stride[0];
+  a.q_s1 = p.q.stride[1];
+  a.k = p.k.data;
+  a.k_s0 = p.k.stride[0];
+  a.k_s1 = p.k.stride[1];
+  a.v = p.v.data;
+  a.v_s0 = p.v.stride[0];
+  a.v_s1 = p.v.stride[1];
+  a.out = p.out.data;
+  a.o_s0 = p.out.stride[0];
+  a.o_s1 = p.out.stride[1];
+  a.lse = static_cast<float*>(p.lse.data);
+  a.lse_s0 = p.lse.stride[0];
+  a.lse_s1 = p.lse.stride[1];
+  set_scale(&a, prob.opts.scale);
+  return a;
+}
+
+FwdArgs index_lse_args(const Problem& prob, const KlInputs& in, float* lse_idx, int64_t s0,
+                       int64_t s1) {
+  const bool dense = prob.opts.mode == Mode::kDense;
+  FwdArgs a;
+  // Queries q_idx (Hi heads), keys k_idx (Hik heads), one selection row per index head.
+  set_query_tile(&a, prob, in.cu_seqlens, prob.Hi, prob.Hik, dense ? prob.Hik : prob.Hi,
+                 in.block_idx, dense);
+  a.q = in.q_idx.data;
+  a.q_s0 = in.q_idx.stride[0];
+  a.q_s1 = in.q_idx.stride[1];
+  a.k = a.v = in.k_idx.data;
+  a.k_s0 = a.v_s0 = in.k_idx.stride[0];
+  a.k_s1 = a.v_s1 = in.k_idx.stride[1];
+  a.lse = lse_idx;
+  a.lse_s0 = s0;
+  a.lse_s1 = s1;
+  a.lse_only = true;
+  set_scale(&a, prob.opts.scale_idx);
+  return a;
+}
+
+namespace {
+// The KV side's column groups: index heads (sparse mode, or with the KL branch), else KV heads.
+void set_kv_side(KvSideArgs* a, const Problem& prob, const TensorRef& cu, bool sparse, bool kl) {
+  set_seqs(a, prob, cu);
+  a->Hq = prob.Hq;
+  a->Hkv = prob.Hkv;
+  a->Hi = (sparse || kl) ? prob.Hi : prob.Hkv;
+  a->heads_per_idx = prob.Hq / a->Hi;
+  a->idx_per_kv = a->Hi / prob.Hkv;
+  a->group_tokens = kern::group_tokens(a->heads_per_idx);
+}
+void set_index(KvSideArgs* a, const Problem& prob, const TensorRef& q_idx, const TensorRef& k_idx) {
+  a->q_idx = q_idx.data;
+  a->k_idx = k_idx.data;
+  a->qi_s0 = q_idx.stride[0];
+  a->qi_s1 = q_idx.stride[1];
+  a->ki_s0 = k_idx.stride[0];
+  a->ki_s1 = k_idx.stride[1];
+  a->Hik = prob.Hik;
+  a->idx_per_key = prob.Hi / prob.Hik;
+  a->scale_idx = prob.opts.scale_idx;
+}
+}  // namespace
+
+BwdQArgs bwd_q_args(const Problem& prob, const BackwardParams& p, const float* delta) {
+  const bool dense = prob.opts.mode == Mode::kDense;
+  BwdQArgs a;
+  set_query_tile(&a, prob, p.cu_seqlens, prob.Hq, prob.Hkv, dense ? prob.Hkv : prob.Hi,
+                 p.block_idx, dense);
+  a.q = p.q.data;
+  a.k = p.k.data;
+  a.v = p.v.data;
+  a.dout = p.dout.data;
+  a.q_s0 = p.q.stride[0];
+  a.q_s1 = p.q.stride[1];
+  a.k_s0 = p.k.stride[0];
+  a.k_s1 = p.k.stride[1];
+  a.v_s0 = p.v.stride[0];
+  a.v_s1 = p.v.stride[1];
+  a.do_s0 = p.dout.stride[0];
+  a.do_s1 = p.dout.stride[1];
+  a.lse = static_cast<const float*>(p.lse.data);
+  a.lse_s0 = p.lse.stride[0];
+  a.lse_s1 = p.lse.stride[1];
+  a.delta = delta;
+  a.dq = p.dq.data;
+  a.dq_s0 = p.dq.stride[0];
+  a.dq_s1 = p.dq.stride[1];
+  a.scale = prob.opts.scale;
+  a.scale_log2 = prob.opts.scale * static_cast<float>(M_LOG2E);
+  return a;
+}
+
+BwdKvArgs bwd_kv_args(const Problem& prob, const BackwardParams& p, const float* delta) {
+  const bool sparse = prob.opts.mode == Mode::kSparse;
+  const bool kl = p.dq_idx.defined() || p.dk_idx.defined();
+  BwdKvArgs a;
+  set_kv_side(&a, prob, p.cu_seqlens, sparse, kl);
+  a.q = p.q.data;
+  a.k = p.k.data;
+  a.v = p.v.data;
+  a.dout = p.dout.data;
+  a.q_s0 = p.q.stride[0];
+  a.q_s1 = p.q.stride[1];
+  a.k_s0 = p.k.stride[0];
+  a.k_s1 = p.k.stride[1];
+  a.v_s0 = p.v.stride[0];
+  a.v_s1 = p.v.stride[1];
+  a.do_s0 = p.dout.stride[0];
+  a.do_s1 = p.dout.stride[1];
+  a.lse = static_cast<const float*>(p.lse.data);
+  a.lse_s0 = p.lse.stride[0];
+  a.lse_s1 = p.lse.stride[1];
+  a.delta = delta;
+  a.dk = p.dk.data;
+  a.dv = p.dv.data;
+  a.dk_s0 = p.dk.stride[0];
+  a.dk_s1 = p.dk.stride[1];
+  a.dv_s0 = p.dv.stride[0];
+  a.dv_s1 = p.dv.stride[1];
+  a.scale = prob.opts.scale;
+  a.scale_log2 = prob.opts.scale * static_cast<float>(M_LOG2E);
+  if (kl && fused_kl(prob)) set_index(&a, prob, p.q_idx, p.k_idx);
+  return a;
+}
+
+KlArgs kl_args(const Problem& prob, const KlInputs& in) {
+  KlArgs a;
+  set_kv_side(&a, prob, in.cu_seqlens, prob.opts.mode == Mode::kSparse, true);
+  set_index(&a, prob, in.q_idx, in.k_idx);
+  a.q = in.q.data;
+  a.k = in.k.data;
+  a.q_s0 = in.q.stride[0];
+  a.q_s1 = in.q.stride[1];
+  a.k_s0 = in.k.stride[0];
+  a.k_s1 = in.k.stride[1];
+  a.lse = static_cast<const float*>(in.lse.data);
+  a.lse_s0 = in.lse.stride[0];
+  a.lse_s1 = in.lse.stride[1];
+  a.scale_log2 = prob.opts.scale * static_cast<float>(M_LOG2E);
+  return a;
+}
+
+// ------------------------------------------------------------------------------ workspace
+
+Status make_plan(const char* fn, const Problem& prob, int32_t nseq, bool sparse, bool main,
+                 bool kl, bool grad, Plan* out) {
+  Plan p;
+  p.sparse = sparse;
+  p.kl = kl;
+  p.grad = grad;
+  const int32_t Bk = prob.opts.block_size;
+  // Column groups of the KV side: the index heads (always in sparse mode or with the KL),
+  // else the KV heads.
+  p.Hi_group = (sparse || kl) ? prob.Hi : prob.Hkv;
+  const int32_t Gi = prob.Hq / p.Hi_group;
+  if (Gi > kBlockC)
+    return fail(fn, "q", "the CUDA backward takes at most 64 query heads per " +
+                             std::string((sparse || kl) ? "index head" : "KV head") + ", got " +
+                             std::to_string(Gi));
+  p.m = kern::group_tokens(Gi);
+  size_t off = 0;
+  auto take = [&](size_t bytes) {
+    const size_t at = off;
+    off += align_up(bytes);
+    return at;
+  };
+  if (main) p.delta = take(sizeof(float) * size_t(prob.T) * prob.Hq);
+  const int64_t kv_tiles = kern::num_tile_ids(nseq, prob.T, Bk);
+  if (sparse) {
+    p.n = prob.T * prob.Hi * int64_t(prob.k);
+    if (p.n >= (int64_t(1) << 31))
+      return fail(fn, "block_idx", "T * Hi * k must be below 2^31 for the CUDA backward");
+    const int64_t groups = kern::num_tile_ids(nseq, prob.T, p.m);
+    p.gbits = bits_for(static_cast<uint64_t>(groups));
+    const uint64_t prefix = static_cast<uint64_t>(kv_tiles) * prob.Hkv * (prob.Hi / prob.Hkv);
+    p.end_bit = bits_for(prefix) + p.gbits;
+    if (p.end_bit > 63) return fail(fn, "q", "too many tokens for the reverse index");
+    p.invalid = (uint64_t(1) << p.end_bit) - 1;
+    p.keys_a = take(8 * size_t(p.n));
+    p.keys_b = take(8 * size_t(p.n));
+    p.vals_a = take(8 * size_t(p.n));
+    p.vals_b = take(8 * size_t(p.n));
+    p.count = take(sizeof(int32_t));
+    size_t sort_bytes = 0, reduce_bytes = 0;
+    cub::DoubleBuffer<uint64_t> kb(nullptr, nullptr), vb(nullptr, nullptr);
+    cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, kb, vb, static_cast<int>(p.n), 0,
+                                    p.end_bit);
+    cub::DeviceReduce::ReduceByKey(nullptr, reduce_bytes, static_cast<uint64_t*>(nullptr),
+                                   static_cast<uint64_t*>(nullptr), static_cast<uint64_t*>(nullptr),
+                                   static_cast<uint64_t*>(nullptr), static_cast<int32_t*>(nullptr),
+                                   BitOr{}, static_cast<int>(p.n));
+    p.cub_bytes = std::max(sort_bytes, reduce_bytes);
+  }
+  // The KV-side work lists. e_bound bounds the entries of all lists: one per block_idx slot in
+  // sparse mode, every (index head, KV tile, group) pair in dense mode.
+  const double e_bound =
+      sparse ? double(p.n)
+             : double(p.Hi_group) * double(kv_tiles) * double(kern::num_tile_ids(nseq, prob.T, p.m));
+  if (kv_tiles * prob.Hkv >= (int64_t(1) << 31)) return fail(fn, "q", "too many tokens for the CUDA backward");
+  p.items = static_cast<int32_t>(kv_tiles * prob.Hkv);
+  size_t scan_bytes = 0;
+  cub::DeviceScan::ExclusiveSum(nullptr, scan_bytes, static_cast<int32_t*>(nullptr),
+                                static_cast<int32_t*>(nullptr), p.items);
+  // CUB's own estimates can vary with its tuning for the current device: keep a margin so that
+  // the size a caller was given always suffices.
+  p.cub_bytes = 2 * std::max(p.cub_bytes, scan_bytes) + 65536;
+  p.cub = take(p.cub_bytes);
+  // chunk: entries per CTA; with_slots: split lists keep fp32 partial sums (bwd_kv).
+  auto work = [&](Plan::Work* w, double chunk, bool with_slots) -> Status {
+    chunk = std::max(1.0, chunk);
+    const int64_t extra = static_cast<int64_t>(std::ceil(e_bound / chunk));
+    if (chunk >= double(int64_t(1) << 31) || p.items + extra >= (int64_t(1) << 31))
+      return fail(fn, "q", "too many tokens for the CUDA backward");
+    w->chunk = static_cast<int32_t>(chunk);
+    w->grid = p.items + extra;
+    w->slots = with_slots ? 2 * extra + 2 : 0;
+    w->num_chunks = take(4 * size_t(p.items));
+    w->chunk_start = take(4 * size_t(p.items));
+    w->num_slots = take(4 * size_t(p.items));
+    w->slot_start = take(4 * size_t(p.items));
+    w->arrivals = take(4 * size_t(p.items));
+    w->partials = take(sizeof(float) * 2 * size_t(Bk) * prob.D * size_t(w->slots));
+    return Status::Ok();
+  };
+  // bwd_kv: about 16 chunks per SM of the entry bound (which also bounds the partial slots:
+  // at most 2 * 16 * SMs of them, 540 MB at Bk = D = 128 on 132 SMs); KL: chunks of 512 entries.
+  if (main) MSA_TRY(work(&p.kv, std::max(256.0, std::ceil(e_bound / (16.0 * num_sms()))), true));
+  if (kl) MSA_TRY(work(&p.kl_work, 512.0, false));
+  if (kl) {
+    p.lse_idx = take(sizeof(float) * size_t(prob.T) * prob.Hi);
+    if (grad) {
+      p.dq_acc = take(8 * size_t(prob.T) * prob.Hi * prob.Di);
+      p.dk_acc = take(8 * size_t(prob.T) * prob.Hik * prob.Di);
+    } else {
+      p.kl_acc = take(8 * size_t(prob.T) * prob.Hi);
+    }
+  }
+  p.total = off;
+  *out = p;
+  return Status::Ok();
+}
+
+Status backward_plan(const Problem& prob, const BackwardParams& p, Plan* pl) {
+  MSA_TRY(can_backward(prob, p));
+  const bool kl = p.dq_idx.defined() || p.dk_idx.defined();
+  return make_plan("backward", prob, num_seqs(p.cu_seqlens), prob.opts.mode == Mode::kSparse,
+                   true, kl, true, pl);
+}
+
+Status kl_plan(const Problem& prob, const KlInputs& in, Plan* pl) {
+  MSA_TRY(can_kl("kl_divergence", prob, in));
+  return make_plan("kl_divergence", prob, num_seqs(in.cu_seqlens),
+                   prob.opts.mode == Mode::kSparse, false, true, false, pl);
+}
+
+Status need_workspace(const char* fn, const Plan& pl, const Launch& launch) {
+  if (pl.total > 0 && (launch.workspace == nullptr || launch.workspace_bytes < pl.total))
+    return Status::Invalid(std::string("msa::") + fn +
+                           ": argument 'launch.workspace': the CUDA backend needs " +
+                           std::to_string(pl.total) + " bytes of device workspace (workspace_size), got " +
+                           std::to_string(launch.workspace == nullptr ? 0 : launch.workspace_bytes));
+  return Status::Ok();
+}
+
+}  // namespace msa::cuda

@@ -1,0 +1,82 @@
+// The host plan of a call, built once before anything is launched:
+//   can_*      the kernels' own limits on a validated Problem (each failure names the argument
+//              and the limit: kNotSupported);
+//   *_args     the kernels' Args (args.h) from the API's tensors: the one parameter chain;
+//   Plan       the device workspace of the backward and of the KL value (reverse index, work
+//              lists, fixed-point sums), and its byte offsets.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "../../core/problem.h"
+#include "args.h"
+#include "msa/params.h"
+
+namespace msa::cuda {
+
+using detail::Problem;
+
+// The tensors of the KL branch (backward's KL gradient, the KL value).
+struct KlInputs {
+  TensorRef q, k, lse, q_idx, k_idx, cu_seqlens, block_idx;
+};
+
+// ---- limits
+Status can_select(const char* fn, const Problem& prob, const TensorRef& q_idx,
+                  const TensorRef& k_idx, bool with_lse_idx);
+Status can_forward(const char* fn, const Problem& prob, const ForwardParams& p);
+Status can_backward(const Problem& prob, const BackwardParams& p);
+Status can_kl(const char* fn, const Problem& prob, const KlInputs& in);
+// Whether the backward computes the KL gradient inside the KV-side pass (Options.kl_pass; kAuto:
+// when the teacher's head mean is a butterfly over accumulator columns, Hq / Hi a power of two).
+bool fused_kl(const Problem& prob);
+
+// ---- the parameter chain
+SelectArgs select_args(const Problem& prob, const TensorRef& q_idx, const TensorRef& k_idx,
+                       const TensorRef& cu, const TensorRef& block_idx);
+FwdArgs forward_args(const Problem& prob, const ForwardParams& p);
+// The index branch's LSE over the support (the forward kernel in LSE-only mode over q_idx, k_idx;
+// one row per index head) into lse_idx [T, Hi] with strides (s0, s1).
+FwdArgs index_lse_args(const Problem& prob, const KlInputs& in, float* lse_idx, int64_t s0,
+                       int64_t s1);
+BwdQArgs bwd_q_args(const Problem& prob, const BackwardParams& p, const float* delta);
+BwdKvArgs bwd_kv_args(const Problem& prob, const BackwardParams& p, const float* delta);
+KlArgs kl_args(const Problem& prob, const KlInputs& in);
+
+// ---- workspace
+struct Plan {
+  bool sparse = false, kl = false, grad = false;
+  int64_t n = 0;         // reverse-index slots T * Hi * k
+  int32_t Hi_group = 0;  // column groups of the KV side
+  int32_t m = 0;         // tokens per KV-side group
+  int gbits = 0, end_bit = 0;
+  uint64_t invalid = 0;
+  size_t cub_bytes = 0;
+  // byte offsets
+  size_t delta = 0, keys_a = 0, keys_b = 0, vals_a = 0, vals_b = 0, count = 0, cub = 0;
+  size_t lse_idx = 0, dq_acc = 0, dk_acc = 0, kl_acc = 0, check = 0, total = 0;
+  // A KV-side work list: bwd_kv's (chunks bounded by the partial-sum slots they may need) or
+  // the KL kernel's (fixed-point atomics: any chunk size is free).
+  struct Work {
+    int32_t chunk = 0;
+    int64_t grid = 0, slots = 0;
+    size_t num_chunks = 0, chunk_start = 0, num_slots = 0, slot_start = 0, arrivals = 0,
+           partials = 0;
+  };
+  int32_t items = 0;
+  Work kv, kl_work;
+};
+
+// main: the attention backward (delta, bwd_kv's work list); kl: the KL branch; grad: its
+// gradient (else the KL terms).
+Status make_plan(const char* fn, const Problem& prob, int32_t nseq, bool sparse, bool main,
+                 bool kl, bool grad, Plan* out);
+Status backward_plan(const Problem& prob, const BackwardParams& p, Plan* pl);
+Status kl_plan(const Problem& prob, const KlInputs& in, Plan* pl);
+// A caller's workspace holds the plan.
+Status need_workspace(const char* fn, const Plan& pl, const Launch& launch);
+
+}  // namespace msa::cuda
