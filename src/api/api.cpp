@@ -93,17 +93,7 @@ Status forward(const ForwardParams& p) {
     if (sparse && p.select) MSA_TRY(cpu::select_blocks(prob, p.q_idx, p.k_idx, p.block_idx, TensorRef{}));
     MSA_TRY(cpu::attention_forward(prob, p));
     if (!p.kl.defined()) return Status::Ok();
-    KlParams kp;
-    kp.q = p.q;
-    kp.k = p.k;
-    kp.lse = p.lse;
-    kp.q_idx = p.q_idx;
-    kp.k_idx = p.k_idx;
-    kp.cu_seqlens = p.cu_seqlens;
-    kp.block_idx = p.block_idx;
-    kp.kl = p.kl;
-    kp.opts = prob.opts;
-    return cpu::kl_divergence(prob, kp);
+    return cpu::kl_divergence(prob, detail::kl_params_of(p));
   });
 }
 

@@ -28,4 +28,21 @@ struct Problem {
   int64_t num_seqs() const { return static_cast<int64_t>(cu.size()) - 1; }
 };
 
+// The KL value a forward call asks for (ForwardParams.kl): a kl_divergence call over the
+// forward's own tensors, support and launch.
+inline KlParams kl_params_of(const ForwardParams& p) {
+  KlParams kp;
+  kp.q = p.q;
+  kp.k = p.k;
+  kp.lse = p.lse;
+  kp.q_idx = p.q_idx;
+  kp.k_idx = p.k_idx;
+  kp.cu_seqlens = p.cu_seqlens;
+  kp.block_idx = p.block_idx;
+  kp.kl = p.kl;
+  kp.opts = p.opts;
+  kp.launch = p.launch;
+  return kp;
+}
+
 }  // namespace msa::detail

@@ -4,8 +4,7 @@
 // (Barrier::kListReady) and streams the K tile, and optionally the V tile, of every listed block
 // by TMA, in list order.
 //
-// Traits: a QueryTileTraits with a SharedStorage (holding pipe_k, pipe_v, num_blocks) and
-// kUnionOffset. Params: the kernel's parameters, which hold the TMA
+// Traits: a QueryTileTraits with its SharedStorage (StorageQ or StorageQdO) and kUnionOffset. Params: the kernel's parameters, which hold the TMA
 // descriptors tma_k / tma_v and the QueryTileArgs fields (args.h).
 #pragma once
 
@@ -51,6 +50,20 @@ struct QueryTileTraits {
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   static constexpr uint32_t kTmaBytes = kBlockN * kHeadDim * sizeof(Element);
+
+  // Shared memory: Q, the K and V stages, the pipelines and the list length; the block-union
+  // arrays (UnionLayout) follow at kUnionOffset. The backward's tile also holds dO.
+  struct StorageQ {
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutKV>> k;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutKV>> v;
+    typename Pipeline::SharedStorage pipe_k;
+    typename Pipeline::SharedStorage pipe_v;
+    int32_t num_blocks;
+  };
+  struct StorageQdO : StorageQ {
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> dout;
+  };
 };
 
 // The CTA's tile: blockIdx.x counts from the last (heavy, late tiles first); count 0: nothing to do.
@@ -70,8 +83,8 @@ struct QueryTileStream {
   bool producer;  // the first warpgroup: warp 0 produces, the others leave
   Pipeline pipe_k, pipe_v;
 
-  // Every thread constructs the stream (of the CTA's tile, query_tile()), then waits at the CTA
-  // barrier in start().
+  // Every thread constructs the stream of the CTA's tile (query_tile()): the pipelines, the union
+  // bitmap cleared, then a CTA barrier.
   template <class Params>
   __device__ QueryTileStream(char* smem_, const Params& p)
       : smem(smem_),
@@ -80,7 +93,13 @@ struct QueryTileStream {
         kvh(blockIdx.y / p.idx_per_kv),
         producer(cutlass::canonical_warp_idx_sync() < 4),
         pipe_k(ss.pipe_k, pipeline_params(producer), Shape<_1, _1, _1>{}),
-        pipe_v(ss.pipe_v, pipeline_params(producer), Shape<_1, _1, _1>{}) {}
+        pipe_v(ss.pipe_v, pipeline_params(producer), Shape<_1, _1, _1>{}) {
+    if (cutlass::canonical_warp_idx_sync() == 0) {
+      uint32_t* bitmap = us(p).bitmap;
+      for (int w = threadIdx.x & 31; w < p.uni.bitmap_words; w += 32) bitmap[w] = 0u;
+    }
+    __syncthreads();
+  }
 
   static __device__ typename Pipeline::Params pipeline_params(bool producer) {
     typename Pipeline::Params pp;
@@ -97,17 +116,21 @@ struct QueryTileStream {
     return p.uni.carve(smem + Traits::kUnionOffset);
   }
 
-  // Clears the union bitmap, then a CTA barrier (the pipelines' barriers are initialised too).
-  template <class Params>
-  __device__ void start(const Params& p) {
-    if (cutlass::canonical_warp_idx_sync() == 0) {
-      uint32_t* bitmap = us(p).bitmap;
-      for (int w = threadIdx.x & 31; w < p.uni.bitmap_words; w += 32) bitmap[w] = 0u;
+  // The warp roles. The producer warpgroup gives registers back and its warp 0 produces (the
+  // block list, then the TMA stream); it returns true, and the kernel returns. The consumer
+  // warpgroups take the registers and get false.
+  template <class Params, class TensorK, class TensorV>
+  __device__ bool producer_done(const Params& p, const QueryTile& tile, TensorK& sK, TensorV& sV,
+                                bool with_v) {
+    if (!producer) {
+      cutlass::arch::warpgroup_reg_alloc<232>();
+      return false;
     }
-    __syncthreads();
+    cutlass::arch::warpgroup_reg_dealloc<40>();
+    if (cutlass::canonical_warp_idx_sync() == 0) produce(p, tile, sK, sV, with_v);
+    return true;
   }
 
-  // Warp 0 of the producer warpgroup: the block list, then the TMA stream.
   template <class Params, class TensorK, class TensorV>
   __device__ void produce(const Params& p, const QueryTile& tile, TensorK& sK, TensorV& sV,
                           bool with_v) {

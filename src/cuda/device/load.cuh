@@ -92,6 +92,18 @@ __device__ inline void load_block_rows_async(SmemTensor&& s, const Element* base
       s, [&](int row) { return row < count ? base + row * s0 : nullptr; }, tid, nthreads);
 }
 
+// load_block_rows_async, waited for: the rows are in shared memory and visible to every thread
+// of the CTA when this returns (all of the thread's earlier cp.async groups are waited for too).
+template <int kRowsTile, int kDim, class SmemTensor, class Element>
+__device__ inline void load_block_rows_now(SmemTensor&& s, const Element* base, int64_t s0,
+                                           int32_t count, int tid, int nthreads) {
+  load_block_rows_async<kRowsTile, kDim>(s, base, s0, count, tid, nthreads);
+  cp_async_commit();
+  cp_async_wait_all();
+  cutlass::arch::fence_view_async_shared();
+  __syncthreads();
+}
+
 // Rows (token, head) of a [T, H, D] tensor into a swizzled [kRowsTile, kHeadDim] shared tile:
 // row = token * heads + head, `tokens` tokens from `base` (the first token's row of head 0),
 // heads first_head .. first_head + heads - 1; zero rows past them. `negate` flips every sign.

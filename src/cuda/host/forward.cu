@@ -84,17 +84,7 @@ Status attention_forward(const Problem& prob, const ForwardParams& p) {
     MSA_TRY(run_forward(fn, "q", forward_args(prob, p), p.q.dtype, prob.D, prob.opts.block_size, stream));
   }
   if (!p.kl.defined()) return Status::Ok();
-  KlParams kp;
-  kp.q = p.q;
-  kp.k = p.k;
-  kp.lse = p.lse;
-  kp.q_idx = p.q_idx;
-  kp.k_idx = p.k_idx;
-  kp.cu_seqlens = p.cu_seqlens;
-  kp.block_idx = p.block_idx;
-  kp.kl = p.kl;
-  kp.opts = p.opts;
-  kp.launch = p.launch;
+  KlParams kp = detail::kl_params_of(p);
   kp.launch.check_values = false;  // checked above
   return kl_divergence(prob, kp);
 }

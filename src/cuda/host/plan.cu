@@ -258,27 +258,35 @@ void set_index(KvSideArgs* a, const Problem& prob, const TensorRef& q_idx, const
 }
 }  // namespace
 
+namespace {
+// The backward's inputs, named alike in BwdQArgs and BwdKvArgs.
+template <class Args>
+void set_backward_inputs(Args* a, const BackwardParams& p, const float* delta) {
+  a->q = p.q.data;
+  a->k = p.k.data;
+  a->v = p.v.data;
+  a->dout = p.dout.data;
+  a->q_s0 = p.q.stride[0];
+  a->q_s1 = p.q.stride[1];
+  a->k_s0 = p.k.stride[0];
+  a->k_s1 = p.k.stride[1];
+  a->v_s0 = p.v.stride[0];
+  a->v_s1 = p.v.stride[1];
+  a->do_s0 = p.dout.stride[0];
+  a->do_s1 = p.dout.stride[1];
+  a->lse = static_cast<const float*>(p.lse.data);
+  a->lse_s0 = p.lse.stride[0];
+  a->lse_s1 = p.lse.stride[1];
+  a->delta = delta;
+}
+}  // namespace
+
 BwdQArgs bwd_q_args(const Problem& prob, const BackwardParams& p, const float* delta) {
   const bool dense = prob.opts.mode == Mode::kDense;
   BwdQArgs a;
   set_query_tile(&a, prob, p.cu_seqlens, prob.Hq, prob.Hkv, dense ? prob.Hkv : prob.Hi,
                  p.block_idx, dense);
-  a.q = p.q.data;
-  a.k = p.k.data;
-  a.v = p.v.data;
-  a.dout = p.dout.data;
-  a.q_s0 = p.q.stride[0];
-  a.q_s1 = p.q.stride[1];
-  a.k_s0 = p.k.stride[0];
-  a.k_s1 = p.k.stride[1];
-  a.v_s0 = p.v.stride[0];
-  a.v_s1 = p.v.stride[1];
-  a.do_s0 = p.dout.stride[0];
-  a.do_s1 = p.dout.stride[1];
-  a.lse = static_cast<const float*>(p.lse.data);
-  a.lse_s0 = p.lse.stride[0];
-  a.lse_s1 = p.lse.stride[1];
-  a.delta = delta;
+  set_backward_inputs(&a, p, delta);
   a.dq = p.dq.data;
   a.dq_s0 = p.dq.stride[0];
   a.dq_s1 = p.dq.stride[1];
@@ -292,22 +300,7 @@ BwdKvArgs bwd_kv_args(const Problem& prob, const BackwardParams& p, const float*
   const bool kl = p.dq_idx.defined() || p.dk_idx.defined();
   BwdKvArgs a;
   set_kv_side(&a, prob, p.cu_seqlens, sparse, kl);
-  a.q = p.q.data;
-  a.k = p.k.data;
-  a.v = p.v.data;
-  a.dout = p.dout.data;
-  a.q_s0 = p.q.stride[0];
-  a.q_s1 = p.q.stride[1];
-  a.k_s0 = p.k.stride[0];
-  a.k_s1 = p.k.stride[1];
-  a.v_s0 = p.v.stride[0];
-  a.v_s1 = p.v.stride[1];
-  a.do_s0 = p.dout.stride[0];
-  a.do_s1 = p.dout.stride[1];
-  a.lse = static_cast<const float*>(p.lse.data);
-  a.lse_s0 = p.lse.stride[0];
-  a.lse_s1 = p.lse.stride[1];
-  a.delta = delta;
+  set_backward_inputs(&a, p, delta);
   a.dk = p.dk.data;
   a.dv = p.dv.data;
   a.dk_s0 = p.dk.stride[0];

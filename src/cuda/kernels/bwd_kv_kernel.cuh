@@ -29,6 +29,7 @@
 #include <cutlass/gemm/collective/builders/sm90_common.inl>
 
 #include "../device/entry_list.cuh"
+#include "../device/kv_side_traits.cuh"
 #include "../device/load.cuh"
 #include "../device/mask.cuh"
 #include "../device/softmax.cuh"
@@ -40,62 +41,37 @@ namespace msa::cuda::kern {
 
 using cuda::BwdKvArgs;
 
-// With kKl, Di == kHeadDim.
+// With kKl, Di == kHeadDim. Entries in flight: 4, or 2 with the KL branch, whose tiles take the
+// shared memory of two stages.
 template <class Element_, int kHeadDim_, int kBlockN_, bool kKl_ = false>
-struct BwdKVTraits {
+struct BwdKVTraits : KvSideTraits<Element_, kHeadDim_, kBlockN_, kKl_ ? 2 : 4> {
+  using Base = KvSideTraits<Element_, kHeadDim_, kBlockN_, kKl_ ? 2 : 4>;
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockN = kBlockN_;  // keys per CTA: one MSA block
-  static constexpr int kBlockC = 64;        // columns (token, head) per entry
+  static constexpr int kBlockN = kBlockN_;
   static constexpr bool kKl = kKl_;
-  static constexpr int kTok = 16;    // index columns: the entry's tokens (m <= 16)
   static constexpr int kBatch = 64;  // tokens of a dk_idx batch
-  static constexpr int kWarpGroups = kBlockN / 64;
-  static constexpr int kThreads = 128 * kWarpGroups;
-  // Entries in flight (cp.async prefetch depth + 1); the KL branch's tiles take the shared
-  // memory of two stages.
-  static constexpr int kStages = kKl ? 2 : 4;
-  static constexpr int kDqWarpGroups = kWarpGroups < kHeadDim / 64 ? kWarpGroups : kHeadDim / 64;
+  static constexpr int kBlockC = Base::kBlockC, kTok = Base::kTok, kStages = Base::kStages;
+  static constexpr int kWarpGroups = Base::kWarpGroups;
+  using typename Base::SmemLayoutK;
+  using typename Base::SmemLayoutQ;
+  using typename Base::SmemLayoutQi;
 
-  using TileS = Shape<Int<kBlockN>, Int<kBlockC>, Int<kHeadDim>>;
+  // dV += P^T dO and dK += dS^T Q (RS): Q and dO as the (D, columns) B operand, MN-major.
   using TileKV = Shape<Int<kBlockN>, Int<kHeadDim>, Int<kBlockC>>;
-  using MmaS = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, TileS>(),
-                                       Layout<Shape<Int<kWarpGroups>, _1, _1>>{}));
   using MmaKV = decltype(make_tiled_mma(
       GMMA::rs_op_selector<Element, Element, float, TileKV, GMMA::Major::K, GMMA::Major::MN>(),
       Layout<Shape<Int<kWarpGroups>, _1, _1>>{}));
-
-  using SmemAtomK = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
-                             GMMA::Major::K, Element, Int<kBlockN>, Int<kHeadDim>>());
-  using SmemLayoutK = decltype(tile_to_shape(SmemAtomK{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-  using SmemAtomQ = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
-                             GMMA::Major::K, Element, Int<kBlockC>, Int<kHeadDim>>());
-  using SmemLayoutQ =
-      decltype(tile_to_shape(SmemAtomQ{}, Shape<Int<kBlockC>, Int<kHeadDim>, Int<kStages>>{}));
-  // Q and dO viewed as the (D, columns) B operand of dK / dV: D-contiguous, i.e. MN-major.
   using SmemLayoutQt = decltype(composition(
       SmemLayoutQ{},
       make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockC>, Int<kStages>>{}, Step<_2, _1, _3>{})));
 
-  // The KL branch: S_idx^T = k_idx q_idx^T, dq_idx^T = k_idx^T dS_idx^T, dk_idx = dS_idx^T q_idx.
-  using TileSi = Shape<Int<kBlockN>, Int<kTok>, Int<kHeadDim>>;
-  using TileDQ = Shape<Int<kHeadDim>, Int<kTok>, Int<kBlockN>>;
+  // The KL branch: dk_idx = dS_idx^T q_idx over batches of kBatch tokens.
   static constexpr int kDkCols = 64;  // dk_idx columns per flush GEMM (its accumulator is transient)
   using TileDKi = Shape<Int<kBlockN>, Int<kDkCols>, Int<kBatch>>;
-  using MmaSi = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, TileSi>(),
-                                        Layout<Shape<Int<kWarpGroups>, _1, _1>>{}));
-  using MmaDQ = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, TileDQ, GMMA::Major::MN, GMMA::Major::K>(),
-      Layout<Shape<Int<kDqWarpGroups>, _1, _1>>{}));
   using MmaDKi = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float, TileDKi, GMMA::Major::K, GMMA::Major::MN>(),
       Layout<Shape<Int<kWarpGroups>, _1, _1>>{}));
-  using SmemLayoutKt = decltype(composition(
-      SmemLayoutK{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Step<_2, _1>{})));
-  using SmemAtomQi = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
-                              GMMA::Major::K, Element, Int<kTok>, Int<kHeadDim>>());
-  using SmemLayoutQi =
-      decltype(tile_to_shape(SmemAtomQi{}, Shape<Int<kTok>, Int<kHeadDim>, Int<kStages>>{}));
   using SmemAtomQb = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
                               GMMA::Major::K, Element, Int<kBatch>, Int<kHeadDim>>());
   using SmemLayoutQb = decltype(tile_to_shape(SmemAtomQb{}, Shape<Int<kBatch>, Int<kHeadDim>>{}));
@@ -105,10 +81,8 @@ struct BwdKVTraits {
   using SmemAtomDSb = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
                                GMMA::Major::K, Element, Int<kBlockN>, Int<kBatch>>());
   using SmemLayoutDSb = decltype(tile_to_shape(SmemAtomDSb{}, Shape<Int<kBlockN>, Int<kBatch>>{}));
-  // dS_idx of one entry as the (tokens, keys) B operand of dq_idx^T, keys contiguous.
-  using SmemAtomDS = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
-                              GMMA::Major::K, Element, Int<kTok>, Int<kBlockN>>());
-  using SmemLayoutDS = decltype(tile_to_shape(SmemAtomDS{}, Shape<Int<kTok>, Int<kBlockN>, _2>{}));
+  // dS_idx of the last two entries (dq_idx runs one entry late).
+  using SmemLayoutDS = decltype(tile_to_shape(typename Base::SmemAtomDS{}, Shape<Int<kTok>, Int<kBlockN>, _2>{}));
   static constexpr int kTeacherStride = kTok + 4;
 
   // The KL branch's tiles; one element each without kKl (never touched then).
@@ -368,13 +342,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         flush_batch();
         __syncthreads();
         loaded_ik = ik;
-        load_block_rows_async<kBlockN, kHeadDim>(
+        load_block_rows_now<kBlockN, kHeadDim>(
             sKi, as<Element>(p.k_idx) + key_base * p.ki_s0 + ik * p.ki_s1, p.ki_s0, tile.count,
             tid, kThreads);
-        cp_async_commit();
-        cp_async_wait_all();
-        cutlass::arch::fence_view_async_shared();
-        __syncthreads();
       } else if (nb + en.count > Traits::kBatch) {
         flush_batch();
       }

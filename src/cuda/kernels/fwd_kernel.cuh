@@ -47,15 +47,7 @@ struct FwdTraits : QueryTileTraits<Element_, kHeadDim_, kBlockN_> {
       GMMA::rs_op_selector<Element, Element, float, TilePV, GMMA::Major::K, GMMA::Major::MN>(),
       Layout<Shape<_2, _1, _1>>{}));
 
-  struct SharedStorage {
-    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
-    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutKV>> k;
-    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutKV>> v;
-    typename Pipeline::SharedStorage pipe_k;
-    typename Pipeline::SharedStorage pipe_v;
-    int32_t num_blocks;
-  };
-  // Followed in dynamic shared memory by the block-union arrays (UnionLayout).
+  using SharedStorage = typename Base::StorageQ;
   static constexpr size_t kUnionOffset = (sizeof(SharedStorage) + 15) / 16 * 16;
 };
 
@@ -81,21 +73,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   QueryTileStream<Traits> kv(smem_raw, p);
   auto& ss = kv.ss;
   const int32_t ih = kv.ih;
-  kv.start(p);
 
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutKV{});
   Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutKV{});
   Tensor sVt = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutVt{});
 
-  if (kv.producer) {
-    cutlass::arch::warpgroup_reg_dealloc<40>();
-    if (cutlass::canonical_warp_idx_sync() == 0) kv.produce(p, tile, sK, sV, !p.lse_only);
-    return;
-  }
+  if (kv.producer_done(p, tile, sK, sV, !p.lse_only)) return;
 
   // ---------------------------------------------------------------- consumers
-  cutlass::arch::warpgroup_reg_alloc<232>();
   const int tidx = threadIdx.x - 128;
   const int32_t Gi = p.heads_per_idx;
   // Q: rows (token, head) of this head group, zero for padding rows.

@@ -19,6 +19,7 @@
 #include <cutlass/gemm/collective/builders/sm90_common.inl>
 
 #include "../device/entry_list.cuh"
+#include "../device/kv_side_traits.cuh"
 #include "../device/load.cuh"
 #include "../device/mask.cuh"
 #include "../device/softmax.cuh"
@@ -32,50 +33,26 @@ using cuda::KlArgs;
 
 // kDim: D == Di (the index branch and the main branch share the instantiation's head dim).
 template <class Element_, int kDim_, int kBlockN_>
-struct KlTraits {
+struct KlTraits : KvSideTraits<Element_, kDim_, kBlockN_, 4> {
+  using Base = KvSideTraits<Element_, kDim_, kBlockN_, 4>;
   using Element = Element_;
-  static constexpr int kDim = kDim_;
-  static constexpr int kBlockN = kBlockN_;
-  static constexpr int kBlockC = 64;  // main columns (token, head)
-  static constexpr int kTok = 16;     // index columns: the entry's tokens (m <= 16)
-  static constexpr int kWarpGroups = kBlockN / 64;
-  static constexpr int kThreads = 128 * kWarpGroups;
-  static constexpr int kStages = 4;  // entries in flight: cp.async prefetch depth + 1
-  static constexpr int kDqWarpGroups = kWarpGroups < kDim / 64 ? kWarpGroups : kDim / 64;
+  static constexpr int kDim = kDim_, kBlockN = kBlockN_;
+  static constexpr int kBlockC = Base::kBlockC, kTok = Base::kTok, kStages = Base::kStages;
+  static constexpr int kWarpGroups = Base::kWarpGroups;
   static constexpr int kPStride = kBlockC + 1;
+  using typename Base::SmemLayoutK;
+  using typename Base::SmemLayoutQ;
+  using typename Base::SmemLayoutQi;
 
-  using TileS = Shape<Int<kBlockN>, Int<kBlockC>, Int<kDim>>;
-  using TileSi = Shape<Int<kBlockN>, Int<kTok>, Int<kDim>>;
+  // dk_idx += dS^T q_idx (RS, the block's keys as rows, kept in registers).
   using TileDK = Shape<Int<kBlockN>, Int<kDim>, Int<kTok>>;
-  using TileDQ = Shape<Int<kDim>, Int<kTok>, Int<kBlockN>>;
-  using MmaS = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, TileS>(),
-                                       Layout<Shape<Int<kWarpGroups>, _1, _1>>{}));
-  using MmaSi = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, TileSi>(),
-                                        Layout<Shape<Int<kWarpGroups>, _1, _1>>{}));
   using MmaDK = decltype(make_tiled_mma(
       GMMA::rs_op_selector<Element, Element, float, TileDK, GMMA::Major::K, GMMA::Major::MN>(),
       Layout<Shape<Int<kWarpGroups>, _1, _1>>{}));
-  using MmaDQ = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, TileDQ, GMMA::Major::MN, GMMA::Major::K>(),
-      Layout<Shape<Int<kDqWarpGroups>, _1, _1>>{}));
-
-  using SmemAtomK = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
-                             GMMA::Major::K, Element, Int<kBlockN>, Int<kDim>>());
-  using SmemLayoutK = decltype(tile_to_shape(SmemAtomK{}, Shape<Int<kBlockN>, Int<kDim>>{}));
-  using SmemLayoutKt = decltype(composition(
-      SmemLayoutK{}, make_ordered_layout(Shape<Int<kDim>, Int<kBlockN>>{}, Step<_2, _1>{})));
-  using SmemAtomQ = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
-                             GMMA::Major::K, Element, Int<kBlockC>, Int<kDim>>());
-  using SmemLayoutQ = decltype(tile_to_shape(SmemAtomQ{}, Shape<Int<kBlockC>, Int<kDim>, Int<kStages>>{}));
-  using SmemAtomQi = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
-                              GMMA::Major::K, Element, Int<kTok>, Int<kDim>>());
-  using SmemLayoutQi = decltype(tile_to_shape(SmemAtomQi{}, Shape<Int<kTok>, Int<kDim>, Int<kStages>>{}));
   using SmemLayoutQit = decltype(composition(
       SmemLayoutQi{}, make_ordered_layout(Shape<Int<kDim>, Int<kTok>, Int<kStages>>{}, Step<_2, _1, _3>{})));
-  // dS^T as the B operand (tokens, keys) of dq_idx^T = k_idx^T dS^T, K-major.
-  using SmemAtomDS = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
-                              GMMA::Major::K, Element, Int<kTok>, Int<kBlockN>>());
-  using SmemLayoutDS = decltype(tile_to_shape(SmemAtomDS{}, Shape<Int<kTok>, Int<kBlockN>>{}));
+  // dS^T as the B operand (tokens, keys) of dq_idx^T = k_idx^T dS^T.
+  using SmemLayoutDS = decltype(tile_to_shape(typename Base::SmemAtomDS{}, Shape<Int<kTok>, Int<kBlockN>>{}));
 
   struct SharedStorage {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k;
@@ -125,17 +102,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor sQit = make_tensor(make_smem_ptr(ss.q_idx.data()), typename Traits::SmemLayoutQit{});
   Tensor sDS = make_tensor(make_smem_ptr(ss.ds.data()), typename Traits::SmemLayoutDS{});
 
-  // The block's main keys and index keys (index key head of the chunk's first index head; they
-  // are reloaded below when an entry's index head uses another one).
+  // The block's main keys; its index keys are loaded when the first entry (and each entry whose
+  // index head uses another index key head) arrives.
   int32_t loaded_ik = -1;
   load_block_rows_async<kBlockN, kDim>(
       sK, as<Element>(p.k) + key_base * p.k_s0 + r * p.k_s1, p.k_s0, tile.count,
       tid, kThreads);
-  auto load_kidx = [&](int32_t ik) {
-    load_block_rows_async<kBlockN, kDim>(
-        sKi, as<Element>(p.k_idx) + key_base * p.ki_s0 + ik * p.ki_s1, p.ki_s0, tile.count,
-        tid, kThreads);
-  };
 
   const ColumnLoader<kDim, kThreads> cols_in(sQ(_, _, 0), Gi, tid);
   constexpr int kStageElems = kBlockC * kDim;
@@ -230,11 +202,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       const int32_t ik = i / p.idx_per_key;
       if (ik != loaded_ik) {  // another index key head: (re)load the block's index keys
         loaded_ik = ik;
-        load_kidx(ik);
-        cp_async_commit();
-        cp_async_wait_all();
-        cutlass::arch::fence_view_async_shared();
-        __syncthreads();
+        load_block_rows_now<kBlockN, kDim>(
+            sKi, as<Element>(p.k_idx) + key_base * p.ki_s0 + ik * p.ki_s1, p.ki_s0, tile.count,
+            tid, kThreads);
       }
     }
     stream.issue_next(list, p.list, issue);
