@@ -59,7 +59,7 @@ R"(usage: %s [options]
 Runs one MSA training step (selection, sparse forward with the exact KL value, backward with the
 KL gradient), the warmup step (dense forward/backward with the KL over the full causal support)
 and dense causal attention of the same shape, times each stage (median of --iters runs), checks a
-random sample of rows against a double-precision reference written from the spec, and prints a
+random sample of rows against a double-precision reference written from the contract (docs/contract.md), and prints a
 table: time, FLOPs of the selected work, throughput, speedup versus dense.
 
 On a GPU (the CUDA backend: selection and forward kernels only) it runs the selection, the sparse

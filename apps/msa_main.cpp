@@ -1,7 +1,7 @@
 // msa_main: the project's main job. Runs an MSA training step (selection, sparse forward with the
 // exact KL value, backward with the KL gradient), the warmup step and dense causal attention of
 // the same shape through the public API, times every stage, checks a sample of the results
-// against a double-precision reference written from the spec, and prints a table.
+// against a double-precision reference written from the contract (docs/contract.md), and prints a table.
 //
 // On a GPU (the CUDA backend, when libmsa has it and a compute capability 9.0 GPU is visible) it
 // runs the same stages on a larger default shape (the KL branch there needs Di == D; with another

@@ -1,9 +1,9 @@
-// msa_main's reference check: a double-precision recomputation, from the spec (shared/spec/msa.md)
+// msa_main's reference check: a double-precision recomputation from the contract (docs/contract.md)
 // and written independently of src/cpu, of a random sample of the outputs.
 //
 // Sampled tokens serve as query rows and as key columns:
 //   rows     selection (§2: brute-force block maxima, forced blocks, ties to the lower index; judged
-//            by the spec's tolerance rule), out and lse (§3, over the support of the returned
+//            by the contract's tolerance rule), out and lse (§3, over the support of the returned
 //            block_idx), dq and dq_idx (§4; they depend on the row alone);
 //   columns  dk, dv (sum over the rows whose support holds the key) and dk_idx.
 // A full pass over every row (when affordable, see kFullPassBudget) adds the exact KL value, the
@@ -46,7 +46,7 @@ struct Tolerances {
   // An output element passes when |got - ref| <= rtol*|ref| + atol + vec_rel*max|ref of its vector|.
   double rtol, atol, vec_rel;
   double lse_rel, lse_abs;  // lse (fp32 output)
-  double score_abs;         // selection: score slack of the spec's rule, times (1 + |k-th score|)
+  double score_abs;         // selection: score slack of the contract's rule, times (1 + |k-th score|)
   double kl_rel;            // the KL value (fp32 output)
 };
 
@@ -325,7 +325,7 @@ class Reference {
     });
   }
 
-  // ---- selection (spec §2) ----
+  // ---- selection (docs/contract.md §2) ----
 
   void check_selection(int64_t g, int32_t i, CheckStats& st) const {
     const int64_t base = s_.base_of(g), t = g - base, own = t / s_.Bk;

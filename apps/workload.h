@@ -111,7 +111,7 @@ inline DeviceInputs upload_inputs(Allocator& a, const HostInputs& h) {
 // ---- variants and their outputs -----------------------------------------------------------------
 
 // kSparse: the MSA training step. kWarmup: dense causal attention with the KL over the full
-// causal support (spec §5). kDense: plain dense causal attention, no index branch (comparison).
+// causal support (docs/contract.md §5). kDense: plain dense causal attention, no index branch (comparison).
 enum class Variant { kSparse, kWarmup, kDense };
 
 inline const char* variant_name(Variant v) {

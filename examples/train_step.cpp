@@ -1,6 +1,6 @@
 // A minimal MSA training step through the C++ API (CPU tensors): selection, forward with the
 // exact KL value, backward with the KL gradient; then a check of the results against a small
-// double-precision computation written here from the spec. Built as `msa_example` and run by
+// double-precision computation written here from the contract (docs/contract.md). Built as `msa_example` and run by
 // the tests (it exits with status 1 on a mismatch); the README quotes it.
 #include <algorithm>
 #include <cmath>
@@ -70,7 +70,7 @@ int main() {
   std::printf("\n");
 
   // Check the values. out and lse: softmax attention in double over the causal keys of the
-  // selected blocks (spec §3), for every token and head. dv: every softmax row sums to 1, so
+  // selected blocks (docs/contract.md §3), for every token and head. dv: every softmax row sums to 1, so
   // the dv rows of a KV head sum to the dout rows of the query heads it serves.
   const int Bk = opts.block_size;
   const double scale = 1.0 / std::sqrt(double(D));

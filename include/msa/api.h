@@ -1,5 +1,5 @@
 // Entry points of the public MSA API. Each call validates every argument before it touches any
-// data (spec §7), then dispatches on the tensors' device to a backend. Nothing here throws: the
+// data (docs/contract.md §7), then dispatches on the tensors' device to a backend. Nothing here throws: the
 // result is a Status whose message names the offending argument.
 #pragma once
 

@@ -1,6 +1,6 @@
 // Parameter structs of the public MSA API: the only contract between a caller and a backend.
 //
-// Shapes use the names of the spec: T packed query/key tokens, Hq/Hkv main heads, D main head
+// Shapes use the names of the contract (docs/contract.md): T packed query/key tokens, Hq/Hkv main heads, D main head
 // dim, Hi/Hik index query/key heads, Di index head dim, k blocks per (token, index head).
 // Tokens are packed FlashAttention-style; `cu_seqlens` [nseq+1] (int32) marks the sequences
 // (absent: one sequence of T tokens). Every tensor's last dimension must be contiguous; the
@@ -14,7 +14,7 @@
 
 namespace msa {
 
-// kSparse: attention over the selected blocks (spec §3). kDense: the warmup variant (spec §5),
+// kSparse: attention over the selected blocks (docs/contract.md §3). kDense: the warmup variant (docs/contract.md §5),
 // dense causal attention with the KL taken over the full causal support; block_idx is unused.
 enum class Mode : int32_t { kSparse = 0, kDense = 1 };
 
@@ -55,7 +55,7 @@ struct Launch {
   bool check_values = true;
 };
 
-// Index selection (spec §2).
+// Index selection (docs/contract.md §2).
 struct SelectParams {
   TensorRef q_idx;       // in  [T, Hi, Di]
   TensorRef k_idx;       // in  [T, Hik, Di], same dtype as q_idx
@@ -67,7 +67,7 @@ struct SelectParams {
   Launch launch;
 };
 
-// Main attention forward (spec §3, §5), optionally preceded by selection and followed by the
+// Main attention forward (docs/contract.md §3, §5), optionally preceded by selection and followed by the
 // exact KL value.
 struct ForwardParams {
   TensorRef q;           // in  [T, Hq, D]
@@ -75,19 +75,19 @@ struct ForwardParams {
   TensorRef v;           // in  [T, Hkv, D]
   TensorRef cu_seqlens;  // in  [nseq+1] int32, optional
   // kSparse: [T, Hi, k] int32. An input, unless `select` is set, in which case it is written
-  // first from q_idx/k_idx (spec §2). Unused in kDense mode.
+  // first from q_idx/k_idx (docs/contract.md §2). Unused in kDense mode.
   TensorRef block_idx;
   bool select = false;
   TensorRef q_idx;  // in [T, Hi, Di]; needed when `select` is set or `kl` is requested
   TensorRef k_idx;  // in [T, Hik, Di]
   TensorRef out;    // out [T, Hq, D], dtype of q
   TensorRef lse;    // out [T, Hq] fp32, natural log; -inf for a row with empty support
-  TensorRef kl;     // out [1] fp32, optional: the exact KL loss value (spec §4)
+  TensorRef kl;     // out [1] fp32, optional: the exact KL loss value (docs/contract.md §4)
   Options opts;
   Launch launch;
 };
 
-// Backward (spec §4): dq, dk, dv from dout; dq_idx, dk_idx from the KL weight gamma.
+// Backward (docs/contract.md §4): dq, dk, dv from dout; dq_idx, dk_idx from the KL weight gamma.
 struct BackwardParams {
   TensorRef q, k, v;     // in, as in ForwardParams
   TensorRef out;         // in  [T, Hq, D]: the forward output
@@ -109,7 +109,7 @@ struct BackwardParams {
   Launch launch;
 };
 
-// The exact KL value (spec §4) from the forward's LSE.
+// The exact KL value (docs/contract.md §4) from the forward's LSE.
 struct KlParams {
   TensorRef q, k;        // in  [T, Hq, D], [T, Hkv, D]
   TensorRef lse;         // in  [T, Hq] fp32

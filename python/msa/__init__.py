@@ -1,7 +1,7 @@
 """MSA: MiniMax Sparse Attention (block-sparse attention whose blocks an index branch selects,
 with a KL loss that trains the index branch).
 
-Layout (FlashAttention-style packed tokens, spec §1):
+Layout (FlashAttention-style packed tokens, contract §1):
 
 * ``q`` [T, Hq, D], ``k``, ``v`` [T, Hkv, D] (GQA: Hkv divides Hq);
 * ``q_idx`` [T, Hi, Di] (index queries; Hi a multiple of Hkv that divides Hq; index head ``i``
@@ -25,6 +25,7 @@ Entry points: :func:`sparse_attention` (training forward with autograd), :func:`
 are ``torch.ops.msa.{select_blocks, forward, backward, kl_divergence}``.
 """
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -37,12 +38,28 @@ __version__ = "0.1.0"
 
 __all__ = [
     "sparse_attention",
+    "value_checks",
     "warmup_attention",
     "select_blocks",
     "kl_divergence",
     "version",
     "backend_available",
 ]
+
+
+@contextlib.contextmanager
+def value_checks(enabled: bool):
+    """Turns the CUDA value checks of ``cu_seqlens`` and of a caller's ``block_idx`` on or off
+    inside a ``with`` block (on by default). Each checked CUDA call waits for a small check
+    kernel (one stream synchronisation); with the checks off, malformed values give unspecified
+    results, though never an access outside the tensors. Calls captured into a CUDA graph are
+    never checked. The CPU backend always checks."""
+    previous = _ops._value_checks
+    _ops._value_checks = bool(enabled)
+    try:
+        yield
+    finally:
+        _ops._value_checks = previous
 
 
 def version() -> str:
@@ -164,7 +181,7 @@ def sparse_attention(
     deterministic: bool = False,
     kl_pass: str = "auto",
 ):
-    """MSA training attention: index selection, sparse attention, KL loss (spec §2-§4).
+    """MSA training attention: index selection, sparse attention, KL loss (contract §2-§4).
 
     Args:
         q: [T, Hq, D] main queries (float16/bfloat16; float32/float64 accepted).
@@ -254,7 +271,7 @@ def warmup_attention(
     deterministic: bool = False,
     kl_pass: str = "auto",
 ):
-    """Indexer warmup (spec §5): dense causal attention, KL over the full causal support.
+    """Indexer warmup (docs/contract.md §5): dense causal attention, KL over the full causal support.
 
     Shapes and dtypes as in :func:`sparse_attention` (no selection, no ``top_k``).
     ``out`` [T, Hq, D] is dense causal GQA attention; ``kl`` (0-dim float32) is
@@ -292,7 +309,7 @@ def select_blocks(
     local_blocks: int = 1,
     scale_idx: Optional[float] = None,
 ) -> Tensor:
-    """Index selection alone (spec §2). Not differentiable.
+    """Index selection alone (docs/contract.md §2). Not differentiable.
 
     For token t and index head i: block scores ``M(t, b) = max_{j in b, j <= t}
     scale_idx * <q_idx[t, i], k_idx[j, i // (Hi/Hik)]>``; the forced blocks (own block, the
@@ -326,14 +343,14 @@ def kl_divergence(
     scale_idx: Optional[float] = None,
     return_rows: bool = False,
 ):
-    """Exact KL value (spec §4) from a forward's LSE. Not differentiable.
+    """Exact KL value (docs/contract.md §4) from a forward's LSE. Not differentiable.
 
     Args:
         q [T, Hq, D], k [T, Hkv, D]: the main queries and keys of the forward.
         lse: [T, Hq] float32, the forward's LSE (``return_lse=True``).
         q_idx [T, Hi, Di], k_idx [T, Hik, Di]: index queries and keys.
         block_idx: [T, Hi, k] int32, the forward's selection; None: the dense causal support
-            of the warmup (spec §5).
+            of the warmup (docs/contract.md §5).
     Returns:
         ``kl`` 0-dim float32 = ``1/(T*Hi) * sum_{t,i} KL(pi_i(t) || sigma_i(t))``; with
         ``return_rows`` also the unnormalised per-row terms [T, Hi] float32.

@@ -45,14 +45,20 @@ def _alloc(device: torch.device):
     return lambda nbytes: torch.empty(int(nbytes), dtype=torch.uint8, device=device)
 
 
+# Whether CUDA calls check the values of cu_seqlens and block_idx (msa.value_checks).
+_value_checks = True
+
+
 def _launch(fn, device: torch.device, *args, check_values: bool = True, **kwargs):
     """Calls the binding function ``fn`` for tensors on ``device``: on the CPU directly; for
     CUDA with ``device`` current and its current stream. ``check_values`` (CUDA only; the CPU
-    always checks, for free) is turned off while that stream is being captured."""
+    always checks, for free) is turned off while that stream is being captured, and where
+    msa.value_checks(False) is in force."""
     if device.type != "cuda":
         return fn(*args, stream=0, check_values=True, workspace_alloc=_alloc(device), **kwargs)
     with torch.cuda.device(device):
-        check = bool(check_values) and not torch.cuda.is_current_stream_capturing()
+        check = (bool(check_values) and _value_checks
+                 and not torch.cuda.is_current_stream_capturing())
         return fn(*args, stream=torch.cuda.current_stream(device).cuda_stream,
                   check_values=check, workspace_alloc=_alloc(device), **kwargs)
 
@@ -107,7 +113,7 @@ def select_blocks(
     local_blocks: int,
     scale_idx: float,
 ) -> Tensor:
-    """block_idx [T, Hi, top_k] int32: ascending selected block ids, then -1 (spec §2)."""
+    """block_idx [T, Hi, top_k] int32: ascending selected block ids, then -1 (docs/contract.md §2)."""
     _need_rank("q_idx", q_idx, 3, "[T, Hi, Di]")
     _need_int("top_k", top_k, 1, _MAX_TOP_K)
     block_idx = torch.empty((q_idx.shape[0], q_idx.shape[1], top_k), dtype=torch.int32,
@@ -297,7 +303,7 @@ def kl_divergence(
     scale: float,
     scale_idx: float,
 ) -> Tuple[Tensor, Tensor]:
-    """(kl 0-dim fp32, kl_rows [T, Hi] fp32): the exact KL loss (spec §4) and its
+    """(kl 0-dim fp32, kl_rows [T, Hi] fp32): the exact KL loss (docs/contract.md §4) and its
     unnormalised per-(token, index head) terms, from the forward's LSE."""
     _need_rank("q_idx", q_idx, 3, "[T, Hi, Di]")
     dev = q.device

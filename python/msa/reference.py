@@ -1,4 +1,4 @@
-"""Independent eager PyTorch reference of MSA, written from the spec (docs: spec/msa.md).
+"""Independent eager PyTorch reference of MSA, written from the contract (docs/contract.md).
 
 Slow and memory-hungry (it materialises [H, L, L] score matrices per sequence); meant for tests
 and small experiments. Differentiable with autograd (selection excluded); compute in float64
@@ -39,7 +39,7 @@ def _causal(L: int, device) -> Tensor:
 def select_blocks_ref(q_idx: Tensor, k_idx: Tensor, top_k: int, block_size: int,
                       cu_seqlens: Optional[Tensor] = None, sink_blocks: int = 0,
                       local_blocks: int = 1, scale_idx: Optional[float] = None) -> Tensor:
-    """Spec §2: block_idx [T, Hi, top_k] int32, ascending block ids then -1."""
+    """Contract §2: block_idx [T, Hi, top_k] int32, ascending block ids then -1."""
     T, Hi, Di = q_idx.shape
     if scale_idx is None:
         scale_idx = Di ** -0.5
@@ -98,7 +98,7 @@ def attention_over_support_ref(q: Tensor, k: Tensor, v: Tensor, q_idx: Optional[
                                block_size: int = 128, cu_seqlens: Optional[Tensor] = None,
                                scale: Optional[float] = None,
                                scale_idx: Optional[float] = None):
-    """Spec §3-§5 over a given support: ``block_idx`` [T, Hi, k] (sparse) or None (dense causal).
+    """Contract §3-§5 over a given support: ``block_idx`` [T, Hi, k] (sparse) or None (dense causal).
 
     Returns (out [T, Hq, D], lse [T, Hq], kl 0-dim): kl is 0 when q_idx is None.
     """
@@ -172,7 +172,7 @@ def sparse_attention_ref(q: Tensor, k: Tensor, v: Tensor, q_idx: Optional[Tensor
 def warmup_attention_ref(q: Tensor, k: Tensor, v: Tensor, q_idx: Optional[Tensor],
                          k_idx: Optional[Tensor], *, cu_seqlens: Optional[Tensor] = None,
                          scale: Optional[float] = None, scale_idx: Optional[float] = None):
-    """Reference of msa.warmup_attention (spec §5): returns (out, kl, lse)."""
+    """Reference of msa.warmup_attention (docs/contract.md §5): returns (out, kl, lse)."""
     out, lse, kl = attention_over_support_ref(q, k, v, q_idx, k_idx, None,
                                               cu_seqlens=cu_seqlens, scale=scale,
                                               scale_idx=scale_idx)

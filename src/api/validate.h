@@ -1,4 +1,4 @@
-// Argument validation for every entry point (spec §7). Each function checks the parameters
+// Argument validation for every entry point (docs/contract.md §7). Each function checks the parameters
 // completely, without launching anything, and fills a Problem on success. Messages have the form
 //   msa::<entry>: argument '<name>': <what was expected>, got <what was passed>
 #pragma once

@@ -1,4 +1,4 @@
-// CPU main attention (spec §3), its backward and the KL loss (spec §4), in double.
+// CPU main attention (docs/contract.md §3), its backward and the KL loss (docs/contract.md §4), in double.
 //
 // The backward never materialises a T x T (or T x selected) matrix and needs no atomics:
 //   pass A, one task per query token: delta = dO.O, dq; the index softmax log-normaliser and dq_idx;

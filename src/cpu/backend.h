@@ -1,4 +1,4 @@
-// The CPU backend: the spec followed literally, accumulating in double, multi-threaded over
+// The CPU backend: the contract (docs/contract.md) followed literally, accumulating in double, multi-threaded over
 // independent rows or key blocks. It is the reference for every other backend. Arguments are
 // validated by the caller (src/api); these functions assume a valid Problem.
 #pragma once

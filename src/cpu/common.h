@@ -1,5 +1,5 @@
 // Shared pieces of the CPU backend: strided row access, dot products in double, the support of
-// a (token, index head) row (spec §3: its selected blocks, or every causal block in kDense mode)
+// a (token, index head) row (contract §3: its selected blocks, or every causal block in kDense mode)
 // and the reverse index (for a key block, the rows whose support holds it).
 #pragma once
 

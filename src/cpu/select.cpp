@@ -1,4 +1,4 @@
-// CPU index selection (spec §2), literally: token scores, per-block maxima over causal keys,
+// CPU index selection (docs/contract.md §2), literally: token scores, per-block maxima over causal keys,
 // forced blocks, then the best remaining blocks by score (ties to the lower block index).
 #include <algorithm>
 #include <cmath>

@@ -1,6 +1,7 @@
 // The Hopper (sm_90a) backend. Arguments arrive validated by src/api (shapes, dtypes, devices,
 // options); these functions add the constraints of the kernels themselves and launch on
-// `launch.stream` without synchronising the host. Built only when MSA_WITH_CUDA is defined.
+// `launch.stream`. The host waits only for the value checks of cu_seqlens and a caller's
+// block_idx (Launch::check_values). Built only when MSA_WITH_CUDA is defined.
 #pragma once
 
 #include "../core/problem.h"
@@ -13,17 +14,17 @@ using detail::Problem;
 // A device of compute capability 9.0 is visible to the CUDA runtime.
 bool available();
 
-// Spec §2: block_idx (and, when given, lse_idx) from q_idx / k_idx.
+// docs/contract.md §2: block_idx (and, when given, lse_idx) from q_idx / k_idx.
 Status select_blocks(const Problem& prob, const SelectParams& p);
 
-// Spec §3 / §5: out and lse; runs the selection first when p.select is set, and the exact KL
+// docs/contract.md §3 / §5: out and lse; runs the selection first when p.select is set, and the exact KL
 // value after when p.kl is given (which needs workspace).
 Status attention_forward(const Problem& prob, const ForwardParams& p);
 
-// Spec §4 / §5: dq, dk, dv and, when given, dq_idx, dk_idx (backward.cu).
+// docs/contract.md §4 / §5: dq, dk, dv and, when given, dq_idx, dk_idx (host/backward.cu).
 Status attention_backward(const Problem& prob, const BackwardParams& p);
 
-// Spec §4: the exact KL value and its per-row terms (backward.cu).
+// docs/contract.md §4: the exact KL value and its per-row terms (host/backward.cu).
 Status kl_divergence(const Problem& prob, const KlParams& p);
 
 // Device workspace of each call, in bytes (0 when the arguments are not supported).

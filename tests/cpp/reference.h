@@ -1,4 +1,4 @@
-// Independent references for the tests, written from the spec with another structure than the
+// Independent references for the tests, written from the contract (docs/contract.md) with another structure than the
 // backend: selection by a full sort of all candidates, attention and gradients over an explicit
 // per-row key mask (every key of the sequence is visited), and a naive dense causal GQA
 // attention that knows nothing of blocks.
@@ -63,7 +63,7 @@ inline bool is_forced(const Config& c, int own, int b) {
   return (b <= own && b > own - c.local) || (b < c.sink && b <= own);
 }
 
-// Spec §2's output format of one block_idx row (all k entries): the selected ids strictly
+// Contract §2's output format of one block_idx row (all k entries): the selected ids strictly
 // ascending, each a causal block in [0, own], then -1 padding; min(k, own + 1) ids in all (every
 // causal block is forced or a candidate). Returns "" when the row has that form, else what is wrong.
 inline std::string selection_format_error(const std::vector<int>& row, int own) {
@@ -84,7 +84,7 @@ inline std::string selection_format_error(const std::vector<int>& row, int own) 
   return "";
 }
 
-// Spec §2's acceptance rule for one selected row (two correct implementations may order
+// Contract §2's acceptance rule for one selected row (two correct implementations may order
 // near-equal scores differently): every forced block is selected, and every selected non-forced
 // block scores at least the reference's k-th best non-forced score minus
 // abs_tol + rel_tol * |that score|. `m`: the block scores M(t, b) for b in [0, own]; `chosen`: the

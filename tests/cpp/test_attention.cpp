@@ -1,4 +1,4 @@
-// Main-branch forward (spec §3), warmup (spec §5) and the KL value (spec §4) against the
+// Main-branch forward (docs/contract.md §3), warmup (docs/contract.md §5) and the KL value (docs/contract.md §4) against the
 // independent references.
 #include <gtest/gtest.h>
 

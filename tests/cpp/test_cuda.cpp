@@ -1,4 +1,4 @@
-// The CUDA (Hopper) backend against the CPU backend on the same inputs: selection (spec §2), sparse
+// The CUDA (Hopper) backend against the CPU backend on the same inputs: selection (docs/contract.md §2), sparse
 // forward over a given or computed block_idx (§3), the backward with the KL gradient and the exact
 // KL value (§4), the dense warmup forward and backward (§5), packed varlen batches and bad input
 // (§7).
@@ -7,7 +7,7 @@
 // are poisoned before each call: 0xFF bytes (NaN) for floats, 0x7F bytes for block_idx (-1 is a
 // legal entry there). The CPU reference runs in float64 on exactly the values the GPU saw.
 // Tolerances: out rel-L2 < 1e-2 (bf16) / 3e-3 (fp16) over the tensor and 4x that per row; lse
-// within 1e-3 where finite and -inf exactly where the reference is -inf; selection by the spec's
+// within 1e-3 where finite and -inf exactly where the reference is -inf; selection by the contract's
 // rule with a score slack of 1e-3 * (1 + |k-th score|), lse_idx within 1e-3 * (1 + |ref|) when the
 // backend produces it. Gradients: rel-L2 < 2e-2 (bf16) / 6e-3 (fp16) per tensor (KL gradients:
 // 2e-2 / 1.5e-2) and 4x that per row, against the CPU backend run on the same out, lse and dout; the reproducibility test
@@ -290,7 +290,7 @@ void expect_forward_close(const HostTensor& out, const HostTensor& lse, const Fw
 }
 
 // Index scores from float copies of q_idx and k_idx (16-bit values are exact in float), summed in
-// double: block maxima and log-normalisers of spec §2 / §4 for any row.
+// double: block maxima and log-normalisers of contract §2 / §4 for any row.
 class IndexScores {
  public:
   explicit IndexScores(const Problem& p)
@@ -350,7 +350,7 @@ std::vector<int> bi_row(const HostTensor& bi, int64_t g, int i) {
   return row;
 }
 
-// Selection rows `tokens` (all heads): the spec's format (ascending ids, then -1 padding), its
+// Selection rows `tokens` (all heads): the contract's format (ascending ids, then -1 padding), its
 // acceptance rule with a slack of 1e-3 * (1 + |k-th score|), and lse_idx (when given) within
 // 1e-3 * (1 + |ref|) of the log-normaliser over the returned support.
 Failures check_selection(const Problem& p, const IndexScores& sc, const HostTensor& bi, const HostTensor* lse_idx,
@@ -613,7 +613,7 @@ class CudaVsCpu : public ::testing::TestWithParam<CudaCase> {
   msa::TensorRef dev_q() { return dev_->q.ref(); }
 };
 
-// select_blocks with lse_idx: the spec's format and tolerance rule on every row.
+// select_blocks with lse_idx: the contract's format and tolerance rule on every row.
 TEST_P(CudaVsCpu, SelectBlocks) {
   SKIP_UNLESS_BUILT(cfg(), false, true);
   const Config& c = cfg();
@@ -643,7 +643,7 @@ TEST_P(CudaVsCpu, ForwardGivenBlockIdx) {
   expect_forward_close(g.out, g.lse, ref, cfg().dtype, what("forward, given block_idx"));
 }
 
-// forward with select = true: the selection by the spec's rule, then out and lse against the
+// forward with select = true: the selection by the contract's rule, then out and lse against the
 // CPU over the block_idx the GPU chose.
 TEST_P(CudaVsCpu, ForwardWithSelect) {
   SKIP_UNLESS_BUILT(cfg(), true, true);

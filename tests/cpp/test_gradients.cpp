@@ -1,4 +1,4 @@
-// Backward (spec §4): central finite differences in float64 of every gradient, the analytic
+// Backward (docs/contract.md §4): central finite differences in float64 of every gradient, the analytic
 // reference on explicit masks, KL isolation and bitwise reproducibility.
 #include <gtest/gtest.h>
 

@@ -1,4 +1,4 @@
-// Index selection (spec §2) against a brute-force reference.
+// Index selection (docs/contract.md §2) against a brute-force reference.
 #include <gtest/gtest.h>
 
 #include "harness.h"
@@ -99,7 +99,7 @@ TEST(Selection, PicksHighestBlockMax) {
   }
 }
 
-// Float inputs (no exact ties): the spec's tolerance rule against the reference ranking.
+// Float inputs (no exact ties): the contract's tolerance rule against the reference ranking.
 class SelectionTolerance : public ::testing::TestWithParam<DType> {};
 
 TEST_P(SelectionTolerance, WithinSpecRule) {

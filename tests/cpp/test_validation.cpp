@@ -1,4 +1,4 @@
-// Bad input (spec §7): every entry point rejects it before touching data, with kInvalidArgument
+// Bad input (docs/contract.md §7): every entry point rejects it before touching data, with kInvalidArgument
 // and a message naming the argument. Each case starts from valid parameters and breaks one thing.
 #include <gtest/gtest.h>
 

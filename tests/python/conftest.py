@@ -59,7 +59,7 @@ def sequences(T, cu_seqlens):
 
 def check_selection(block_idx, q_idx, k_idx, top_k, block_size, cu_seqlens=None, sink_blocks=0,
                     local_blocks=1, scale_idx=None, tol=1e-5):
-    """The acceptance rule of spec §2 for a selection computed by any implementation.
+    """The acceptance rule of contract §2 for a selection computed by any implementation.
 
     Format: per row, ascending block ids in [0, blk(t)], then -1 padding. Content: every forced
     block, |selection| = min(top_k, forced + candidates), and every selected non-forced block

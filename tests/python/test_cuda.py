@@ -3,7 +3,7 @@
 Skipped unless ``msa.backend_available("cuda")``. Inputs are fresh random bf16/fp16 tensors;
 the references see the same 16-bit values widened to float32 (CPU op) or float64 (reference).
 
-Rules (spec §2, §3): a CUDA selection is correct when every forced block is present and every
+Rules (docs/contract.md §2, §3): a CUDA selection is correct when every forced block is present and every
 selected non-forced block scores at least the k-th best non-forced float64 score minus SEL_TOL;
 attention outputs are within a relative L2 error of OUT_TOL (per tensor; ROW_FACTOR times that
 per (token, head) row), LSE within LSE_TOL where finite, and -inf (with a zero output) exactly
@@ -95,7 +95,7 @@ def positions(lengths):
 
 def random_block_idx(lengths, Hi, k, Bk, empty_rows=0.0, no_own=0.0, shuffle=True):
     """A caller's block_idx [T, Hi, k]: the own block plus up to k-1 random earlier ones, in a
-    random order with -1 anywhere (a set, spec §2); a fraction `empty_rows` of the rows is all
+    random order with -1 anywhere (a set, contract §2); a fraction `empty_rows` of the rows is all
     -1 (empty support), a fraction `no_own` lacks the own block (allowed for a caller's)."""
     pos = positions(lengths)
     T = pos.numel()
@@ -130,7 +130,7 @@ def random_block_idx(lengths, Hi, k, Bk, empty_rows=0.0, no_own=0.0, shuffle=Tru
 
 
 def ref_attention(q, k, v, block_idx, lengths, Bk, scale=None):
-    """spec §3/§5 with reference.py in float64 on the device, one index head (sparse) or one
+    """contract §3/§5 with reference.py in float64 on the device, one index head (sparse) or one
     KV head (dense) at a time to bound memory: (out [T, Hq, D] f64, lse [T, Hq] f64)."""
     T, Hq, D = q.shape
     Hkv = k.shape[1]
@@ -165,7 +165,7 @@ def cpu_attention(q, k, v, block_idx, lengths, Bk, rows=None, scale=None):
     """The same op on the CPU backend, float32 copies: (out, lse) on DEV, valid on `rows`.
 
     With `rows`, every other row's support is emptied (sparse), and a dense problem becomes
-    the sparse one whose rows list every block up to their own (equal to dense, spec §3)."""
+    the sparse one whose rows list every block up to their own (equal to dense, contract §3)."""
     cu = cu_of(lengths).cpu()
     q32, k32, v32 = (x.detach().cpu().float() for x in (q, k, v))
     if block_idx is None and rows is None:
@@ -235,7 +235,7 @@ def check_against_references(out, lse, q, k, v, block_idx, lengths, Bk, dtype, s
 
 
 def check_selection_vs_reference(bi, qi, ki, top_k, Bk, lengths, sink, local, scale_idx=None):
-    """The spec §2 tolerance rule, plus: nearly all rows equal the exact float64 selection."""
+    """The contract §2 tolerance rule, plus: nearly all rows equal the exact float64 selection."""
     cu = cu_of(lengths)
     qi64, ki64 = qi.double(), ki.double()
     check_selection(bi, qi64, ki64, top_k, Bk, cu_seqlens=cu, sink_blocks=sink,
@@ -251,7 +251,7 @@ def check_selection_vs_reference(bi, qi, ki, top_k, Bk, lengths, sink, local, sc
 # cases
 # --------------------------------------------------------------------------------------------
 # Lengths 1, 113, 799, 4224 and packed sets with empty sequences; Bk 64/128; D 64/128;
-# G = Hq/Hkv in 1..16; Hi = Hkv or 2*Hkv; Hik = 1 or Hi; bf16 and fp16. Di is 128 (spec §1).
+# G = Hq/Hkv in 1..16; Hi = Hkv or 2*Hkv; Hik = 1 or Hi; bf16 and fp16. Di is 128 (docs/contract.md §1).
 
 # (id, lengths, Hq, Hkv, Hi, Hik, D, Bk, top_k, dtype)
 ATTN_CASES = [

@@ -1,4 +1,4 @@
-"""Bad input raises ValueError naming the argument (spec §7); the binding's small surface."""
+"""Bad input raises ValueError naming the argument (docs/contract.md §7); the binding's small surface."""
 
 import contextlib
 

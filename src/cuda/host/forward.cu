@@ -1,5 +1,5 @@
-// Entry points of the Hopper backend's forward side: selection (spec §2) and attention forward
-// (spec §3, §5). Each call: the kernels' limits (plan.h), the value checks of GPU inputs
+// Entry points of the Hopper backend's forward side: selection (docs/contract.md §2) and attention forward
+// (docs/contract.md §3, §5). Each call: the kernels' limits (plan.h), the value checks of GPU inputs
 // (check_values.h), the Args once, then one dispatch per kernel (variants.h).
 #include <cuda_runtime.h>
 

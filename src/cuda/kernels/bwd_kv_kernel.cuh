@@ -11,7 +11,7 @@
 // (RS wgmma). Entries' Q, dO, LSE and Delta stream through kStages shared-memory stages with
 // cp.async, kStages - 1 entries ahead of the one computing.
 //
-// With kKl the same pass also computes the KL gradient of the index branch (spec §4) from the P^T
+// With kKl the same pass also computes the KL gradient of the index branch (docs/contract.md §4) from the P^T
 // it already holds:
 //   teacher  pi(t, j)    = mean of P^T over index head i's Gi heads of token t (butterfly sums over
 //                          the accumulator columns, in a fixed order: Gi is a power of two),

@@ -1,4 +1,4 @@
-// The KL branch (spec §4) as a pass of its own on the KV side, for the exact KL value and for the
+// The KL branch (docs/contract.md §4) as a pass of its own on the KV side, for the exact KL value and for the
 // gradient when bwd_kv_kernel.cuh cannot carry it (Gi = Hq / Hi not a power of two). For one KV
 // block and one KV head, over the same entry list as bwd_kv_kernel.cuh,
 //   teacher  pi(t, j)    = mean over index head i's Gi query heads of P_h(t, j) (recomputed),

@@ -1,4 +1,4 @@
-// Index selection on Hopper (spec §2): the causal index-score GEMM q_idx k_idx^T streamed over
+// Index selection on Hopper (docs/contract.md §2): the causal index-score GEMM q_idx k_idx^T streamed over
 // key blocks, the per-block max taken in registers, and a running top-k per row, so no score
 // ever reaches device memory.
 //
