@@ -8,6 +8,7 @@
 # ones, and the exit status is non-zero when any stage failed:
 #   build      the Python binding for this machine's python3, staged in build-gpu-py/
 #              (scripts/build_binding.sh)                                        -> build.log
+#   ptxas      scripts/check_ptxas.sh on the carried build's build.log            -> ptxas.log
 #   gtest      build/msa_tests (the C++ suite, its CUDA tests included)          -> gtest.log
 #   pytest     tests/python against the staged package                          -> pytest.log
 #   memcheck   compute-sanitizer --tool memcheck on a few small CUDA tests      -> memcheck.log
@@ -25,8 +26,8 @@
 #   SANITIZER_FILTER  gtest filter of the sanitizer stages
 #   BENCH_ARGS        arguments of the benchmark (default --with-1m; --quick for a smoke run)
 #   BENCH_BWD_ARGS    arguments of the training benchmark (default none)
-#   STAGES            the stages to run (default: build gtest pytest memcheck racecheck bench
-#                     bench_bwd)
+#   STAGES            the stages to run (default: build ptxas gtest pytest memcheck racecheck
+#                     bench bench_bwd)
 #   GPU_CHECK_BUDGET  seconds for everything (default 560); each stage also has a cap,
 #                     e.g. PYTEST_TIMEOUT=300 (BUILD_, GTEST_, MEMCHECK_, RACECHECK_, BENCH_)
 set -uo pipefail
@@ -46,12 +47,12 @@ if [[ "$PY" == */* ]]; then
 fi
 build_dir="${MSA_BUILD_DIR:-build}"
 stage_dir="$root/build-gpu-py"
-stages="${STAGES:-build gtest pytest memcheck racecheck bench bench_bwd}"
+stages="${STAGES:-build ptxas gtest pytest memcheck racecheck bench bench_bwd}"
 bench_args_text="${BENCH_ARGS---with-1m}"
 read -r -a bench_args <<<"$bench_args_text"
 read -r -a gtest_args <<<"${GTEST_ARGS:-}"
 read -r -a pytest_args <<<"${PYTEST_ARGS:-}"
-sanitizer_filter="${SANITIZER_FILTER:-Shapes/CudaVsCpu.*/G1_D128_Di128_Bk128:Shapes/CudaVsCpu.*/G16_D128_Bk128_varlen_fp16:Cuda.AllSequencesEmpty:Cuda.FusedQkvStrides:Cuda.VarlenNanStaysInItsSequence}"
+sanitizer_filter="${SANITIZER_FILTER:-Shapes/CudaVsCpu.*/G1_D128_Di128_Bk128:Shapes/CudaVsCpu.*/G16_D128_Bk128_varlen_fp16:Cuda.AllSequencesEmpty:Cuda.FusedQkvStrides:Cuda.VarlenNanStaysInItsSequence:Cuda.ValueChecks*:Cuda.KlPassOption}"
 budget="${GPU_CHECK_BUDGET:-560}"
 export PYTHONUNBUFFERED=1
 # msa_tests may carry the absolute build path of the machine it was linked on as its runpath:
@@ -146,6 +147,20 @@ if enabled build; then
   fi
 elif [ -f "$stage_dir/msa/__init__.py" ]; then
   binding_ok=1
+fi
+
+# ---- ptxas: the carried build's log has no new spill -----------------------------------------
+if enabled ptxas; then
+  if [ -f "$build_dir/build.log" ]; then
+    if scripts/check_ptxas.sh "$build_dir/build.log" >"$OUT/ptxas.log" 2>&1; then
+      note ptxas ok "$(tail -n 1 "$OUT/ptxas.log")" 0
+    else
+      note ptxas FAILED "see ptxas.log" 0
+      failures+=("ptxas $OUT/ptxas.log")
+    fi
+  else
+    note ptxas skipped "no $build_dir/build.log" 0
+  fi
 fi
 
 # ---- gtest --------------------------------------------------------------------------------

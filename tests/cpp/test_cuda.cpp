@@ -28,6 +28,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "harness.h"
@@ -1163,6 +1164,229 @@ TEST(Cuda, KernelLimitsNameTheArgument) {
         const Failures f = check_selection(s.p, IndexScores(s.p), s.bi.download(nullptr), nullptr, all_tokens(s.p));
         EXPECT_EQ(f.count, 0) << l.what << f.first;
       }
+    }
+  }
+}
+
+
+// ---- value checks of device inputs (Launch::check_values) --------------------------------------
+
+// A device int32 tensor holding `v`.
+DeviceTensor int_tensor(const std::vector<int32_t>& v, std::vector<int64_t> shape) {
+  HostTensor h(DType::kInt32, std::move(shape));
+  for (size_t i = 0; i < v.size(); ++i) h.set(static_cast<int64_t>(i), v[i]);
+  DeviceTensor d = DeviceTensor::upload(h, nullptr);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  return d;
+}
+
+// SmallCall's selection with entry (t, i, j) replaced.
+DeviceTensor edited_block_idx(SmallCall& s, int64_t t, int i, int j, int32_t value) {
+  HostTensor h = s.bi.download(nullptr);
+  h.set((t * s.c.Hi + i) * s.c.k + j, value);
+  DeviceTensor d = DeviceTensor::upload(h, nullptr);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  return d;
+}
+
+// Malformed cu_seqlens or block_idx values on CUDA tensors: every entry point that reads them
+// fails before it launches anything, with the CPU backend's message naming the argument and the
+// offending entry, and writes nothing.
+TEST(Cuda, ValueChecksNameTheArgument) {
+  SKIP_WITHOUT_CUDA();
+  SmallCall s(kBf16);  // sequences of 300 and 160 tokens, Bk = 128, k = 2
+  const int64_t T = s.p.T;
+  struct Cu {
+    std::vector<int32_t> v;
+    const char* needle;
+  };
+  const Cu cus[] = {{{0, 500, 460}, "must be non-decreasing, but cu_seqlens[2] = 460 < cu_seqlens[1] = 500"},
+                    {{0, 300, 400}, "must end at T = 460, got 400"},
+                    {{7, 300, 460}, "must start at 0, got 7"}};
+  for (const Cu& c : cus) {
+    DeviceTensor cu = int_tensor(c.v, {3});
+    msa::ForwardParams f = s.forward();
+    f.cu_seqlens = cu.ref();
+    DeviceTensor out = DeviceTensor::poisoned(kBf16, {T, s.c.Hq, s.c.D}, nullptr);
+    f.out = out.ref();
+    expect_error(msa::forward(f), StatusCode::kInvalidArgument, std::string("argument 'cu_seqlens': ") + c.needle,
+                 "forward");
+    HostTensor o = out.download(nullptr);
+    bool untouched = true;
+    for (int64_t x = 0; x < o.numel() && untouched; ++x) untouched = std::isnan(o.get(x));
+    EXPECT_TRUE(untouched) << "a refused forward wrote out";
+    msa::SelectParams sp = s.select();
+    sp.cu_seqlens = cu.ref();
+    expect_error(msa::select_blocks(sp), StatusCode::kInvalidArgument, std::string("argument 'cu_seqlens': ") + c.needle,
+                 "select_blocks");
+  }
+  struct Entry {
+    int64_t t;
+    int j;
+    int32_t value;
+    const char* needle;
+  };
+  // Token 5 of the first sequence owns block 0; token 200 owns block 1 (selection [0, 1]).
+  const Entry entries[] = {
+      {5, 0, 3, "entry [5, 0, 0] = 3 is out of range: expected -1 or a block in [0, 0]"},
+      {5, 1, -2, "entry [5, 0, 1] = -2 is out of range"},
+      {200, 0, 1, "row [200, 0] selects block 1 twice"},
+      {310, 1, 1, "entry [310, 0, 1] = 1 is out of range: expected -1 or a block in [0, 0]"}};  // 2nd sequence
+  for (const Entry& e : entries) {
+    DeviceTensor bi = edited_block_idx(s, e.t, 0, e.j, e.value);
+    msa::ForwardParams f = s.forward();
+    f.block_idx = bi.ref();
+    expect_error(msa::forward(f), StatusCode::kInvalidArgument, std::string("argument 'block_idx': ") + e.needle,
+                 "forward");
+    msa::BackwardParams b;
+    b.q = s.d.q.ref();
+    b.k = s.d.k.ref();
+    b.v = s.d.v.ref();
+    b.out = s.out.ref();
+    b.lse = s.lse.ref();
+    b.dout = s.dout.ref();
+    b.cu_seqlens = s.d.cu.ref();
+    b.block_idx = bi.ref();
+    b.dq = s.dq.ref();
+    b.dk = s.dk.ref();
+    b.dv = s.dv.ref();
+    b.opts = s.p.options();
+    DeviceTensor ws(DType::kInt32, {static_cast<int64_t>((msa::workspace_size(b) + 3) / 4)});
+    b.launch.workspace = ws.ref().data;
+    b.launch.workspace_bytes = msa::workspace_size(b);
+    expect_error(msa::backward(b), StatusCode::kInvalidArgument, std::string("argument 'block_idx': ") + e.needle,
+                 "backward");
+  }
+  // The same calls with valid values run.
+  require_ok(msa::forward(s.forward()));
+  CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+// check_values = false: malformed values are not reported, yet nothing is accessed outside the
+// tensors (the sanitizer stage runs this test). A stream being captured into a CUDA graph is
+// refused while the checks are on (they wait for the device) and captures with them off; the
+// graph's results equal the eager call's.
+TEST(Cuda, ValueChecksOffAndGraphCapture) {
+  SKIP_WITHOUT_CUDA();
+  SmallCall s(kBf16);
+  DeviceTensor bad = edited_block_idx(s, 200, 0, 0, 1000);
+  msa::ForwardParams f = s.forward();
+  f.block_idx = bad.ref();
+  f.launch.check_values = false;
+  require_ok(msa::forward(f));
+  CUDA_CHECK(cudaDeviceSynchronize());
+
+  Stream st(true);
+  const int64_t T = s.p.T;
+  require_ok(msa::forward(s.forward()));
+  const HostTensor eager = s.out.download(nullptr);
+  DeviceTensor out = DeviceTensor::poisoned(kBf16, {T, s.c.Hq, s.c.D}, st.get());
+  CUDA_CHECK(cudaStreamSynchronize(st.get()));
+  msa::ForwardParams g = s.forward();
+  g.out = out.ref();
+  g.launch.stream = st.get();
+  cudaGraph_t graph = nullptr;
+  CUDA_CHECK(cudaStreamBeginCapture(st.get(), cudaStreamCaptureModeThreadLocal));
+  const msa::Status refused = msa::forward(g);
+  CUDA_CHECK(cudaStreamEndCapture(st.get(), &graph));
+  if (graph) CUDA_CHECK(cudaGraphDestroy(graph));
+  expect_error(refused, StatusCode::kInvalidArgument, "argument 'launch.check_values'", "capture with checks");
+
+  g.launch.check_values = false;
+  graph = nullptr;
+  CUDA_CHECK(cudaStreamBeginCapture(st.get(), cudaStreamCaptureModeThreadLocal));
+  const msa::Status captured = msa::forward(g);
+  CUDA_CHECK(cudaStreamEndCapture(st.get(), &graph));
+  require_ok(captured);
+  cudaGraphExec_t exec = nullptr;
+  CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  CUDA_CHECK(cudaGraphLaunch(exec, st.get()));
+  const HostTensor replay = out.download(st.get());
+  CUDA_CHECK(cudaGraphExecDestroy(exec));
+  CUDA_CHECK(cudaGraphDestroy(graph));
+  int64_t differ = 0;
+  for (int64_t x = 0; x < eager.numel(); ++x) differ += eager.get(x) != replay.get(x);
+  EXPECT_EQ(differ, 0) << "graph replay differs from the eager forward";
+}
+
+// Options::kl_pass: the KL gradient of the fused KV-side pass and of the separate pass agree;
+// kFused where the fused pass cannot run (Hq / Hi = 3) is refused naming 'kl_pass'.
+TEST(Cuda, KlPassOption) {
+  SKIP_WITHOUT_CUDA();
+  for (const int Hq : {4, 6}) {
+    const Config c = shape({300, 160}, Hq, 2, 128, 2, 1, 128, 128, 2, kBf16, 41);
+    if (!kernels_built(c, true, true)) GTEST_SKIP() << "kernel variant not built into this library";
+    Problem p = random_problem(c);
+    DeviceInputs d(p, nullptr);
+    HostTensor host_bi = run_select(p);
+    DeviceTensor bi = DeviceTensor::upload(host_bi, nullptr);
+    const int64_t T = p.T;
+    DeviceTensor out(kBf16, {T, c.Hq, c.D}), lse(DType::kFloat32, {T, c.Hq}), dout(kBf16, {T, c.Hq, c.D});
+    HostTensor host_dout(kBf16, {T, c.Hq, c.D});
+    std::mt19937_64 rng(5);
+    randomize_nonzero(host_dout, rng, 1.0);
+    dout = DeviceTensor::upload(host_dout, nullptr);
+    msa::ForwardParams f;
+    f.q = d.q.ref();
+    f.k = d.k.ref();
+    f.v = d.v.ref();
+    f.cu_seqlens = d.cu.ref();
+    f.block_idx = bi.ref();
+    f.out = out.ref();
+    f.lse = lse.ref();
+    f.opts = p.options();
+    require_ok(msa::forward(f));
+    auto run = [&](msa::KlPass pass, HostTensor* dqi, HostTensor* dki) -> msa::Status {
+      DeviceTensor dq(kBf16, {T, c.Hq, c.D}), dk(kBf16, {T, c.Hkv, c.D}), dv(kBf16, {T, c.Hkv, c.D});
+      DeviceTensor dq_idx = DeviceTensor::poisoned(kBf16, {T, c.Hi, c.Di}, nullptr);
+      DeviceTensor dk_idx = DeviceTensor::poisoned(kBf16, {T, c.Hik, c.Di}, nullptr);
+      msa::BackwardParams b;
+      b.q = d.q.ref();
+      b.k = d.k.ref();
+      b.v = d.v.ref();
+      b.out = out.ref();
+      b.lse = lse.ref();
+      b.dout = dout.ref();
+      b.cu_seqlens = d.cu.ref();
+      b.block_idx = bi.ref();
+      b.dq = dq.ref();
+      b.dk = dk.ref();
+      b.dv = dv.ref();
+      b.q_idx = d.q_idx.ref();
+      b.k_idx = d.k_idx.ref();
+      b.dq_idx = dq_idx.ref();
+      b.dk_idx = dk_idx.ref();
+      b.kl_weight = 1000.f;
+      b.opts = p.options();
+      b.opts.kl_pass = pass;
+      const size_t need = msa::workspace_size(b);
+      DeviceTensor ws(DType::kInt32, {static_cast<int64_t>((need + 3) / 4)});
+      b.launch.workspace = ws.ref().data;
+      b.launch.workspace_bytes = need;
+      const msa::Status st = msa::backward(b);
+      if (st.ok()) {
+        *dqi = dq_idx.download(nullptr);
+        *dki = dk_idx.download(nullptr);
+      }
+      return st;
+    };
+    HostTensor dq_sep, dk_sep, dq_auto, dk_auto;
+    require_ok(run(msa::KlPass::kSeparate, &dq_sep, &dk_sep));
+    if (Hq / c.Hi == 3) {
+      expect_error(run(msa::KlPass::kFused, &dq_auto, &dk_auto), StatusCode::kNotSupported, "argument 'kl_pass'",
+                   "kFused with Hq / Hi = 3");
+      continue;
+    }
+    require_ok(run(msa::KlPass::kFused, &dq_auto, &dk_auto));
+    for (auto [a, b, name] : {std::tuple{&dq_sep, &dq_auto, "dq_idx"}, std::tuple{&dk_sep, &dk_auto, "dk_idx"}}) {
+      double num = 0, den = 0;
+      for (int64_t x = 0; x < a->numel(); ++x) {
+        ASSERT_TRUE(std::isfinite(a->get(x)) && std::isfinite(b->get(x))) << name << " entry " << x;
+        num += (a->get(x) - b->get(x)) * (a->get(x) - b->get(x));
+        den += a->get(x) * a->get(x);
+      }
+      EXPECT_GT(den, 0.0) << name;
+      EXPECT_LT(std::sqrt(num / den), 1e-2) << name << ": fused and separate passes disagree";
     }
   }
 }

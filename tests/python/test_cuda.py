@@ -562,8 +562,9 @@ def test_non_default_stream():
 @cuda_only
 @skip_unbuilt
 def test_no_host_synchronisation():
-    """No call waits for the device: with the stream busy for ~0.5 s, every call returns while
-    the stream still has work queued (and torch sees no synchronising operation)."""
+    """With the value checks off (their verdict is the only wait), no call waits for the device:
+    with the stream busy for ~0.5 s, every call returns while the stream still has work queued
+    (and torch sees no synchronising operation)."""
     x, cu, top_k, Bk = _stream_inputs()
     _select_and_forward(*x, cu, top_k, Bk)  # first calls: one-time initialisation
     torch.cuda.synchronize()
@@ -574,13 +575,38 @@ def test_no_host_synchronisation():
         t0 = time.perf_counter()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            _select_and_forward(*x, cu, top_k, Bk)
+            with msa.value_checks(False):
+                _select_and_forward(*x, cu, top_k, Bk)
         finally:
             torch.cuda.set_sync_debug_mode(prev)
         elapsed = time.perf_counter() - t0
         pending = not s.query()
     s.synchronize()
     assert pending, f"the calls returned after the stream drained ({elapsed:.3f} s): a host sync"
+
+
+@cuda_only
+@skip_unbuilt
+def test_value_checks_on_cuda():
+    """Malformed cu_seqlens or block_idx values on CUDA tensors raise an error naming the
+    argument (the library checks them on the device); msa.value_checks(False) skips the check,
+    and the call still runs without touching memory outside its tensors."""
+    (q, k, v, qi, ki), cu, top_k, Bk = _stream_inputs()
+    bad_cu = cu.clone()
+    bad_cu[1] = cu[-1] + 1  # not monotone
+    with pytest.raises(Exception, match="cu_seqlens"):
+        msa.sparse_attention(q, k, v, qi, ki, top_k, Bk, cu_seqlens=bad_cu, kl_value=False)
+    _, _, bi = msa.sparse_attention(q, k, v, qi, ki, top_k, Bk, cu_seqlens=cu, kl_value=False,
+                                    return_block_idx=True)
+    bad_bi = bi.clone()
+    bad_bi[0, 0, 0] = 5  # token 0 can only select its own block 0
+    with pytest.raises(Exception, match="block_idx"):
+        msa.sparse_attention(q, k, v, None, None, block_idx=bad_bi, block_size=Bk, cu_seqlens=cu,
+                             kl_value=False)
+    with msa.value_checks(False):
+        msa.sparse_attention(q, k, v, None, None, block_idx=bad_bi, block_size=Bk, cu_seqlens=cu,
+                             kl_value=False)
+    torch.cuda.synchronize()
 
 
 @cuda_only

@@ -264,6 +264,13 @@ def test_check_values_keyword(x, monkeypatch):
         _ops._launch(fake, torch.device("cuda", 0), check_values=False)
     _ops._launch(fake, torch.device("cpu"), check_values=False)
     assert seen == [True, False, False, False, True]
+    seen.clear()
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    with msa.value_checks(False):
+        _ops._launch(fake, torch.device("cuda", 0))
+        _ops._launch(fake, torch.device("cpu"))
+    _ops._launch(fake, torch.device("cuda", 0))
+    assert seen == [False, True, True]
 
 
 def test_aliasing_outputs_refused(x):
