@@ -1040,10 +1040,12 @@ struct SmallCall {
   DeviceTensor out, lse, bi, kl, dout, dq, dk, dv;
 
   explicit SmallCall(DType dt, int D = 128, int Di = 128, int Bk = 128)
-      : c(shape({300, 160}, 4, 2, D, 2, 1, Di, Bk, 2, dt, 31)), p(random_problem(c)), d(p, nullptr),
-        out(dt, {p.T, c.Hq, c.D}), lse(DType::kFloat32, {p.T, c.Hq}), bi(DType::kInt32, {p.T, c.Hi, c.k}),
-        kl(DType::kFloat32, {1}), dout(dt, {p.T, c.Hq, c.D}), dq(dt, {p.T, c.Hq, c.D}), dk(dt, {p.T, c.Hkv, c.D}),
-        dv(dt, {p.T, c.Hkv, c.D}) {
+      : SmallCall(shape({300, 160}, 4, 2, D, 2, 1, Di, Bk, 2, dt, 31)) {}
+  explicit SmallCall(const Config& cfg)
+      : c(cfg), p(random_problem(c)), d(p, nullptr), out(c.dtype, {p.T, c.Hq, c.D}),
+        lse(DType::kFloat32, {p.T, c.Hq}), bi(DType::kInt32, {p.T, c.Hi, c.k}), kl(DType::kFloat32, {1}),
+        dout(c.dtype, {p.T, c.Hq, c.D}), dq(c.dtype, {p.T, c.Hq, c.D}), dk(c.dtype, {p.T, c.Hkv, c.D}),
+        dv(c.dtype, {p.T, c.Hkv, c.D}) {
     HostTensor host_bi = run_select(p);
     bi = DeviceTensor::upload(host_bi, nullptr);
     CUDA_CHECK(cudaDeviceSynchronize());
@@ -1069,6 +1071,23 @@ struct SmallCall {
     f.opts = p.options();
     return f;
   }
+  // dq, dk, dv from dout (out and lse as the forward wrote them); no workspace yet.
+  msa::BackwardParams backward() {
+    msa::BackwardParams b;
+    b.q = d.q.ref();
+    b.k = d.k.ref();
+    b.v = d.v.ref();
+    b.out = out.ref();
+    b.lse = lse.ref();
+    b.dout = dout.ref();
+    b.cu_seqlens = d.cu.ref();
+    b.block_idx = bi.ref();
+    b.dq = dq.ref();
+    b.dk = dk.ref();
+    b.dv = dv.ref();
+    b.opts = p.options();
+    return b;
+  }
 };
 
 TEST(Cuda, Float32AndFloat64AreCpuOnly) {
@@ -1091,19 +1110,7 @@ TEST(Cuda, BackwardAndKlNeedTheirWorkspace) {
   f.kl = s.kl.ref();
   expect_error(msa::forward(f), StatusCode::kInvalidArgument, "argument 'launch.workspace'", "forward with kl");
 
-  msa::BackwardParams b;
-  b.q = s.d.q.ref();
-  b.k = s.d.k.ref();
-  b.v = s.d.v.ref();
-  b.out = s.out.ref();
-  b.lse = s.lse.ref();
-  b.dout = s.dout.ref();
-  b.cu_seqlens = s.d.cu.ref();
-  b.block_idx = s.bi.ref();
-  b.dq = s.dq.ref();
-  b.dk = s.dk.ref();
-  b.dv = s.dv.ref();
-  b.opts = s.p.options();
+  msa::BackwardParams b = s.backward();
   const size_t need = msa::workspace_size(b);
   EXPECT_GT(need, 0u);
   expect_error(msa::backward(b), StatusCode::kInvalidArgument, "argument 'launch.workspace'", "backward");
@@ -1238,19 +1245,8 @@ TEST(Cuda, ValueChecksNameTheArgument) {
     f.block_idx = bi.ref();
     expect_error(msa::forward(f), StatusCode::kInvalidArgument, std::string("argument 'block_idx': ") + e.needle,
                  "forward");
-    msa::BackwardParams b;
-    b.q = s.d.q.ref();
-    b.k = s.d.k.ref();
-    b.v = s.d.v.ref();
-    b.out = s.out.ref();
-    b.lse = s.lse.ref();
-    b.dout = s.dout.ref();
-    b.cu_seqlens = s.d.cu.ref();
+    msa::BackwardParams b = s.backward();
     b.block_idx = bi.ref();
-    b.dq = s.dq.ref();
-    b.dk = s.dk.ref();
-    b.dv = s.dv.ref();
-    b.opts = s.p.options();
     DeviceTensor ws(DType::kInt32, {static_cast<int64_t>((msa::workspace_size(b) + 3) / 4)});
     b.launch.workspace = ws.ref().data;
     b.launch.workspace_bytes = msa::workspace_size(b);
@@ -1316,48 +1312,22 @@ TEST(Cuda, KlPassOption) {
   for (const int Hq : {4, 6}) {
     const Config c = shape({300, 160}, Hq, 2, 128, 2, 1, 128, 128, 2, kBf16, 41);
     if (!kernels_built(c, true, true)) GTEST_SKIP() << "kernel variant not built into this library";
-    Problem p = random_problem(c);
-    DeviceInputs d(p, nullptr);
-    HostTensor host_bi = run_select(p);
-    DeviceTensor bi = DeviceTensor::upload(host_bi, nullptr);
-    const int64_t T = p.T;
-    DeviceTensor out(kBf16, {T, c.Hq, c.D}), lse(DType::kFloat32, {T, c.Hq}), dout(kBf16, {T, c.Hq, c.D});
+    SmallCall s(c);
+    const int64_t T = s.p.T;
     HostTensor host_dout(kBf16, {T, c.Hq, c.D});
     std::mt19937_64 rng(5);
     randomize_nonzero(host_dout, rng, 1.0);
-    dout = DeviceTensor::upload(host_dout, nullptr);
-    msa::ForwardParams f;
-    f.q = d.q.ref();
-    f.k = d.k.ref();
-    f.v = d.v.ref();
-    f.cu_seqlens = d.cu.ref();
-    f.block_idx = bi.ref();
-    f.out = out.ref();
-    f.lse = lse.ref();
-    f.opts = p.options();
-    require_ok(msa::forward(f));
+    s.dout = DeviceTensor::upload(host_dout, nullptr);
+    require_ok(msa::forward(s.forward()));
     auto run = [&](msa::KlPass pass, HostTensor* dqi, HostTensor* dki) -> msa::Status {
-      DeviceTensor dq(kBf16, {T, c.Hq, c.D}), dk(kBf16, {T, c.Hkv, c.D}), dv(kBf16, {T, c.Hkv, c.D});
       DeviceTensor dq_idx = DeviceTensor::poisoned(kBf16, {T, c.Hi, c.Di}, nullptr);
       DeviceTensor dk_idx = DeviceTensor::poisoned(kBf16, {T, c.Hik, c.Di}, nullptr);
-      msa::BackwardParams b;
-      b.q = d.q.ref();
-      b.k = d.k.ref();
-      b.v = d.v.ref();
-      b.out = out.ref();
-      b.lse = lse.ref();
-      b.dout = dout.ref();
-      b.cu_seqlens = d.cu.ref();
-      b.block_idx = bi.ref();
-      b.dq = dq.ref();
-      b.dk = dk.ref();
-      b.dv = dv.ref();
-      b.q_idx = d.q_idx.ref();
-      b.k_idx = d.k_idx.ref();
+      msa::BackwardParams b = s.backward();
+      b.q_idx = s.d.q_idx.ref();
+      b.k_idx = s.d.k_idx.ref();
       b.dq_idx = dq_idx.ref();
       b.dk_idx = dk_idx.ref();
       b.kl_weight = 1000.f;
-      b.opts = p.options();
       b.opts.kl_pass = pass;
       const size_t need = msa::workspace_size(b);
       DeviceTensor ws(DType::kInt32, {static_cast<int64_t>((need + 3) / 4)});
