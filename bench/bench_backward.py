@@ -152,13 +152,14 @@ def bench_case(msa, cfg: str, L: int, B: int, args, timer: Timer, device, dtype,
         def bwd(kl: bool, det: bool = False):
             return lambda: torch.ops.msa.backward(
                 dout, q, kk, v, out, lse, qi, ki, bi, cu, kl_grad, False, Bk, scale, 0.0, kl, kl,
-                det)
+                det, args.kl_pass)
 
         xs = [t.detach().clone().requires_grad_(True) for t in (q, kk, v, qi, ki)]
 
         def step(klv: bool):
             def run():
-                o, kl = msa.sparse_attention(*xs, k, Bk, kl_value=klv, **opts)
+                o, kl = msa.sparse_attention(*xs, k, Bk, kl_value=klv, kl_pass=args.kl_pass,
+                                             **opts)
                 torch.autograd.backward([o, kl], [dout, torch.ones((), device=device)])
             return run
 
@@ -205,6 +206,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dense-max-tokens", type=int, default=131072)
     ap.add_argument("--no-l2-flush", action="store_true")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--kl-pass", choices=["auto", "fused", "separate"], default="auto",
+                    help="how the backward computes the KL gradient (Options::kl_pass)")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
     if args.quick:
