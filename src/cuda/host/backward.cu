@@ -167,7 +167,7 @@ size_t backward_workspace(const Problem& prob, const BackwardParams& p) {
 
 size_t kl_workspace(const Problem& prob, const KlParams& p) {
   Plan pl;
-  return kl_plan(prob, {p.q, p.k, p.lse, p.q_idx, p.k_idx, p.cu_seqlens, p.block_idx}, &pl).ok()
+  return kl_plan("kl_divergence", prob, {p.q, p.k, p.lse, p.q_idx, p.k_idx, p.cu_seqlens, p.block_idx}, &pl).ok()
              ? pl.total
              : 0;
 }
@@ -244,7 +244,7 @@ Status kl_divergence(const Problem& prob, const KlParams& p) {
   const char* fn = "kl_divergence";
   Plan pl;
   const KlInputs in{p.q, p.k, p.lse, p.q_idx, p.k_idx, p.cu_seqlens, p.block_idx};
-  MSA_TRY(kl_plan(prob, in, &pl));
+  MSA_TRY(kl_plan(fn, prob, in, &pl));
   MSA_TRY(need_workspace(fn, pl, p.launch));
   DeviceGuard guard(p.q.device.index);
   const cudaStream_t stream = static_cast<cudaStream_t>(p.launch.stream);

@@ -1,6 +1,7 @@
 // Value checks of GPU inputs (check_values.h).
 #include "check_values.h"
 
+#include <algorithm>
 #include <atomic>
 #include <string>
 #include <vector>

@@ -66,9 +66,8 @@ Status attention_forward(const Problem& prob, const ForwardParams& p) {
   const bool dense = prob.opts.mode == Mode::kDense;
   MSA_TRY(can_forward(fn, prob, p));
   if (p.kl.defined()) {
-    MSA_TRY(can_kl(fn, prob, {p.q, p.k, p.lse, p.q_idx, p.k_idx, p.cu_seqlens, p.block_idx}));
     Plan pl;
-    MSA_TRY(kl_plan(prob, {p.q, p.k, p.lse, p.q_idx, p.k_idx, p.cu_seqlens, p.block_idx}, &pl));
+    MSA_TRY(kl_plan(fn, prob, {p.q, p.k, p.lse, p.q_idx, p.k_idx, p.cu_seqlens, p.block_idx}, &pl));
     MSA_TRY(need_workspace(fn, pl, p.launch));
   }
   if (prob.T == 0 && !p.kl.defined()) return Status::Ok();
@@ -92,7 +91,7 @@ Status attention_forward(const Problem& prob, const ForwardParams& p) {
 size_t forward_workspace(const Problem& prob, const ForwardParams& p) {
   if (!p.kl.defined()) return 0;
   Plan pl;
-  return kl_plan(prob, {p.q, p.k, p.lse, p.q_idx, p.k_idx, p.cu_seqlens, p.block_idx}, &pl).ok() ? pl.total : 0;
+  return kl_plan("forward", prob, {p.q, p.k, p.lse, p.q_idx, p.k_idx, p.cu_seqlens, p.block_idx}, &pl).ok() ? pl.total : 0;
 }
 
 }  // namespace msa::cuda

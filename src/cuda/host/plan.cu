@@ -437,9 +437,9 @@ Status backward_plan(const Problem& prob, const BackwardParams& p, Plan* pl) {
                    true, kl, true, pl);
 }
 
-Status kl_plan(const Problem& prob, const KlInputs& in, Plan* pl) {
-  MSA_TRY(can_kl("kl_divergence", prob, in));
-  return make_plan("kl_divergence", prob, num_seqs(in.cu_seqlens),
+Status kl_plan(const char* fn, const Problem& prob, const KlInputs& in, Plan* pl) {
+  MSA_TRY(can_kl(fn, prob, in));
+  return make_plan(fn, prob, num_seqs(in.cu_seqlens),
                    prob.opts.mode == Mode::kSparse, false, true, false, pl);
 }
 

@@ -75,7 +75,7 @@ struct Plan {
 Status make_plan(const char* fn, const Problem& prob, int32_t nseq, bool sparse, bool main,
                  bool kl, bool grad, Plan* out);
 Status backward_plan(const Problem& prob, const BackwardParams& p, Plan* pl);
-Status kl_plan(const Problem& prob, const KlInputs& in, Plan* pl);
+Status kl_plan(const char* fn, const Problem& prob, const KlInputs& in, Plan* pl);
 // A caller's workspace holds the plan.
 Status need_workspace(const char* fn, const Plan& pl, const Launch& launch);
 
