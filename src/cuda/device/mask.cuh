@@ -4,7 +4,6 @@
 // row_sees; KV-side kernels (columns = an entry's tokens) ask entry_selects / entry_sees.
 #pragma once
 
-#include <cmath>
 #include <cstdint>
 
 #include <cute/tensor.hpp>
@@ -42,17 +41,6 @@ struct TileRows {
 // block reaches past the tile's first token; key and qpos are positions in the sequence.
 __device__ __forceinline__ bool row_sees(bool member, bool causal, int32_t key, int32_t qpos) {
   return member && !(causal && key > qpos);
-}
-
-// Row r of a query tile's scores (row/column view S, identity view cS) set to -inf where the row
-// does not see the key (row_sees; written out here as a guarded store, which keeps the forward's
-// register use as low as a hand-written loop). key0: the block's first key.
-template <class TS, class TC>
-__device__ __forceinline__ void mask_row(TS& S, const TC& cS, int r, bool member, bool causal,
-                                         int32_t key0, int32_t qpos) {
-#pragma unroll
-  for (int c = 0; c < size<1>(S); ++c)
-    if (!member || (causal && key0 + get<1>(cS(r, c)) > qpos)) S(r, c) = -INFINITY;
 }
 
 // Token t of an entry (a query group of a KV-side entry list) selected the entry's block.

@@ -57,7 +57,7 @@ struct Plan {
   size_t cub_bytes = 0;
   // byte offsets
   size_t delta = 0, keys_a = 0, keys_b = 0, vals_a = 0, vals_b = 0, count = 0, cub = 0;
-  size_t lse_idx = 0, dq_acc = 0, dk_acc = 0, kl_acc = 0, check = 0, total = 0;
+  size_t lse_idx = 0, dq_acc = 0, dk_acc = 0, kl_acc = 0, total = 0;
   // A KV-side work list: bwd_kv's (chunks bounded by the partial-sum slots they may need) or
   // the KL kernel's (fixed-point atomics: any chunk size is free).
   struct Work {

@@ -18,18 +18,9 @@ struct Variant {
   static constexpr int kBlockN = kBlockN_;
 };
 
-// Whether this build has the variant (dtype, head dim, block size).
-inline bool variant_built(DType dt, int32_t dim, int32_t bk) {
-#define MSA_X(E, DT, D, BK) \
-  if (dt == DType::DT && dim == D && bk == BK) return true;
-  MSA_CUDA_FOR_EACH_VARIANT(MSA_X)
-#undef MSA_X
-  return false;
-}
-
 // Calls f(Variant<...>{}) for the variant (dtype, head dim, block size); `arg` names the argument
 // whose dtype and head dim pick it. The kernels' own limits (head dims 64 and 128, block sizes 64
-// and 128, 16-bit types) are checked first by the callers' can_implement.
+// and 128, 16-bit types) are checked first by the callers' can_* checks (plan.h).
 template <class F>
 Status dispatch(const char* fn, const char* arg, DType dt, int32_t dim, int32_t bk, F&& f) {
 #define MSA_X(E, DT, D, BK) \
