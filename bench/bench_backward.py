@@ -2,10 +2,13 @@
 """MSA training benchmark on one GPU (forward + backward with the KL gradient), against dense
 causal attention (cuDNN through torch SDPA) measured in the same run.
 
-Per head configuration and length T (B sequences of T tokens packed as varlen) and per index
-input ("structured": k_idx carries a per-block salience, so neighbouring tokens select alike, as
-trained index branches do; "random": random index vectors, so every token selects its own random
-blocks) it times, with the selection computed once by the library (sink 1, local 4, top-k k):
+Per head configuration and length T (B sequences of T tokens packed as varlen) and per overlap
+level of the index inputs (``selection_patterns.LEVELS``: "shared", every token ranks blocks by
+one shared salience, so neighbours select the same blocks; "mixed", calibrated so that
+neighbouring tokens share about 57% of their blocks; "random", random index vectors, every token
+selects its own random blocks) it times, with the selection computed once by the library
+(sink 1, local 4, top-k k), and reports that selection's overlap (mean |I(t) & I(t+1)| / k over
+neighbouring tokens) and union (mean distinct blocks of 8 neighbouring tokens / k):
 
 * fwd        the sparse forward over that block_idx (no KL value);
 * bwd        the backward without the KL branch (dq, dk, dv);
@@ -18,22 +21,27 @@ blocks) it times, with the selection computed once by the library (sink 1, local
 Effective TFLOP/s count the selected work only: forward 4 * D * Gi * (visible keys summed over
 (token, index head)), backward 2.5x that (the KL branch's extra work is not counted). Times are
 medians of CUDA-event timed calls after a warm-up, with the L2 cache flushed before each call.
-``--profile`` adds a per-kernel breakdown of one bwd+kl call (torch.profiler).
+``--profile`` adds a per-kernel breakdown of one bwd+kl call (torch.profiler). ``--out PREFIX``
+writes PREFIX.csv and PREFIX.json (``plot_bench.py PREFIX.csv`` plots them).
 
     python bench/bench_backward.py                 # paper + flash-msa heads, 16K..128K
     python bench/bench_backward.py --quick         # a smoke run
+    python bench/bench_backward.py --device cpu --configs flash-msa --lengths 256 \\
+        --head-dim 64 --reps 1                     # the script itself, on the CPU backend
 """
 
 import argparse
 import os
 import statistics
 import sys
+import time
 from typing import Dict, List
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_forward as bf  # noqa: E402  (patterns, FLOP counts, dense runner)
+import bench_forward as bf  # noqa: E402  (FLOP counts, dense runner, outputs)
+import selection_patterns as sp  # noqa: E402
 
 HEADS = {
     "paper": dict(Hq=64, Hkv=4, Hi=4, Hik=1),
@@ -42,6 +50,23 @@ HEADS = {
 # flash-msa's published GH200 numbers at its benchmark shape (16K tokens, top-k 2048 tokens,
 # Hq=16, Hkv=2, Hp=4): forward 6.4-11.4 ms, backward 23.4-24.4 ms.
 FLASH_MSA_BEST_MS = 6.434 + 23.348
+SINK_BLOCKS, LOCAL_BLOCKS = sp.SINK_BLOCKS, sp.LOCAL_BLOCKS
+
+
+def _paper_128k(level):
+    return lambda r: r["config"] == "paper" and r["T"] == 128 * 1024 and r["index"] == level
+
+
+# Targets of the training milestone on the H200.
+TARGETS = [
+    bf.make_target("training step vs dense, paper heads, T = 128K, mixed (x)", "step_speedup",
+                   12.0, _paper_128k("mixed"), "overlap"),
+    bf.make_target("training step vs dense, paper heads, T = 128K, random (x)", "step_speedup",
+                   10.0, _paper_128k("random"), "overlap"),
+    bf.make_target("training step, flash-msa shape (16K, Hq16/Hkv2/Hi4), mixed (ms)", "step_ms",
+                   5.0, lambda r: r["config"] == "flash-msa" and r["T"] == 16384 and r["B"] == 1
+                   and r["index"] == "mixed", "overlap", at_most=True),
+]
 
 
 def log(msg: str):
@@ -49,13 +74,26 @@ def log(msg: str):
 
 
 class Timer:
+    """Median time of a call (ms): CUDA events with the L2 cache flushed before each call on the
+    GPU, perf_counter on the CPU."""
+
     def __init__(self, device, flush: bool):
-        l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or (64 << 20)
-        self.flush = torch.empty(2 * l2, dtype=torch.uint8, device=device) if flush else None
+        self.cuda = device.type == "cuda"
+        self.flush = None
+        if self.cuda and flush:
+            l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or (64 << 20)
+            self.flush = torch.empty(2 * l2, dtype=torch.uint8, device=device)
 
     def ms(self, fn, reps: int = 10, warm: int = 2) -> float:
         for _ in range(warm):
             fn()
+        if not self.cuda:
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+            return statistics.median(times)
         torch.cuda.synchronize()
         times = []
         for _ in range(reps):
@@ -68,23 +106,6 @@ class Timer:
             e.synchronize()
             times.append(s.elapsed_time(e))
         return statistics.median(times)
-
-
-def index_inputs(kind: str, T: int, L: int, Hi: int, Hik: int, Di: int, Bk: int, dtype, gen,
-                 device):
-    if kind == "random":
-        return (torch.randn(T, Hi, Di, device=device, generator=gen).to(dtype),
-                torch.randn(T, Hik, Di, device=device, generator=gen).to(dtype))
-    B = T // L
-    e0 = torch.zeros(Di, device=device)
-    e0[0] = 1.0
-    nblk = (L + Bk - 1) // Bk
-    sal = torch.randn(B, nblk, device=device, generator=gen) * 30.0
-    blk_of = torch.arange(L, device=device) // Bk
-    ki = (sal[:, blk_of].reshape(T, 1, 1) * e0
-          + 0.5 * torch.randn(T, Hik, Di, device=device, generator=gen)).to(dtype)
-    qi = (4.0 * e0 + torch.randn(T, Hi, Di, device=device, generator=gen)).to(dtype)
-    return qi, ki
 
 
 def profile_kernels(fn) -> List[tuple]:
@@ -105,7 +126,8 @@ def profile_kernels(fn) -> List[tuple]:
 def bench_case(msa, cfg: str, L: int, B: int, args, timer: Timer, device, dtype, gen) -> List[Dict]:
     h = HEADS[cfg]
     Hq, Hkv, Hi, Hik = h["Hq"], h["Hkv"], h["Hi"], h["Hik"]
-    D, Di, Bk, k = 128, 128, args.block_size, args.top_k
+    D = Di = args.head_dim
+    Bk, k = args.block_size, args.top_k
     T = B * L
     cu = torch.arange(B + 1, device=device, dtype=torch.int32) * L
     reps = args.reps if T * Hq <= 32768 * 64 else max(3, args.reps // 3)
@@ -131,15 +153,21 @@ def bench_case(msa, cfg: str, L: int, B: int, args, timer: Timer, device, dtype,
             torch.autograd.backward(out, do4)
         dense_step = timer.ms(dense_train, reps)
         log(f"  dense fwd {dense_fwd:9.3f} ms, fwd+bwd {dense_step:9.3f} ms ({backend})")
-    for kind in args.index.split(","):
-        qi, ki = index_inputs(kind, T, L, Hi, Hik, Di, Bk, dtype, gen, device)
-        opts = dict(cu_seqlens=cu, sink_blocks=1, local_blocks=4)
-        bi = msa.select_blocks(qi, ki, k, Bk, **opts)
+    for kind in sp.level_names(args.index):
+        # the level's index inputs and their selection ("mixed": calibrated on these inputs)
+        qi, ki, bi, st = sp.make_level(kind, cu, Hi, Hik, Di, Bk, k, dtype=dtype, device=device,
+                                       generator=gen, sink_blocks=SINK_BLOCKS,
+                                       local_blocks=LOCAL_BLOCKS)
+        alpha = st["alpha"]
+        opts = dict(cu_seqlens=cu, sink_blocks=SINK_BLOCKS, local_blocks=LOCAL_BLOCKS)
         keys = bf.visible_keys(bi, B, L, Bk)
         fl = bf.attention_flops(keys, Hq, Hi, D)
         sel_fl = bf.selection_flops(B, L, Hi, Di)
-        row = dict(config=cfg, T=L, B=B, index=kind, dense_fwd_ms=dense_fwd,
-                   dense_step_ms=dense_step, fwd_gflop=fl / 1e9)
+        row = dict(config=cfg, T=L, B=B, tokens=T, Hq=Hq, Hkv=Hkv, Hi=Hi, Hik=Hik, D=D, Di=Di,
+                   Bk=Bk, k=k, index=kind, alpha=alpha, overlap=st["overlap"],
+                   union=st["union"], dense_fwd_ms=dense_fwd, dense_step_ms=dense_step,
+                   fwd_gflop=fl / 1e9)
+        log(f"  {kind}: alpha {alpha:.3f}, overlap {st['overlap']:.3f}, union {st['union']:.2f}")
         out, _, lse = msa.sparse_attention(q, kk, v, None, None, block_idx=bi, block_size=Bk,
                                            cu_seqlens=cu, kl_value=False, return_lse=True)
         kl_grad = torch.ones(1, device=device, dtype=torch.float32)
@@ -176,11 +204,11 @@ def bench_case(msa, cfg: str, L: int, B: int, args, timer: Timer, device, dtype,
         if dense_step:
             row["step_speedup"] = dense_step / row["step_ms"]
             row["ideal_speedup"] = 3.5 * dfl / (3.5 * fl + sel_fl)
-        if cfg == "flash-msa" and L == 16384 and B == 1:
+        if cfg == "flash-msa" and L == 16384 and B == 1 and Bk * k == 2048:
             row["vs_flash_msa"] = FLASH_MSA_BEST_MS / row["step_ms"]
         log("  " + kind + ": " + ", ".join(f"{n} {row[n + '_ms']:.3f} ms" for n in
                                            ("select", "fwd", "bwd", "bwd_kl", "step", "step_klv")))
-        if args.profile:
+        if args.profile and device.type == "cuda":
             row["profile"] = profile_kernels(bwd(True))
             for name, ms in row["profile"][:10]:
                 log(f"      {ms:9.3f} ms  {name}")
@@ -194,28 +222,51 @@ def fmt(v, spec=".2f"):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--configs", default="flash-msa,paper")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--configs", default="flash-msa,paper",
+                    help="head configurations: " + ", ".join(
+                        f"{k} (Hq={v['Hq']} Hkv={v['Hkv']} Hi={v['Hi']} Hik={v['Hik']})"
+                        for k, v in HEADS.items()))
     ap.add_argument("--lengths", default="16384,32768,131072")
     ap.add_argument("--batch-tokens", type=int, default=0,
                     help="pack B = max(1, this // T) sequences (default: one sequence)")
-    ap.add_argument("--index", default="structured,random")
+    ap.add_argument("--index", default="shared,mixed,random",
+                    help="overlap levels of the index inputs: " + "; ".join(
+                        f"{k}: {v['text']}" for k, v in sp.LEVELS.items()))
     ap.add_argument("--top-k", type=int, default=16)
     ap.add_argument("--block-size", type=int, default=128)
+    ap.add_argument("--head-dim", type=int, default=128, help="D = Di")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--dense-max-tokens", type=int, default=131072)
     ap.add_argument("--no-l2-flush", action="store_true")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--kl-pass", choices=["auto", "fused", "separate"], default="auto",
                     help="how the backward computes the KL gradient (Options::kl_pass)")
+    ap.add_argument("--device", default="cuda",
+                    help="cuda, or cpu to exercise the script on the CPU backend (tiny shapes)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="write PREFIX.csv and PREFIX.json")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
+    try:
+        sp.level_names(args.index)
+    except ValueError as e:
+        raise SystemExit(str(e))
+    for cfg in args.configs.split(","):
+        if cfg not in HEADS:
+            raise SystemExit(f"unknown config {cfg!r}; known: {', '.join(HEADS)}")
     if args.quick:
         args.lengths, args.reps = "4096", 3
     import msa
-    device = torch.device("cuda", torch.cuda.current_device())
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("no CUDA device visible (use --device cpu to exercise the script)")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator(device=device)
-    gen.manual_seed(0)
+    gen.manual_seed(args.seed)
     timer = Timer(device, not args.no_l2_flush)
     rows = []
     for cfg in args.configs.split(","):
@@ -224,14 +275,24 @@ def main(argv=None) -> int:
             log(f"{cfg}: T={bf.fmt_tokens(L)} B={B}")
             with msa.value_checks(False):  # kernel times (see bench_forward.py)
                 rows += bench_case(msa, cfg, L, B, args, timer, device, torch.bfloat16, gen)
-            torch.cuda.empty_cache()
-    print(f"\n## MSA training benchmark ({torch.cuda.get_device_name(device)}, bf16, D=Di=128, "
-          f"Bk={args.block_size}, k={args.top_k}, sink 1, local 4)\n")
-    print("| heads | T (B) | index | select | fwd ms (TF/s) | bwd ms (TF/s) | bwd+KL ms (TF/s) "
-          "| step ms | step+KL value ms | dense fwd+bwd ms | step speedup (ideal) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    if args.out:
+        meta = bf.metadata(device, msa, args)
+        bf.write_outputs(args.out, rows, meta)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
+    print(f"\n## MSA training benchmark ({name}, bf16, D=Di={args.head_dim}, "
+          f"Bk={args.block_size}, k={args.top_k}, sink {SINK_BLOCKS}, local {LOCAL_BLOCKS})\n")
+    print("\n".join(bf.target_lines(rows, TARGETS)))
+    print("\noverlap = mean |I(t) & I(t+1)| / k of neighbouring tokens, union = mean distinct "
+          f"blocks of {sp.WINDOW} neighbouring tokens / k\n")
+    print("| heads | T (B) | index | overlap / union (alpha) | select | fwd ms (TF/s) "
+          "| bwd ms (TF/s) | bwd+KL ms (TF/s) | step ms | step+KL value ms | dense fwd+bwd ms "
+          "| step speedup (ideal) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['config']} | {bf.fmt_tokens(r['T'])} ({r['B']}) | {r['index']} | "
+              f"{r['overlap']:.2f} / {r['union']:.2f} ({r['alpha']:.2f}) | "
               f"{fmt(r['select_ms'])} | {fmt(r['fwd_ms'])} ({fmt(r['fwd_tflops'], '.0f')}) | "
               f"{fmt(r['bwd_ms'])} ({fmt(r['bwd_tflops'], '.0f')}) | "
               f"{fmt(r['bwd_kl_ms'])} ({fmt(r['bwd_kl_tflops'], '.0f')}) | {fmt(r['step_ms'])} | "
@@ -239,9 +300,10 @@ def main(argv=None) -> int:
               f"{fmt(r.get('step_speedup'), '.1f')}x ({fmt(r.get('ideal_speedup'), '.1f')}x) |")
     for r in rows:
         if "vs_flash_msa" in r:
-            print(f"\nflash-msa shape (16K, top-k 2048, Hq=16, Hkv=2, Hi=4), {r['index']} index: "
-                  f"step {r['step_ms']:.2f} ms = {r['vs_flash_msa']:.1f}x faster than flash-msa's "
-                  f"best published GH200 forward + backward ({FLASH_MSA_BEST_MS:.1f} ms)")
+            print(f"\nflash-msa shape (16K, top-k 2048, Hq=16, Hkv=2, Hi=4), {r['index']} index "
+                  f"(overlap {r['overlap']:.2f}): step {r['step_ms']:.2f} ms = "
+                  f"{r['vs_flash_msa']:.1f}x faster than flash-msa's best published GH200 "
+                  f"forward + backward ({FLASH_MSA_BEST_MS:.1f} ms)")
     return 0
 
 

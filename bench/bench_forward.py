@@ -4,33 +4,36 @@
 Per head configuration and sequence length T (a fixed-length batch packed as varlen with equal
 lengths, batch B so that B*T >= --total-tokens where memory allows) it times:
 
-* index selection alone (``msa.select_blocks``); TFLOP/s counted on its GEMM only:
-  2 * Di * Hi * sum over tokens of (t+1) causal keys;
-* the sparse attention forward over a given ``block_idx``, for two patterns built on the GPU:
-  "realistic" (block 0 as sink, the own block and the 3 before it, long-range blocks shared by
-  the tokens of a 128-token query block with 2 slots chosen per token) and "random" (each token
-  and index head picks its own k-1 earlier blocks plus its own block); effective TFLOP/s
-  counted on the selected work only: 4 * D * (Hq/Hi) * sum over (token, index head) of the
-  causally visible keys in its selected blocks;
-* the whole MSA forward (selection + attention, ``select=True``);
+* index selection alone (``msa.select_blocks`` on random index vectors); TFLOP/s counted on its
+  GEMM only: 2 * Di * Hi * sum over tokens of (t+1) causal keys;
+* for each overlap level (``selection_patterns.LEVELS``: "shared", "mixed", "random"; index
+  inputs whose selections overlap from token to token as much as the level says, the block_idx
+  computed from them by ``msa.select_blocks`` with sink 1 and local 4 forced blocks):
+  - the sparse attention forward over that given ``block_idx``; effective TFLOP/s counted on
+    the selected work only: 4 * D * (Hq/Hi) * sum over (token, index head) of the causally
+    visible keys in its selected blocks;
+  - the whole MSA forward (selection + attention) on the level's index inputs;
+  and the overlap (mean |I(t) & I(t+1)| / k over neighbouring tokens) and union (mean distinct
+  blocks of 8 neighbouring tokens / k) of that selection, with the level's alpha;
 * dense causal GQA attention: torch SDPA with ``enable_gqa``, the cuDNN backend forced (FLASH
   when cuDNN refuses); TFLOP/s on 4 * D * Hq * sum of (t+1). Beyond --dense-max-tokens (per
   sequence) its time is extrapolated from the largest measured length by the FLOP ratio
   (quadratic in T) and labelled "extrapolated".
 
-Speedup = dense time / MSA forward time; ideal = dense FLOPs / (selection FLOPs + selected
-attention FLOPs of the forward's own selection).
+Speedup (per level) = dense time / MSA forward time; ideal = dense FLOPs / (selection FLOPs +
+selected attention FLOPs), the selected attention the largest of the levels' (they differ by
+well under 1%).
 
 Timing: CUDA events around each call, a warm-up, the median of several calls, the L2 cache
 flushed before each call and, when one input set fits in L2 a few times over, several input
 sets used in turn. Output: progress on stderr, a markdown table last on stdout, and
-``--out PREFIX`` writes PREFIX.csv and PREFIX.json.
+``--out PREFIX`` writes PREFIX.csv and PREFIX.json (``plot_bench.py PREFIX.csv`` plots them).
 
     python bench/bench_forward.py                     # paper + flash-msa heads, 8K..128K
     python bench/bench_forward.py --with-1m           # also the whole forward at 1M tokens
     python bench/bench_forward.py --quick             # a smoke run with small shapes
     python bench/bench_forward.py --device cpu --quick --lengths 256 --total-tokens 512 \\
-        --top-k 2                                     # the script itself, on the CPU backend
+        --top-k 8                                     # the script itself, on the CPU backend
 """
 
 import argparse
@@ -46,31 +49,44 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import selection_patterns as sp  # noqa: E402
+
 HEADS = {
     "paper": dict(Hq=64, Hkv=4, Hi=4, Hik=1),
     "flash-msa": dict(Hq=16, Hkv=2, Hi=4, Hik=1),
 }
-QUERY_BLOCK = 128  # tokens whose "realistic" long-range blocks are shared
-PER_TOKEN_SLOTS = 2  # slots of the realistic pattern that differ from token to token
-LOCAL_BEFORE = 3  # realistic pattern: the own block and this many before it
-BIG = 1 << 62
+SINK_BLOCKS, LOCAL_BLOCKS = sp.SINK_BLOCKS, sp.LOCAL_BLOCKS  # forced blocks of every selection
 
-# Targets of the forward milestone on the H200: (what, row value, threshold, rows it covers).
+
+def make_target(name, key, thr, covers, overlap=None, at_most=False):
+    """A milestone target: rows ``covers`` selects, their value ``key`` against ``thr`` (at
+    least, or at most), the worst row's ``overlap`` column shown beside it."""
+    return dict(name=name, key=key, thr=thr, covers=covers, overlap=overlap, at_most=at_most)
+
+
+def _paper_at(T):
+    return lambda r: r["config"] == "paper" and r["T"] == T
+
+
+# Targets of the forward milestone on the H200.
 TARGETS = [
-    ("sparse forward, shared realistic, T >= 32K (TFLOP/s)", "fwd_shared_tflops", 600.0,
-     lambda r: r["T"] >= 32 * 1024),
-    ("sparse forward, realistic with per-token slots, T >= 32K (TFLOP/s)",
-     "fwd_realistic_tflops", 600.0, lambda r: r["T"] >= 32 * 1024),
-    ("index selection, T >= 64K (TFLOP/s)", "select_tflops", 550.0,
-     lambda r: r["T"] >= 64 * 1024),
-    ("MSA forward vs dense, paper heads, T = 128K, random idx (x)", "speedup", 13.0,
-     lambda r: r["config"] == "paper" and r["T"] == 128 * 1024),
-    ("MSA forward vs dense, paper heads, T = 128K, structured idx (x)", "speedup_structured",
-     13.0, lambda r: r["config"] == "paper" and r["T"] == 128 * 1024),
-    ("MSA forward vs dense, paper heads, T = 1M, random idx (x)", "speedup", 22.0,
-     lambda r: r["config"] == "paper" and r["T"] == 1024 * 1024),
-    ("MSA forward vs dense, paper heads, T = 1M, structured idx (x)", "speedup_structured",
-     22.0, lambda r: r["config"] == "paper" and r["T"] == 1024 * 1024),
+    make_target("sparse forward, given block_idx, shared, T >= 32K (TFLOP/s)",
+                "fwd_shared_tflops", 550.0, lambda r: r["T"] >= 32 * 1024, "shared_overlap"),
+    make_target("sparse forward, given block_idx, mixed, T >= 32K (TFLOP/s)",
+                "fwd_mixed_tflops", 450.0, lambda r: r["T"] >= 32 * 1024, "mixed_overlap"),
+    make_target("sparse forward, given block_idx, random, T >= 32K (TFLOP/s)",
+                "fwd_random_tflops", 450.0, lambda r: r["T"] >= 32 * 1024, "random_overlap"),
+    make_target("index selection, T >= 64K (TFLOP/s)", "select_tflops", 550.0,
+                lambda r: r["T"] >= 64 * 1024),
+    make_target("MSA forward vs dense, paper heads, T = 128K, mixed (x)", "speedup_mixed", 13.0,
+                _paper_at(128 * 1024), "mixed_overlap"),
+    make_target("MSA forward vs dense, paper heads, T = 128K, random (x)", "speedup_random", 13.0,
+                _paper_at(128 * 1024), "random_overlap"),
+    make_target("MSA forward vs dense, paper heads, T = 1M, mixed (x)", "speedup_mixed", 22.0,
+                _paper_at(1024 * 1024), "mixed_overlap"),
+    make_target("MSA forward vs dense, paper heads, T = 1M, random (x)", "speedup_random", 22.0,
+                _paper_at(1024 * 1024), "random_overlap"),
 ]
 
 
@@ -107,8 +123,9 @@ def fmt_tokens(n: int) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        description="MSA forward benchmark: selection, sparse attention (realistic and random "
-                    "block_idx), whole MSA forward, and dense causal attention (cuDNN SDPA).",
+        description="MSA forward benchmark: selection, sparse attention over a given block_idx "
+                    "and the whole MSA forward on selections of several overlap levels, and "
+                    "dense causal attention (cuDNN SDPA).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--configs", default="paper,flash-msa",
                    help="head configurations: " + ", ".join(
@@ -129,8 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-dim", type=int, default=128, help="main head dim D")
     p.add_argument("--index-dim", type=int, default=128, help="index head dim Di")
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
-    p.add_argument("--patterns", default="shared,realistic,random",
-                   help="block_idx patterns for the given-selection forward")
+    p.add_argument("--levels", default="shared,mixed,random",
+                   help="overlap levels of the timed selections: " + "; ".join(
+                       f"{k}: {v['text']}" for k, v in sp.LEVELS.items()))
     p.add_argument("--reps", type=int, default=5, help="at least this many timed calls")
     p.add_argument("--max-reps", type=int, default=50, help="at most this many timed calls")
     p.add_argument("--rep-ms", type=float, default=300.0,
@@ -144,109 +162,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="write PREFIX.csv and PREFIX.json")
     p.add_argument("--skip-dense", action="store_true", help="no dense attention at all")
     return p
-
-
-# --------------------------------------------------------------------------------------------
-# block_idx patterns (built with torch on the device)
-# --------------------------------------------------------------------------------------------
-
-
-def sample_distinct(n: torch.Tensor, m: int, taken: Optional[torch.Tensor] = None,
-                    gen: Optional[torch.Generator] = None) -> torch.Tensor:
-    """Per row of ``n`` (int64, any shape S): ``m`` distinct uniform samples from
-    ``[0, n) minus taken`` (``taken`` [S, e] sorted ascending, BIG for an empty entry), in
-    sampling order (so any prefix is a uniform subset); -1 once the row runs out."""
-    shape = tuple(n.shape)
-    dev = n.device
-    if taken is None:
-        taken = torch.full(shape + (0,), BIG, dtype=torch.int64, device=dev)
-    avail0 = n - (taken < BIG).sum(-1)
-    out = []
-    for i in range(m):
-        avail = avail0 - i
-        r = (torch.rand(shape, generator=gen, device=dev, dtype=torch.float64)
-             * avail.clamp(min=1)).long()
-        r = torch.minimum(r, (avail - 1).clamp(min=0))
-        x = r
-        for j in range(taken.shape[-1]):  # the r-th value not taken: step over taken ones
-            x = x + (taken[..., j] <= x).long()
-        ok = avail > 0
-        out.append(torch.where(ok, x, torch.full_like(x, -1)))
-        taken = torch.cat([taken, torch.where(ok, x, torch.full_like(x, BIG))[..., None]], -1)
-        taken = taken.sort(-1).values
-    if not out:
-        return torch.full(shape + (0,), -1, dtype=torch.int64, device=dev)
-    return torch.stack(out, -1)
-
-
-def _pack_rows(cols: torch.Tensor, k: int) -> torch.Tensor:
-    """[..., c] block ids with -1 holes -> [..., k] int32: ascending ids then -1."""
-    v = torch.where(cols >= 0, cols, torch.full_like(cols, BIG)).sort(-1).values
-    count = (v < BIG).sum(-1)
-    if int(count.max()) > k:
-        raise AssertionError("pattern: more than k blocks in a row")
-    if v.shape[-1] < k:
-        v = torch.cat([v, v.new_full(v.shape[:-1] + (k - v.shape[-1],), BIG)], -1)
-    v = v[..., :k]
-    return torch.where(v < BIG, v, torch.full_like(v, -1)).to(torch.int32)
-
-
-def random_pattern(B: int, L: int, Hi: int, k: int, Bk: int, device,
-                   gen: Optional[torch.Generator] = None) -> torch.Tensor:
-    """[B*L, Hi, k]: per (token, index head) the own block + k-1 random earlier blocks."""
-    pos = torch.arange(L, device=device)
-    own = (pos // Bk)[None, :, None].expand(B, L, Hi)
-    picks = sample_distinct(own.contiguous(), k - 1, gen=gen)  # from [0, own)
-    cols = torch.cat([own[..., None], picks], -1)
-    return _pack_rows(cols, k).reshape(B * L, Hi, k)
-
-
-def realistic_pattern(B: int, L: int, Hi: int, k: int, Bk: int, device,
-                      gen: Optional[torch.Generator] = None,
-                      per_token: int = PER_TOKEN_SLOTS) -> torch.Tensor:
-    """[B*L, Hi, k]: block 0 (sink), the own block and LOCAL_BEFORE before it, then
-    long-range blocks shared by the tokens of each QUERY_BLOCK-token query block, with
-    ``per_token`` of them chosen per token (all earlier blocks when fewer are left); with
-    ``per_token=0`` ("shared") every token of a query block selects the same blocks."""
-    nforced = LOCAL_BEFORE + 2
-    if k < nforced + per_token:
-        raise ValueError(f"the realistic pattern needs k >= {nforced + per_token}")
-    pos = torch.arange(L, device=device)
-    blk = pos // Bk  # [L]
-    # forced: sink 0 and blocks blk-LOCAL_BEFORE .. blk (each once)
-    local = blk[:, None] - torch.arange(LOCAL_BEFORE, -1, -1, device=device)[None, :]
-    local = torch.where(local >= 0, local, torch.full_like(local, -1))
-    sink = torch.where(blk > LOCAL_BEFORE, torch.zeros_like(blk), torch.full_like(blk, -1))
-    forced = torch.cat([sink[:, None], local], -1)  # [L, nforced]
-    nf = (forced >= 0).sum(-1)
-    slots = k - nf  # [L]
-    # long-range candidates: blocks 1 .. blk-LOCAL_BEFORE-1, i.e. [0, n) shifted by 1
-    n_tok = (blk - LOCAL_BEFORE - 1).clamp(min=0)  # [L]
-    nq = (L + QUERY_BLOCK - 1) // QUERY_BLOCK
-    qfirst = torch.arange(nq, device=device) * QUERY_BLOCK
-    n_q = (qfirst // Bk - LOCAL_BEFORE - 1).clamp(min=0)  # candidates every token of it has
-    m_max = k - nforced - per_token
-    shared = sample_distinct(n_q[None, :, None].expand(B, nq, Hi).contiguous(), m_max, gen=gen)
-    qb = pos // QUERY_BLOCK
-    shared_tok = shared[:, qb]  # [B, L, Hi, m_max]
-    # per token: all candidates when they fit, else m shared + the rest per token
-    fits = n_tok <= slots
-    m = torch.where(fits, torch.zeros_like(slots), torch.minimum(slots - per_token, n_q[qb]))
-    col = torch.arange(m_max, device=device)
-    use = col[None, :] < m[:, None]  # [L, m_max]
-    chosen = torch.where(use[None, :, None, :], shared_tok, torch.full_like(shared_tok, -1))
-    taken = torch.where(chosen >= 0, chosen, torch.full_like(chosen, BIG)).sort(-1).values
-    r = torch.minimum(slots - m, n_tok - m)  # per-token picks
-    r_max = int(r.max()) if r.numel() else 0
-    own_n = n_tok[None, :, None].expand(B, L, Hi).contiguous()
-    picks = sample_distinct(own_n, r_max, taken=taken, gen=gen)  # [B, L, Hi, r_max]
-    pick_col = torch.arange(r_max, device=device)
-    keep = (pick_col[None, :] < r[:, None])[None, :, None, :]  # [1, L, 1, r_max]
-    picks = torch.where(keep, picks, torch.full_like(picks, -1))
-    long_range = torch.cat([chosen, picks], -1)
-    long_range = torch.where(long_range >= 0, long_range + 1, long_range)  # shift: block >= 1
-    cols = torch.cat([forced[None, :, None, :].expand(B, L, Hi, nforced), long_range], -1)
-    return _pack_rows(cols, k).reshape(B * L, Hi, k)
 
 
 # --------------------------------------------------------------------------------------------
@@ -427,11 +342,13 @@ def bench_case(msa, cfg_name: str, L: int, B: int, full_only: bool, args, timer:
     cu = torch.arange(B + 1, device=device, dtype=torch.int32) * L
 
     def select(s):
-        return lambda: msa.select_blocks(s["qi"], s["ki"], k, Bk, cu_seqlens=cu)
+        return lambda: msa.select_blocks(s["qi"], s["ki"], k, Bk, cu_seqlens=cu,
+                                         sink_blocks=SINK_BLOCKS, local_blocks=LOCAL_BLOCKS)
 
-    def full(s):
-        return lambda: msa.sparse_attention(s["q"], s["k"], s["v"], s["qi"], s["ki"], k, Bk,
-                                            cu_seqlens=cu, kl_value=False)
+    def full(s, qi, ki):
+        return lambda: msa.sparse_attention(s["q"], s["k"], s["v"], qi, ki, k, Bk, cu_seqlens=cu,
+                                            sink_blocks=SINK_BLOCKS, local_blocks=LOCAL_BLOCKS,
+                                            kl_value=False)
 
     def given(s, bi):
         return lambda: msa.sparse_attention(s["q"], s["k"], s["v"], None, None, block_idx=bi,
@@ -446,44 +363,56 @@ def bench_case(msa, cfg_name: str, L: int, B: int, full_only: bool, args, timer:
         row["select_error"] = error_text(e)
     log(f"  select      {row.get('select_ms', float('nan')):10.3f} ms")
 
-    if not full_only:
-        for pat in [p for p in args.patterns.split(",") if p]:
+    # Per overlap level: its index inputs (for the first input set calibrated on those very
+    # inputs, the other sets drawn with the same alpha), the selection of the first set (its
+    # overlap and union go into the row), the sparse forward over that block_idx, and the
+    # whole forward on each set's index inputs.
+    att_max, keys_max = 0.0, 0
+    for name in sp.level_names(args.levels):
+        try:
+            qi, ki, bi, st = sp.make_level(name, cu, Hi, Hik, Di, Bk, k, dtype=dtype,
+                                           device=device, generator=gen,
+                                           sink_blocks=SINK_BLOCKS, local_blocks=LOCAL_BLOCKS)
+            alpha = st["alpha"]
+            idx_sets = [(qi, ki)] + [sp.index_inputs(alpha, cu, Hi, Hik, Di, Bk, dtype=dtype,
+                                                     generator=gen, device=device)
+                                     for _ in sets[1:]]
+            del qi, ki
+            row.update({f"{name}_alpha": alpha, f"{name}_overlap": st["overlap"],
+                        f"{name}_union": st["union"]})
+            keys = visible_keys(bi, B, L, Bk)
+            fl = attention_flops(keys, Hq, Hi, D)
+            if fl > att_max:
+                att_max, keys_max = fl, keys
+        except Exception as e:  # noqa: BLE001 - reported in the table, the run goes on
+            row[f"{name}_error"] = error_text(e)
+            log(f"  {name}: {row[f'{name}_error']}")
+            continue
+        log(f"  {name}: alpha {alpha:.3f}, overlap {st['overlap']:.3f}, union {st['union']:.2f}")
+        if not full_only:
             try:
-                if pat == "random":
-                    bi = random_pattern(B, L, Hi, k, Bk, device, gen=gen)
-                else:
-                    bi = realistic_pattern(B, L, Hi, k, Bk, device, gen=gen,
-                                           per_token=0 if pat == "shared" else PER_TOKEN_SLOTS)
-                keys = visible_keys(bi, B, L, Bk)
-                fl = attention_flops(keys, Hq, Hi, D)
-                row[f"fwd_{pat}_gflop"] = fl / 1e9
+                row[f"fwd_{name}_gflop"] = fl / 1e9
                 ms = timer.median_ms([given(s, bi) for s in sets])
-                row.update({f"fwd_{pat}_ms": ms, f"fwd_{pat}_tflops": tflops(fl, ms)})
-                if pat == "shared":  # the same call with the library's default value checks
+                row.update({f"fwd_{name}_ms": ms, f"fwd_{name}_tflops": tflops(fl, ms)})
+                if name == "shared":  # the same call with the library's default value checks
                     with msa.value_checks(True):
                         row["fwd_shared_checked_ms"] = timer.median_ms([given(s, bi) for s in sets])
-                del bi
             except Exception as e:  # noqa: BLE001
-                row[f"fwd_{pat}_error"] = error_text(e)
-            log(f"  fwd {pat:9s} {row.get(f'fwd_{pat}_ms', float('nan')):10.3f} ms")
-
-    try:
-        s0 = sets[0]
-        _, _, bi = msa.sparse_attention(s0["q"], s0["k"], s0["v"], s0["qi"], s0["ki"], k, Bk,
-                                        cu_seqlens=cu, kl_value=False, return_block_idx=True)
-        keys = visible_keys(bi, B, L, Bk)
+                row[f"fwd_{name}_error"] = error_text(e)
+            log(f"  fwd {name:9s} {row.get(f'fwd_{name}_ms', float('nan')):10.3f} ms")
         del bi
-        att_fl = attention_flops(keys, Hq, Hi, D)
-        row["msa_attn_gflop"] = att_fl / 1e9
-        row["selected_fraction"] = keys / (Hi * causal_pairs(B, L))
-        ms = timer.median_ms([full(s) for s in sets])
-        row.update(msa_ms=ms, msa_tflops=tflops(sel_fl + att_fl, ms))
-        dfl = dense_flops(B, L, Hq, D)
-        row["dense_gflop"] = dfl / 1e9
-        row["ideal_speedup"] = dfl / (sel_fl + att_fl)
-    except Exception as e:  # noqa: BLE001
-        row["msa_error"] = error_text(e)
-    log(f"  msa forward {row.get('msa_ms', float('nan')):10.3f} ms")
+        try:
+            row[f"msa_{name}_gflop"] = (sel_fl + fl) / 1e9
+            ms = timer.median_ms([full(s, qi, ki) for s, (qi, ki) in zip(sets, idx_sets)])
+            row.update({f"msa_{name}_ms": ms, f"msa_{name}_tflops": tflops(sel_fl + fl, ms)})
+        except Exception as e:  # noqa: BLE001
+            row[f"msa_{name}_error"] = error_text(e)
+        log(f"  msa {name:9s} {row.get(f'msa_{name}_ms', float('nan')):10.3f} ms")
+        del idx_sets
+    dfl = dense_flops(B, L, Hq, D)
+    if att_max:
+        row["selected_fraction"] = keys_max / (Hi * causal_pairs(B, L))
+        row["ideal_speedup"] = dfl / (sel_fl + att_max)
 
     dfl = dense_flops(B, L, Hq, D)
     row["dense_gflop"] = dfl / 1e9
@@ -510,37 +439,6 @@ def bench_case(msa, cfg_name: str, L: int, B: int, full_only: bool, args, timer:
             row["dense_error"] = error_text(e)
         log(f"  dense       {row.get('dense_ms', float('nan')):10.3f} ms "
             f"({row.get('dense_backend', row.get('dense_error', ''))})")
-    # The whole forward on structured index inputs: k_idx carries a per-block salience along
-    # one direction (the same for every query), so the selection is the sink, the 4 local
-    # blocks and the most salient earlier blocks, shared by neighbouring tokens, as trained
-    # index branches behave; random index inputs give a random selection instead.
-    try:
-        s0 = sets[0]
-        e0 = torch.zeros(Di, device=device, dtype=torch.float32)
-        e0[0] = 1.0
-        nblk = (L + Bk - 1) // Bk
-        sal = torch.randn(B, nblk, device=device, generator=gen) * 30.0
-        blk_of = (torch.arange(L, device=device) // Bk)
-        ki = (sal[:, blk_of].reshape(T, 1, 1) * e0
-              + 0.5 * torch.randn(T, Hik, Di, device=device, generator=gen)).to(dtype)
-        qi = (4.0 * e0 + torch.randn(T, Hi, Di, device=device, generator=gen)).to(dtype)
-
-        def structured():
-            return msa.sparse_attention(s0["q"], s0["k"], s0["v"], qi, ki, k, Bk, cu_seqlens=cu,
-                                        sink_blocks=1, local_blocks=4, kl_value=False)
-
-        _, _, bi = msa.sparse_attention(s0["q"], s0["k"], s0["v"], qi, ki, k, Bk, cu_seqlens=cu,
-                                        sink_blocks=1, local_blocks=4, kl_value=False,
-                                        return_block_idx=True)
-        keys = visible_keys(bi, B, L, Bk)
-        del bi
-        fl = sel_fl + attention_flops(keys, Hq, Hi, D)
-        ms = timer.median_ms([structured])
-        row.update(msa_structured_ms=ms, msa_structured_tflops=tflops(fl, ms))
-        del qi, ki
-    except Exception as e:  # noqa: BLE001
-        row["msa_structured_error"] = error_text(e)
-    log(f"  msa fwd str {row.get('msa_structured_ms', float('nan')):10.3f} ms")
     del sets
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -562,10 +460,9 @@ def extrapolate_dense(rows: List[Dict]):
                    dense_backend=base["dense_backend"],
                    dense_source=f"extrapolated from {fmt_tokens(base['T'])}")
     for row in rows:
-        if row.get("dense_ms") and row.get("msa_ms"):
-            row["speedup"] = row["dense_ms"] / row["msa_ms"]
-        if row.get("dense_ms") and row.get("msa_structured_ms"):
-            row["speedup_structured"] = row["dense_ms"] / row["msa_structured_ms"]
+        for name in sp.LEVELS:
+            if row.get("dense_ms") and row.get(f"msa_{name}_ms"):
+                row[f"speedup_{name}"] = row["dense_ms"] / row[f"msa_{name}_ms"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -588,13 +485,28 @@ def _ms_tf(row, key):
     return f"{ms:.3f} ({tf:.0f})" if tf >= 10 else f"{ms:.3f} ({tf:.2g})"
 
 
-def markdown_table(rows: List[Dict], patterns: List[str]) -> str:
+def _ov_un(row, name):
+    if row.get(f"{name}_error"):
+        return "error"
+    ov, un, al = (row.get(f"{name}_{x}") for x in ("overlap", "union", "alpha"))
+    if ov is None:
+        return "—"
+    return f"{ov:.2f} / {un:.2f} ({al:.2f})"
+
+
+def _x(v):
+    return "—" if v is None else f"{v:.1f}x"
+
+
+def markdown_table(rows: List[Dict], levels: List[str]) -> str:
     head = ["config", "T", "B", "select ms (TF/s)"]
-    head += [f"fwd {p} ms (TF/s)" for p in patterns]
-    head += ["fwd shared, value checks on ms", "MSA fwd ms (TF/s)",
-             "MSA fwd, structured idx ms (TF/s)", "sel. frac",
-             "warmup fwd ms (TF/s)", "dense ms (TF/s)", "dense", "speedup",
-             "speedup, structured", "ideal"]
+    head += [f"{p}: overlap / union (alpha)" for p in levels]
+    head += [f"fwd {p} ms (TF/s)" for p in levels]
+    if "shared" in levels:
+        head += ["fwd shared, value checks on ms"]
+    head += [f"MSA fwd {p} ms (TF/s)" for p in levels]
+    head += ["sel. frac", "warmup fwd ms (TF/s)", "dense ms (TF/s)", "dense"]
+    head += [f"speedup {p}" for p in levels] + ["ideal"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         dense = _ms_tf(r, "dense")
@@ -602,28 +514,35 @@ def markdown_table(rows: List[Dict], patterns: List[str]) -> str:
         if src.startswith("extrapolated"):
             dense = f"{r['dense_ms']:.1f} (extrapolated)"
         cells = [r["config"], fmt_tokens(r["T"]), str(r["B"]), _ms_tf(r, "select")]
-        cells += [_ms_tf(r, f"fwd_{p}") for p in patterns]
-        cells += [_f(r.get("fwd_shared_checked_ms"), ".3f"), _ms_tf(r, "msa"), _ms_tf(r, "msa_structured"),
-                  _f(r.get("selected_fraction"), ".3f"), _ms_tf(r, "warmup"), dense,
-                  f"{r.get('dense_backend', '—')}{'' if src in ('', 'measured') else ' ' + src}",
-                  _f(r.get("speedup"), ".1f") + ("x" if r.get("speedup") else ""),
-                  _f(r.get("speedup_structured"), ".1f")
-                  + ("x" if r.get("speedup_structured") else ""),
-                  _f(r.get("ideal_speedup"), ".1f") + ("x" if r.get("ideal_speedup") else "")]
+        cells += [_ov_un(r, p) for p in levels]
+        cells += [_ms_tf(r, f"fwd_{p}") for p in levels]
+        if "shared" in levels:
+            cells += [_f(r.get("fwd_shared_checked_ms"), ".3f")]
+        cells += [_ms_tf(r, f"msa_{p}") for p in levels]
+        cells += [_f(r.get("selected_fraction"), ".3f"), _ms_tf(r, "warmup"), dense,
+                  f"{r.get('dense_backend', '—')}{'' if src in ('', 'measured') else ' ' + src}"]
+        cells += [_x(r.get(f"speedup_{p}")) for p in levels] + [_x(r.get("ideal_speedup"))]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def target_lines(rows: List[Dict]) -> List[str]:
-    """The milestone's targets against the worst measured value of the rows they cover."""
-    out = ["| target | threshold | measured (worst) | |", "|---|---|---|---|"]
-    for name, key, thr, covers in TARGETS:
-        vals = [r[key] for r in rows if covers(r) and r.get(key) is not None]
+def target_lines(rows: List[Dict], targets: Optional[List[Dict]] = None) -> List[str]:
+    """The milestone's targets against the worst measured value of the rows they cover, with
+    the overlap of the selection that row timed."""
+    out = ["| target | threshold | measured (worst) | overlap there | |", "|---|---|---|---|---|"]
+    for t in TARGETS if targets is None else targets:
+        vals = [r for r in rows if t["covers"](r) and r.get(t["key"]) is not None]
+        thr = t["thr"]
+        rel = f"{'<=' if t['at_most'] else '>='} {thr:g}"
         if not vals:
-            out.append(f"| {name} | {thr:g} | not run | |")
+            out.append(f"| {t['name']} | {rel} | not run | | |")
             continue
-        worst = min(vals)
-        out.append(f"| {name} | {thr:g} | {worst:.1f} | {'met' if worst >= thr else 'MISSED'} |")
+        pick = max if t["at_most"] else min
+        worst = pick(vals, key=lambda r: r[t["key"]])
+        v = worst[t["key"]]
+        ok = v <= thr if t["at_most"] else v >= thr
+        ov = worst.get(t["overlap"]) if t["overlap"] else None
+        out.append(f"| {t['name']} | {rel} | {v:.1f} | {_f(ov)} | {'met' if ok else 'MISSED'} |")
     return out
 
 
@@ -690,7 +609,7 @@ def fit_batch(cfg: str, L: int, B: int, args, device) -> int:
     h = HEADS[cfg]
     D, Di, k = args.head_dim, args.index_dim, args.top_k
     per_token = (2 * (2 * h["Hq"] * D + 2 * h["Hkv"] * D + h["Hi"] * Di + h["Hik"] * Di)
-                 + 2 * h["Hi"] * k * 4 + h["Hi"] * k * 8 * 12)  # + patterns and their build
+                 + 2 * h["Hi"] * k * 4 + h["Hi"] * k * 8 * 12)  # + selections and their stats
     free, _ = torch.cuda.mem_get_info(device)
     while B > 1 and B * L * per_token * 1.5 > free:
         B //= 2
@@ -699,6 +618,10 @@ def fit_batch(cfg: str, L: int, B: int, args, device) -> int:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        levels = sp.level_names(args.levels)
+    except ValueError as e:
+        raise SystemExit(str(e))
     if args.quick:
         args.reps = min(args.reps, 3)
         args.rep_ms = min(args.rep_ms, 50.0)
@@ -732,17 +655,18 @@ def main(argv=None) -> int:
             with msa.value_checks(False):
                 rows.append(bench_case(msa, cfg, L, B, full_only, args, timer, device, dtype, gen))
     extrapolate_dense(rows)
-    patterns = [p for p in args.patterns.split(",") if p]
     if args.out:
         write_outputs(args.out, rows, meta)
     print(f"\nMSA forward on {meta.get('gpu', device)} ({args.dtype}, D={args.head_dim}, "
-          f"Di={args.index_dim}, Bk={args.block_size}, k={args.top_k}); times in ms, TF/s = "
-          "TFLOP/s counted on the selected work (selection: its GEMM; dense: causal half)\n")
+          f"Di={args.index_dim}, Bk={args.block_size}, k={args.top_k}, sink {SINK_BLOCKS}, local "
+          f"{LOCAL_BLOCKS}); times in ms, TF/s = TFLOP/s counted on the selected work (selection: "
+          "its GEMM; dense: causal half); overlap = mean |I(t) & I(t+1)| / k of neighbouring "
+          f"tokens, union = mean distinct blocks of {sp.WINDOW} neighbouring tokens / k\n")
     print("\n".join(target_lines(rows)))
     print()
     print("## MSA forward benchmark")
     print()
-    print(markdown_table(rows, patterns))
+    print(markdown_table(rows, levels))
     errors = [f"{r['config']} T={fmt_tokens(r['T'])} {k}: {v}" for r in rows for k, v in r.items()
               if k.endswith("_error")]
     if errors:

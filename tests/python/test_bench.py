@@ -1,4 +1,5 @@
-"""bench/bench_forward.py: its block_idx patterns, FLOP counts, and a tiny run on the CPU backend."""
+"""bench/bench_forward.py and bench/bench_backward.py: FLOP counts, targets, and tiny runs on the
+CPU backend."""
 
 import json
 import sys
@@ -10,47 +11,10 @@ import torch
 import msa
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import bench_backward as bb  # noqa: E402
 import bench_forward as bf  # noqa: E402
 
-
-def _check_pattern(bi, B, L, Hi, k, Bk):
-    assert bi.shape == (B * L, Hi, k) and bi.dtype == torch.int32
-    own = (torch.arange(L).repeat(B) // Bk)[:, None, None]
-    v = bi >= 0
-    assert (v[..., 1:] <= v[..., :-1]).all(), "-1 padding last"
-    assert ((bi[..., 1:] > bi[..., :-1]) | ~v[..., 1:]).all(), "ascending, distinct"
-    assert (bi <= own).all(), "causal"
-    assert (bi == own).any(-1).all(), "own block present"
-    assert (v.sum(-1) == torch.clamp(own[..., 0] + 1, max=k)).all(), "k blocks when possible"
-
-
-@pytest.mark.parametrize("L,Bk", [(1, 128), (700, 128), (3000, 64), (5000, 128)])
-def test_patterns(L, Bk):
-    g = torch.Generator()
-    g.manual_seed(0)
-    B, Hi, k = 2, 4, 16
-    real = bf.realistic_pattern(B, L, Hi, k, Bk, "cpu", gen=g)
-    rand = bf.random_pattern(B, L, Hi, k, Bk, "cpu", gen=g)
-    _check_pattern(real, B, L, Hi, k, Bk)
-    _check_pattern(rand, B, L, Hi, k, Bk)
-    own = torch.arange(L).repeat(B) // Bk
-    late = own >= bf.LOCAL_BEFORE + 1 + k  # enough earlier blocks to choose from
-    if late.any():
-        # realistic: sink and the local blocks forced; within a query block all but
-        # PER_TOKEN_SLOTS long-range blocks are shared
-        r = real[late].long()
-        o = own[late][:, None]
-        assert (r == 0).any(-1).all()
-        for d in range(bf.LOCAL_BEFORE + 1):
-            assert (r == (o - d)[..., None]).any(-1).all()
-        t = int(late.nonzero()[0]) // bf.QUERY_BLOCK * bf.QUERY_BLOCK
-        for h in range(Hi):
-            a, b = set(real[t, h].tolist()), set(real[t + bf.QUERY_BLOCK - 1, h].tolist())
-            if (t + bf.QUERY_BLOCK - 1) // Bk == t // Bk:
-                assert len(a & b) >= k - bf.PER_TOKEN_SLOTS
-        # random: neighbouring tokens rarely agree
-        same = (rand[1:] == rand[:-1]).all(-1)[late[1:]].double().mean().item()
-        assert same < 0.5
+LEVELS = ("shared", "mixed", "random")
 
 
 def test_flop_counts():
@@ -83,19 +47,79 @@ def test_cpu_smoke_run(tmp_path, capsys):
     text = capsys.readouterr().out
     table = text[text.index("## MSA forward benchmark"):]
     assert table.count("\n| flash-msa |") == 2 and "extrapolated" in table
+    for lv in LEVELS:
+        assert f"| {lv}: overlap / union (alpha) |" in table and f"| speedup {lv} |" in table
     rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
     assert [r["T"] for r in rows] == [128, 256] and [r["B"] for r in rows] == [2, 1]
     for r in rows:
-        for key in ("select_ms", "fwd_realistic_ms", "fwd_random_ms", "msa_ms", "dense_ms",
-                    "speedup", "ideal_speedup"):
+        for key in ("select_ms", "dense_ms", "ideal_speedup"):
             assert r[key] > 0, key
+        for lv in LEVELS:
+            for key in (f"fwd_{lv}_ms", f"fwd_{lv}_tflops", f"msa_{lv}_ms", f"speedup_{lv}"):
+                assert r[key] > 0, key
+            # one or two blocks per sequence: every token selects all blocks so far
+            nblk = -(-r["T"] // 128)
+            assert 0 < r[f"{lv}_overlap"] <= nblk / 8 and 0 < r[f"{lv}_union"] <= nblk / 8
+        assert r["random_alpha"] == 0.0 and r["shared_alpha"] == 1.0
+    # the levels' overlap is in the table as it is in the rows
+    r = rows[1]
+    assert (f"| {r['mixed_overlap']:.2f} / {r['mixed_union']:.2f} ({r['mixed_alpha']:.2f}) |"
+            in table)
     assert rows[0]["dense_source"] == "measured"
     assert rows[1]["dense_source"].startswith("extrapolated")
-    assert (tmp_path / "bench.csv").read_text().startswith("config,")
+    header = (tmp_path / "bench.csv").read_text().splitlines()[0].split(",")
+    assert header[0] == "config"
+    for lv in LEVELS:
+        assert {f"{lv}_overlap", f"{lv}_union", f"{lv}_alpha", f"fwd_{lv}_tflops",
+                f"msa_{lv}_tflops", f"speedup_{lv}"} <= set(header)
     assert msa.version() in json.loads((tmp_path / "bench.json").read_text())["meta"]["msa"]
 
 
 def test_help_without_library():
-    with pytest.raises(SystemExit) as e:
-        bf.main(["--help"])
-    assert e.value.code == 0
+    for main in (bf.main, bb.main):
+        with pytest.raises(SystemExit) as e:
+            main(["--help"])
+        assert e.value.code == 0
+
+
+def test_unknown_level():
+    for main, opt in ((bf.main, "--levels"), (bb.main, "--index")):
+        with pytest.raises(SystemExit) as e:
+            main(["--device", "cpu", opt, "shared,structured"])
+        assert "structured" in str(e.value)
+
+
+def test_target_lines():
+    rows = [dict(config="paper", T=128 * 1024, speedup_mixed=14.0, mixed_overlap=0.571),
+            dict(config="paper", T=128 * 1024, speedup_mixed=12.5, mixed_overlap=0.562),
+            dict(config="flash-msa", T=128 * 1024, speedup_mixed=1.0, mixed_overlap=0.5)]
+    line = [x for x in bf.target_lines(rows) if "128K, mixed" in x][0]
+    assert "| >= 13 | 12.5 | 0.56 | MISSED |" in line
+    line = [x for x in bf.target_lines(rows) if "1M, mixed" in x][0]
+    assert "not run" in line
+    rows = [dict(config="flash-msa", T=16384, B=1, index="mixed", step_ms=4.2, overlap=0.58),
+            dict(config="flash-msa", T=16384, B=1, index="random", step_ms=9.0, overlap=0.35)]
+    line = [x for x in bf.target_lines(rows, bb.TARGETS) if "flash-msa shape" in x][0]
+    assert "| <= 5 | 4.2 | 0.58 | met |" in line
+
+
+def test_backward_cpu_smoke_run(tmp_path, capsys):
+    out = tmp_path / "bwd"
+    rc = bb.main(["--device", "cpu", "--configs", "flash-msa", "--lengths", "256",
+                  "--head-dim", "64", "--top-k", "8", "--block-size", "64", "--reps", "1",
+                  "--dense-max-tokens", "256", "--index", "mixed,random", "--out", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "| flash-msa | 256 (1) | mixed |" in text and "| flash-msa | 256 (1) | random |" in text
+    rows = json.loads((tmp_path / "bwd.json").read_text())["rows"]
+    assert [r["index"] for r in rows] == ["mixed", "random"]
+    for r in rows:
+        for key in ("select_ms", "fwd_ms", "bwd_ms", "bwd_kl_ms", "step_ms", "step_klv_ms",
+                    "step_speedup", "ideal_speedup"):
+            assert r[key] > 0, key
+        # 4 blocks of 64, k = 8: every token selects all blocks so far (tokens of block b:
+        # b + 1 of 8), so neighbours agree but for the block boundaries
+        assert 0.25 < r["overlap"] < 0.32 and 0.25 < r["union"] < 0.33
+        assert f"{r['overlap']:.2f} / {r['union']:.2f} ({r['alpha']:.2f})" in text
+    header = (tmp_path / "bwd.csv").read_text().splitlines()[0].split(",")
+    assert {"config", "T", "index", "alpha", "overlap", "union", "step_ms"} <= set(header)

@@ -1,0 +1,174 @@
+#!/usr/bin/env python3
+"""PNG plots of the benchmarks' CSV files (``--out PREFIX`` of bench_forward.py and
+bench_backward.py), written next to each CSV as PREFIX.png.
+
+One column of subplots per head configuration; lines per overlap level, labelled with the
+overlap the level's selections measured (its range over the lengths); x: sequence length.
+
+* bench_forward.py CSV: speedup of the whole MSA forward over dense attention; effective
+  TFLOP/s of the sparse forward over a given block_idx and of the whole MSA forward (dense
+  attention's TFLOP/s dashed, for reference).
+* bench_backward.py CSV: training-step speedup over dense forward + backward; effective TFLOP/s
+  of the sparse forward, the backward, the backward with the KL gradient and the whole step.
+
+    python bench/plot_bench.py bench-out/forward.csv bench-out/backward.csv
+
+Needs matplotlib (requirements-dev.txt); runs headless (the Agg backend).
+"""
+
+import argparse
+import csv
+import math
+import os
+import sys
+from typing import Dict, List, Optional, Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+LEVEL_ORDER = ["shared", "mixed", "random"]
+COLORS = {"shared": "tab:blue", "mixed": "tab:orange", "random": "tab:green"}
+
+# (title, y label, column of a level's value: forward CSVs name it per level, backward CSVs per
+# row), the first row of each figure being the speedup
+FORWARD_PANELS = [
+    ("MSA forward vs dense", "speedup (x)", "speedup_{level}"),
+    ("sparse forward, given block_idx", "effective TFLOP/s", "fwd_{level}_tflops"),
+    ("whole MSA forward", "effective TFLOP/s", "msa_{level}_tflops"),
+]
+BACKWARD_PANELS = [
+    ("training step vs dense fwd+bwd", "speedup (x)", "step_speedup"),
+    ("sparse forward", "effective TFLOP/s", "fwd_tflops"),
+    ("backward", "effective TFLOP/s", "bwd_tflops"),
+    ("backward + KL gradient", "effective TFLOP/s", "bwd_kl_tflops"),
+    ("training step", "effective TFLOP/s", "step_tflops"),
+]
+
+
+def _num(v) -> Optional[float]:
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) else None
+
+
+def _fmt_tokens(n: int) -> str:
+    if n % (1024 * 1024) == 0:
+        return f"{n // (1024 * 1024)}M"
+    if n % 1024 == 0:
+        return f"{n // 1024}K"
+    return str(n)
+
+
+def read_rows(path: str) -> List[Dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _levels(names: Sequence[str]) -> List[str]:
+    seen = [n for n in LEVEL_ORDER if n in names]
+    return seen + sorted(n for n in set(names) if n not in seen)
+
+
+def series(rows: List[Dict[str, str]]) -> Dict:
+    """{config: {level: [(T, row, overlap)]}} and the kind of CSV (backward: a row per level;
+    forward: a row per length with the levels' columns in it)."""
+    backward = bool(rows) and "index" in rows[0]
+    out: Dict[str, Dict[str, list]] = {}
+    for r in rows:
+        cfg, T = r.get("config", "?"), int(float(r["T"]))
+        if backward:
+            lv = {r["index"]: (r, _num(r.get("overlap")))}
+        else:
+            names = [k[: -len("_overlap")] for k in r if k.endswith("_overlap")]
+            lv = {n: (r, _num(r.get(f"{n}_overlap"))) for n in names}
+        for name, (vals, ov) in lv.items():
+            out.setdefault(cfg, {}).setdefault(name, []).append((T, vals, ov))
+    for cfg in out:
+        for name in out[cfg]:
+            out[cfg][name].sort(key=lambda x: x[0])
+    return dict(backward=backward, data=out)
+
+
+def _label(name: str, points) -> str:
+    ovs = [ov for _, _, ov in points if ov is not None]
+    if not ovs:
+        return name
+    lo, hi = min(ovs), max(ovs)
+    if hi - lo < 0.005:
+        return f"{name} (overlap {lo:.2f})"
+    return f"{name} (overlap {lo:.2f}–{hi:.2f})"
+
+
+def plot_csv(path: str, out: Optional[str] = None) -> str:
+    """Plots one benchmark CSV; returns the PNG's path (``out``, else the CSV's with .png)."""
+    rows = read_rows(path)
+    if not rows:
+        raise ValueError(f"{path}: no rows")
+    s = series(rows)
+    panels = BACKWARD_PANELS if s["backward"] else FORWARD_PANELS
+    configs = list(s["data"])
+    fig, axes = plt.subplots(len(panels), len(configs), squeeze=False,
+                             figsize=(5.5 * len(configs), 3.2 * len(panels)))
+    dense_by_cfg = {}
+    if not s["backward"]:
+        for r in rows:
+            if r.get("dense_source") == "measured" and _num(r.get("dense_tflops")) is not None:
+                dense_by_cfg.setdefault(r["config"], []).append(
+                    (int(float(r["T"])), _num(r["dense_tflops"])))
+    for j, cfg in enumerate(configs):
+        levels = _levels(list(s["data"][cfg]))
+        lengths = sorted({T for pts in s["data"][cfg].values() for T, _, _ in pts})
+        for i, (title, ylabel, col) in enumerate(panels):
+            ax = axes[i][j]
+            for name in levels:
+                pts = s["data"][cfg][name]
+                xy = [(T, _num(vals.get(col.format(level=name)))) for T, vals, _ in pts]
+                xy = [(x, y) for x, y in xy if y is not None]
+                if not xy:
+                    continue
+                ax.plot([x for x, _ in xy], [y for _, y in xy], marker="o",
+                        color=COLORS.get(name), label=_label(name, pts))
+            if i > 0 and cfg in dense_by_cfg:
+                d = sorted(dense_by_cfg[cfg])
+                ax.plot([x for x, _ in d], [y for _, y in d], "k--", marker=".", linewidth=1,
+                        label="dense attention")
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(lengths)
+            ax.set_xticklabels([_fmt_tokens(T) for T in lengths])
+            ax.minorticks_off()
+            ax.set_title(f"{cfg}: {title}", fontsize=10)
+            ax.set_ylabel(ylabel)
+            ax.grid(True, alpha=0.3)
+            if i == len(panels) - 1:
+                ax.set_xlabel("sequence length")
+            if ax.lines:
+                ax.legend(fontsize=8)
+    fig.tight_layout()
+    if out is None:
+        out = os.path.splitext(path)[0] + ".png"
+    d = os.path.dirname(out)
+    if d:
+        os.makedirs(d, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("csv", nargs="+", help="CSV files of bench_forward.py / bench_backward.py")
+    ap.add_argument("--out", default=None, help="the PNG's path (one CSV only)")
+    args = ap.parse_args(argv)
+    if args.out and len(args.csv) != 1:
+        raise SystemExit("--out takes one CSV")
+    for path in args.csv:
+        print(plot_csv(path, args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
