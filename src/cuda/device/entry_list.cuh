@@ -1,14 +1,18 @@
-// Entry lists of the KV-side kernels (bwd_kv_kernel.cuh, kl_kernel.cuh): the query groups that
-// selected a KV block, the work items and chunks they are cut into, and the entry stream that
-// keeps kStages entries in flight.
+// Entry lists of the KV-side kernels (bwd_kv_kernel.cuh, kl_kernel.cuh): the tokens that selected
+// a KV block, the work items and chunks they are cut into, and the entry stream that keeps
+// kStages entries in flight.
 //
 // A KV-side work item is one KV block (Bk keys of one sequence) of one KV head r. Its work is a
-// list of entries (index head i of r, query group g): a group is m = min(64 / Gi, 16) consecutive
-// tokens of the sequence, and the entry's 64 columns are (token, head) pairs of those tokens and of i's Gi query
-// heads (column = token * Gi + head). `mask` bit t says that token t of the group selected the
-// block. Sparse mode reads the entries from the reverse index (host/reverse_index.cu): keys sorted by
-// (KV tile, r, i, g), one per distinct entry, with the OR of the selecting tokens' bits. Dense
-// (warmup) mode enumerates every group at or after the block, all bits set.
+// list of entries; an entry is up to m = min(64 / Gi, 16) tokens of one index head i of r, and
+// its 64 columns are (token, head) pairs of those tokens and of i's Gi query heads (column =
+// token * Gi + head). An entry is an EntryRecord: its tokens' packed indices and its segment
+// (item * ipk + i - r * ipk).
+//   Sparse mode: the tokens are packed. The reverse index (host/reverse_index.cu) sorts one key
+//   per selection, (KV tile, r, i, token), and cuts each (KV tile, r, i) run into records of m
+//   consecutive keys, so every column of an entry holds a token that selected the block, whatever
+//   the overlap of neighbouring tokens' selections.
+//   Dense (warmup) mode: the records are worked out on the device: m consecutive tokens of the
+//   sequence from the group holding the block's first key on (tokens before it see none of it).
 //
 // Lists are uneven (a sink block is selected by every token; in dense mode the first block by
 // all), so an item's list is cut into chunks of at most `chunk` entries and each chunk is one
@@ -32,93 +36,78 @@ __device__ __forceinline__ void add_fixed(unsigned long long* dst, float v) {
   atomicAdd(dst, static_cast<unsigned long long>(__double2ll_rn(static_cast<double>(v) * kFixedOne)));
 }
 
-// Reverse-index key of entry (KV tile x, KV head r, index head i_local of r, group g).
-__host__ __device__ inline uint64_t entry_key(int64_t x, int32_t r, int32_t Hkv, int32_t il,
-                                              int32_t ipk, int64_t g, int gbits) {
-  return ((static_cast<uint64_t>((x * Hkv + r)) * ipk + il) << gbits) | static_cast<uint64_t>(g);
-}
+constexpr int kEntryTokens = 16;  // the most tokens of an entry (m <= 16)
+
+// One entry: up to kEntryTokens tokens (packed indices, ascending; slots past `count` repeat
+// the first) of one segment. 80 bytes: five 16-byte copies.
+struct alignas(16) EntryRecord {
+  int32_t tok[kEntryTokens];
+  int32_t seg;    // (KV tile * Hkv + r) * ipk + index head of r
+  int32_t count;  // tokens (0: nothing to do)
+  int32_t pad[2];
+};
+static_assert(sizeof(EntryRecord) == 80, "EntryRecord is five 16-byte chunks");
 
 struct EntryListParams {
-  const uint64_t* keys;   // sparse: sorted distinct entry keys
-  const uint64_t* masks;  // sparse: token bits per key
-  const int32_t* count;   // sparse: number of keys (device)
-  int32_t gbits;
+  const EntryRecord* records;  // sparse: every item's records, sorted by seg
+  const int32_t* count;        // sparse: number of records (device)
   bool dense;
-};
-
-struct Entry {
-  int32_t il;     // index head of r
-  int32_t first;  // position of the group's first token in the sequence
-  int32_t count;  // tokens in the group (0: skip the entry)
-  uint64_t mask;  // tokens that selected the block
 };
 
 // The entries of (KV tile x of `tile`, KV head r).
 struct EntryList {
   int64_t lo = 0, n = 0;
-  int64_t g_base = 0;   // id of the sequence's first group
-  int64_t g_first = 0;  // dense: first group at or after the block
-  int64_t ng = 0;       // dense: groups per index head
+  int64_t seq_start = 0;  // packed index of the sequence's first token
+  int32_t seg0 = 0;       // the item's first segment: (x * Hkv + r) * ipk
+  int32_t g_first = 0;    // dense: first group (m tokens) at or after the block
+  int32_t ng = 0;         // dense: groups per index head
+  int32_t seq_len = 0, m = 0;
 
   EntryList() = default;
   __device__ EntryList(const EntryListParams& p, const QueryTile& tile, int64_t x, int32_t r,
-                       int32_t Hkv, int32_t ipk, int32_t m) {
-    g_base = tile.seq + tile.seq_start / m;
+                       int32_t Hkv, int32_t ipk, int32_t m_)
+      : seq_start(tile.seq_start), seq_len(tile.seq_len), m(m_) {
+    seg0 = static_cast<int32_t>((x * Hkv + r) * ipk);
     if (p.dense) {
       g_first = tile.first / m;
       ng = (tile.seq_len - 1) / m - g_first + 1;
-      n = ng * ipk;
+      n = int64_t(ng) * ipk;
       return;
     }
     const int64_t total = *p.count;
-    const uint64_t k0 = entry_key(x, r, Hkv, 0, ipk, 0, p.gbits);
-    const uint64_t k1 = entry_key(x, r + 1, Hkv, 0, ipk, 0, p.gbits);
-    lo = lower_bound(p.keys, total, k0);
-    n = lower_bound(p.keys, total, k1) - lo;
+    lo = lower_bound(p.records, total, seg0);
+    n = lower_bound(p.records, total, seg0 + ipk) - lo;
   }
 
-  __device__ static int64_t lower_bound(const uint64_t* a, int64_t n, uint64_t key) {
+  // The first record whose segment is >= seg.
+  __device__ static int64_t lower_bound(const EntryRecord* a, int64_t n, int32_t seg) {
     int64_t lo = 0, hi = n;
     while (lo < hi) {
       const int64_t mid = (lo + hi) >> 1;
-      if (a[mid] < key) lo = mid + 1; else hi = mid;
+      if (a[mid].seg < seg) lo = mid + 1; else hi = mid;
     }
     return lo;
   }
 
-  // The raw (key, mask) of entry e: loaded ahead of its use, decoded by get().
-  struct Raw {
-    uint64_t key = 0, mask = 0;
-  };
-  __device__ Raw load(const EntryListParams& p, int64_t e) const {
-    Raw raw;
+  // Entry e's record into dst (shared memory): sparse, 16-byte cp.async copies by threads 0-4
+  // (the caller commits them); dense, written by threads 0-15.
+  __device__ void issue_record(const EntryListParams& p, int64_t e, EntryRecord* dst,
+                               int tid) const {
     if (p.dense) {
-      raw.key = static_cast<uint64_t>(e);
-    } else {
-      raw.key = p.keys[lo + e];
-      raw.mask = p.masks[lo + e];
+      const uint32_t ee = static_cast<uint32_t>(e), nn = static_cast<uint32_t>(ng);
+      const int32_t il = static_cast<int32_t>(ee / nn);
+      const int32_t first = (g_first + static_cast<int32_t>(ee % nn)) * m;
+      const int32_t count = first < seq_len ? min(m, seq_len - first) : 0;
+      if (tid < kEntryTokens)
+        dst->tok[tid] = static_cast<int32_t>(seq_start + first + (tid < count ? tid : 0));
+      if (tid == 0) {
+        dst->seg = seg0 + il;
+        dst->count = count;
+      }
+    } else if (tid < 5) {
+      cp_async16(reinterpret_cast<char*>(dst) + 16 * tid,
+                 reinterpret_cast<const char*>(p.records + lo + e) + 16 * tid, true);
     }
-    return raw;
-  }
-
-  __device__ Entry get(const EntryListParams& p, const QueryTile& tile, const Raw& raw,
-                       int32_t ipk, int32_t m) const {
-    Entry en;
-    int64_t g;
-    if (p.dense) {
-      const uint32_t e = static_cast<uint32_t>(raw.key), n = static_cast<uint32_t>(ng);
-      en.il = static_cast<int32_t>(e / n);
-      g = g_first + e % n;
-      en.mask = ~uint64_t(0);
-    } else {
-      en.il = ipk == 1 ? 0 : static_cast<int32_t>(static_cast<uint32_t>(raw.key >> p.gbits) % static_cast<uint32_t>(ipk));
-      g = static_cast<int64_t>(raw.key & ((uint64_t(1) << p.gbits) - 1)) - g_base;
-      en.mask = raw.mask;
-    }
-    const int64_t first = g * m;
-    en.first = static_cast<int32_t>(first);
-    en.count = (first < 0 || first >= tile.seq_len) ? 0 : min(m, tile.seq_len - en.first);
-    return en;
   }
 };
 
@@ -180,25 +169,45 @@ __device__ inline bool kv_chunk(const Params& p, WorkItem* it, QueryTile* tile, 
 }
 
 // A chunk's entries [begin, end) through kStages shared-memory stages, kStages - 1 of them in
-// flight ahead of the one being computed. issue(raw, stage) starts the cp.async loads of one
-// entry; each entry is one commit group (empty past the end, so that the wait counts stay right).
+// flight ahead of the one being computed. issue(record, stage) starts the cp.async loads of one
+// entry's rows; each entry is one commit group (empty past the end, so that the wait counts stay
+// right).
+//
+// The rows' addresses come from the entry's record, so records run kLead = kStages - 1 entries
+// ahead of the rows, through a ring of kRing = 2 * kStages shared-memory slots: entry n's record
+// is copied in the group of entry n - kLead, which has landed when entry n's rows are issued.
+// The ring holds the record of every entry from the one before the entry being computed (the
+// KL branch finishes an entry one entry late) to the last one in flight.
 template <int kStages>
 struct EntryStream {
+  static constexpr int kLead = kStages - 1;
+  static constexpr int kRing = 2 * kStages;
   int64_t begin, end, next;
-  EntryList::Raw ahead;  // the next entry to issue: its load overlaps the current entry's compute
+  EntryRecord* ring;
 
-  template <class Issue>
+  // The records of the first kLead entries, landed and visible to the CTA. Every thread of the
+  // CTA constructs the stream.
   __device__ EntryStream(const EntryList& list, const EntryListParams& lp, int64_t begin_,
-                         int64_t end_, Issue&& issue)
-      : begin(begin_), end(end_), next(begin_) {
-    for (int st = 0; st < kStages - 1; ++st, ++next) {
-      if (next < end) issue(list.load(lp, next), st);
-      cp_async_commit();
-    }
-    if (next < end) ahead = list.load(lp, next);
+                         int64_t end_, EntryRecord* ring_)
+      : begin(begin_), end(end_), next(begin_), ring(ring_) {
+    const int tid = threadIdx.x;
+    for (int64_t e = begin; e < begin + kLead && e < end; ++e)
+      list.issue_record(lp, e, &ring[slot(e)], tid);
+    cp_async_commit();
+    cp_async_wait_all();
+    cutlass::arch::fence_view_async_shared();
+    __syncthreads();
   }
 
   __device__ int stage(int64_t e) const { return static_cast<int>((e - begin) % kStages); }
+  __device__ int slot(int64_t e) const { return static_cast<int>((e - begin) % kRing); }
+  __device__ const EntryRecord& record(int64_t e) const { return ring[slot(e)]; }
+
+  // The rows of the first kStages - 1 entries (after the loads that ride with the first).
+  template <class Issue>
+  __device__ void start(const EntryList& list, const EntryListParams& lp, Issue&& issue) {
+    for (int st = 0; st < kStages - 1; ++st) issue_next(list, lp, issue);
+  }
 
   // Entry e has landed in its stage, and every thread is done with the stage issue_next refills.
   __device__ void wait() const {
@@ -209,9 +218,10 @@ struct EntryStream {
 
   template <class Issue>
   __device__ void issue_next(const EntryList& list, const EntryListParams& lp, Issue&& issue) {
-    if (next < end) issue(ahead, stage(next));
+    if (next < end) issue(ring[slot(next)], stage(next));
+    if (next + kLead < end) list.issue_record(lp, next + kLead, &ring[slot(next + kLead)], threadIdx.x);
     cp_async_commit();
-    if (++next < end) ahead = list.load(lp, next);
+    ++next;
   }
 };
 

@@ -45,9 +45,10 @@ __device__ inline void load_rows_async(SmemTensor&& s, RowPtr row_ptr, int tid, 
 }
 
 // The 64 (token, head) columns of an entry as a [64, kDim] row tile (column c = token * Gi +
-// head), loaded by kThreads threads with cp.async. What does not change from entry to entry (each
-// thread's rows, their token and head, their shared-memory offsets) is worked out once, so that
-// an entry costs each thread a few multiply-adds per 16-byte copy.
+// head), loaded by kThreads threads with cp.async; the entry's tokens are packed indices (any
+// tokens, not only consecutive ones). What does not change from entry to entry (each thread's
+// rows, their token slot and head, their shared-memory offsets) is worked out once, so that an
+// entry costs each thread a shared-memory read and a few multiply-adds per 16-byte copy.
 template <int kDim, int kThreads>
 struct ColumnLoader {
   static constexpr int kRows = 64;
@@ -71,14 +72,22 @@ struct ColumnLoader {
     }
   }
 
-  // Rows of `count` tokens from src (the entry's first token and head), into the tile at dst.
+  // The tokens of this thread's rows: the packed indices toks[tok[j]] (-1: no such token).
+  template <int N>
+  __device__ void tokens(const int32_t (&toks)[N], int32_t count, int32_t (&out)[kIters]) const {
+#pragma unroll
+    for (int j = 0; j < kIters; ++j) out[j] = tok[j] < count ? toks[tok[j]] : -1;
+  }
+
+  // The rows of tokens t[] (from tokens()) of heads first_head.. from src (head 0 of token 0)
+  // into the tile at dst.
   template <class Element>
   __device__ void load(Element* dst, const Element* src, int64_t s0, int64_t s1,
-                       int32_t count) const {
+                       const int32_t (&t)[kIters]) const {
 #pragma unroll
     for (int j = 0; j < kIters; ++j) {
-      const bool ok = tok[j] < count;
-      cp_async16(dst + soff[j], ok ? src + tok[j] * s0 + head[j] * s1 + chunk * 8 : src, ok);
+      const bool ok = t[j] >= 0;
+      cp_async16(dst + soff[j], ok ? src + t[j] * s0 + head[j] * s1 + chunk * 8 : src, ok);
     }
   }
 };

@@ -43,14 +43,14 @@ __device__ __forceinline__ bool row_sees(bool member, bool causal, int32_t key, 
   return member && !(causal && key > qpos);
 }
 
-// Token t of an entry (a query group of a KV-side entry list) selected the entry's block.
-__device__ __forceinline__ bool entry_selects(const Entry& en, int32_t t) {
-  return t < en.count && ((en.mask >> t) & 1u);
+// Token slot t of an entry exists (every token of an entry selected its block).
+__device__ __forceinline__ bool entry_selects(const EntryRecord& en, int32_t t) {
+  return t < en.count;
 }
 
-// ... and key `key` of the block (a position in the sequence) is in its support.
-__device__ __forceinline__ bool entry_sees(const Entry& en, int32_t t, int32_t key) {
-  return entry_selects(en, t) && key <= en.first + t;
+// ... and key `key` of the block (a packed index) is in its support: not in the token's future.
+__device__ __forceinline__ bool entry_sees(const EntryRecord& en, int32_t t, int64_t key) {
+  return t < en.count && key <= en.tok[t];
 }
 
 }  // namespace msa::cuda::kern

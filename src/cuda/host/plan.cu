@@ -3,8 +3,8 @@
 #include "plan.h"
 
 #include <cub/device/device_radix_sort.cuh>
-#include <cub/device/device_reduce.cuh>
 #include <cub/device/device_scan.cuh>
+#include <cub/device/device_select.cuh>
 
 #include <algorithm>
 #include <cmath>
@@ -360,31 +360,37 @@ Status make_plan(const char* fn, const Problem& prob, int32_t nseq, bool sparse,
     p.n = prob.T * prob.Hi * int64_t(prob.k);
     if (p.n >= (int64_t(1) << 31))
       return fail(fn, "block_idx", "T * Hi * k must be below 2^31 for the CUDA backward");
-    const int64_t groups = kern::num_tile_ids(nseq, prob.T, p.m);
-    p.gbits = bits_for(static_cast<uint64_t>(groups));
-    const uint64_t prefix = static_cast<uint64_t>(kv_tiles) * prob.Hkv * (prob.Hi / prob.Hkv);
-    p.end_bit = bits_for(prefix) + p.gbits;
-    if (p.end_bit > 63) return fail(fn, "q", "too many tokens for the reverse index");
+    // Reverse-index keys: (segment = (KV tile, KV head, index head of it), token).
+    const uint64_t segments = static_cast<uint64_t>(kv_tiles) * prob.Hkv * (prob.Hi / prob.Hkv);
+    p.tbits = bits_for(static_cast<uint64_t>(prob.T));
+    p.end_bit = bits_for(segments) + p.tbits;
+    if (p.end_bit > 63 || segments >= (uint64_t(1) << 31))
+      return fail(fn, "q", "too many tokens for the reverse index");
     p.invalid = (uint64_t(1) << p.end_bit) - 1;
+    // A run of L tokens makes ceil(L / m) <= L / m + 1 entries.
+    p.entries = std::min<int64_t>(p.n, (p.n + p.m - 1) / p.m + static_cast<int64_t>(segments));
     p.keys_a = take(8 * size_t(p.n));
     p.keys_b = take(8 * size_t(p.n));
-    p.vals_a = take(8 * size_t(p.n));
-    p.vals_b = take(8 * size_t(p.n));
-    p.count = take(sizeof(int32_t));
-    size_t sort_bytes = 0, reduce_bytes = 0;
-    cub::DoubleBuffer<uint64_t> kb(nullptr, nullptr), vb(nullptr, nullptr);
-    cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, kb, vb, static_cast<int>(p.n), 0,
-                                    p.end_bit);
-    cub::DeviceReduce::ReduceByKey(nullptr, reduce_bytes, static_cast<uint64_t*>(nullptr),
-                                   static_cast<uint64_t*>(nullptr), static_cast<uint64_t*>(nullptr),
-                                   static_cast<uint64_t*>(nullptr), static_cast<int32_t*>(nullptr),
-                                   BitOr{}, static_cast<int>(p.n));
-    p.cub_bytes = std::max(sort_bytes, reduce_bytes);
+    p.starts = take(4 * size_t(p.entries));
+    p.records = take(sizeof(kern::EntryRecord) * size_t(p.entries));
+    p.count = take(2 * sizeof(int32_t));
+    size_t sort_bytes = 0, unique_bytes = 0, scan_bytes = 0, select_bytes = 0;
+    cub::DoubleBuffer<uint64_t> kb(nullptr, nullptr);
+    cub::DeviceRadixSort::SortKeys(nullptr, sort_bytes, kb, static_cast<int>(p.n), 0, p.end_bit);
+    cub::DeviceSelect::Unique(nullptr, unique_bytes, static_cast<uint64_t*>(nullptr),
+                              static_cast<uint64_t*>(nullptr), static_cast<int32_t*>(nullptr),
+                              static_cast<int>(p.n));
+    cub::DeviceScan::InclusiveScan(nullptr, scan_bytes, static_cast<int32_t*>(nullptr),
+                                   static_cast<int32_t*>(nullptr), MaxOp{}, static_cast<int>(p.n));
+    cub::DeviceSelect::Flagged(nullptr, select_bytes, CountingIt(0),
+                               static_cast<const uint8_t*>(nullptr), static_cast<int32_t*>(nullptr),
+                               static_cast<int32_t*>(nullptr), static_cast<int>(p.n));
+    p.cub_bytes = std::max({sort_bytes, unique_bytes, scan_bytes, select_bytes});
   }
-  // The KV-side work lists. e_bound bounds the entries of all lists: one per block_idx slot in
-  // sparse mode, every (index head, KV tile, group) pair in dense mode.
+  // The KV-side work lists. e_bound bounds the entries of all lists: the records in sparse
+  // mode, every (index head, KV tile, group) pair in dense mode.
   const double e_bound =
-      sparse ? double(p.n)
+      sparse ? double(p.entries)
              : double(p.Hi_group) * double(kv_tiles) * double(kern::num_tile_ids(nseq, prob.T, p.m));
   if (kv_tiles * prob.Hkv >= (int64_t(1) << 31)) return fail(fn, "q", "too many tokens for the CUDA backward");
   p.items = static_cast<int32_t>(kv_tiles * prob.Hkv);

@@ -50,13 +50,15 @@ KlArgs kl_args(const Problem& prob, const KlInputs& in);
 struct Plan {
   bool sparse = false, kl = false, grad = false;
   int64_t n = 0;         // reverse-index slots T * Hi * k
+  int64_t entries = 0;   // a bound of the KV-side entries (sparse: records)
   int32_t Hi_group = 0;  // column groups of the KV side
-  int32_t m = 0;         // tokens per KV-side group
-  int gbits = 0, end_bit = 0;
+  int32_t m = 0;         // tokens per KV-side entry
+  int tbits = 0, end_bit = 0;
   uint64_t invalid = 0;
   size_t cub_bytes = 0;
-  // byte offsets
-  size_t delta = 0, keys_a = 0, keys_b = 0, vals_a = 0, vals_b = 0, count = 0, cub = 0;
+  // byte offsets (sparse: keys_a, keys_b: the sort's buffers, then the run starts and flags;
+  // starts, records: the entries; count: unique keys, entries)
+  size_t delta = 0, keys_a = 0, keys_b = 0, starts = 0, records = 0, count = 0, cub = 0;
   size_t lse_idx = 0, dq_acc = 0, dk_acc = 0, kl_acc = 0, total = 0;
   // A KV-side work list: bwd_kv's (chunks bounded by the partial-sum slots they may need) or
   // the KL kernel's (fixed-point atomics: any chunk size is free).

@@ -1,8 +1,9 @@
 // The reverse index of a selection and the KV-side work lists, shared by every KV-block-outer
 // pass (the backward's KV side, the KL branch):
-//   build_entries  block_idx -> one key per (token, index head, slot), sorted (CUB radix sort)
-//                  and reduced by key (OR of the token bits): the entry lists of each (KV block,
-//                  KV head), read by kern::EntryList (device/entry_list.cuh);
+//   build_entries  block_idx -> one key per (token, index head, slot): (segment = (KV tile, KV
+//                  head, index head of it), token), sorted (CUB radix sort), duplicates dropped,
+//                  and each segment's run of tokens cut into records of m consecutive tokens (the
+//                  entries read by kern::EntryList, device/entry_list.cuh);
 //   build_work     each (KV block, KV head) item's entry list cut into chunks of at most
 //                  `chunk` entries, one CTA each, laid out by an exclusive scan.
 // Dense mode enumerates its entries on the device and needs no reverse index.
@@ -10,15 +11,17 @@
 
 #include <cuda_runtime.h>
 
+#include <cuda/functional>
+#include <thrust/iterator/counting_iterator.h>
+
 #include <cstdint>
 
 #include "plan.h"
 
 namespace msa::cuda {
 
-struct BitOr {
-  __host__ __device__ uint64_t operator()(uint64_t a, uint64_t b) const { return a | b; }
-};
+using MaxOp = ::cuda::maximum<int32_t>;
+using CountingIt = thrust::counting_iterator<int32_t>;
 
 Status build_entries(const char* fn, const Plan& pl, const Problem& prob, const TensorRef& block_idx,
                      const int32_t* cu, int32_t nseq, void* ws, cudaStream_t stream,

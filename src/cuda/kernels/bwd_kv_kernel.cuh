@@ -95,7 +95,6 @@ struct BwdKVTraits : KvSideTraits<Element_, kHeadDim_, kBlockN_, kKl_ ? 2 : 4> {
     alignas(1024) cute::array_aligned<Element, kl_size(cosize_v<SmemLayoutDS>)> ds;
     float teacher[kl_size(kBlockN * kTeacherStride)];
     float lidx[kStages][kl_size(kTok)];  // LSE_idx per token
-    Entry pending[2];  // the entry whose dq_idx is due, by the parity of its position
   };
 
   struct SharedStorage {
@@ -106,7 +105,7 @@ struct BwdKVTraits : KvSideTraits<Element_, kHeadDim_, kBlockN_, kKl_ ? 2 : 4> {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> dout;
     float lse[kStages][kBlockC];   // LSE (natural log) per column
     float delta[kStages][kBlockC];  // rowsum(dO * O) per column
-    Entry entry[kStages];
+    EntryRecord ring[EntryStream<kStages>::kRing];
   };
 };
 
@@ -137,6 +136,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int64_t key_base = tile.seq_start + tile.first;  // packed index of the block's first key
   const int tid = threadIdx.x;
   const int32_t Gi = p.heads_per_idx, m = p.group_tokens, ipk = p.idx_per_kv;
+  // The records of the first entries; their rows are issued after the block's keys.
+  EntryStream<Traits::kStages> stream(list, p.list, e_begin, e_end, ss.ring);
 
   Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutK{});
   Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutK{});
@@ -171,45 +172,47 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   }
 
   // An entry's columns into stage st (everything by cp.async: nothing here waits for memory).
+  constexpr bool kRebuildLoader = Traits::kKl || ColumnLoader<kHeadDim, kThreads>::kIters > 4;
   const ColumnLoader<kHeadDim, kThreads> cols_in(sQ(_, _, 0), Gi, tid);
   constexpr int kStageElems = kBlockC * kHeadDim;
   constexpr int kTok = Traits::kTok;
-  auto issue = [&](const EntryList::Raw& raw, int st) {
-    const Entry en = list.get(p.list, tile, raw, ipk, m);
-    const int32_t head0 = (r * ipk + en.il) * Gi;
-    const int64_t t0 = tile.seq_start + en.first;
+  auto issue = [&](const EntryRecord& en, int st) {
+    const int32_t count = en.count;
+    const int32_t head0 = (r * ipk + en.seg - list.seg0) * Gi;
     auto load_columns = [&](const ColumnLoader<kHeadDim, kThreads>& cl) {
-      cl.load(ss.q.data() + st * kStageElems, as<Element>(p.q) + t0 * p.q_s0 + head0 * p.q_s1, p.q_s0, p.q_s1,
-              en.count);
-      cl.load(ss.dout.data() + st * kStageElems, as<Element>(p.dout) + t0 * p.do_s0 + head0 * p.do_s1, p.do_s0,
-              p.do_s1, en.count);
+      int32_t t[ColumnLoader<kHeadDim, kThreads>::kIters];
+      cl.tokens(en.tok, count, t);
+      cl.load(ss.q.data() + st * kStageElems, as<Element>(p.q) + head0 * p.q_s1, p.q_s0, p.q_s1, t);
+      cl.load(ss.dout.data() + st * kStageElems, as<Element>(p.dout) + head0 * p.do_s1, p.do_s0,
+              p.do_s1, t);
     };
-    // With the KL branch the loader's addressing is rebuilt per entry: registers are scarcer
-    // than the few integer operations.
-    if constexpr (Traits::kKl) load_columns(ColumnLoader<kHeadDim, kThreads>(sQ(_, _, 0), Gi, fresh_thread_index()));
+    // With the KL branch, or one warpgroup (twice the rows per thread), the loader's addressing
+    // is rebuilt per entry: registers are scarcer than the few integer operations.
+    if constexpr (kRebuildLoader) load_columns(ColumnLoader<kHeadDim, kThreads>(sQ(_, _, 0), Gi, fresh_thread_index()));
     else load_columns(cols_in);
     if (tid < kBlockC) {
       const int c = tid;
       const int32_t tok = c / Gi;
-      const bool ok = tok < en.count && c < m * Gi;
-      const int64_t t = t0 + (ok ? tok : 0);
+      const bool ok = tok < count && c < m * Gi;
+      const int64_t t = ok ? en.tok[tok] : 0;
       const int32_t h = head0 + (ok ? c - tok * Gi : 0);
       cp_async4(&ss.lse[st][c], p.lse + t * p.lse_s0 + h * p.lse_s1, ok);
       cp_async4(&ss.delta[st][c], p.delta + t * p.Hq + h, ok);
     }
     if constexpr (Traits::kKl) {
-      const int32_t i = r * ipk + en.il;
+      const int32_t i = head0 / Gi;
       const int ltid = fresh_thread_index();
-      load_block_rows_async<kTok, kHeadDim>(
-          sQi(_, _, st), as<Element>(p.q_idx) + t0 * p.qi_s0 + i * p.qi_s1, p.qi_s0, en.count, ltid,
-          kThreads);
+      const Element* qi = as<Element>(p.q_idx) + i * p.qi_s1;
+      load_rows_async<kTok, kHeadDim>(
+          sQi(_, _, st),
+          [&](int row) { return row < count ? qi + int64_t(en.tok[row]) * p.qi_s0 : nullptr; },
+          ltid, kThreads);
       if (ltid >= kBlockC && ltid < kBlockC + kTok) {
         const int c = ltid - kBlockC;
-        const bool ok = c < en.count;
-        cp_async4(&ss.kl.lidx[st][c], p.lse_idx + (t0 + (ok ? c : 0)) * p.Hi + i, ok);
+        const bool ok = c < count;
+        cp_async4(&ss.kl.lidx[st][c], p.lse_idx + int64_t(ok ? en.tok[c] : 0) * p.Hi + i, ok);
       }
     }
-    if (tid == 0) ss.entry[st] = en;
   };
 
   typename Traits::MmaS mma_s;
@@ -306,7 +309,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if constexpr (Traits::kKl) {
       if (dq_due < 0) return;
       const int buf = static_cast<int>(dq_due & 1);
-      const Entry pe = ss.kl.pending[buf];
+      const EntryRecord& pe = stream.record(e_begin + dq_due);
       dq_due = -1;
       if (Traits::kDqWarpGroups == Traits::kWarpGroups || dq_thread) {
         auto thr_dq = mma_dq.get_thread_slice(fresh_thread_index());
@@ -316,27 +319,25 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         wg_gemm<true>(mma_dq, tDQrKit, tDQrDS, acc);
         warpgroup_wait<0>();
         Tensor cDQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kHeadDim>, Int<kTok>>{}));
-        const int64_t t0 = tile.seq_start + pe.first;
-        const int32_t ih = r * ipk + pe.il;  // index head
+        const int32_t ih = r * ipk + pe.seg - list.seg0;  // index head
 #pragma unroll
         for (int v = 0; v < size(acc); ++v) {
           const int d = get<0>(cDQ(v)), t = get<1>(cDQ(v));
           if (entry_selects(pe, t))
-            add_fixed(p.dq_idx + ((t0 + t) * p.Hi + ih) * kHeadDim + d, acc(v));
+            add_fixed(p.dq_idx + (int64_t(pe.tok[t]) * p.Hi + ih) * kHeadDim + d, acc(v));
         }
       }
     }
   };
 
   // The first kStages - 1 entries in flight (the block's own rows ride with the first).
-  EntryStream<Traits::kStages> stream(list, p.list, e_begin, e_end, issue);
+  stream.start(list, p.list, issue);
   for (int64_t e = e_begin; e < e_end; ++e) {
     const int st = stream.stage(e);
     stream.wait();
-    const Entry en = ss.entry[st];
+    const EntryRecord& en = stream.record(e);
     if constexpr (Traits::kKl) {
-      if (tid == 0) ss.kl.pending[(e - e_begin) & 1] = en;
-      const int32_t ik = (r * ipk + en.il) / p.idx_per_key;
+      const int32_t ik = (r * ipk + en.seg - list.seg0) / p.idx_per_key;
       if (ik != loaded_ik) {  // another index key head: (re)load the block's index keys
         run_dq();  // the pending entry and the batch use the old ones
         flush_batch();
@@ -373,19 +374,21 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       if constexpr (Traits::kKl) return get<1>(cSrc(0, c)) >> gi_shift;
       else return col_tok[c];
     };
-    bool col_ok[kCols];
+    // Column c sees the block's rows up to col_lim[c] (its token's position in the block; -1:
+    // no token).
+    int32_t col_lim[kCols];
 #pragma unroll
     for (int c = 0; c < kCols; ++c) {
       const int32_t t = col_token(c);
-      col_ok[c] = entry_selects(en, t);
+      col_lim[c] = entry_selects(en, t) ? static_cast<int32_t>(en.tok[t] - key_base) : -1;
     }
 #pragma unroll
     for (int a = 0; a < kRows; ++a) {
-      const int32_t rel = tile.first + get<0>(cSrc(a, 0)) - en.first;  // key - first token
+      const int32_t row = get<0>(cSrc(a, 0));
 #pragma unroll
       for (int c = 0; c < kCols; ++c) {
         const int col = get<1>(cSrc(a, c));
-        const bool ok = col_ok[c] && rel <= col_token(c);
+        const bool ok = row <= col_lim[c];
         const float prob =
             ok ? fast_exp2(S(a, c) * p.scale_log2 - ss.lse[st][col] * static_cast<float>(M_LOG2E))
                : 0.f;
@@ -454,7 +457,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
       for (int a = 0; a < kRows; ++a) {
         const int row = get<0>(cIrc(a, 0));
-        const int32_t key = tile.first + row;
+        const int64_t key = key_base + row;
 #pragma unroll
         for (int c = 0; c < kColsI; ++c) {
           const int t = get<1>(cIrc(a, c));

@@ -63,7 +63,7 @@ struct KlTraits : KvSideTraits<Element_, kDim_, kBlockN_, 4> {
     float p[kBlockN * kPStride];  // P^T, then the teacher at column token * Gi
     float lse[kStages][kBlockC];  // main LSE per column
     float lidx[kStages][kTok];    // LSE_idx per token
-    Entry entry[kStages];
+    EntryRecord ring[EntryStream<kStages>::kRing];
   };
 };
 
@@ -93,6 +93,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int tid = threadIdx.x;
   const int wg = tid / 128;
   const int32_t Gi = p.heads_per_idx, m = p.group_tokens, ipk = p.idx_per_kv;
+  // The records of the first entries; their rows are issued after the block's keys.
+  EntryStream<Traits::kStages> stream(list, p.list, e_begin, e_end, ss.ring);
 
   Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutK{});
   Tensor sKi = make_tensor(make_smem_ptr(ss.k_idx.data()), typename Traits::SmemLayoutK{});
@@ -111,28 +113,29 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   const ColumnLoader<kDim, kThreads> cols_in(sQ(_, _, 0), Gi, tid);
   constexpr int kStageElems = kBlockC * kDim;
-  auto issue = [&](const EntryList::Raw& raw, int st) {
-    const Entry en = list.get(p.list, tile, raw, ipk, m);
-    const int32_t i = r * ipk + en.il;
+  auto issue = [&](const EntryRecord& en, int st) {
+    const int32_t count = en.count;
+    const int32_t i = r * ipk + en.seg - list.seg0;
     const int32_t head0 = i * Gi;
-    const int64_t t0 = tile.seq_start + en.first;
-    cols_in.load(ss.q.data() + st * kStageElems, as<Element>(p.q) + t0 * p.q_s0 + head0 * p.q_s1, p.q_s0, p.q_s1,
-                 en.count);
-    load_block_rows_async<Traits::kTok, kDim>(
-        sQi(_, _, st), as<Element>(p.q_idx) + t0 * p.qi_s0 + i * p.qi_s1, p.qi_s0, en.count, tid,
+    int32_t t[ColumnLoader<kDim, kThreads>::kIters];
+    cols_in.tokens(en.tok, count, t);
+    cols_in.load(ss.q.data() + st * kStageElems, as<Element>(p.q) + head0 * p.q_s1, p.q_s0, p.q_s1, t);
+    const Element* qi = as<Element>(p.q_idx) + i * p.qi_s1;
+    load_rows_async<Traits::kTok, kDim>(
+        sQi(_, _, st),
+        [&](int row) { return row < count ? qi + int64_t(en.tok[row]) * p.qi_s0 : nullptr; }, tid,
         kThreads);
     if (tid < kBlockC) {
       const int c = tid;
       const int32_t tok = c / Gi;
-      const bool ok = tok < en.count && c < m * Gi;
+      const bool ok = tok < count && c < m * Gi;
       cp_async4(&ss.lse[st][c],
-                p.lse + (t0 + (ok ? tok : 0)) * p.lse_s0 + (head0 + (ok ? c - tok * Gi : 0)) * p.lse_s1, ok);
+                p.lse + int64_t(ok ? en.tok[tok] : 0) * p.lse_s0 + (head0 + (ok ? c - tok * Gi : 0)) * p.lse_s1, ok);
     } else if (tid < kBlockC + Traits::kTok) {
       const int c = tid - kBlockC;
-      const bool tok = c < en.count;
-      cp_async4(&ss.lidx[st][c], p.lse_idx + (t0 + (tok ? c : 0)) * p.Hi + i, tok);
+      const bool ok = c < count;
+      cp_async4(&ss.lidx[st][c], p.lse_idx + int64_t(ok ? en.tok[c] : 0) * p.Hi + i, ok);
     }
-    if (tid == 0) ss.entry[st] = en;
   };
 
   typename Traits::MmaS mma_s;
@@ -190,15 +193,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   };
 
   // The first kStages - 1 entries in flight (the block's own rows ride with the first).
-  EntryStream<Traits::kStages> stream(list, p.list, e_begin, e_end, issue);
+  stream.start(list, p.list, issue);
   for (int64_t e = e_begin; e < e_end; ++e) {
     const int st = stream.stage(e);
     stream.wait();
-    const Entry en = ss.entry[st];
-    const int32_t i = r * ipk + en.il;
-    if (en.il != cur_il) {
+    const EntryRecord& en = stream.record(e);
+    const int32_t il = en.seg - list.seg0;
+    const int32_t i = r * ipk + il;
+    if (il != cur_il) {
       flush_dk();
-      cur_il = en.il;
+      cur_il = il;
       const int32_t ik = i / p.idx_per_key;
       if (ik != loaded_ik) {  // another index key head: (re)load the block's index keys
         loaded_ik = ik;
@@ -209,7 +213,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
     stream.issue_next(list, p.list, issue);
     if (en.count == 0) continue;
-    const int64_t t0 = tile.seq_start + en.first;
 
     wg_gemm<true>(mma_s, tSrK, tSrQ(_, _, _, st), tSrS);
     wg_gemm<true>(mma_si, tSrKi, tSrQi(_, _, _, st), tSrSi);
@@ -218,7 +221,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
     for (int a = 0; a < kRows; ++a) {
       const int row = get<0>(cSrc(a, 0));
-      const int32_t key = tile.first + row;
+      const int64_t key = key_base + row;
 #pragma unroll
       for (int c = 0; c < kCols; ++c) {
         const int col = get<1>(cSrc(a, c));
@@ -243,7 +246,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
     for (int a = 0; a < kRows; ++a) {
       const int row = get<0>(cSirc(a, 0));
-      const int32_t key = tile.first + row;
+      const int64_t key = key_base + row;
 #pragma unroll
       for (int c = 0; c < kColsI; ++c) {
         const int t = get<1>(cSirc(a, c));
@@ -267,7 +270,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         v += __shfl_xor_sync(0xffffffff, v, 16);
         const int t = get<1>(cSirc(0, c));
         if ((tid & 31) < 4 && t < en.count && v != 0.f)
-          add_fixed(p.kl_rows + (t0 + t) * p.Hi + i, v);
+          add_fixed(p.kl_rows + int64_t(en.tok[t]) * p.Hi + i, v);
       }
     }
     if (!want_grad) continue;
@@ -291,7 +294,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         for (int v = 0; v < size(tDQrDQ); ++v) {
           const int d = get<0>(cDQ(v)), t = get<1>(cDQ(v));
           if (entry_selects(en, t))
-            add_fixed(p.dq_idx + ((t0 + t) * p.Hi + i) * kDim + d, tDQrDQ(v));
+            add_fixed(p.dq_idx + (int64_t(en.tok[t]) * p.Hi + i) * kDim + d, tDQrDQ(v));
         }
       }
     }
