@@ -50,6 +50,21 @@ struct UnionLayout {
   }
 };
 
+// Whether any of a tile's tokens lo..hi selected union entry u: the bits lo..hi of its row of
+// `members` (mask_words words per entry).
+__device__ __forceinline__ bool tokens_select(const uint32_t* members, int32_t mask_words,
+                                              int32_t u, int32_t lo, int32_t hi) {
+  const uint32_t* w = members + u * mask_words;
+  for (int32_t x = lo >> 5; x <= (hi >> 5); ++x) {
+    uint32_t bits = w[x];
+    const int32_t b0 = x * 32;
+    if (lo > b0) bits &= ~0u << (lo - b0);
+    if (hi - b0 < 31) bits &= (2u << (hi - b0)) - 1u;
+    if (bits != 0u) return true;
+  }
+  return false;
+}
+
 // The list a tile walks: entry u is block block(u); member(u, tok, ok) says whether the tile's
 // token tok, on a real row (`ok`), selected it (always, in dense mode). Params: the kernel's
 // parameters (dense, uni); they are read where used, not held in registers across loops.
@@ -62,6 +77,10 @@ struct BlockList {
   __device__ bool member(int32_t u, int32_t tok, bool ok) const {
     if (!p.dense && ok) ok = (us.members[u * p.uni.mask_words + (tok >> 5)] >> (tok & 31)) & 1u;
     return ok;
+  }
+  // Whether any of the tile's tokens lo..hi selected entry u (always, in dense mode).
+  __device__ bool any_member(int32_t u, int32_t lo, int32_t hi) const {
+    return p.dense || tokens_select(us.members, p.uni.mask_words, u, lo, hi);
   }
 };
 

@@ -6,6 +6,8 @@
 // order (every causal block in dense mode), K and V streamed by TMA through two mbarrier
 // pipelines by warp 0. Each consumer warpgroup owns 64 rows and keeps its dQ in registers for
 // the whole tile, so dQ is written once, with no atomics (dK and dV come from bwd_kv_kernel.cuh).
+// A warpgroup computes only the blocks its own tokens selected (on diverse selections the union
+// of half a tile's tokens is much smaller than the tile's) and just releases the others' stages.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -56,7 +58,8 @@ struct BwdQParams : BwdQArgs {
 };
 
 // Warp roles, pipelines and work: those of fwd_kernel.cuh (QueryTileStream), with V always
-// streamed; each consumer warpgroup keeps its 64 rows of dQ in registers for the whole tile.
+// streamed; each consumer warpgroup keeps its 64 rows of dQ in registers for the whole tile and
+// skips the blocks none of its tokens selected.
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     bwd_q_kernel(const __grid_constant__ BwdQParams<Traits> p) {
@@ -129,7 +132,20 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor rdS = make_tensor<Element>(tSrS.layout());
   Tensor tdQrdS = make_tensor(rdS.data(), acc_as_a_operand(rdS.layout()));
   typename Pipeline::PipelineState sk, sv;
+  // This warpgroup's tokens. A block none of them selected is only waited for and released:
+  // all its scores would be masked (the other warpgroup may need it). In dense mode every block
+  // counts.
+  const int32_t wg_tok_lo = 64 * wg / Gi, wg_tok_hi = (64 * wg + 63) / Gi;
   for (int32_t u = 0; u < n; ++u) {
+    if (!kv.list(p).any_member(u, wg_tok_lo, wg_tok_hi)) {
+      kv.pipe_k.consumer_wait(sk);
+      kv.pipe_v.consumer_wait(sv);
+      kv.pipe_v.consumer_release(sv);
+      ++sv;
+      kv.pipe_k.consumer_release(sk);
+      ++sk;
+      continue;
+    }
     const int32_t key0 = kv.list(p).block(u) * kBlockN;
     kv.pipe_k.consumer_wait(sk);
     wg_gemm<true>(mma_s, tSrQ, tSrK(_, _, _, sk.index()), tSrS);

@@ -66,7 +66,10 @@ struct FwdParams : FwdArgs {
 // zero_tail_rows, store_row): measured on the H200, taking load_head_rows alone for the Q load
 // made this mainloop 1.55x slower (paper heads, 128K, shared selections: 278 against 437
 // effective TFLOP/s; dense mode 353 against 550), with the same 168 registers, no spill and
-// nearly the same PTX. Keep this kernel's SASS under watch when touching it.
+// nearly the same PTX. Keep this kernel's SASS under watch when touching it. Likewise, letting
+// each warpgroup skip the blocks none of its tokens selected (as bwd_q_kernel.cuh does) made
+// ptxas serialise the mainloop's wgmma (warning C7518: a divergent path) and cost 1.6x on shared
+// selections (paper heads, 128K: 267 against 445 TFLOP/s), more than it saved on diverse ones.
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     fwd_kernel(const __grid_constant__ FwdParams<Traits> p) {
