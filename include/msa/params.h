@@ -25,6 +25,14 @@ enum class Mode : int32_t { kSparse = 0, kDense = 1 };
 // backend has one implementation and accepts every value. Results agree to rounding.
 enum class KlPass : int32_t { kAuto = 0, kFused = 1, kSeparate = 2 };
 
+// How a backend walks the sparse forward's work (kSparse). kQueryTile: a tile of query rows
+// visits the union of its tokens' selections (fastest when neighbouring tokens select alike).
+// kKvBlock: each KV block visits the tokens that selected it, writing partial outputs that a
+// second kernel combines (its cost does not grow with the union; it needs workspace for the
+// partials of `fwd_chunk_tokens` tokens at a time). kAuto: the backend's choice (CUDA today:
+// kQueryTile). The CPU backend has one implementation and accepts every value.
+enum class FwdPass : int32_t { kAuto = 0, kQueryTile = 1, kKvBlock = 2 };
+
 struct Options {
   Mode mode = Mode::kSparse;
   int32_t block_size = 128;  // Bk, tokens per KV block
@@ -35,6 +43,9 @@ struct Options {
   float scale_idx = 0.f;     // index score scale; 0 means Di^-0.5
   bool deterministic = false;  // backward: bitwise-reproducible gradients
   KlPass kl_pass = KlPass::kAuto;
+  FwdPass fwd_pass = FwdPass::kAuto;
+  // kKvBlock: query tokens per pass (0: as many as keep the partial outputs near 4 GiB).
+  int32_t fwd_chunk_tokens = 0;
 };
 
 // Per-call execution context. `stream` is a cudaStream_t for CUDA tensors (nullptr: the legacy

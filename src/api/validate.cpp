@@ -371,6 +371,13 @@ Status option_ranges(const Check& c, const Options& o) {
                        o.kl_pass == KlPass::kSeparate,
                    "must be kAuto, kFused or kSeparate, got " +
                        std::to_string(static_cast<int32_t>(o.kl_pass))));
+  MSA_TRY(c.option("fwd_pass",
+                   o.fwd_pass == FwdPass::kAuto || o.fwd_pass == FwdPass::kQueryTile ||
+                       o.fwd_pass == FwdPass::kKvBlock,
+                   "must be kAuto, kQueryTile or kKvBlock, got " +
+                       std::to_string(static_cast<int32_t>(o.fwd_pass))));
+  MSA_TRY(c.option("fwd_chunk_tokens", o.fwd_chunk_tokens >= 0,
+                   "must be non-negative, got " + std::to_string(o.fwd_chunk_tokens)));
   return Status::Ok();
 }
 

@@ -18,7 +18,8 @@ if(MSA_CUDA_FAST_BUILD)
   set(MSA_CUDA_VARIANTS "${_msa_first}")
 endif()
 # Kernel families: the launch function of host/launch.cuh and its Args struct (host/args.h).
-set(MSA_CUDA_FAMILIES "forward FwdArgs" "select SelectArgs" "bwd_q BwdQArgs" "bwd_kv BwdKvArgs" "kl KlArgs")
+set(MSA_CUDA_FAMILIES "forward FwdArgs" "fwd_kv FwdKvArgs" "select SelectArgs" "bwd_q BwdQArgs"
+    "bwd_kv BwdKvArgs" "kl KlArgs")
 
 set(MSA_CUDA_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/host/forward.cu

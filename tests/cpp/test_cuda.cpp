@@ -485,15 +485,16 @@ class CudaVsCpu : public ::testing::TestWithParam<CudaCase> {
     if (!wide_) wide_ = std::make_unique<Problem>(widened(*p_));
     return *wide_;
   }
-  std::string what(const char* test) const { return std::string(test) + " " + cfg().str(); }
+  std::string what(const std::string& test) const { return test + " " + cfg().str(); }
 
   struct GpuForward {
     HostTensor out, lse, block_idx;
   };
 
   // forward on the GPU: over `given` (kSparse, select off), over its own selection (`select`), or
-  // dense (kDense).
-  GpuForward gpu_forward(Mode mode, HostTensor* given, bool select) {
+  // dense (kDense); `pass` and `chunk`: Options.fwd_pass and fwd_chunk_tokens.
+  GpuForward gpu_forward(Mode mode, HostTensor* given, bool select,
+                         msa::FwdPass pass = msa::FwdPass::kAuto, int32_t chunk = 0) {
     const Config& c = cfg();
     const int64_t T = p().T;
     DeviceTensor out = DeviceTensor::poisoned(c.dtype, {T, c.Hq, c.D}, s());
@@ -516,7 +517,15 @@ class CudaVsCpu : public ::testing::TestWithParam<CudaCase> {
     f.out = out.ref();
     f.lse = lse.ref();
     f.opts = p().options(mode);
+    f.opts.fwd_pass = pass;
+    f.opts.fwd_chunk_tokens = chunk;
     f.launch.stream = s();
+    const size_t ws_bytes = msa::workspace_size(f);
+    DeviceTensor ws(DType::kInt32, {static_cast<int64_t>((ws_bytes + 3) / 4)});
+    if (ws_bytes > 0) {
+      f.launch.workspace = ws.ref().data;
+      f.launch.workspace_bytes = ws_bytes;
+    }
     require_ok(msa::forward(f));
     GpuForward r{out.download(s()), lse.download(s()), {}};
     if (select) r.block_idx = bi.download(s());
@@ -642,6 +651,20 @@ TEST_P(CudaVsCpu, ForwardGivenBlockIdx) {
   const GpuForward g = gpu_forward(Mode::kSparse, &bi, false);
   const FwdResult ref = run_forward(wide(), &bi, Mode::kSparse, false);
   expect_forward_close(g.out, g.lse, ref, cfg().dtype, what("forward, given block_idx"));
+}
+
+// The KV-block forward (Options.fwd_pass = kKvBlock) over a caller's block_idx in any legal form
+// (repeated blocks, -1 anywhere, empty rows), in one pass and in passes of 97 tokens (the
+// partials of a pass, then their combine), against the CPU.
+TEST_P(CudaVsCpu, ForwardKvBlock) {
+  SKIP_UNLESS_BUILT(cfg(), true, false);
+  HostTensor bi = scrambled_block_idx(p(), cfg().seed + 13);
+  const FwdResult ref = run_forward(wide(), &bi, Mode::kSparse, false);
+  for (int32_t chunk : {0, 97}) {
+    const GpuForward g = gpu_forward(Mode::kSparse, &bi, false, msa::FwdPass::kKvBlock, chunk);
+    expect_forward_close(g.out, g.lse, ref, cfg().dtype,
+                         what("forward, kKvBlock, pass tokens " + std::to_string(chunk)));
+  }
 }
 
 // forward with select = true: the selection by the contract's rule, then out and lse against the

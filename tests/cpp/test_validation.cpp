@@ -361,6 +361,12 @@ TEST(Validation, OptionRangesAlwaysChecked) {
   b = v.backward();
   b.opts.kl_pass = static_cast<msa::KlPass>(3);
   expect_invalid(msa::backward(b), "kl_pass", "kl_pass 3");
+  f = v.forward();
+  f.opts.fwd_pass = static_cast<msa::FwdPass>(3);
+  expect_invalid(msa::forward(f), "fwd_pass", "fwd_pass 3");
+  f = v.forward();
+  f.opts.fwd_chunk_tokens = -1;
+  expect_invalid(msa::forward(f), "fwd_chunk_tokens", "fwd_chunk_tokens -1");
   msa::KlParams k = v.klp();
   k.opts.top_k = 0;
   expect_invalid(msa::kl_divergence(k), "top_k", "top_k 0 in kl_divergence");

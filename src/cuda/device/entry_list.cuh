@@ -39,14 +39,16 @@ __device__ __forceinline__ void add_fixed(unsigned long long* dst, float v) {
 constexpr int kEntryTokens = 16;  // the most tokens of an entry (m <= 16)
 
 // One entry: up to kEntryTokens tokens (packed indices, ascending; slots past `count` repeat
-// the first) of one segment. 80 bytes: five 16-byte copies.
+// the first) of one segment. 96 bytes: six 16-byte copies.
 struct alignas(16) EntryRecord {
   int32_t tok[kEntryTokens];
   int32_t seg;    // (KV tile * Hkv + r) * ipk + index head of r
   int32_t count;  // tokens (0: nothing to do)
+  uint8_t slot[kEntryTokens];  // sparse: the block's column in each token's block_idx row
   int32_t pad[2];
 };
-static_assert(sizeof(EntryRecord) == 80, "EntryRecord is five 16-byte chunks");
+static_assert(sizeof(EntryRecord) == 96, "EntryRecord is six 16-byte chunks");
+constexpr int kEntryChunks = sizeof(EntryRecord) / 16;
 
 struct EntryListParams {
   const EntryRecord* records;  // sparse: every item's records, sorted by seg
@@ -89,8 +91,8 @@ struct EntryList {
     return lo;
   }
 
-  // Entry e's record into dst (shared memory): sparse, 16-byte cp.async copies by threads 0-4
-  // (the caller commits them); dense, written by threads 0-15.
+  // Entry e's record into dst (shared memory): sparse, 16-byte cp.async copies by threads
+  // 0..kEntryChunks-1 (the caller commits them); dense, written by threads 0-15.
   __device__ void issue_record(const EntryListParams& p, int64_t e, EntryRecord* dst,
                                int tid) const {
     if (p.dense) {
@@ -104,7 +106,7 @@ struct EntryList {
         dst->seg = seg0 + il;
         dst->count = count;
       }
-    } else if (tid < 5) {
+    } else if (tid < kEntryChunks) {
       cp_async16(reinterpret_cast<char*>(dst) + 16 * tid,
                  reinterpret_cast<const char*>(p.records + lo + e) + 16 * tid, true);
     }

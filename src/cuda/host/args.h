@@ -113,6 +113,24 @@ struct BwdKvArgs : KvSideArgs {
   float scale = 0.f, scale_log2 = 0.f;  // signed
 };
 
+// Attention forward, KV-block-outer (kernels/fwd_kv_kernel.cuh) over the tokens [tok_lo, tok_hi)
+// of a pass: the partials, then their combine into out and lse.
+struct FwdKvArgs : KvSideArgs {
+  const void *q = nullptr, *k = nullptr, *v = nullptr;
+  int64_t q_s0 = 0, q_s1 = 0, k_s0 = 0, k_s1 = 0, v_s0 = 0, v_s1 = 0;
+  const int32_t* block_idx = nullptr;  // [T, Hi, k]
+  int64_t bi_s0 = 0, bi_s1 = 0;
+  void* part_o = nullptr;    // [tok_hi - tok_lo, Hq, k, D] element type: unnormalised O per slot
+  float* part_ml = nullptr;  // [tok_hi - tok_lo, Hq, k, 2]: max (log2 units) and sum per slot
+  void* out = nullptr;
+  int64_t o_s0 = 0, o_s1 = 0;
+  float* lse = nullptr;
+  int64_t lse_s0 = 0, lse_s1 = 0;
+  int64_t tok_lo = 0, tok_hi = 0;
+  int32_t top_k = 0, block_size = 0;
+  float scale_log2 = 0.f;  // signed
+};
+
 // The KL branch as a pass of its own (kernels/kl_kernel.cuh): the gradient sums and/or the
 // per-row KL terms; null outputs are skipped.
 struct KlArgs : KvSideArgs {

@@ -120,7 +120,8 @@ Status kv_lists(const char* fn, const Plan& pl, const Plan::Work& w, const Probl
                 const TensorRef& block_idx, void* ws, cudaStream_t stream, KvSideArgs* a,
                 bool entries_built) {
   if (pl.sparse && !entries_built)
-    MSA_TRY(build_entries(fn, pl, prob, block_idx, a->cu_seqlens, a->nseq, ws, stream, &a->list));
+    MSA_TRY(build_entries(fn, pl, prob, block_idx, a->cu_seqlens, a->nseq, 0, prob.T, ws, stream,
+                          &a->list));
   if (!pl.sparse) a->list.dense = true;
   return build_work(fn, pl, w, prob, a->list, a->cu_seqlens, a->nseq, ws, stream, &a->work, &a->grid);
 }

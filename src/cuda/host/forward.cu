@@ -3,11 +3,14 @@
 // (check_values.h), the Args once, then one dispatch per kernel (variants.h).
 #include <cuda_runtime.h>
 
+#include <algorithm>
+
 #include "../backend.h"
 #include "check_values.h"
 #include "common.h"
 #include "launch.h"
 #include "plan.h"
+#include "reverse_index.h"
 #include "variants.h"
 
 namespace msa::cuda {
@@ -19,6 +22,29 @@ Status run_select(const char* fn, const Problem& prob, const SelectArgs& a, DTyp
     using V = decltype(v);
     return launch_select<typename V::Element, V::kDim, V::kBlockN>(a, stream);
   });
+}
+
+// The KV-block forward (Options.fwd_pass = kKvBlock) over the caller's or the just-made
+// selection, in passes of pl.fwd_tokens tokens: the reverse index of the pass's rows, its work
+// list, the partials and their combine.
+Status run_forward_kv(const char* fn, const Problem& prob, const ForwardParams& p, const Plan& pl,
+                      cudaStream_t stream) {
+  void* ws = p.launch.workspace;
+  FwdKvArgs a = fwd_kv_args(prob, p);
+  a.part_o = at<void>(ws, pl.part_o);
+  a.part_ml = at<float>(ws, pl.part_ml);
+  for (int64_t c0 = 0; c0 < prob.T; c0 += pl.fwd_tokens) {
+    const int64_t c1 = std::min<int64_t>(prob.T, c0 + pl.fwd_tokens);
+    MSA_TRY(build_entries(fn, pl, prob, p.block_idx, a.cu_seqlens, a.nseq, c0, c1, ws, stream, &a.list));
+    MSA_TRY(build_work(fn, pl, pl.kv, prob, a.list, a.cu_seqlens, a.nseq, ws, stream, &a.work, &a.grid));
+    a.tok_lo = c0;
+    a.tok_hi = c1;
+    MSA_TRY(dispatch(fn, "q", p.q.dtype, prob.D, prob.opts.block_size, [&](auto v) {
+      using V = decltype(v);
+      return launch_fwd_kv<typename V::Element, V::kDim, V::kBlockN>(a, stream);
+    }));
+  }
+  return Status::Ok();
 }
 
 }  // namespace
@@ -65,6 +91,12 @@ Status attention_forward(const Problem& prob, const ForwardParams& p) {
   const char* fn = "forward";
   const bool dense = prob.opts.mode == Mode::kDense;
   MSA_TRY(can_forward(fn, prob, p));
+  const bool kv_block = kv_block_forward(prob);
+  Plan kvp;
+  if (kv_block) {
+    MSA_TRY(fwd_kv_plan(fn, prob, num_seqs(p.cu_seqlens), &kvp));
+    MSA_TRY(need_workspace(fn, kvp, p.launch));
+  }
   if (p.kl.defined()) {
     Plan pl;
     MSA_TRY(kl_plan(fn, prob, {p.q, p.k, p.lse, p.q_idx, p.k_idx, p.cu_seqlens, p.block_idx}, &pl));
@@ -80,7 +112,10 @@ Status attention_forward(const Problem& prob, const ForwardParams& p) {
       const SelectArgs sa = select_args(prob, p.q_idx, p.k_idx, p.cu_seqlens, p.block_idx);
       MSA_TRY(run_select(fn, prob, sa, p.q_idx.dtype, stream));
     }
-    MSA_TRY(run_forward(fn, "q", forward_args(prob, p), p.q.dtype, prob.D, prob.opts.block_size, stream));
+    if (kv_block)
+      MSA_TRY(run_forward_kv(fn, prob, p, kvp, stream));
+    else
+      MSA_TRY(run_forward(fn, "q", forward_args(prob, p), p.q.dtype, prob.D, prob.opts.block_size, stream));
   }
   if (!p.kl.defined()) return Status::Ok();
   KlParams kp = detail::kl_params_of(p);
@@ -89,9 +124,15 @@ Status attention_forward(const Problem& prob, const ForwardParams& p) {
 }
 
 size_t forward_workspace(const Problem& prob, const ForwardParams& p) {
-  if (!p.kl.defined()) return 0;
+  // The KV-block forward and the KL value run one after the other: the larger plan.
+  size_t bytes = 0;
   Plan pl;
-  return kl_plan("forward", prob, {p.q, p.k, p.lse, p.q_idx, p.k_idx, p.cu_seqlens, p.block_idx}, &pl).ok() ? pl.total : 0;
+  if (kv_block_forward(prob) && fwd_kv_plan("forward", prob, num_seqs(p.cu_seqlens), &pl).ok())
+    bytes = pl.total;
+  if (p.kl.defined() &&
+      kl_plan("forward", prob, {p.q, p.k, p.lse, p.q_idx, p.k_idx, p.cu_seqlens, p.block_idx}, &pl).ok())
+    bytes = std::max(bytes, pl.total);
+  return bytes;
 }
 
 }  // namespace msa::cuda

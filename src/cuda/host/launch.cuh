@@ -7,6 +7,7 @@
 #include "../kernels/bwd_kv_kernel.cuh"
 #include "../kernels/bwd_q_kernel.cuh"
 #include "../kernels/fwd_kernel.cuh"
+#include "../kernels/fwd_kv_kernel.cuh"
 #include "../kernels/kl_kernel.cuh"
 #include "../kernels/select_kernel.cuh"
 #include "launch.h"
@@ -123,6 +124,20 @@ Status launch_bwd_kv(const BwdKvArgs& a, cudaStream_t stream) {
   using Traits = kern::BwdKVTraits<Element, kHeadDim, kBlockN, false>;
   return detail::launch_kv_side<Traits, kern::BwdKVParams<Traits>>("backward", kern::bwd_kv_kernel<Traits>,
                                                                    a, stream);
+}
+
+template <class Element, int kHeadDim, int kBlockN>
+Status launch_fwd_kv(const FwdKvArgs& a, cudaStream_t stream) {
+  using Traits = kern::FwdKvTraits<Element, kHeadDim, kBlockN>;
+  const Status st = detail::launch_kv_side<Traits, kern::FwdKvParams<Traits>>(
+      "forward", kern::fwd_kv_kernel<Traits>, a, stream);
+  if (!st.ok()) return st;
+  const int64_t warps = (a.tok_hi - a.tok_lo) * a.Hq;
+  const int64_t blocks = (warps * 32 + 255) / 256;
+  if (blocks == 0) return Status::Ok();
+  kern::fwd_combine_kernel<Element, kHeadDim><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(a);
+  const cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? Status::Ok() : detail::launch_error("forward", e);
 }
 
 template <class Element, int kDim, int kBlockN>

@@ -21,6 +21,9 @@ template <class Element, int kHeadDim, int kBlockN>
 Status launch_bwd_kv(const BwdKvArgs& a, cudaStream_t stream);
 template <class Element, int kDim, int kBlockN>
 Status launch_kl(const KlArgs& a, cudaStream_t stream);
+// The KV-block-outer forward over one pass of tokens: partials, then their combine.
+template <class Element, int kHeadDim, int kBlockN>
+Status launch_fwd_kv(const FwdKvArgs& a, cudaStream_t stream);
 
 // The forward kernel of the variant (dt, dim, bk) (forward.cu); `arg` names the tensor whose
 // dtype and head dim pick it.

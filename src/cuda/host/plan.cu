@@ -113,6 +113,21 @@ Status can_forward(const char* fn, const Problem& prob, const ForwardParams& p) 
   return Status::Ok();
 }
 
+bool kv_block_forward(const Problem& prob) {
+  return prob.opts.mode == Mode::kSparse && prob.opts.fwd_pass == FwdPass::kKvBlock;
+}
+
+Status can_fwd_kv(const char* fn, const Problem& prob) {
+  const int32_t gi = prob.Hq / prob.Hi;
+  if (gi > kBlockC)
+    return fail(fn, "fwd_pass", "the KV-block forward takes at most 64 query heads per index head, got " +
+                                    std::to_string(gi));
+  if (prob.k > 32)
+    return fail(fn, "fwd_pass", "the KV-block forward takes at most 32 blocks per row (block_idx), got " +
+                                    std::to_string(prob.k));
+  return Status::Ok();
+}
+
 Status can_kl(const char* fn, const Problem& prob, const KlInputs& in) {
   MSA_TRY(can_main(fn, prob, in.q, in.k, TensorRef{}));
   MSA_TRY(check_half(fn, "q_idx", in.q_idx));
@@ -295,6 +310,33 @@ BwdQArgs bwd_q_args(const Problem& prob, const BackwardParams& p, const float* d
   return a;
 }
 
+FwdKvArgs fwd_kv_args(const Problem& prob, const ForwardParams& p) {
+  FwdKvArgs a;
+  set_kv_side(&a, prob, p.cu_seqlens, /*sparse=*/true, /*kl=*/false);
+  a.q = p.q.data;
+  a.k = p.k.data;
+  a.v = p.v.data;
+  a.q_s0 = p.q.stride[0];
+  a.q_s1 = p.q.stride[1];
+  a.k_s0 = p.k.stride[0];
+  a.k_s1 = p.k.stride[1];
+  a.v_s0 = p.v.stride[0];
+  a.v_s1 = p.v.stride[1];
+  a.block_idx = static_cast<const int32_t*>(p.block_idx.data);
+  a.bi_s0 = p.block_idx.stride[0];
+  a.bi_s1 = p.block_idx.stride[1];
+  a.out = p.out.data;
+  a.o_s0 = p.out.stride[0];
+  a.o_s1 = p.out.stride[1];
+  a.lse = static_cast<float*>(p.lse.data);
+  a.lse_s0 = p.lse.stride[0];
+  a.lse_s1 = p.lse.stride[1];
+  a.top_k = prob.k;
+  a.block_size = prob.opts.block_size;
+  a.scale_log2 = prob.opts.scale * static_cast<float>(M_LOG2E);
+  return a;
+}
+
 BwdKvArgs bwd_kv_args(const Problem& prob, const BackwardParams& p, const float* delta) {
   const bool sparse = prob.opts.mode == Mode::kSparse;
   const bool kl = p.dq_idx.defined() || p.dk_idx.defined();
@@ -333,7 +375,7 @@ KlArgs kl_args(const Problem& prob, const KlInputs& in) {
 // ------------------------------------------------------------------------------ workspace
 
 Status make_plan(const char* fn, const Problem& prob, int32_t nseq, bool sparse, bool main,
-                 bool kl, bool grad, Plan* out) {
+                 bool kl, bool grad, Plan* out, int64_t fwd_tokens) {
   Plan p;
   p.sparse = sparse;
   p.kl = kl;
@@ -357,13 +399,14 @@ Status make_plan(const char* fn, const Problem& prob, int32_t nseq, bool sparse,
   if (main) p.delta = take(sizeof(float) * size_t(prob.T) * prob.Hq);
   const int64_t kv_tiles = kern::num_tile_ids(nseq, prob.T, Bk);
   if (sparse) {
-    p.n = prob.T * prob.Hi * int64_t(prob.k);
+    p.n = (fwd_tokens > 0 ? fwd_tokens : prob.T) * prob.Hi * int64_t(prob.k);
     if (p.n >= (int64_t(1) << 31))
       return fail(fn, "block_idx", "T * Hi * k must be below 2^31 for the CUDA backward");
-    // Reverse-index keys: (segment = (KV tile, KV head, index head of it), token).
+    // Reverse-index keys: (segment = (KV tile, KV head, index head of it), token, slot).
     const uint64_t segments = static_cast<uint64_t>(kv_tiles) * prob.Hkv * (prob.Hi / prob.Hkv);
     p.tbits = bits_for(static_cast<uint64_t>(prob.T));
-    p.end_bit = bits_for(segments) + p.tbits;
+    p.sbits = bits_for(static_cast<uint64_t>(prob.k > 0 ? prob.k - 1 : 0));
+    p.end_bit = bits_for(segments) + p.tbits + p.sbits;
     if (p.end_bit > 63 || segments >= (uint64_t(1) << 31))
       return fail(fn, "q", "too many tokens for the reverse index");
     p.invalid = (uint64_t(1) << p.end_bit) - 1;
@@ -371,15 +414,16 @@ Status make_plan(const char* fn, const Problem& prob, int32_t nseq, bool sparse,
     p.entries = std::min<int64_t>(p.n, (p.n + p.m - 1) / p.m + static_cast<int64_t>(segments));
     p.keys_a = take(8 * size_t(p.n));
     p.keys_b = take(8 * size_t(p.n));
+    p.flags = take(size_t(p.n));
     p.starts = take(4 * size_t(p.entries));
     p.records = take(sizeof(kern::EntryRecord) * size_t(p.entries));
     p.count = take(2 * sizeof(int32_t));
     size_t sort_bytes = 0, unique_bytes = 0, scan_bytes = 0, select_bytes = 0;
     cub::DoubleBuffer<uint64_t> kb(nullptr, nullptr);
     cub::DeviceRadixSort::SortKeys(nullptr, sort_bytes, kb, static_cast<int>(p.n), 0, p.end_bit);
-    cub::DeviceSelect::Unique(nullptr, unique_bytes, static_cast<uint64_t*>(nullptr),
-                              static_cast<uint64_t*>(nullptr), static_cast<int32_t*>(nullptr),
-                              static_cast<int>(p.n));
+    cub::DeviceSelect::Flagged(nullptr, unique_bytes, static_cast<const uint64_t*>(nullptr),
+                               static_cast<const uint8_t*>(nullptr), static_cast<uint64_t*>(nullptr),
+                               static_cast<int32_t*>(nullptr), static_cast<int>(p.n));
     cub::DeviceScan::InclusiveScan(nullptr, scan_bytes, static_cast<int32_t*>(nullptr),
                                    static_cast<int32_t*>(nullptr), MaxOp{}, static_cast<int>(p.n));
     cub::DeviceSelect::Flagged(nullptr, select_bytes, CountingIt(0),
@@ -422,6 +466,15 @@ Status make_plan(const char* fn, const Problem& prob, int32_t nseq, bool sparse,
   // at most 2 * 16 * SMs of them, 540 MB at Bk = D = 128 on 132 SMs); KL: chunks of 512 entries.
   if (main) MSA_TRY(work(&p.kv, std::max(256.0, std::ceil(e_bound / (16.0 * num_sms()))), true));
   if (kl) MSA_TRY(work(&p.kl_work, 512.0, false));
+  if (fwd_tokens > 0) {
+    // The KV-block forward: its work list (no partial sums across CTAs) and the partial outputs
+    // of one pass of fwd_tokens tokens.
+    MSA_TRY(work(&p.kv, std::max(256.0, std::ceil(e_bound / (16.0 * num_sms()))), false));
+    p.fwd_tokens = fwd_tokens;
+    const size_t slots = size_t(fwd_tokens) * prob.Hq * size_t(prob.k);
+    p.part_o = take(2 * slots * prob.D);
+    p.part_ml = take(8 * slots);
+  }
   if (kl) {
     p.lse_idx = take(sizeof(float) * size_t(prob.T) * prob.Hi);
     if (grad) {
@@ -434,6 +487,18 @@ Status make_plan(const char* fn, const Problem& prob, int32_t nseq, bool sparse,
   p.total = off;
   *out = p;
   return Status::Ok();
+}
+
+Status fwd_kv_plan(const char* fn, const Problem& prob, int32_t nseq, Plan* pl) {
+  MSA_TRY(can_fwd_kv(fn, prob));
+  int64_t tokens = prob.opts.fwd_chunk_tokens;
+  if (tokens <= 0) {
+    const int64_t per_token = int64_t(prob.Hq) * prob.k * (2 * int64_t(prob.D) + 8);
+    tokens = std::max<int64_t>(1, (int64_t(4) << 30) / std::max<int64_t>(per_token, 1));
+  }
+  tokens = std::max<int64_t>(1, std::min<int64_t>(tokens, prob.T));
+  return make_plan(fn, prob, nseq, /*sparse=*/true, /*main=*/false, /*kl=*/false, /*grad=*/false, pl,
+                   tokens);
 }
 
 Status backward_plan(const Problem& prob, const BackwardParams& p, Plan* pl) {

@@ -30,6 +30,10 @@ Status can_select(const char* fn, const Problem& prob, const TensorRef& q_idx,
 Status can_forward(const char* fn, const Problem& prob, const ForwardParams& p);
 Status can_backward(const Problem& prob, const BackwardParams& p);
 Status can_kl(const char* fn, const Problem& prob, const KlInputs& in);
+// Whether the sparse forward walks KV blocks (Options.fwd_pass; kAuto: the query-tile forward),
+// and that kernel's own limits (k <= 32, Hq / Hi <= 64; failures name 'fwd_pass').
+bool kv_block_forward(const Problem& prob);
+Status can_fwd_kv(const char* fn, const Problem& prob);
 // Whether the backward computes the KL gradient inside the KV-side pass (Options.kl_pass; kAuto:
 // when the teacher's head mean is a butterfly over accumulator columns, Hq / Hi a power of two).
 bool fused_kl(const Problem& prob);
@@ -44,6 +48,7 @@ FwdArgs index_lse_args(const Problem& prob, const KlInputs& in, float* lse_idx, 
                        int64_t s1);
 BwdQArgs bwd_q_args(const Problem& prob, const BackwardParams& p, const float* delta);
 BwdKvArgs bwd_kv_args(const Problem& prob, const BackwardParams& p, const float* delta);
+FwdKvArgs fwd_kv_args(const Problem& prob, const ForwardParams& p);
 KlArgs kl_args(const Problem& prob, const KlInputs& in);
 
 // ---- workspace
@@ -53,12 +58,12 @@ struct Plan {
   int64_t entries = 0;   // a bound of the KV-side entries (sparse: records)
   int32_t Hi_group = 0;  // column groups of the KV side
   int32_t m = 0;         // tokens per KV-side entry
-  int tbits = 0, end_bit = 0;
+  int tbits = 0, sbits = 0, end_bit = 0;  // key bits: token, slot; all
   uint64_t invalid = 0;
   size_t cub_bytes = 0;
-  // byte offsets (sparse: keys_a, keys_b: the sort's buffers, then the run starts and flags;
+  // byte offsets (sparse: keys_a, keys_b: the sort's buffers, then the segment starts; flags;
   // starts, records: the entries; count: unique keys, entries)
-  size_t delta = 0, keys_a = 0, keys_b = 0, starts = 0, records = 0, count = 0, cub = 0;
+  size_t delta = 0, keys_a = 0, keys_b = 0, flags = 0, starts = 0, records = 0, count = 0, cub = 0;
   size_t lse_idx = 0, dq_acc = 0, dk_acc = 0, kl_acc = 0, total = 0;
   // A KV-side work list: bwd_kv's (chunks bounded by the partial-sum slots they may need) or
   // the KL kernel's (fixed-point atomics: any chunk size is free).
@@ -69,13 +74,17 @@ struct Plan {
            partials = 0;
   };
   int32_t items = 0;
-  Work kv, kl_work;
+  Work kv, kl_work;  // kv: bwd_kv's list, or the KV-block forward's
+  int64_t fwd_tokens = 0;            // the KV-block forward: tokens per pass
+  size_t part_o = 0, part_ml = 0;    // ... and its partial outputs of one pass
 };
 
 // main: the attention backward (delta, bwd_kv's work list); kl: the KL branch; grad: its
 // gradient (else the KL terms).
+// fwd_tokens > 0: the KV-block forward's plan for passes of that many tokens.
 Status make_plan(const char* fn, const Problem& prob, int32_t nseq, bool sparse, bool main,
-                 bool kl, bool grad, Plan* out);
+                 bool kl, bool grad, Plan* out, int64_t fwd_tokens = 0);
+Status fwd_kv_plan(const char* fn, const Problem& prob, int32_t nseq, Plan* pl);
 Status backward_plan(const Problem& prob, const BackwardParams& p, Plan* pl);
 Status kl_plan(const char* fn, const Problem& prob, const KlInputs& in, Plan* pl);
 // A caller's workspace holds the plan.

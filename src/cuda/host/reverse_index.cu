@@ -13,18 +13,19 @@
 namespace msa::cuda {
 namespace {
 
-// One reverse-index key per (token, index head, slot): the segment (KV tile of the selected
-// block, KV head, index head of that KV head) and the token's packed index. Slots outside
-// [0, blk(t)] get `invalid` (sorted past every real key).
+// One reverse-index key per (token, index head, slot) of the tokens [t_lo, t_hi): the segment
+// (KV tile of the selected block, KV head, index head of that KV head), the token's packed
+// index and the slot (the block's column in the row). Slots outside [0, blk(t)] get `invalid`
+// (sorted past every real key).
 __global__ void key_kernel(const int32_t* block_idx, int64_t bi_s0, int64_t bi_s1,
-                           const int32_t* cu, int32_t nseq, int64_t T, int32_t Hi, int32_t k,
-                           int32_t Bk, int32_t Hkv, int32_t ipk, int tbits, uint64_t invalid,
-                           uint64_t* keys) {
-  const int64_t n = T * Hi * k;
+                           const int32_t* cu, int32_t nseq, int64_t T, int64_t t_lo, int64_t t_hi,
+                           int32_t Hi, int32_t k, int32_t Bk, int32_t Hkv, int32_t ipk, int tbits,
+                           int sbits, uint64_t invalid, uint64_t* keys) {
+  const int64_t n = (t_hi - t_lo) * Hi * k;
   for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t t = e / (static_cast<int64_t>(Hi) * k);
-    const int32_t rem = static_cast<int32_t>(e - t * Hi * k);
+    const int64_t t = t_lo + e / (static_cast<int64_t>(Hi) * k);
+    const int32_t rem = static_cast<int32_t>(e - (t - t_lo) * Hi * k);
     const int32_t i = rem / k, slot = rem - i * k;
     // The token's sequence (cu clamped as in kern::decode_tile).
     int32_t s = 0;
@@ -46,52 +47,63 @@ __global__ void key_kernel(const int32_t* block_idx, int64_t bi_s0, int64_t bi_s
       if (b >= 0 && b <= pos / Bk) {
         const int64_t x = s + start / Bk + b;
         const uint64_t seg = static_cast<uint64_t>((x * Hkv + i / ipk) * ipk + i % ipk);
-        key = (seg << tbits) | static_cast<uint64_t>(t);
+        key = (((seg << tbits) | static_cast<uint64_t>(t)) << sbits) | static_cast<uint64_t>(slot);
       }
     }
     keys[e] = key;
   }
 }
 
-// head[p] = p where unique key p starts a segment, else 0 (a max-scan then gives each key its
-// segment's first position).
-__global__ void head_kernel(const uint64_t* keys, const int32_t* count, int tbits, int32_t* head) {
-  const int32_t n = *count;
-  for (int32_t p = blockIdx.x * blockDim.x + threadIdx.x; p < n; p += gridDim.x * blockDim.x)
-    head[p] = p > 0 && (keys[p] >> tbits) != (keys[p - 1] >> tbits) ? p : 0;
+// first[p] = 1 where sorted key p is a real key and the first of its (segment, token): a block
+// repeated in a row (which the value checks refuse) counts once, at its first column.
+__global__ void first_kernel(const uint64_t* keys, int64_t n, int sbits, uint64_t invalid,
+                             uint8_t* first) {
+  for (int64_t p = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; p < n;
+       p += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    first[p] = keys[p] != invalid && (p == 0 || (keys[p] >> sbits) != (keys[p - 1] >> sbits));
 }
 
-// flag[p] = 1 where a record starts: a real key at a multiple of m from its segment's start;
-// 0 past the unique keys (the selection reads all n flags).
-__global__ void flag_kernel(const uint64_t* keys, const int32_t* count, const int32_t* seg_first,
-                            int64_t n, int32_t m, uint64_t invalid, uint8_t* flag) {
+// head[p] = p where unique key p starts a segment, else 0 (a max-scan then gives each key its
+// segment's first position). `shift`: the segment's position in a key.
+__global__ void head_kernel(const uint64_t* keys, const int32_t* count, int shift, int32_t* head) {
+  const int32_t n = *count;
+  for (int32_t p = blockIdx.x * blockDim.x + threadIdx.x; p < n; p += gridDim.x * blockDim.x)
+    head[p] = p > 0 && (keys[p] >> shift) != (keys[p - 1] >> shift) ? p : 0;
+}
+
+// flag[p] = 1 where a record starts: a key at a multiple of m from its segment's start; 0 past
+// the unique keys (the selection reads all n flags).
+__global__ void flag_kernel(const int32_t* count, const int32_t* seg_first, int64_t n, int32_t m,
+                            uint8_t* flag) {
   const int32_t nk = *count;
   for (int64_t p = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; p < n;
        p += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    flag[p] = p < nk && keys[p] != invalid && (p - seg_first[p]) % m == 0;
+    flag[p] = p < nk && (p - seg_first[p]) % m == 0;
 }
 
 // The records: record e holds keys [starts[e], end), end = the next record's start or the end
-// of the real keys, at most m of them (a record ends where its segment or its m tokens do).
+// of the keys, at most m of them (a record ends where its segment or its m tokens do).
 __global__ void record_kernel(const uint64_t* keys, const int32_t* count, const int32_t* starts,
-                              const int32_t* num_records, int32_t m, int tbits, uint64_t invalid,
+                              const int32_t* num_records, int32_t m, int tbits, int sbits,
                               kern::EntryRecord* records) {
   const int32_t nk = *count;
-  const int32_t real = nk > 0 && keys[nk - 1] == invalid ? nk - 1 : nk;
   const int32_t nr = *num_records;
-  const uint64_t tmask = (uint64_t(1) << tbits) - 1;
-  // One warp per record: lane j < 16 writes token j, lane 16 the segment and count.
+  const uint64_t tmask = (uint64_t(1) << tbits) - 1, smask = (uint64_t(1) << sbits) - 1;
+  // One warp per record: lane j < 16 writes token j and its slot, lane 16 the segment and count.
   const int lane = threadIdx.x & 31;
   for (int32_t e = (blockIdx.x * blockDim.x + threadIdx.x) / 32; e < nr;
        e += (gridDim.x * blockDim.x) / 32) {
     const int32_t start = starts[e];
-    const int32_t next = e + 1 < nr ? starts[e + 1] : real;
+    const int32_t next = e + 1 < nr ? starts[e + 1] : nk;
     const int32_t cnt = min(m, next - start);
     kern::EntryRecord& rec = records[e];
-    if (lane < kern::kEntryTokens)
-      rec.tok[lane] = static_cast<int32_t>(keys[start + (lane < cnt ? lane : 0)] & tmask);
+    if (lane < kern::kEntryTokens) {
+      const uint64_t key = keys[start + (lane < cnt ? lane : 0)];
+      rec.tok[lane] = static_cast<int32_t>((key >> sbits) & tmask);
+      rec.slot[lane] = static_cast<uint8_t>(key & smask);
+    }
     if (lane == 16) {
-      rec.seg = static_cast<int32_t>(keys[start] >> tbits);
+      rec.seg = static_cast<int32_t>(keys[start] >> (tbits + sbits));
       rec.count = cnt;
     }
   }
@@ -118,56 +130,57 @@ __global__ void chunk_kernel(kern::EntryListParams list, const int32_t* cu, int3
 
 }  // namespace
 
-// The reverse index of block_idx into the plan's buffers; returns the entry arguments.
+// The reverse index of block_idx (the rows of tokens [t_lo, t_hi)) into the plan's buffers;
+// returns the entry arguments.
 Status build_entries(const char* fn, const Plan& pl, const Problem& prob, const TensorRef& bi,
-                     const int32_t* cu, int32_t nseq, void* ws, cudaStream_t stream,
-                     kern::EntryListParams* out) {
+                     const int32_t* cu, int32_t nseq, int64_t t_lo, int64_t t_hi, void* ws,
+                     cudaStream_t stream, kern::EntryListParams* out) {
   uint64_t* ka = at<uint64_t>(ws, pl.keys_a);
   uint64_t* kb = at<uint64_t>(ws, pl.keys_b);
+  uint8_t* flags = at<uint8_t>(ws, pl.flags);
   int32_t* counts = at<int32_t>(ws, pl.count);  // [0]: unique keys, [1]: records
   int32_t* starts = at<int32_t>(ws, pl.starts);
   kern::EntryRecord* records = at<kern::EntryRecord>(ws, pl.records);
+  const int64_t n = (t_hi - t_lo) * prob.Hi * int64_t(prob.k);  // <= pl.n
   const int threads = 256;
-  const int blocks = static_cast<int>(std::min<int64_t>((pl.n + threads - 1) / threads, num_sms() * 16));
+  const int blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((n + threads - 1) / threads, num_sms() * 16)));
   const int32_t ipk = prob.Hi / prob.Hkv;
-  if (pl.n > 0) {
+  if (n > 0) {
     key_kernel<<<blocks, threads, 0, stream>>>(
-        static_cast<const int32_t*>(bi.data), bi.stride[0], bi.stride[1], cu, nseq, prob.T,
-        prob.Hi, prob.k, prob.opts.block_size, prob.Hkv, ipk, pl.tbits, pl.invalid, ka);
+        static_cast<const int32_t*>(bi.data), bi.stride[0], bi.stride[1], cu, nseq, prob.T, t_lo,
+        t_hi, prob.Hi, prob.k, prob.opts.block_size, prob.Hkv, ipk, pl.tbits, pl.sbits,
+        pl.invalid, ka);
   }
   cub::DoubleBuffer<uint64_t> keys(ka, kb);
   size_t bytes = pl.cub_bytes;
   cudaError_t e = cub::DeviceRadixSort::SortKeys(at<void>(ws, pl.cub), bytes, keys,
-                                                 static_cast<int>(pl.n), 0, pl.end_bit, stream);
+                                                 static_cast<int>(n), 0, pl.end_bit, stream);
   if (e != cudaSuccess) return cuda_error(fn, e);
-  // A block repeated in a row (which the value checks refuse) counts once.
+  // The real keys, each (segment, token) once.
+  if (n > 0) first_kernel<<<blocks, threads, 0, stream>>>(keys.Current(), n, pl.sbits, pl.invalid, flags);
   uint64_t* ukeys = keys.Alternate();
   bytes = pl.cub_bytes;
-  e = cub::DeviceSelect::Unique(at<void>(ws, pl.cub), bytes, keys.Current(), ukeys, counts,
-                                static_cast<int>(pl.n), stream);
+  e = cub::DeviceSelect::Flagged(at<void>(ws, pl.cub), bytes, keys.Current(), flags, ukeys, counts,
+                                 static_cast<int>(n), stream);
   if (e != cudaSuccess) return cuda_error(fn, e);
-  // The sorted keys' buffer is free now: the segment starts and the record flags go there.
+  // The sorted keys' buffer is free now: the segment starts go there.
   int32_t* seg_first = reinterpret_cast<int32_t*>(keys.Current());
-  uint8_t* flags = reinterpret_cast<uint8_t*>(seg_first + pl.n);
-  if (pl.n > 0) {
-    head_kernel<<<blocks, threads, 0, stream>>>(ukeys, counts, pl.tbits, seg_first);
+  if (n > 0) {
+    head_kernel<<<blocks, threads, 0, stream>>>(ukeys, counts, pl.tbits + pl.sbits, seg_first);
   }
   bytes = pl.cub_bytes;
   e = cub::DeviceScan::InclusiveScan(at<void>(ws, pl.cub), bytes, seg_first, seg_first, MaxOp{},
-                                     static_cast<int>(pl.n), stream);
+                                     static_cast<int>(n), stream);
   if (e != cudaSuccess) return cuda_error(fn, e);
-  if (pl.n > 0) {
-    flag_kernel<<<blocks, threads, 0, stream>>>(ukeys, counts, seg_first, pl.n, pl.m, pl.invalid,
-                                                 flags);
-  }
+  if (n > 0) flag_kernel<<<blocks, threads, 0, stream>>>(counts, seg_first, n, pl.m, flags);
   bytes = pl.cub_bytes;
   e = cub::DeviceSelect::Flagged(at<void>(ws, pl.cub), bytes, CountingIt(0), flags, starts,
-                                 counts + 1, static_cast<int>(pl.n), stream);
+                                 counts + 1, static_cast<int>(n), stream);
   if (e != cudaSuccess) return cuda_error(fn, e);
-  if (pl.n > 0) {
+  if (n > 0) {
     const int rblocks = static_cast<int>(std::min<int64_t>((pl.entries * 32 + threads - 1) / threads, num_sms() * 16));
     record_kernel<<<rblocks, threads, 0, stream>>>(ukeys, counts, starts, counts + 1, pl.m,
-                                                   pl.tbits, pl.invalid, records);
+                                                   pl.tbits, pl.sbits, records);
   }
   out->records = records;
   out->count = counts + 1;

@@ -1,7 +1,7 @@
 // The reverse index of a selection and the KV-side work lists, shared by every KV-block-outer
 // pass (the backward's KV side, the KL branch):
 //   build_entries  block_idx -> one key per (token, index head, slot): (segment = (KV tile, KV
-//                  head, index head of it), token), sorted (CUB radix sort), duplicates dropped,
+//                  head, index head of it), token, slot), sorted (CUB radix sort), repeats dropped,
 //                  and each segment's run of tokens cut into records of m consecutive tokens (the
 //                  entries read by kern::EntryList, device/entry_list.cuh);
 //   build_work     each (KV block, KV head) item's entry list cut into chunks of at most
@@ -23,9 +23,10 @@ namespace msa::cuda {
 using MaxOp = ::cuda::maximum<int32_t>;
 using CountingIt = thrust::counting_iterator<int32_t>;
 
+// The rows of tokens [t_lo, t_hi) (at most the plan's tokens).
 Status build_entries(const char* fn, const Plan& pl, const Problem& prob, const TensorRef& block_idx,
-                     const int32_t* cu, int32_t nseq, void* ws, cudaStream_t stream,
-                     kern::EntryListParams* out);
+                     const int32_t* cu, int32_t nseq, int64_t t_lo, int64_t t_hi, void* ws,
+                     cudaStream_t stream, kern::EntryListParams* out);
 
 Status build_work(const char* fn, const Plan& pl, const Plan::Work& w, const Problem& prob,
                   const kern::EntryListParams& entries, const int32_t* cu, int32_t nseq, void* ws,
