@@ -175,7 +175,7 @@ def bench_case(msa, cfg: str, L: int, B: int, args, timer: Timer, device, dtype,
 
         def fwd():
             return msa.sparse_attention(q, kk, v, None, None, block_idx=bi, block_size=Bk,
-                                        cu_seqlens=cu, kl_value=False)
+                                        cu_seqlens=cu, kl_value=False, fwd_pass=args.fwd_pass)
 
         def bwd(kl: bool, det: bool = False):
             return lambda: torch.ops.msa.backward(
@@ -187,7 +187,7 @@ def bench_case(msa, cfg: str, L: int, B: int, args, timer: Timer, device, dtype,
         def step(klv: bool):
             def run():
                 o, kl = msa.sparse_attention(*xs, k, Bk, kl_value=klv, kl_pass=args.kl_pass,
-                                             **opts)
+                                             fwd_pass=args.fwd_pass, **opts)
                 torch.autograd.backward([o, kl], [dout, torch.ones((), device=device)])
             return run
 
@@ -246,6 +246,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda",
                     help="cuda, or cpu to exercise the script on the CPU backend (tiny shapes)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--fwd-pass", choices=["auto", "query_tile", "kv_block"], default="auto",
+                    help="how the sparse forward walks its work (Options.fwd_pass)")
     ap.add_argument("--out", default=None, help="write PREFIX.csv and PREFIX.json")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)

@@ -159,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cuda",
                    help="cuda, or cpu to exercise the script on the CPU backend (tiny shapes)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fwd-pass", choices=["auto", "query_tile", "kv_block"], default="auto",
+                   help="how the sparse forward walks its work (Options.fwd_pass)")
     p.add_argument("--out", default=None, help="write PREFIX.csv and PREFIX.json")
     p.add_argument("--skip-dense", action="store_true", help="no dense attention at all")
     return p
@@ -348,11 +350,12 @@ def bench_case(msa, cfg_name: str, L: int, B: int, full_only: bool, args, timer:
     def full(s, qi, ki):
         return lambda: msa.sparse_attention(s["q"], s["k"], s["v"], qi, ki, k, Bk, cu_seqlens=cu,
                                             sink_blocks=SINK_BLOCKS, local_blocks=LOCAL_BLOCKS,
-                                            kl_value=False)
+                                            kl_value=False, fwd_pass=args.fwd_pass)
 
     def given(s, bi):
         return lambda: msa.sparse_attention(s["q"], s["k"], s["v"], None, None, block_idx=bi,
-                                            block_size=Bk, cu_seqlens=cu, kl_value=False)
+                                            block_size=Bk, cu_seqlens=cu, kl_value=False,
+                                            fwd_pass=args.fwd_pass)
 
     sel_fl = selection_flops(B, L, Hi, Di)
     row["select_gflop"] = sel_fl / 1e9

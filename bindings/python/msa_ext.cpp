@@ -107,6 +107,13 @@ msa::KlPass kl_pass_arg(const std::string& s) {
   bad_arg("kl_pass", "expected 'auto', 'fused' or 'separate', got '" + s + "'");
 }
 
+msa::FwdPass fwd_pass_arg(const std::string& s) {
+  if (s == "auto") return msa::FwdPass::kAuto;
+  if (s == "query_tile") return msa::FwdPass::kQueryTile;
+  if (s == "kv_block") return msa::FwdPass::kKvBlock;
+  bad_arg("fwd_pass", "expected 'auto', 'query_tile' or 'kv_block', got '" + s + "'");
+}
+
 msa::Options options(const nb::int_& mode, const nb::int_& block_size, const nb::int_& top_k,
                      const nb::int_& sink_blocks, const nb::int_& local_blocks, float scale,
                      float scale_idx, bool deterministic) {
@@ -195,7 +202,8 @@ NB_MODULE(_C, m) {
          const Array& out, const Array& lse, const OptArray& kl, const nb::int_& mode,
          const nb::int_& block_size, const nb::int_& top_k, const nb::int_& sink_blocks,
          const nb::int_& local_blocks, float scale, float scale_idx, bool deterministic,
-         uintptr_t stream, bool check_values, const nb::object& workspace_alloc) {
+         const std::string& fwd_pass, const nb::int_& fwd_chunk_tokens, uintptr_t stream,
+         bool check_values, const nb::object& workspace_alloc) {
         msa::ForwardParams p;
         p.q = to_ref("q", q);
         p.k = to_ref("k", k);
@@ -209,6 +217,8 @@ NB_MODULE(_C, m) {
         p.lse = to_ref("lse", lse);
         p.kl = to_ref("kl", kl);
         p.opts = options(mode, block_size, top_k, sink_blocks, local_blocks, scale, scale_idx, deterministic);
+        p.opts.fwd_pass = fwd_pass_arg(fwd_pass);
+        p.opts.fwd_chunk_tokens = int32_arg("fwd_chunk_tokens", fwd_chunk_tokens);
         run(p, stream, check_values, workspace_alloc, [](const msa::ForwardParams& x) { return msa::forward(x); });
       },
       nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("cu_seqlens").none(),
@@ -216,8 +226,9 @@ NB_MODULE(_C, m) {
       nb::arg("k_idx").none(), nb::arg("out"), nb::arg("lse"), nb::arg("kl").none() = nb::none(),
       nb::arg("mode") = 0, nb::arg("block_size") = 128, nb::arg("top_k") = 16,
       nb::arg("sink_blocks") = 0, nb::arg("local_blocks") = 1, nb::arg("scale") = 0.f,
-      nb::arg("scale_idx") = 0.f, nb::arg("deterministic") = false, nb::arg("stream") = 0,
-      nb::arg("check_values") = true, nb::arg("workspace_alloc") = nb::none());
+      nb::arg("scale_idx") = 0.f, nb::arg("deterministic") = false, nb::arg("fwd_pass") = "auto",
+      nb::arg("fwd_chunk_tokens") = 0, nb::arg("stream") = 0, nb::arg("check_values") = true,
+      nb::arg("workspace_alloc") = nb::none());
 
   m.def(
       "backward",

@@ -180,6 +180,7 @@ def sparse_attention(
     return_block_idx: bool = False,
     deterministic: bool = False,
     kl_pass: str = "auto",
+    fwd_pass: str = "auto",
 ):
     """MSA training attention: index selection, sparse attention, KL loss (contract §2-§4).
 
@@ -212,6 +213,12 @@ def sparse_attention(
             "fused" (inside the KV-side pass of the CUDA backward, or NotImplementedError where
             it cannot be) or "separate" (a pass of its own). Results agree to rounding; the CPU
             backend has one implementation.
+        fwd_pass: how the sparse forward walks its work: "auto" (the backend's choice),
+            "query_tile" (a tile of query rows visits the union of its tokens' selections:
+            fastest when neighbouring tokens select alike) or "kv_block" (each KV block visits
+            the tokens that selected it and a second kernel combines the partial outputs: its
+            cost does not grow with how much neighbouring selections differ). The CPU backend
+            has one implementation.
 
     Returns:
         ``(out, kl)``, then ``lse`` and ``block_idx`` when asked for, in that order.
@@ -247,7 +254,7 @@ def sparse_attention(
     out, lse, bi, kl = torch.ops.msa.forward(
         q, k, v, q_idx, k_idx, None if select else block_idx, cu, False, select, block_size,
         top_k, sink_blocks, local_blocks, _scale("scale", scale), _scale("scale_idx", scale_idx),
-        bool(kl_value) and has_idx, bool(deterministic), kl_pass)
+        bool(kl_value) and has_idx, bool(deterministic), kl_pass, fwd_pass)
     result = (out, kl)
     if return_lse:
         result += (lse,)

@@ -87,6 +87,15 @@ def _need_int(name: str, value: int, lo: int, hi: int = _INT32_MAX) -> None:
 _KL_PASSES = ("auto", "fused", "separate")
 
 
+_FWD_PASSES = ("auto", "query_tile", "kv_block")
+
+
+def _need_fwd_pass(fwd_pass: str) -> None:
+    if fwd_pass not in _FWD_PASSES:
+        raise ValueError(f"msa: argument 'fwd_pass': expected 'auto', 'query_tile' or "
+                         f"'kv_block', got {fwd_pass!r}")
+
+
 def _need_kl_pass(kl_pass: str) -> None:
     if kl_pass not in _KL_PASSES:
         raise ValueError(f"msa: argument 'kl_pass': expected 'auto', 'fused' or 'separate', "
@@ -154,15 +163,18 @@ def forward(
     want_kl: bool,
     deterministic: bool,
     kl_pass: str = "auto",
+    fwd_pass: str = "auto",
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(out [T, Hq, D] dtype of q, lse [T, Hq] fp32, block_idx, kl 0-dim fp32).
 
     ``block_idx`` (output) is the selection written by this call, [T, Hi, top_k] int32, when
     ``select`` is set in sparse mode, else an empty [0] int32 tensor. ``kl`` is the exact KL
     value when ``want_kl`` is set, else 0. ``kl_pass`` is for the autograd backward (see
-    ``msa::backward``); it is checked here.
+    ``msa::backward``); it is checked here. ``fwd_pass``: how the sparse forward walks its work
+    (Options.fwd_pass: "auto", "query_tile" or "kv_block").
     """
     _need_kl_pass(kl_pass)
+    _need_fwd_pass(fwd_pass)
     _need_rank("q", q, 3, "[T, Hq, D]")
     T, Hq, _ = q.shape
     dev = q.device
@@ -187,14 +199,16 @@ def forward(
             _lc(k_idx), out, lse, kl.view(1) if want_kl else None,
             mode=_MODE_DENSE if dense else _MODE_SPARSE, block_size=block_size,
             top_k=top_k, sink_blocks=sink_blocks, local_blocks=local_blocks, scale=scale,
-            scale_idx=scale_idx, deterministic=deterministic)
+            scale_idx=scale_idx, deterministic=deterministic, fwd_pass=fwd_pass)
     return out, lse, bi_out, kl
 
 
 @forward.register_fake
 def _(q, k, v, q_idx, k_idx, block_idx, cu_seqlens, dense, select, block_size, top_k,
-      sink_blocks, local_blocks, scale, scale_idx, want_kl, deterministic, kl_pass="auto"):
+      sink_blocks, local_blocks, scale, scale_idx, want_kl, deterministic, kl_pass="auto",
+      fwd_pass="auto"):
     _need_kl_pass(kl_pass)
+    _need_fwd_pass(fwd_pass)
     T, Hq, D = q.shape
     out = q.new_empty((T, Hq, D))
     lse = q.new_empty((T, Hq), dtype=torch.float32)

@@ -235,6 +235,18 @@ def test_kl_pass(x):
             block_size=Bk, kl_pass="Auto")
 
 
+def test_fwd_pass(x):
+    q, k, v, qi, ki = x
+    _raises("fwd_pass", msa.sparse_attention, q, k, v, qi, ki, 2, Bk, fwd_pass="kv")
+    bi = msa.select_blocks(qi, ki, 2, Bk)
+    ref, _ = msa.sparse_attention(q, k, v, None, None, block_idx=bi, block_size=Bk)
+    for fp in ("query_tile", "kv_block"):  # the CPU backend has one implementation
+        out, _ = msa.sparse_attention(q, k, v, None, None, block_idx=bi, block_size=Bk, fwd_pass=fp)
+        assert torch.equal(out, ref)
+    _raises("fwd_pass", _C.forward, q, k, v, None, bi, False, None, None, torch.empty_like(q),
+            torch.empty(q.shape[:2]), block_size=Bk, fwd_pass="KV")
+
+
 def test_check_values_keyword(x, monkeypatch):
     """check_values reaches the library; on the CPU the values are checked regardless (free).
     The ops turn it off on CUDA while the current stream is being captured."""
