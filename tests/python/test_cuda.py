@@ -321,31 +321,20 @@ def test_select_blocks_scale_does_not_change_ranking():
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("fwd_pass", ["auto", "kv_block"])
 @pytest.mark.parametrize("case", ATTN_CASES, ids=ATTN_IDS)
 @skip_unbuilt
-def test_forward_given_block_idx(case):
+def test_forward_given_block_idx(case, fwd_pass):
+    """fwd_pass "kv_block": partial outputs per KV block, then their combine."""
     _, lengths, Hq, Hkv, Hi, Hik, D, Bk, top_k, dtype = case
     T = sum(lengths)
     q, k, v = rand(T, Hq, D, dtype=dtype), rand(T, Hkv, D, dtype=dtype), rand(T, Hkv, D, dtype=dtype)
     bi = random_block_idx(lengths, Hi, top_k, Bk, empty_rows=0.02, no_own=0.02)
     out, kl, lse, bi_back = msa.sparse_attention(q, k, v, None, None, block_idx=bi, block_size=Bk,
                                                  cu_seqlens=cu_of(lengths), kl_value=False,
-                                                 return_lse=True, return_block_idx=True)
+                                                 return_lse=True, return_block_idx=True,
+                                                 fwd_pass=fwd_pass)
     assert bi_back is bi and kl.shape == () and float(kl) == 0.0
-    check_against_references(out, lse, q, k, v, bi, lengths, Bk, dtype)
-
-
-@pytest.mark.parametrize("case", ATTN_CASES, ids=ATTN_IDS)
-@skip_unbuilt
-def test_forward_kv_block(case):
-    """fwd_pass="kv_block": partial outputs per KV block, then their combine."""
-    _, lengths, Hq, Hkv, Hi, Hik, D, Bk, top_k, dtype = case
-    T = sum(lengths)
-    q, k, v = rand(T, Hq, D, dtype=dtype), rand(T, Hkv, D, dtype=dtype), rand(T, Hkv, D, dtype=dtype)
-    bi = random_block_idx(lengths, Hi, top_k, Bk, empty_rows=0.02, no_own=0.02)
-    out, _, lse = msa.sparse_attention(q, k, v, None, None, block_idx=bi, block_size=Bk,
-                                       cu_seqlens=cu_of(lengths), kl_value=False,
-                                       return_lse=True, fwd_pass="kv_block")
     check_against_references(out, lse, q, k, v, bi, lengths, Bk, dtype)
 
 

@@ -203,27 +203,35 @@ void set_scale(FwdArgs* a, float scale) {
 }
 }  // namespace
 
+namespace {
+// The forward's tensors, named alike in FwdArgs and FwdKvArgs: q, k, v in; out, lse out.
+template <class Args>
+void set_forward_tensors(Args* a, const ForwardParams& p) {
+  a->q = p.q.data;
+  a->q_s0 = p.q.stride[0];
+  a->q_s1 = p.q.stride[1];
+  a->k = p.k.data;
+  a->k_s0 = p.k.stride[0];
+  a->k_s1 = p.k.stride[1];
+  a->v = p.v.data;
+  a->v_s0 = p.v.stride[0];
+  a->v_s1 = p.v.stride[1];
+  a->out = p.out.data;
+  a->o_s0 = p.out.stride[0];
+  a->o_s1 = p.out.stride[1];
+  a->lse = static_cast<float*>(p.lse.data);
+  a->lse_s0 = p.lse.stride[0];
+  a->lse_s1 = p.lse.stride[1];
+}
+}  // namespace
+
 FwdArgs forward_args(const Problem& prob, const ForwardParams& p) {
   const bool dense = prob.opts.mode == Mode::kDense;
   FwdArgs a;
   // Dense mode has no index heads to follow: one tile head group per KV head.
   set_query_tile(&a, prob, p.cu_seqlens, prob.Hq, prob.Hkv, dense ? prob.Hkv : prob.Hi,
                  p.block_idx, dense);
-  a.q = p.q.data;
-  a.q_s0 = p.q.stride[0];
-  a.q_s1 = p.q.stride[1];
-  a.k = p.k.data;
-  a.k_s0 = p.k.stride[0];
-  a.k_s1 = p.k.stride[1];
-  a.v = p.v.data;
-  a.v_s0 = p.v.stride[0];
-  a.v_s1 = p.v.stride[1];
-  a.out = p.out.data;
-  a.o_s0 = p.out.stride[0];
-  a.o_s1 = p.out.stride[1];
-  a.lse = static_cast<float*>(p.lse.data);
-  a.lse_s0 = p.lse.stride[0];
-  a.lse_s1 = p.lse.stride[1];
+  set_forward_tensors(&a, p);
   set_scale(&a, prob.opts.scale);
   return a;
 }
@@ -313,24 +321,10 @@ BwdQArgs bwd_q_args(const Problem& prob, const BackwardParams& p, const float* d
 FwdKvArgs fwd_kv_args(const Problem& prob, const ForwardParams& p) {
   FwdKvArgs a;
   set_kv_side(&a, prob, p.cu_seqlens, /*sparse=*/true, /*kl=*/false);
-  a.q = p.q.data;
-  a.k = p.k.data;
-  a.v = p.v.data;
-  a.q_s0 = p.q.stride[0];
-  a.q_s1 = p.q.stride[1];
-  a.k_s0 = p.k.stride[0];
-  a.k_s1 = p.k.stride[1];
-  a.v_s0 = p.v.stride[0];
-  a.v_s1 = p.v.stride[1];
+  set_forward_tensors(&a, p);
   a.block_idx = static_cast<const int32_t*>(p.block_idx.data);
   a.bi_s0 = p.block_idx.stride[0];
   a.bi_s1 = p.block_idx.stride[1];
-  a.out = p.out.data;
-  a.o_s0 = p.out.stride[0];
-  a.o_s1 = p.out.stride[1];
-  a.lse = static_cast<float*>(p.lse.data);
-  a.lse_s0 = p.lse.stride[0];
-  a.lse_s1 = p.lse.stride[1];
   a.top_k = prob.k;
   a.block_size = prob.opts.block_size;
   a.scale_log2 = prob.opts.scale * static_cast<float>(M_LOG2E);
