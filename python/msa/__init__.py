@@ -375,3 +375,6 @@ def kl_divergence(
                                            block_idx is None, block_size,
                                            _scale("scale", scale), _scale("scale_idx", scale_idx))
     return (kl, rows) if return_rows else kl
+
+
+from . import nn  # noqa: E402,F401  (msa.nn.MSAAttention; imports this module)

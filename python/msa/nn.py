@@ -1,0 +1,183 @@
+"""An MSA attention layer for models: projections, rotary embeddings on both branches, the
+warmup and sparse modes, and the KL loss that trains the index branch.
+
+    attn = msa.nn.MSAAttention(d_model=1024, n_heads=16, n_kv_heads=4, top_k=16)
+    y, aux = attn(x, cu_seqlens=cu)          # x [T, d_model] packed, or [B, L, d_model]
+    loss = task_loss(y) + aux                # aux = kl_weight * KL (its gradient trains the index)
+
+``mode`` is "warmup" (dense causal attention, the KL over the full causal support: the first
+phase of MSA training) or "sparse" (attention over the blocks the index branch selects); switch
+with :meth:`MSAAttention.set_mode`. The layer calls :func:`msa.sparse_attention` /
+:func:`msa.warmup_attention`, so it runs on the CPU and CUDA backends, under ``torch.compile``
+and activation checkpointing, with the library's deterministic gradients.
+"""
+
+import math
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+import msa
+
+__all__ = ["MSAAttention", "rotary", "positions_of"]
+
+
+def positions_of(cu_seqlens: Optional[Tensor], T: int, device) -> Tensor:
+    """Each packed token's position inside its own sequence (int64 [T])."""
+    t = torch.arange(T, device=device)
+    if cu_seqlens is None:
+        return t
+    cu = cu_seqlens.to(device=device, dtype=torch.int64)
+    seq = torch.searchsorted(cu[1:], t, right=True)
+    return t - cu[seq]
+
+
+def rotary(x: Tensor, pos: Tensor, theta: float) -> Tensor:
+    """Rotary embedding of x [T, H, d] (d even; the two halves of the last dim rotate as pairs)
+    at positions pos [T], computed in float32 (float64 for float64 x) and returned in x's dtype."""
+    d = x.shape[-1]
+    half = d // 2
+    ct = torch.float64 if x.dtype == torch.float64 else torch.float32
+    inv = theta ** (-torch.arange(half, device=x.device, dtype=ct) * 2.0 / d)
+    ang = pos.to(ct)[:, None] * inv[None, :]  # [T, half]
+    cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
+    xf = x.to(ct)
+    a, b = xf[..., :half], xf[..., half:]
+    return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1).to(x.dtype)
+
+
+def _need(ok: bool, name: str, what: str) -> None:
+    if not ok:
+        raise ValueError(f"msa.nn.MSAAttention: argument '{name}': {what}")
+
+
+class MSAAttention(nn.Module):
+    """MiniMax Sparse Attention (block-sparse GQA attention on the blocks a light index branch
+    selects) with its index branch.
+
+    Args:
+        d_model: model width (input and output features).
+        n_heads, n_kv_heads: main query heads ``Hq`` and KV heads ``Hkv`` (``Hkv`` divides ``Hq``).
+        head_dim: main head dim ``D`` (even; default ``d_model // n_heads``).
+        n_idx_heads: index query heads ``Hi``: a multiple of ``Hkv`` that divides ``Hq``
+            (default ``Hkv``: one per GQA group).
+        n_idx_key_heads: index key heads ``Hik`` (divides ``Hi``; default 1, shared).
+        idx_head_dim: index head dim ``Di`` (even; default ``head_dim``; the CUDA backend's KL
+            gradient needs ``Di == D``).
+        block_size, top_k, sink_blocks, local_blocks: the selection (``Bk``, ``k``, forced sink and
+            local blocks; contract §2).
+        kl_weight: weight of the KL in the returned auxiliary loss.
+        kl_value: compute the KL's value (one more pass over the support). Without it the
+            auxiliary loss is a zero that still carries the KL's gradient (cheaper; enough to
+            train).
+        rope_theta: base of the rotary embeddings of both branches.
+        mode: "sparse" or "warmup".
+        bias: biases in the projections.
+
+    ``forward(x, cu_seqlens=None)`` takes ``x`` [T, d_model] (packed sequences marked by
+    ``cu_seqlens`` int32 [nseq+1]; None: one sequence) or [B, L, d_model] (B sequences of L
+    tokens) and returns ``(y, aux)``: ``y`` shaped like ``x``, ``aux`` = kl_weight * KL, 0-dim
+    float32.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, *,
+                 head_dim: Optional[int] = None, n_idx_heads: Optional[int] = None,
+                 n_idx_key_heads: int = 1, idx_head_dim: Optional[int] = None,
+                 block_size: int = 128, top_k: int = 16, sink_blocks: int = 1,
+                 local_blocks: int = 4, kl_weight: float = 1.0, kl_value: bool = False,
+                 rope_theta: float = 10000.0, mode: str = "sparse", bias: bool = False,
+                 device=None, dtype=None):
+        super().__init__()
+        _need(isinstance(d_model, int) and d_model >= 1, "d_model", f"must be a positive int, got {d_model!r}")
+        _need(isinstance(n_heads, int) and n_heads >= 1, "n_heads", f"must be a positive int, got {n_heads!r}")
+        _need(isinstance(n_kv_heads, int) and n_kv_heads >= 1 and n_heads % n_kv_heads == 0,
+              "n_kv_heads", f"must divide n_heads = {n_heads}, got {n_kv_heads!r}")
+        if head_dim is None:
+            _need(d_model % n_heads == 0, "head_dim",
+                  f"d_model = {d_model} is not a multiple of n_heads = {n_heads}: give head_dim")
+            head_dim = d_model // n_heads
+        _need(isinstance(head_dim, int) and head_dim >= 2 and head_dim % 2 == 0, "head_dim",
+              f"must be a positive even int (rotary pairs), got {head_dim!r}")
+        n_idx_heads = n_kv_heads if n_idx_heads is None else n_idx_heads
+        _need(isinstance(n_idx_heads, int) and n_idx_heads >= 1 and n_idx_heads % n_kv_heads == 0
+              and n_heads % n_idx_heads == 0, "n_idx_heads",
+              f"must be a multiple of n_kv_heads = {n_kv_heads} that divides n_heads = {n_heads}, "
+              f"got {n_idx_heads!r}")
+        _need(isinstance(n_idx_key_heads, int) and n_idx_key_heads >= 1
+              and n_idx_heads % n_idx_key_heads == 0, "n_idx_key_heads",
+              f"must divide n_idx_heads = {n_idx_heads}, got {n_idx_key_heads!r}")
+        idx_head_dim = head_dim if idx_head_dim is None else idx_head_dim
+        _need(isinstance(idx_head_dim, int) and idx_head_dim >= 2 and idx_head_dim % 2 == 0,
+              "idx_head_dim", f"must be a positive even int (rotary pairs), got {idx_head_dim!r}")
+        _need(isinstance(block_size, int) and block_size >= 1 and block_size & (block_size - 1) == 0,
+              "block_size", f"must be a power of two, got {block_size!r}")
+        _need(isinstance(top_k, int) and top_k >= 1, "top_k", f"must be a positive int, got {top_k!r}")
+        _need(isinstance(sink_blocks, int) and sink_blocks >= 0, "sink_blocks",
+              f"must be a non-negative int, got {sink_blocks!r}")
+        _need(isinstance(local_blocks, int) and local_blocks >= 1, "local_blocks",
+              f"must be at least 1, got {local_blocks!r}")
+        _need(math.isfinite(kl_weight) and kl_weight >= 0, "kl_weight",
+              f"must be finite and non-negative, got {kl_weight!r}")
+        _need(rope_theta > 0, "rope_theta", f"must be positive, got {rope_theta!r}")
+        self.d_model, self.n_heads, self.n_kv_heads = d_model, n_heads, n_kv_heads
+        self.head_dim, self.n_idx_heads, self.n_idx_key_heads = head_dim, n_idx_heads, n_idx_key_heads
+        self.idx_head_dim = idx_head_dim
+        self.block_size, self.top_k = block_size, top_k
+        self.sink_blocks, self.local_blocks = sink_blocks, local_blocks
+        self.kl_weight, self.kl_value, self.rope_theta = float(kl_weight), bool(kl_value), rope_theta
+        self.set_mode(mode)
+        kw = dict(bias=bias, device=device, dtype=dtype)
+        self.q_proj = nn.Linear(d_model, n_heads * head_dim, **kw)
+        self.k_proj = nn.Linear(d_model, n_kv_heads * head_dim, **kw)
+        self.v_proj = nn.Linear(d_model, n_kv_heads * head_dim, **kw)
+        self.o_proj = nn.Linear(n_heads * head_dim, d_model, **kw)
+        self.q_idx_proj = nn.Linear(d_model, n_idx_heads * idx_head_dim, **kw)
+        self.k_idx_proj = nn.Linear(d_model, n_idx_key_heads * idx_head_dim, **kw)
+
+    def set_mode(self, mode: str) -> None:
+        """"warmup" (dense causal attention, KL over the full causal support) or "sparse"."""
+        _need(mode in ("sparse", "warmup"), "mode", f"must be 'sparse' or 'warmup', got {mode!r}")
+        self.mode = mode
+
+    def extra_repr(self) -> str:
+        return (f"d_model={self.d_model}, heads={self.n_heads}/{self.n_kv_heads}, "
+                f"head_dim={self.head_dim}, idx_heads={self.n_idx_heads}/{self.n_idx_key_heads}, "
+                f"idx_head_dim={self.idx_head_dim}, block_size={self.block_size}, "
+                f"top_k={self.top_k}, mode={self.mode}")
+
+    def project(self, x: Tensor, cu_seqlens: Optional[Tensor]) -> Tuple[Tensor, ...]:
+        """The branches' inputs for packed x [T, d_model]: q, k, v, q_idx, k_idx (rotary applied
+        to q, k, q_idx, k_idx at each token's position in its sequence)."""
+        T = x.shape[0]
+        pos = positions_of(cu_seqlens, T, x.device)
+        q = rotary(self.q_proj(x).view(T, self.n_heads, self.head_dim), pos, self.rope_theta)
+        k = rotary(self.k_proj(x).view(T, self.n_kv_heads, self.head_dim), pos, self.rope_theta)
+        v = self.v_proj(x).view(T, self.n_kv_heads, self.head_dim)
+        qi = rotary(self.q_idx_proj(x).view(T, self.n_idx_heads, self.idx_head_dim), pos,
+                    self.rope_theta)
+        ki = rotary(self.k_idx_proj(x).view(T, self.n_idx_key_heads, self.idx_head_dim), pos,
+                    self.rope_theta)
+        return q, k, v, qi, ki
+
+    def forward(self, x: Tensor, cu_seqlens: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+        _need(x.dim() in (2, 3) and x.shape[-1] == self.d_model, "x",
+              f"expected [T, {self.d_model}] or [B, L, {self.d_model}], got {tuple(x.shape)}")
+        batched = x.dim() == 3
+        if batched:
+            _need(cu_seqlens is None, "cu_seqlens", "give it only with packed [T, d_model] input")
+            B, L, _ = x.shape
+            cu_seqlens = torch.arange(B + 1, device=x.device, dtype=torch.int32) * L
+            x = x.reshape(B * L, self.d_model)
+        q, k, v, qi, ki = self.project(x, cu_seqlens)
+        if self.mode == "warmup":
+            out, kl = msa.warmup_attention(q, k, v, qi, ki, cu_seqlens=cu_seqlens,
+                                           kl_value=self.kl_value)
+        else:
+            out, kl = msa.sparse_attention(q, k, v, qi, ki, self.top_k, self.block_size,
+                                           cu_seqlens=cu_seqlens, sink_blocks=self.sink_blocks,
+                                           local_blocks=self.local_blocks, kl_value=self.kl_value)
+        y = self.o_proj(out.reshape(x.shape[0], self.n_heads * self.head_dim))
+        if batched:
+            y = y.view(B, L, self.d_model)
+        return y, kl * self.kl_weight
