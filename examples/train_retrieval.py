@@ -1,0 +1,316 @@
+#!/usr/bin/env python3
+"""Does MSA learn? A small decoder-only model trained on a synthetic long-context retrieval task,
+three ways from the same initialisation for the same steps:
+
+  dense   torch SDPA causal attention (the index projections exist but are unused);
+  warmup  msa.nn.MSAAttention: a warmup phase (dense attention + the KL that trains the index
+          branch), then sparse attention over the selected blocks;
+  sparse  MSA sparse attention from step 0 (the index branch learns from the KL alone).
+
+The task: a sequence of random filler tokens holds `pairs` (key, value) pairs, each written as
+KEY k v, at random places; the last tokens ask QUERY k for one of them, and the model must answer
+its value. The answer sits up to a whole sequence earlier, so attention must reach far back.
+
+Reported per evaluation (CSV + PNG next to --out): answer accuracy and loss on held-out sequences;
+the KL of each MSA layer; the index recall, i.e. the share of the dense teacher's attention mass
+that the selected blocks hold (mean over layers, tokens and index heads) and how often the block
+holding the answer's value is selected for the query token (any index head, mean over layers);
+the step time of each model. At the end, the trained warmup model's block_idx of its layers at
+the training length is saved (PREFIX_block_idx.pt) for the kernel benchmarks.
+
+    python examples/train_retrieval.py --device cuda --out runs/retrieval   # on a GPU (minutes)
+    python examples/train_retrieval.py --tiny --out /tmp/retrieval           # the CPU smoke run
+"""
+
+import argparse
+import csv
+import json
+import math
+import os
+import sys
+import time
+from typing import Dict, List
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import msa
+from msa.nn import MSAAttention
+
+Tensor = torch.Tensor
+FILLER0 = 4  # token ids: 0 pad, 1 KEY, 2 QUERY, 3 ANSWER-slot; fillers, keys and values after
+
+
+def batch(B: int, L: int, vocab: int, pairs: int, gen: torch.Generator, device):
+    """Token ids [B, L], the answer positions' targets [B], the position of the query token [B]
+    and of the answer's value token [B]. Keys and values are drawn from the top half of the
+    vocabulary, fillers from the bottom half."""
+    half = FILLER0 + (vocab - FILLER0) // 2
+    x = torch.randint(FILLER0, half, (B, L), generator=gen)
+    keys = torch.randint(half, vocab, (B, pairs), generator=gen)
+    vals = torch.randint(half, vocab, (B, pairs), generator=gen)
+    slots = (L - 4) // 3
+    starts = torch.stack([torch.randperm(slots, generator=gen)[:pairs] for _ in range(B)]) * 3
+    ask = torch.randint(0, pairs, (B,), generator=gen)
+    rows = torch.arange(B)[:, None]
+    x[rows, starts] = 1
+    x[rows, starts + 1] = keys
+    x[rows, starts + 2] = vals
+    x[:, L - 3] = 2
+    x[:, L - 2] = keys[torch.arange(B), ask]
+    x[:, L - 1] = 3  # the model answers here
+    target = vals[torch.arange(B), ask]
+    value_pos = starts[torch.arange(B), ask] + 2
+    return x.to(device), target.to(device), value_pos.to(device)
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, attn: MSAAttention):
+        super().__init__()
+        self.n1, self.n2 = nn.RMSNorm(d), nn.RMSNorm(d)
+        self.attn = attn
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+
+class Model(nn.Module):
+    """Embedding, layers of (attention, MLP) with pre-norm residuals, an output head. `kind`:
+    "dense" runs SDPA on the attention layer's own q, k, v projections; "msa" runs the layer."""
+
+    def __init__(self, vocab: int, d: int, layers: int, heads: int, kv_heads: int, block: int,
+                 top_k: int, kl_weight: float):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(
+            Block(d, MSAAttention(d, heads, kv_heads, block_size=block, top_k=top_k,
+                                  sink_blocks=1, local_blocks=2, kl_weight=kl_weight))
+            for _ in range(layers))
+        self.norm = nn.RMSNorm(d)
+        self.head = nn.Linear(d, vocab)
+        self.kind = "msa"
+
+    def set_mode(self, kind: str, mode: str = "sparse"):
+        self.kind = kind
+        for b in self.blocks:
+            b.attn.set_mode(mode)
+
+    def attend(self, attn: MSAAttention, h: Tensor, B: int, L: int):
+        if self.kind == "msa":
+            return attn(h.view(B, L, -1))
+        q, k, v, _, _ = attn.project(h, torch.arange(B + 1, device=h.device, dtype=torch.int32) * L)
+        o = F.scaled_dot_product_attention(
+            q.view(B, L, attn.n_heads, -1).transpose(1, 2), k.view(B, L, attn.n_kv_heads, -1).transpose(1, 2),
+            v.view(B, L, attn.n_kv_heads, -1).transpose(1, 2), is_causal=True, enable_gqa=True)
+        y = attn.o_proj(o.transpose(1, 2).reshape(B * L, -1))
+        return y.view(B, L, -1), h.new_zeros((), dtype=torch.float32)
+
+    def forward(self, x: Tensor):
+        B, L = x.shape
+        h = self.emb(x)
+        aux = h.new_zeros((), dtype=torch.float32)
+        for b in self.blocks:
+            a, kl = self.attend(b.attn, b.n1(h).reshape(B * L, -1), B, L)
+            h = h + a
+            h = h + b.mlp(b.n2(h))
+            aux = aux + kl
+        return self.head(self.norm(h[:, -1])), aux
+
+
+@torch.no_grad()
+def recall(model: Model, x: Tensor, value_pos: Tensor):
+    """(teacher mass in the selected blocks, share of (layer) where the query token's selection
+    holds the answer's block), over the layers of `model` on (at most two of) sequences x [B, L]."""
+    x, value_pos = x[:2], value_pos[:2]
+    B, L = x.shape
+    h = model.emb(x)
+    mass, hit = [], []
+    cu = torch.arange(B + 1, device=x.device, dtype=torch.int32) * L
+    for b in model.blocks:
+        a = b.attn
+        hn = b.n1(h).reshape(B * L, -1)
+        q, k, _, qi, ki = a.project(hn, cu)
+        bi = msa.select_blocks(qi, ki, a.top_k, a.block_size, cu_seqlens=cu,
+                               sink_blocks=a.sink_blocks, local_blocks=a.local_blocks)
+        G, Gi = a.n_heads // a.n_kv_heads, a.n_heads // a.n_idx_heads
+        qf = q.view(B, L, a.n_heads, -1).transpose(1, 2).float()
+        kf = k.view(B, L, a.n_kv_heads, -1).transpose(1, 2).float().repeat_interleave(G, 1)
+        s = qf @ kf.transpose(-1, -2) / math.sqrt(a.head_dim)
+        s = s.masked_fill(torch.ones(L, L, dtype=torch.bool, device=x.device).triu(1), -math.inf)
+        pi = s.softmax(-1).view(B, a.n_idx_heads, Gi, L, L).mean(2)  # [B, Hi, L, L]
+        nblk = -(-L // a.block_size)
+        pi = F.pad(pi, (0, nblk * a.block_size - L)).view(B, a.n_idx_heads, L, nblk, -1).sum(-1)
+        sel = bi.view(B, L, a.n_idx_heads, -1).long().permute(0, 2, 1, 3)  # [B, Hi, L, k]
+        kept = pi.gather(-1, sel.clamp(min=0)) * (sel >= 0)
+        mass.append(float(kept.sum(-1).mean()))
+        del s, pi
+        qsel = sel[:, :, L - 1, :]  # the answering token's selection [B, Hi, k]
+        vb = (value_pos // a.block_size)[:, None, None]
+        hit.append(float((qsel == vb).any(2).any(1).float().mean()))
+        a_out, _ = a(hn.view(B, L, -1))
+        h = h + a_out
+        h = h + b.mlp(b.n2(h))
+    return sum(mass) / len(mass), sum(hit) / len(hit)
+
+
+def evaluate(model: Model, data, kind: str, mode: str):
+    x, target, value_pos = data
+    model.set_mode(kind, mode)
+    for b in model.blocks:
+        b.attn.kl_value = True
+    with torch.no_grad():
+        logits, aux = model(x)
+    for b in model.blocks:
+        b.attn.kl_value = False
+    row = dict(loss=float(F.cross_entropy(logits.float(), target)),
+               acc=float((logits.argmax(-1) == target).float().mean()),
+               kl=float(aux) / (len(model.blocks) * model.blocks[0].attn.kl_weight or 1.0))
+    if kind == "msa":
+        row["recall_mass"], row["recall_answer"] = recall(model, x, value_pos)
+    return row
+
+
+def run(args) -> Dict:
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(args.seed)
+    base = Model(args.vocab, args.d_model, args.layers, args.heads, args.kv_heads,
+                 args.block_size, args.top_k, args.kl_weight).to(device=device, dtype=dtype)
+    init = {k: v.clone() for k, v in base.state_dict().items()}
+    gen_eval = torch.Generator().manual_seed(args.seed + 1)
+    evals = batch(args.eval_batch, args.seq_len, args.vocab, args.pairs, gen_eval, device)
+    rows: List[Dict] = []
+    summary: Dict = {}
+    for name in args.models.split(","):
+        model = base
+        model.load_state_dict(init)
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+        gen = torch.Generator().manual_seed(args.seed + 2)  # the same batches for every model
+        times = []
+        for step in range(1, args.steps + 1):
+            if name == "dense":
+                model.set_mode("dense")
+            elif name == "warmup":
+                model.set_mode("msa", "warmup" if step <= args.warmup_steps else "sparse")
+            else:
+                model.set_mode("msa", "sparse")
+            x, target, _ = batch(args.batch, args.seq_len, args.vocab, args.pairs, gen, device)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            logits, aux = model(x)
+            loss = F.cross_entropy(logits.float(), target)
+            opt.zero_grad(set_to_none=True)
+            (loss + aux).backward()
+            opt.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            if step % args.eval_every == 0 or step == args.steps:
+                recent = sorted(times[-args.eval_every:])
+                mode = model.blocks[0].attn.mode  # evaluated as trained at this step
+                row = dict(model=name, step=step, mode="dense" if name == "dense" else mode,
+                           train_loss=float(loss.detach()), step_ms=1e3 * recent[len(recent) // 2])
+                row.update(evaluate(model, evals, "dense" if name == "dense" else "msa", mode))
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        summary[name] = rows[-1]
+        if name == "warmup" and args.out:
+            model.set_mode("msa", "sparse")
+            save_selection(model, evals[0], args.out + "_block_idx.pt")
+    return dict(rows=rows, summary=summary)
+
+
+@torch.no_grad()
+def save_selection(model: Model, x: Tensor, path: str):
+    """block_idx [T, Hi, k] of each layer on the first evaluation sequence."""
+    x = x[:1]
+    B, L = x.shape
+    cu = torch.tensor([0, L], device=x.device, dtype=torch.int32)
+    h = model.emb(x)
+    out = {}
+    for n, b in enumerate(model.blocks):
+        a = b.attn
+        hn = b.n1(h).reshape(L, -1)
+        _, _, _, qi, ki = a.project(hn, cu)
+        out[f"layer{n}"] = msa.select_blocks(qi, ki, a.top_k, a.block_size, cu_seqlens=cu,
+                                             sink_blocks=a.sink_blocks,
+                                             local_blocks=a.local_blocks).cpu()
+        h = h + a(hn.view(1, L, -1))[0]
+        h = h + b.mlp(b.n2(h))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    torch.save(dict(block_idx=out, block_size=model.blocks[0].attn.block_size), path)
+
+
+def write_report(prefix: str, result: Dict):
+    os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+    keys: List[str] = []
+    for r in result["rows"]:
+        keys += [k for k in r if k not in keys]
+    with open(prefix + ".csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows(result["rows"])
+    with open(prefix + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot", file=sys.stderr)
+        return
+    panels = [("acc", "answer accuracy"), ("loss", "eval loss"), ("kl", "KL per layer"),
+              ("recall_mass", "teacher mass in selection"), ("recall_answer", "answer block selected")]
+    colors = {"dense": "tab:blue", "warmup": "tab:orange", "sparse": "tab:green"}
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
+    for ax, (key, title) in zip(axes, panels):
+        for name in dict.fromkeys(r["model"] for r in result["rows"]):
+            pts = [(r["step"], r[key]) for r in result["rows"] if r["model"] == name and key in r]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=name, color=colors.get(name))
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(prefix + ".png", dpi=110)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--models", default="dense,warmup,sparse")
+    p.add_argument("--seq-len", type=int, default=8192)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--eval-batch", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--pairs", type=int, default=16)
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--top-k", type=int, default=16)
+    p.add_argument("--kl-weight", type=float, default=0.1)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--warmup-steps", type=int, default=150)
+    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="write PREFIX.csv, PREFIX.json, PREFIX.png")
+    p.add_argument("--tiny", action="store_true", help="a small CPU configuration (seconds)")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.device = "cpu"
+        args.seq_len, args.batch, args.eval_batch, args.vocab, args.pairs = 96, 4, 8, 64, 3
+        args.d_model, args.layers, args.heads, args.kv_heads = 32, 2, 4, 2
+        args.block_size, args.top_k, args.lr = 8, 4, 3e-3
+        args.steps, args.warmup_steps, args.eval_every = 24, 12, 12
+    result = run(args)
+    if args.out:
+        write_report(args.out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
