@@ -14,7 +14,8 @@
 #   memcheck   compute-sanitizer --tool memcheck on a few small CUDA tests      -> memcheck.log
 #   racecheck  compute-sanitizer --tool racecheck on the same tests             -> racecheck.log
 #   bench      bench/bench_forward.py                  -> bench.log, bench.csv, bench.json
-#   bench_bwd  bench/bench_backward.py (training step)  -> bench_bwd.log
+#   bench_bwd  bench/bench_backward.py (training step)  -> bench_bwd.log, bench_bwd.csv
+# and, where matplotlib is installed, bench/plot_bench.py draws PNGs next to the CSVs.
 # A summary table (stage, result, counts, seconds) and the benchmark's tables come last.
 #
 # Environment:
@@ -259,10 +260,17 @@ if enabled bench_bwd; then
     failed=1
   else
     run_stage bench_bwd "$OUT/bench_bwd.log" "${BENCH_BWD_TIMEOUT:-300}" 0 \
-      env PYTHONPATH="$stage_dir" "$PY" bench/bench_backward.py "${bench_bwd_args[@]}"
+      env PYTHONPATH="$stage_dir" "$PY" bench/bench_backward.py "${bench_bwd_args[@]}" --out "$OUT/bench_bwd"
     note bench_bwd "$(result_of "$rc")" "args: ${BENCH_BWD_ARGS:-none}" "$stage_seconds"
     [ "$rc" -ne 0 ] && failures+=("bench_bwd $OUT/bench_bwd.log")
   fi
+fi
+
+# ---- plots of the benchmarks' CSVs (where matplotlib is installed) --------------------------
+plots=()
+for f in "$OUT/bench.csv" "$OUT/bench_bwd.csv"; do [ -f "$f" ] && plots+=("$f"); done
+if [ "${#plots[@]}" -gt 0 ] && "$PY" -c 'import matplotlib' >/dev/null 2>&1; then
+  "$PY" bench/plot_bench.py "${plots[@]}" >"$OUT/plots.log" 2>&1 || echo "plot_bench failed: see $OUT/plots.log"
 fi
 
 # ---- summary ------------------------------------------------------------------------------
