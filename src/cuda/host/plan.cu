@@ -395,7 +395,9 @@ Status make_plan(const char* fn, const Problem& prob, int32_t nseq, bool sparse,
   if (sparse) {
     p.n = (fwd_tokens > 0 ? fwd_tokens : prob.T) * prob.Hi * int64_t(prob.k);
     if (p.n >= (int64_t(1) << 31))
-      return fail(fn, "block_idx", "T * Hi * k must be below 2^31 for the CUDA backward");
+      return fail(fn, "block_idx",
+                  "the reverse index's T * Hi * k entries (T: the tokens of one pass) must stay "
+                  "below 2^31");
     // Reverse-index keys: (segment = (KV tile, KV head, index head of it), token, slot).
     const uint64_t segments = static_cast<uint64_t>(kv_tiles) * prob.Hkv * (prob.Hi / prob.Hkv);
     p.tbits = bits_for(static_cast<uint64_t>(prob.T));
@@ -430,7 +432,7 @@ Status make_plan(const char* fn, const Problem& prob, int32_t nseq, bool sparse,
   const double e_bound =
       sparse ? double(p.entries)
              : double(p.Hi_group) * double(kv_tiles) * double(kern::num_tile_ids(nseq, prob.T, p.m));
-  if (kv_tiles * prob.Hkv >= (int64_t(1) << 31)) return fail(fn, "q", "too many tokens for the CUDA backward");
+  if (kv_tiles * prob.Hkv >= (int64_t(1) << 31)) return fail(fn, "q", "too many tokens for the CUDA KV-side passes");
   p.items = static_cast<int32_t>(kv_tiles * prob.Hkv);
   size_t scan_bytes = 0;
   cub::DeviceScan::ExclusiveSum(nullptr, scan_bytes, static_cast<int32_t*>(nullptr),
@@ -444,7 +446,7 @@ Status make_plan(const char* fn, const Problem& prob, int32_t nseq, bool sparse,
     chunk = std::max(1.0, chunk);
     const int64_t extra = static_cast<int64_t>(std::ceil(e_bound / chunk));
     if (chunk >= double(int64_t(1) << 31) || p.items + extra >= (int64_t(1) << 31))
-      return fail(fn, "q", "too many tokens for the CUDA backward");
+      return fail(fn, "q", "too many tokens for the CUDA KV-side passes");
     w->chunk = static_cast<int32_t>(chunk);
     w->grid = p.items + extra;
     w->slots = with_slots ? 2 * extra + 2 : 0;
