@@ -159,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cuda",
                    help="cuda, or cpu to exercise the script on the CPU backend (tiny shapes)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trained", default=None,
+                   help="also time the forward over a trained model's saved selections (the "
+                        "PREFIX_block_idx.pt of examples/train_retrieval.py) where T, Bk match")
     p.add_argument("--fwd-pass", choices=["auto", "query_tile", "kv_block"], default="auto",
                    help="how the sparse forward walks its work (Options.fwd_pass)")
     p.add_argument("--out", default=None, help="write PREFIX.csv and PREFIX.json")
@@ -412,6 +415,25 @@ def bench_case(msa, cfg_name: str, L: int, B: int, full_only: bool, args, timer:
             row[f"msa_{name}_error"] = error_text(e)
         log(f"  msa {name:9s} {row.get(f'msa_{name}_ms', float('nan')):10.3f} ms")
         del idx_sets
+    # A trained index branch's selections (--trained, saved by examples/train_retrieval.py):
+    # the sparse forward over each saved layer's block_idx, where the file's length and block
+    # size are this case's and B = 1. Their overlap and union go into the row.
+    if args.trained and not full_only:
+        trained, trained_bk = sp.load_trained(args.trained, Hi, device)
+        for layer, bi in trained.items():
+            if B != 1 or bi.shape[0] != L or trained_bk != Bk:
+                continue
+            name = f"trained_{layer}"
+            try:
+                st = sp.selection_stats(bi, cu, bi.shape[2])
+                fl = attention_flops(visible_keys(bi, B, L, Bk), Hq, Hi, D)
+                ms = timer.median_ms([given(s, bi) for s in sets])
+                row.update({f"{name}_overlap": st["overlap"], f"{name}_union": st["union"],
+                            f"fwd_{name}_gflop": fl / 1e9, f"fwd_{name}_ms": ms,
+                            f"fwd_{name}_tflops": tflops(fl, ms)})
+            except Exception as e:  # noqa: BLE001
+                row[f"fwd_{name}_error"] = error_text(e)
+            log(f"  fwd {name} {row.get(f'fwd_{name}_ms', float('nan')):10.3f} ms")
     dfl = dense_flops(B, L, Hq, D)
     if att_max:
         row["selected_fraction"] = keys_max / (Hi * causal_pairs(B, L))

@@ -4,8 +4,10 @@ selections."""
 
 import csv
 import importlib.util
+import json
 import math
 import os
+import sys
 
 import torch
 
@@ -36,3 +38,31 @@ def test_train_retrieval_tiny(tmp_path):
     bi = sel["block_idx"]["layer0"]
     assert bi.shape == (96, 2, 4) and bi.dtype == torch.int32
     assert os.path.getsize(prefix + ".png") > 0
+
+
+def test_bench_forward_times_trained_selections(tmp_path, capsys):
+    """bench_forward --trained: the sparse forward over a trained model's saved selections, with
+    their overlap and union, where the file's length and block size match the case."""
+    sys.path.insert(0, os.path.join(HERE, "..", "..", "bench"))
+    import bench_forward as bf
+    T, Hi_file, k = 128, 2, 4
+    bi = torch.full((T, Hi_file, k), -1, dtype=torch.int32)
+    own = torch.arange(T) // 16
+    bi[:, :, 0] = own[:, None]
+    bi[:, 0, 1] = (own - 2).clamp(min=-1)  # head 0 also looks two blocks back
+    path = tmp_path / "sel_block_idx.pt"
+    torch.save(dict(block_idx={"layer0": bi}, block_size=16), path)
+    out = tmp_path / "bench"
+    rc = bf.main(["--device", "cpu", "--configs", "flash-msa", "--lengths", "128",
+                  "--total-tokens", "128", "--block-size", "16", "--head-dim", "64",
+                  "--index-dim", "64", "--top-k", "8", "--levels", "shared", "--skip-dense",
+                  "--reps", "1", "--rep-ms", "0", "--warmup-ms", "0", "--trained", str(path),
+                  "--out", str(out)])
+    assert rc == 0
+    row = json.loads((tmp_path / "bench.json").read_text())["rows"][0]
+    assert row["fwd_trained_layer0_ms"] > 0 and row["fwd_trained_layer0_tflops"] > 0
+    # heads 0 and 2 (file head 0) select two blocks, heads 1 and 3 one; neighbours inside a block
+    # agree, so the overlap is (2 + 1 + 2 + 1) / (4 heads x k = 4) = 0.375 away from block edges
+    # and from the first blocks (where head 0 has one block), less there
+    assert 0.3 < row["trained_layer0_overlap"] <= 0.375
+    assert row["trained_layer0_union"] >= row["trained_layer0_overlap"]
