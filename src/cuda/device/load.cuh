@@ -79,8 +79,8 @@ struct ColumnLoader {
     for (int j = 0; j < kIters; ++j) out[j] = tok[j] < count ? toks[tok[j]] : -1;
   }
 
-  // The rows of tokens t[] (from tokens()) of heads first_head.. from src (head 0 of token 0)
-  // into the tile at dst.
+  // The rows of tokens t[] (packed indices, from tokens()) into the tile at dst; src points at
+  // the entry's first head of packed token 0, so a row is src + t * s0 + head * s1.
   template <class Element>
   __device__ void load(Element* dst, const Element* src, int64_t s0, int64_t s1,
                        const int32_t (&t)[kIters]) const {
