@@ -1,16 +1,16 @@
-// Entry lists of the KV-side kernels (bwd_kv_kernel.cuh, kl_kernel.cuh): the tokens that selected
-// a KV block, the work items and chunks they are cut into, and the entry stream that keeps
-// kStages entries in flight.
+// Entry lists of the KV-side kernels (bwd_kv_kernel.cuh, kl_kernel.cuh, fwd_kv_kernel.cuh): the
+// tokens that selected a KV block, the work items and chunks they are cut into, and the entry
+// stream that keeps kStages entries in flight.
 //
 // A KV-side work item is one KV block (Bk keys of one sequence) of one KV head r. Its work is a
 // list of entries; an entry is up to m = min(64 / Gi, 16) tokens of one index head i of r, and
 // its 64 columns are (token, head) pairs of those tokens and of i's Gi query heads (column =
-// token * Gi + head). An entry is an EntryRecord: its tokens' packed indices and its segment
-// (item * ipk + i - r * ipk).
+// token * Gi + head). An entry is an EntryRecord: its tokens' packed indices, the block's column
+// in each token's block_idx row, and its segment ((KV tile * Hkv + r) * ipk + i - r * ipk).
 //   Sparse mode: the tokens are packed. The reverse index (host/reverse_index.cu) sorts one key
-//   per selection, (KV tile, r, i, token), and cuts each (KV tile, r, i) run into records of m
-//   consecutive keys, so every column of an entry holds a token that selected the block, whatever
-//   the overlap of neighbouring tokens' selections.
+//   per selection, (KV tile, r, i, token, column), keeps one per (segment, token), and cuts each
+//   (KV tile, r, i) run into records of m consecutive keys, so every column of an entry holds a
+//   token that selected the block, whatever the overlap of neighbouring tokens' selections.
 //   Dense (warmup) mode: the records are worked out on the device: m consecutive tokens of the
 //   sequence from the group holding the block's first key on (tokens before it see none of it).
 //
