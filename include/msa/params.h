@@ -134,4 +134,66 @@ struct KlParams {
   Launch launch;
 };
 
+// ---------------------------------------------------------------------------------------------
+// Serving over a paged KV cache (docs/contract.md §6).
+//
+// A cache holds pages of Bk = Options.block_size tokens; page p row r of `k` is k[p, r, :, :].
+// Sequence s keeps its tokens 0 .. seq_lens[s]-1 in logical blocks 0, 1, ..., block b of it in
+// physical page page_table[s, b]; block_idx always holds logical block ids. Pages are
+// token-major ([pages, Bk, H, D]): a page of one head is Bk rows of D contiguous elements, the
+// same layout a contiguous [T, H, D] sequence has, so the training kernels' tile loads apply.
+struct PagedCache {
+  TensorRef k;           // [pages, Bk, Hkv, D]
+  TensorRef v;           // [pages, Bk, Hkv, D], dtype of k
+  TensorRef k_idx;       // [pages, Bk, Hik, Di]
+  TensorRef page_table;  // [nseq, max_pages] int32: physical page of each logical block
+  TensorRef seq_lens;    // [nseq] int32: tokens cached per sequence, this call's new ones included
+};
+
+// The new tokens of a call: `cu_seqlens_q` [nseq+1] int32 packs them per sequence; sequence s has
+// n_s = cu_seqlens_q[s+1] - cu_seqlens_q[s] of them (0 allowed), the last n_s of its seq_lens[s]
+// positions: new token j sits at position seq_lens[s] - n_s + j and sees keys 0 .. that position.
+// `max_q_len`: 0 for any n_s (a prefill chunk); 1..16 for decode (multi-token prediction), a
+// bound on every n_s that sizes the launch once, so a captured CUDA graph replays with new lengths
+// and page tables.
+
+// Selection for the new tokens (docs/contract.md §2 at their positions): reads cache.k_idx.
+struct PagedSelectParams {
+  TensorRef q_idx;         // in  [Tq, Hi, Di], dtype of cache.k_idx
+  TensorRef cu_seqlens_q;  // in  [nseq+1] int32
+  PagedCache cache;        // k_idx, page_table, seq_lens (k and v unused)
+  TensorRef block_idx;     // out [Tq, Hi, k] int32: ascending logical block ids, then -1
+  int32_t max_q_len = 0;
+  Options opts;
+  Launch launch;
+};
+
+// Attention of the new tokens over the cache (docs/contract.md §3 at their positions; kDense: over
+// every causal key, the dense baseline). With `select`, block_idx is written first from q_idx.
+struct PagedForwardParams {
+  TensorRef q;             // in  [Tq, Hq, D], dtype of cache.k
+  TensorRef cu_seqlens_q;  // in  [nseq+1] int32
+  PagedCache cache;
+  TensorRef block_idx;     // [Tq, Hi, k] int32 (kSparse): in, or out when `select`
+  bool select = false;
+  TensorRef q_idx;         // in  [Tq, Hi, Di] when `select`
+  TensorRef out;           // out [Tq, Hq, D], dtype of q
+  TensorRef lse;           // out [Tq, Hq] fp32, optional
+  int32_t max_q_len = 0;
+  Options opts;
+  Launch launch;
+};
+
+// Writes the new tokens' k, v and k_idx into their pages (positions as above). Any of the three
+// may be absent (its cache tensor is then not touched either).
+struct PagedAppendParams {
+  TensorRef k;             // in  [Tq, Hkv, D], dtype of cache.k
+  TensorRef v;             // in  [Tq, Hkv, D]
+  TensorRef k_idx;         // in  [Tq, Hik, Di], dtype of cache.k_idx
+  TensorRef cu_seqlens_q;  // in  [nseq+1] int32
+  PagedCache cache;        // written: k, v, k_idx at the new tokens' rows
+  int32_t block_size = 128;
+  Launch launch;
+};
+
 }  // namespace msa

@@ -32,4 +32,12 @@ size_t forward_workspace(const Problem& prob, const ForwardParams& p);
 size_t backward_workspace(const Problem& prob, const BackwardParams& p);
 size_t kl_workspace(const Problem& prob, const KlParams& p);
 
+// docs/contract.md §6, serving over a paged cache (host/paged.cu). `prob` describes the new
+// tokens: T = Tq, heads and dims from q / q_idx and the cache, k; prob.cu stays empty.
+Status paged_select_blocks(const Problem& prob, const PagedSelectParams& p);
+Status paged_forward(const Problem& prob, const PagedForwardParams& p);
+Status paged_append(const PagedAppendParams& p);
+size_t paged_select_workspace(const Problem& prob, const PagedSelectParams& p);
+size_t paged_forward_workspace(const Problem& prob, const PagedForwardParams& p);
+
 }  // namespace msa::cuda
