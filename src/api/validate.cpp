@@ -398,18 +398,18 @@ Status selection_options(const Check& c, const Options& o) {
   return Status::Ok();
 }
 
-// cu_seqlens: int32 [nseq+1] (optional).
-Status seqlens_shape(Check& c, const TensorRef& cu) {
+// cu_seqlens (or the serving calls' cu_seqlens_q, named `arg`): int32 [nseq+1] (optional).
+Status seqlens_shape(Check& c, const TensorRef& cu, const char* arg = "cu_seqlens") {
   if (!cu.defined()) return Status::Ok();
-  MSA_TRY(c.tensor("cu_seqlens", cu, 1, false));
-  MSA_TRY(c.dtype("cu_seqlens", cu, DType::kInt32));
-  if (cu.shape[0] < 2) return c.fail("cu_seqlens", "expected shape [nseq+1] with nseq >= 1, got " + shape_str(cu));
+  MSA_TRY(c.tensor(arg, cu, 1, false));
+  MSA_TRY(c.dtype(arg, cu, DType::kInt32));
+  if (cu.shape[0] < 2) return c.fail(arg, "expected shape [nseq+1] with nseq >= 1, got " + shape_str(cu));
   return Status::Ok();
 }
 
 // Its values, 0 = cu[0] <= ... <= cu[nseq] = T, read into prob->cu on the CPU only (after
 // seqlens_shape and the layout checks).
-Status seqlens_values(const Check& c, const TensorRef& cu, Problem* prob) {
+Status seqlens_values(const Check& c, const TensorRef& cu, Problem* prob, const char* arg = "cu_seqlens") {
   prob->cu.clear();
   if (!cu.defined()) {
     if (c.device().type == DeviceType::kCpu) prob->cu = {0, prob->T};
@@ -418,28 +418,32 @@ Status seqlens_values(const Check& c, const TensorRef& cu, Problem* prob) {
   if (cu.device.type != DeviceType::kCpu) return Status::Ok();
   const int32_t* v = static_cast<const int32_t*>(cu.data);
   const int64_t n = cu.shape[0];
+  const std::string a(arg);
   prob->cu.resize(n);
   for (int64_t s = 0; s < n; ++s) prob->cu[s] = v[s * cu.stride[0]];
-  if (prob->cu[0] != 0) return c.fail("cu_seqlens", "must start at 0, got " + std::to_string(prob->cu[0]));
+  if (prob->cu[0] != 0) return c.fail(arg, "must start at 0, got " + std::to_string(prob->cu[0]));
   for (int64_t s = 1; s < n; ++s)
     if (prob->cu[s] < prob->cu[s - 1])
-      return c.fail("cu_seqlens", "must be non-decreasing, but cu_seqlens[" + std::to_string(s) +
-                                      "] = " + std::to_string(prob->cu[s]) + " < cu_seqlens[" +
-                                      std::to_string(s - 1) + "] = " + std::to_string(prob->cu[s - 1]));
+      return c.fail(arg, "must be non-decreasing, but " + a + "[" + std::to_string(s) + "] = " +
+                             std::to_string(prob->cu[s]) + " < " + a + "[" + std::to_string(s - 1) +
+                             "] = " + std::to_string(prob->cu[s - 1]));
   if (prob->cu[n - 1] != prob->T)
-    return c.fail("cu_seqlens", "must end at T = " + std::to_string(prob->T) + ", got " +
-                                    std::to_string(prob->cu[n - 1]));
+    return c.fail(arg, "must end at T = " + std::to_string(prob->T) + ", got " +
+                           std::to_string(prob->cu[n - 1]));
   return Status::Ok();
 }
 
 // A caller's block_idx on the CPU: every entry -1 or a block in [0, blk(t)], no duplicates.
-Status block_idx_values(const Check& c, const TensorRef& bi, const Problem& prob) {
+// `start[s]` (optional) is the position of sequence s's first row: 0 in training, seq_lens[s] - n_s
+// for the new tokens of a serving call.
+Status block_idx_values(const Check& c, const TensorRef& bi, const Problem& prob,
+                        const std::vector<int64_t>* start = nullptr) {
   if (bi.device.type != DeviceType::kCpu || prob.k == 0) return Status::Ok();
   const int32_t* base = static_cast<const int32_t*>(bi.data);
   std::vector<int32_t> row(prob.k);
   for (int64_t s = 0; s + 1 < static_cast<int64_t>(prob.cu.size()); ++s) {
     for (int64_t g = prob.cu[s]; g < prob.cu[s + 1]; ++g) {
-      const int64_t own = (g - prob.cu[s]) / prob.opts.block_size;
+      const int64_t own = (g - prob.cu[s] + (start ? (*start)[s] : 0)) / prob.opts.block_size;
       for (int32_t i = 0; i < prob.Hi; ++i) {
         const int32_t* r = base + g * bi.stride[0] + i * bi.stride[1];
         for (int32_t j = 0; j < prob.k; ++j) {
@@ -490,6 +494,112 @@ Status in_tensor(Check& c, const char* arg, const TensorRef& t, DType dt,
 
 Status scalar_out(Check& c, const char* arg, const TensorRef& t) {
   return out_tensor(c, arg, t, DType::kFloat32, {1}, "[1]");
+}
+
+// ---- serving over a paged cache (docs/contract.md §6) ------------------------------------------
+
+constexpr int32_t kMaxQLen = 16;  // the decode bound of max_q_len (multi-token prediction)
+
+Status max_q_len_range(const Check& c, int32_t m) {
+  return c.option("max_q_len", m >= 0 && m <= kMaxQLen,
+                  "must be in [0, 16] (0: any number of new tokens per sequence; 1..16: a decode "
+                  "bound on every sequence's count), got " + std::to_string(m));
+}
+
+// A cache tensor [pages, Bk, H, n]: `pages` < 0 accepts any page count (the first cache tensor
+// of a call sets it), `H` < 0 any head count.
+Status page_tensor(Check& c, const char* arg, const TensorRef& t, DType dt, int64_t pages, int32_t Bk,
+                   int64_t H, int64_t n, const char* names, bool output) {
+  MSA_TRY(c.tensor(arg, t, 4, output));
+  MSA_TRY(c.dtype(arg, t, dt));
+  MSA_TRY(c.shape(arg, t, {pages, Bk, H, n}, names));
+  return check_head_dim(c, arg, t.shape[2], "the head count (dim 2)");
+}
+
+// The index side of a serving call: q_idx [Tq, Hi, Di] and cache.k_idx [pages, Bk, Hik, Di].
+// Fills Hi, Hik, Di (and T, dtype when `standalone`: paged_select_blocks has no q).
+Status paged_index(Check& c, const TensorRef& qi, const TensorRef& kc, bool standalone, int64_t* pages,
+                   Problem* prob) {
+  MSA_TRY(c.tensor("q_idx", qi, 3, false));
+  if (standalone) {
+    MSA_TRY(c.float_dtype("q_idx", qi));
+    prob->T = qi.shape[0];
+    prob->dtype = qi.dtype;
+  } else {
+    MSA_TRY(c.dtype("q_idx", qi, prob->dtype));
+    MSA_TRY(c.shape("q_idx", qi, {prob->T, -1, -1}, "[Tq, Hi, Di]"));
+  }
+  MSA_TRY(check_head_dim(c, "q_idx", qi.shape[1], "the index head count Hi (dim 1)"));
+  MSA_TRY(check_head_dim(c, "q_idx", qi.shape[2], "the index head dim Di (dim 2)"));
+  const int32_t Hi = static_cast<int32_t>(qi.shape[1]);
+  if (prob->Hi != 0 && prob->Hi != Hi)
+    return c.fail("q_idx", "Hi = " + std::to_string(Hi) + " does not match block_idx's Hi = " +
+                               std::to_string(prob->Hi));
+  prob->Hi = Hi;
+  prob->Di = static_cast<int32_t>(qi.shape[2]);
+  MSA_TRY(page_tensor(c, "cache.k_idx", kc, qi.dtype, *pages, prob->opts.block_size, -1, prob->Di,
+                      "[pages, Bk, Hik, Di]", false));
+  *pages = kc.shape[0];
+  prob->Hik = static_cast<int32_t>(kc.shape[2]);
+  if (prob->Hi % prob->Hik != 0)
+    return c.fail("cache.k_idx", "Hik = " + std::to_string(prob->Hik) + " must divide Hi = " +
+                                     std::to_string(prob->Hi));
+  return Status::Ok();
+}
+
+// The batch description: cu_seqlens_q [nseq+1], cache.seq_lens [nseq], cache.page_table
+// [nseq, max_pages], all int32 and required.
+Status paged_batch_shape(Check& c, const PagedCache& cache, const TensorRef& cu_q) {
+  MSA_TRY(c.tensor("cu_seqlens_q", cu_q, 1, false));
+  MSA_TRY(c.dtype("cu_seqlens_q", cu_q, DType::kInt32));
+  if (cu_q.shape[0] < 2)
+    return c.fail("cu_seqlens_q", "expected shape [nseq+1] with nseq >= 1, got " + shape_str(cu_q));
+  const int64_t nseq = cu_q.shape[0] - 1;
+  MSA_TRY(in_tensor(c, "cache.seq_lens", cache.seq_lens, DType::kInt32, {nseq}, "[nseq]"));
+  MSA_TRY(in_tensor(c, "cache.page_table", cache.page_table, DType::kInt32, {nseq, -1}, "[nseq, max_pages]"));
+  return Status::Ok();
+}
+
+// The batch's values on the CPU (after the layout checks): cu_seqlens_q into prob->cu (0, never
+// decreasing, ending at Tq), then for each sequence s with n_s new tokens and L = seq_lens[s]:
+// 0 <= n_s <= L <= max_pages * Bk, n_s <= max_q_len when that is set, and the pages of its blocks
+// 0 .. ceil(L / Bk) - 1 in [0, pages). `start` (optional) receives L - n_s, the position of the
+// sequence's first new token. For CUDA tensors the CUDA backend checks the same values.
+Status paged_values(const Check& c, const PagedCache& cache, const TensorRef& cu_q, int64_t pages,
+                    int32_t Bk, int32_t max_q_len, Problem* prob, std::vector<int64_t>* start) {
+  MSA_TRY(seqlens_values(c, cu_q, prob, "cu_seqlens_q"));
+  if (cu_q.device.type != DeviceType::kCpu) return Status::Ok();
+  const int64_t nseq = cu_q.shape[0] - 1, max_pages = cache.page_table.shape[1];
+  const int32_t* lens = static_cast<const int32_t*>(cache.seq_lens.data);
+  const int32_t* table = static_cast<const int32_t*>(cache.page_table.data);
+  if (start) start->assign(nseq, 0);
+  for (int64_t s = 0; s < nseq; ++s) {
+    const int64_t n = prob->cu[s + 1] - prob->cu[s];
+    const int64_t L = lens[s * cache.seq_lens.stride[0]];
+    const std::string ss = std::to_string(s);
+    if (L < 0) return c.fail("cache.seq_lens", "seq_lens[" + ss + "] = " + std::to_string(L) + " is negative");
+    if (n > L)
+      return c.fail("cache.seq_lens", "seq_lens[" + ss + "] = " + std::to_string(L) +
+                                          " is less than the " + std::to_string(n) + " new tokens cu_seqlens_q gives sequence " +
+                                          ss + " (they are its last positions, counted in seq_lens)");
+    if (L > max_pages * Bk)
+      return c.fail("cache.seq_lens", "seq_lens[" + ss + "] = " + std::to_string(L) + " needs " +
+                                          std::to_string((L + Bk - 1) / Bk) + " pages of Bk = " + std::to_string(Bk) +
+                                          " tokens, more than the page table's max_pages = " + std::to_string(max_pages));
+    if (max_q_len > 0 && n > max_q_len)
+      return c.fail("cu_seqlens_q", "sequence " + ss + " has " + std::to_string(n) +
+                                        " new tokens, more than max_q_len = " + std::to_string(max_q_len));
+    for (int64_t b = 0; b < (L + Bk - 1) / Bk; ++b) {
+      const int64_t page = table[s * cache.page_table.stride[0] + b * cache.page_table.stride[1]];
+      if (page < 0 || page >= pages)
+        return c.fail("cache.page_table", "entry [" + ss + ", " + std::to_string(b) + "] = " + std::to_string(page) +
+                                              " is out of range: expected a page in [0, " + std::to_string(pages) +
+                                              ") for block " + std::to_string(b) + " of sequence " + ss +
+                                              " (seq_lens[" + ss + "] = " + std::to_string(L) + ")");
+    }
+    if (start) (*start)[s] = L - n;
+  }
+  return Status::Ok();
 }
 
 }  // namespace
@@ -607,6 +717,127 @@ Status validate(const KlParams& p, Problem* prob) {
   MSA_TRY(seqlens_values(c, p.cu_seqlens, prob));
   if (sparse) MSA_TRY(block_idx_values(c, p.block_idx, *prob));
   return Status::Ok();
+}
+
+Status validate(const PagedSelectParams& p, Problem* prob) {
+  Check c("paged_select_blocks");
+  *prob = Problem{};
+  const PagedCache& cache = p.cache;
+  MSA_TRY(c.ranks({{"q_idx", &p.q_idx}, {"cu_seqlens_q", &p.cu_seqlens_q}, {"cache.k", &cache.k},
+                   {"cache.v", &cache.v}, {"cache.k_idx", &cache.k_idx}, {"cache.page_table", &cache.page_table},
+                   {"cache.seq_lens", &cache.seq_lens}, {"block_idx", &p.block_idx}}));
+  MSA_TRY(option_ranges(c, p.opts));
+  MSA_TRY(c.option("mode", p.opts.mode == Mode::kSparse, "paged_select_blocks needs kSparse mode"));
+  MSA_TRY(selection_options(c, p.opts));
+  MSA_TRY(max_q_len_range(c, p.max_q_len));
+  prob->opts.block_size = p.opts.block_size;
+  int64_t pages = -1;
+  MSA_TRY(paged_index(c, p.q_idx, cache.k_idx, /*standalone=*/true, &pages, prob));
+  resolve_options(p.opts, prob);
+  prob->k = p.opts.top_k;
+  MSA_TRY(out_tensor(c, "block_idx", p.block_idx, DType::kInt32, {prob->T, prob->Hi, prob->k}, "[Tq, Hi, top_k]"));
+  MSA_TRY(paged_batch_shape(c, cache, p.cu_seqlens_q));
+  MSA_TRY(c.no_aliasing());  // the layout is all checked: the values of inputs come last
+  return paged_values(c, cache, p.cu_seqlens_q, pages, p.opts.block_size, p.max_q_len, prob, nullptr);
+}
+
+Status validate(const PagedForwardParams& p, Problem* prob) {
+  Check c("paged_forward");
+  *prob = Problem{};
+  const PagedCache& cache = p.cache;
+  MSA_TRY(c.ranks({{"q", &p.q}, {"cu_seqlens_q", &p.cu_seqlens_q}, {"cache.k", &cache.k},
+                   {"cache.v", &cache.v}, {"cache.k_idx", &cache.k_idx}, {"cache.page_table", &cache.page_table},
+                   {"cache.seq_lens", &cache.seq_lens}, {"block_idx", &p.block_idx}, {"q_idx", &p.q_idx},
+                   {"out", &p.out}, {"lse", &p.lse}}));
+  MSA_TRY(option_ranges(c, p.opts));
+  const bool sparse = p.opts.mode == Mode::kSparse;
+  const bool select = sparse && p.select;
+  if (select) MSA_TRY(selection_options(c, p.opts));
+  MSA_TRY(max_q_len_range(c, p.max_q_len));
+  const int32_t Bk = p.opts.block_size;
+  prob->opts.block_size = Bk;
+  MSA_TRY(c.tensor("q", p.q, 3, false));
+  MSA_TRY(c.float_dtype("q", p.q));
+  prob->T = p.q.shape[0];
+  MSA_TRY(check_head_dim(c, "q", p.q.shape[1], "the head count Hq (dim 1)"));
+  MSA_TRY(check_head_dim(c, "q", p.q.shape[2], "the head dim D (dim 2)"));
+  prob->Hq = static_cast<int32_t>(p.q.shape[1]);
+  prob->D = static_cast<int32_t>(p.q.shape[2]);
+  prob->dtype = p.q.dtype;
+  MSA_TRY(page_tensor(c, "cache.k", cache.k, prob->dtype, -1, Bk, -1, prob->D, "[pages, Bk, Hkv, D]", false));
+  int64_t pages = cache.k.shape[0];
+  prob->Hkv = static_cast<int32_t>(cache.k.shape[2]);
+  if (prob->Hq % prob->Hkv != 0)
+    return c.fail("cache.k", "Hkv = " + std::to_string(prob->Hkv) + " must divide Hq = " + std::to_string(prob->Hq));
+  MSA_TRY(page_tensor(c, "cache.v", cache.v, prob->dtype, pages, Bk, prob->Hkv, prob->D, "[pages, Bk, Hkv, D]", false));
+  if (sparse) MSA_TRY(block_idx_shape(c, p.block_idx, /*output=*/select, prob));
+  if (select) {
+    MSA_TRY(paged_index(c, p.q_idx, cache.k_idx, /*standalone=*/false, &pages, prob));
+    MSA_TRY(index_vs_main(c, "q_idx", *prob));
+  } else if (sparse) {
+    MSA_TRY(index_vs_main(c, "block_idx", *prob));
+  }
+  resolve_options(p.opts, prob);
+  if (select && prob->k != p.opts.top_k)
+    return c.fail("block_idx", "expected k (dim 2) = top_k = " + std::to_string(p.opts.top_k) + ", got " +
+                                   std::to_string(prob->k));
+  MSA_TRY(out_tensor(c, "out", p.out, prob->dtype, {prob->T, prob->Hq, prob->D}, "[Tq, Hq, D]"));
+  if (p.lse.defined()) MSA_TRY(out_tensor(c, "lse", p.lse, DType::kFloat32, {prob->T, prob->Hq}, "[Tq, Hq]"));
+  MSA_TRY(paged_batch_shape(c, cache, p.cu_seqlens_q));
+  MSA_TRY(c.no_aliasing());  // the layout is all checked: the values of inputs come last
+  std::vector<int64_t> start;
+  MSA_TRY(paged_values(c, cache, p.cu_seqlens_q, pages, Bk, p.max_q_len, prob, &start));
+  if (sparse && !select) MSA_TRY(block_idx_values(c, p.block_idx, *prob, &start));
+  return Status::Ok();
+}
+
+Status validate(const PagedAppendParams& p, Problem* prob) {
+  Check c("paged_append");
+  *prob = Problem{};
+  const PagedCache& cache = p.cache;
+  MSA_TRY(c.ranks({{"k", &p.k}, {"v", &p.v}, {"k_idx", &p.k_idx}, {"cu_seqlens_q", &p.cu_seqlens_q},
+                   {"cache.k", &cache.k}, {"cache.v", &cache.v}, {"cache.k_idx", &cache.k_idx},
+                   {"cache.page_table", &cache.page_table}, {"cache.seq_lens", &cache.seq_lens}}));
+  const int32_t Bk = p.block_size;
+  MSA_TRY(c.option("block_size", Bk >= 1 && (Bk & (Bk - 1)) == 0,
+                   "must be a power of two (1, 2, 4, ..., 2^30), got " + std::to_string(Bk)));
+  prob->opts.block_size = Bk;
+  if (!p.k.defined() && !p.v.defined() && !p.k_idx.defined())
+    return c.fail("k", "at least one of k, v and k_idx is required (each is written into its cache tensor)");
+  // Each given input [Tq, H, n] goes to its cache tensor [pages, Bk, H, n] (an output); v matches
+  // k's dtype and shape when both are given.
+  int64_t pages = -1;
+  prob->T = -1;
+  auto one = [&](const char* arg, const TensorRef& in, const char* cache_arg, const TensorRef& out,
+                 const char* names, const char* cache_names, const TensorRef* like) -> Status {
+    if (!in.defined()) return Status::Ok();
+    MSA_TRY(c.tensor(arg, in, 3, false));
+    if (like) {
+      MSA_TRY(c.dtype(arg, in, like->dtype));
+      MSA_TRY(c.shape(arg, in, {prob->T, like->shape[1], like->shape[2]}, names));
+    } else {
+      MSA_TRY(c.float_dtype(arg, in));
+      MSA_TRY(c.shape(arg, in, {prob->T, -1, -1}, names));
+      MSA_TRY(check_head_dim(c, arg, in.shape[1], "the head count (dim 1)"));
+      MSA_TRY(check_head_dim(c, arg, in.shape[2], "the head dim (dim 2)"));
+    }
+    prob->T = in.shape[0];
+    MSA_TRY(page_tensor(c, cache_arg, out, in.dtype, pages, Bk, in.shape[1], in.shape[2], cache_names,
+                        /*output=*/true));
+    pages = out.shape[0];
+    return Status::Ok();
+  };
+  MSA_TRY(one("k", p.k, "cache.k", cache.k, "[Tq, Hkv, D]", "[pages, Bk, Hkv, D]", nullptr));
+  MSA_TRY(one("v", p.v, "cache.v", cache.v, "[Tq, Hkv, D]", "[pages, Bk, Hkv, D]", p.k.defined() ? &p.k : nullptr));
+  MSA_TRY(one("k_idx", p.k_idx, "cache.k_idx", cache.k_idx, "[Tq, Hik, Di]", "[pages, Bk, Hik, Di]", nullptr));
+  MSA_TRY(paged_batch_shape(c, cache, p.cu_seqlens_q));
+  MSA_TRY(c.no_aliasing());  // the layout is all checked: the values of inputs come last
+  return paged_values(c, cache, p.cu_seqlens_q, pages, Bk, /*max_q_len=*/0, prob, nullptr);
+}
+
+Status validate(const PagedAppendParams& p) {
+  Problem prob;
+  return validate(p, &prob);
 }
 
 }  // namespace msa::detail
