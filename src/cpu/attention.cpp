@@ -37,22 +37,13 @@ void forward_impl(const Problem& prob, const ForwardParams& p) {
 
   parallel_for(prob.T, [&](int64_t g, int) {
     thread_local std::vector<int64_t> keys;
-    thread_local std::vector<double> q, a, acc;
     const int64_t base = layout.cu[layout.seq_of[g]];
-    q.resize(D);
-    acc.resize(D);
     for (int32_t i = 0; i < Hl; ++i) {
       support.keys(g, i, &keys);
-      a.resize(keys.size());
       for (int32_t h = i * hpi; h < (i + 1) * hpi; ++h) {
         const int32_t r = h / G;
-        load(m.q.row(g, h), D, q.data());
-        for (size_t j = 0; j < keys.size(); ++j) a[j] = scale * dot(q.data(), m.k.row(base + keys[j], r), D);
-        const double l = logsumexp(a.data(), a.size());
-        std::fill(acc.begin(), acc.end(), 0.0);
-        for (size_t j = 0; j < keys.size(); ++j) axpy(std::exp(a[j] - l), m.v.row(base + keys[j], r), D, acc.data());
-        store(acc.data(), D, out.row(g, h));
-        lse.at(g, h) = static_cast<float>(l);
+        attend_row(D, scale, m.q.row(g, h), keys, [&](int64_t j) { return m.k.row(base + j, r); },
+                   [&](int64_t j) { return m.v.row(base + j, r); }, out.row(g, h), &lse.at(g, h));
       }
     }
   });

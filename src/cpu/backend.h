@@ -20,4 +20,10 @@ Status attention_backward(const Problem& prob, const BackwardParams& p);
 
 Status kl_divergence(const Problem& prob, const KlParams& p);
 
+// Serving over a paged cache (docs/contract.md §6, src/cpu/paged.cpp): the selection and attention
+// of the new tokens at their positions, keys read through the page table; the append copies rows.
+Status paged_select_blocks(const Problem& prob, const PagedSelectParams& p);
+Status paged_forward(const Problem& prob, const PagedForwardParams& p);
+Status paged_append(const Problem& prob, const PagedAppendParams& p);
+
 }  // namespace msa::cpu

@@ -64,11 +64,14 @@ void Support::blocks(int64_t g, int32_t i, std::vector<int32_t>* out) const {
 void Support::keys(int64_t g, int32_t i, std::vector<int64_t>* out) const {
   thread_local std::vector<int32_t> blk;
   blocks(g, i, &blk);
+  keys_of_blocks(blk, g - layout_.cu[layout_.seq_of[g]], layout_.Bk, out);
+}
+
+void keys_of_blocks(const std::vector<int32_t>& blocks, int64_t t, int32_t Bk, std::vector<int64_t>* out) {
   out->clear();
-  const int64_t t = g - layout_.cu[layout_.seq_of[g]];
-  for (int32_t b : blk) {
-    const int64_t end = std::min<int64_t>(static_cast<int64_t>(b + 1) * layout_.Bk, t + 1);
-    for (int64_t j = static_cast<int64_t>(b) * layout_.Bk; j < end; ++j) out->push_back(j);
+  for (int32_t b : blocks) {
+    const int64_t end = std::min<int64_t>(static_cast<int64_t>(b + 1) * Bk, t + 1);
+    for (int64_t j = static_cast<int64_t>(b) * Bk; j < end; ++j) out->push_back(j);
   }
 }
 

@@ -4,7 +4,9 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "../core/problem.h"
@@ -107,6 +109,84 @@ inline int32_t loop_index_heads(const Problem& p) { return p.Hi > 0 ? p.Hi : 1; 
 // sum_j exp(x_j - m) with m = max_j x_j, as log: the natural log-sum-exp, NaN-propagating.
 // Returns -inf for an empty set.
 double logsumexp(const double* x, size_t n);
+
+// Local key positions j <= t of `blocks` (ascending block ids of Bk keys), ascending.
+void keys_of_blocks(const std::vector<int32_t>& blocks, int64_t t, int32_t Bk, std::vector<int64_t>* out);
+
+// Contract §2 for one (query, index head) row: the query at position t of its sequence scores
+// the keys 0 .. t, `key_row(j)` being key j's index key row (Di elements), with `scale_idx`;
+// writes the k selected block ids (ascending, then -1) to out[0], out[stride], ... and, when
+// `lse_idx` is given, the log-normaliser of the index softmax over the selected support. Shared
+// by the training selection (contiguous keys) and the serving one (keys in pages).
+template <class E, class KeyRow>
+void select_row(const Options& o, int32_t k, int32_t Di, double scale_idx, const E* q_row, int64_t t,
+                const KeyRow& key_row, int32_t* out, int64_t stride, float* lse_idx) {
+  thread_local std::vector<double> q, score, block_max, support;
+  thread_local std::vector<int32_t> forced, cand, chosen;
+  const int32_t Bk = o.block_size;
+  const int32_t own = static_cast<int32_t>(t / Bk);
+  const double neg_inf = -std::numeric_limits<double>::infinity();
+  q.resize(Di);
+  score.resize(t + 1);
+  block_max.resize(own + 1);
+  load(q_row, Di, q.data());
+  for (int64_t j = 0; j <= t; ++j) score[j] = scale_idx * dot(q.data(), key_row(j), Di);
+  // M(t, b): max over the block's causal keys; NaN ranks as -inf.
+  for (int32_t b = 0; b <= own; ++b) {
+    double m = neg_inf;
+    const int64_t end = std::min<int64_t>(static_cast<int64_t>(b + 1) * Bk, t + 1);
+    for (int64_t j = static_cast<int64_t>(b) * Bk; j < end; ++j)
+      if (!std::isnan(score[j])) m = std::max(m, score[j]);
+    block_max[b] = m;
+  }
+  // Forced: the last `local_blocks` blocks up to the own block, and the first `sink_blocks`.
+  forced.clear();
+  const int32_t first_local = std::max(0, own - o.local_blocks + 1);
+  for (int32_t b = 0; b < std::min(o.sink_blocks, first_local); ++b) forced.push_back(b);
+  for (int32_t b = first_local; b <= own; ++b) forced.push_back(b);
+  // Candidates: every other block before the own block.
+  cand.clear();
+  for (int32_t b = 0; b < own; ++b)
+    if (std::find(forced.begin(), forced.end(), b) == forced.end()) cand.push_back(b);
+  const size_t slots = static_cast<size_t>(k) - forced.size();
+  const auto better = [&](int32_t a, int32_t b) {
+    return block_max[a] > block_max[b] || (block_max[a] == block_max[b] && a < b);
+  };
+  if (cand.size() > slots) {
+    std::partial_sort(cand.begin(), cand.begin() + slots, cand.end(), better);
+    cand.resize(slots);
+  }
+  chosen = forced;
+  chosen.insert(chosen.end(), cand.begin(), cand.end());
+  std::sort(chosen.begin(), chosen.end());
+  for (int32_t j = 0; j < k; ++j) out[j * stride] = j < static_cast<int32_t>(chosen.size()) ? chosen[j] : -1;
+  if (lse_idx) {
+    support.clear();
+    for (int32_t b : chosen) {
+      const int64_t end = std::min<int64_t>(static_cast<int64_t>(b + 1) * Bk, t + 1);
+      for (int64_t j = static_cast<int64_t>(b) * Bk; j < end; ++j) support.push_back(score[j]);
+    }
+    *lse_idx = static_cast<float>(logsumexp(support.data(), support.size()));
+  }
+}
+
+// Contract §3 for one (query, query head) row over the key positions `keys`: `key_row(j)` and
+// `val_row(j)` are key j's rows of the query head's KV head (D elements). Writes out_row and,
+// when given, *lse (-inf and a zero row for an empty support).
+template <class E, class KeyRow, class ValRow>
+void attend_row(int32_t D, double scale, const E* q_row, const std::vector<int64_t>& keys, const KeyRow& key_row,
+                const ValRow& val_row, E* out_row, float* lse) {
+  thread_local std::vector<double> q, a, acc;
+  q.resize(D);
+  acc.assign(D, 0.0);
+  a.resize(keys.size());
+  load(q_row, D, q.data());
+  for (size_t j = 0; j < keys.size(); ++j) a[j] = scale * dot(q.data(), key_row(keys[j]), D);
+  const double l = logsumexp(a.data(), a.size());
+  for (size_t j = 0; j < keys.size(); ++j) axpy(std::exp(a[j] - l), val_row(keys[j]), D, acc.data());
+  store(acc.data(), D, out_row);
+  if (lse) *lse = static_cast<float>(l);
+}
 
 // Runs Fn<E>::run(args...) with E the storage type of `dtype`.
 template <template <class> class Fn, class... Args>
