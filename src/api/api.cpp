@@ -131,6 +131,61 @@ Status kl_divergence(const KlParams& p) {
   });
 }
 
+Status paged_select_blocks(const PagedSelectParams& p) {
+  return guarded("paged_select_blocks", [&]() -> Status {
+    Problem prob;
+    MSA_TRY(detail::validate(p, &prob));
+    if (p.q_idx.device.type != DeviceType::kCpu) {
+#ifdef MSA_WITH_CUDA
+      if (p.q_idx.device.type == DeviceType::kCuda) {
+        MSA_TRY(cuda_ready("paged_select_blocks", "q_idx", prob));
+        return cuda::paged_select_blocks(prob, p);
+      }
+#endif
+      return not_built("paged_select_blocks", p.q_idx.device);
+    }
+    return cpu::paged_select_blocks(prob, p);
+  });
+}
+
+Status paged_forward(const PagedForwardParams& p) {
+  return guarded("paged_forward", [&]() -> Status {
+    Problem prob;
+    MSA_TRY(detail::validate(p, &prob));
+    if (p.q.device.type != DeviceType::kCpu) {
+#ifdef MSA_WITH_CUDA
+      if (p.q.device.type == DeviceType::kCuda) {
+        MSA_TRY(cuda_ready("paged_forward", "q", prob));
+        return cuda::paged_forward(prob, p);
+      }
+#endif
+      return not_built("paged_forward", p.q.device);
+    }
+    return cpu::paged_forward(prob, p);
+  });
+}
+
+Status paged_append(const PagedAppendParams& p) {
+  return guarded("paged_append", [&]() -> Status {
+    Problem prob;
+    MSA_TRY(detail::validate(p, &prob));
+    const Device device = p.cu_seqlens_q.device;
+    if (device.type != DeviceType::kCpu) {
+#ifdef MSA_WITH_CUDA
+      if (device.type == DeviceType::kCuda) {
+        // Any floating dtype of the new rows: the append only copies them.
+        if (!cuda_usable())
+          return Status::NotSupported("msa::paged_append: no GPU of compute capability 9.0 is visible; the CUDA "
+                                      "kernels of this library are built for sm_90a (Hopper)");
+        return cuda::paged_append(p);
+      }
+#endif
+      return not_built("paged_append", device);
+    }
+    return cpu::paged_append(prob, p);
+  });
+}
+
 // The CPU backend allocates host memory itself; the CUDA backend's backward and KL value use
 // device workspace (reverse index, fixed-point sums).
 size_t workspace_size(const SelectParams&) { return 0; }
@@ -169,6 +224,21 @@ size_t workspace_size(const BackwardParams& p) {
 size_t workspace_size(const KlParams& p) {
 #ifdef MSA_WITH_CUDA
   return cuda_workspace(p, p.q, [](const Problem& pr, const KlParams& x) { return cuda::kl_workspace(pr, x); });
+#else
+  return cuda_workspace(p, p.q, 0);
+#endif
+}
+
+size_t workspace_size(const PagedSelectParams& p) {
+#ifdef MSA_WITH_CUDA
+  return cuda_workspace(p, p.q_idx, [](const Problem& pr, const PagedSelectParams& x) { return cuda::paged_select_workspace(pr, x); });
+#else
+  return cuda_workspace(p, p.q_idx, 0);
+#endif
+}
+size_t workspace_size(const PagedForwardParams& p) {
+#ifdef MSA_WITH_CUDA
+  return cuda_workspace(p, p.q, [](const Problem& pr, const PagedForwardParams& x) { return cuda::paged_forward_workspace(pr, x); });
 #else
   return cuda_workspace(p, p.q, 0);
 #endif
