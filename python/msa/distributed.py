@@ -1,0 +1,711 @@
+"""Context parallelism: MSA over a torch.distributed process group (issue 14).
+
+Every rank of ``group`` holds a shard of the tokens of ONE packed batch (``cu_seqlens`` gives the
+sequences of the whole batch and is the same on every rank) and passes its shard of ``q, k, v,
+q_idx, k_idx`` (rows in ascending global order). :func:`sparse_attention` returns this rank's
+rows of ``out`` (and ``lse``, ``block_idx``) and the global KL value, exactly what the
+single-process :func:`msa.sparse_attention` computes for the whole batch (contract §2-§4), with
+autograd: the gradients of a rank's inputs are its rows of the single-process gradients.
+
+Layouts (:func:`shard_positions`):
+
+* ``"contiguous"``: rank ``r`` holds a contiguous range of the packed tokens, ranks in order
+  (the sizes are those the ranks pass; their sum is the batch's token count).
+* ``"balanced"`` (zigzag): every sequence of ``L`` tokens is cut into ``2W`` chunks (bounds
+  ``c*L // (2W)``) and rank ``r`` holds chunks ``r`` and ``2W-1-r`` of every sequence. The
+  attention work per query is bounded (``k`` blocks), so the contiguous layout already balances
+  the forward and backward; what grows with the position is the selection (each query scores
+  every earlier key) and, with the selection done here, the prefix each rank selects over
+  (see below). The balanced layout evens out the number of query positions per prefix length.
+
+How a step runs (``exchange="selected"``):
+
+1. all-gather the index keys ``k_idx`` (``Hik*Di`` per token: at the paper's heads 1/8 of ``K+V``);
+2. select with global positions: ``msa.select_blocks`` over, per sequence, the prefix up to this
+   rank's last query, with this rank's ``q_idx`` at its positions and zero rows elsewhere (only
+   this rank's rows are kept);
+3. fetch only the K/V rows of the blocks this rank's queries selected: the per-owner lists of
+   requested rows are exchanged first (all-to-all of int64 ids), then the rows (all-to-all);
+4. run ``msa::forward`` with a caller's ``block_idx`` on a *compact* packed call: per sequence,
+   the union of the selected blocks in ascending order, one ``Bk``-row slot each, and this
+   rank's queries at their offsets in their own block's slot; the block ids are remapped to the
+   slots (a monotone map, so the support, the causal mask in the own block and the order of the
+   blocks are those of the single-process call). Rows that hold only fetched keys are queries
+   with an empty selection (``block_idx`` all ``-1``): ``out = 0``, no KL term, no gradient.
+5. backward (``msa::backward`` on the same call): ``dq`` and ``dq_idx`` are this rank's rows;
+   the ``dk, dv, dk_idx`` of fetched rows go back to their owners (all-to-all), and every owner
+   sums the contributions in rank order ``0 .. W-1`` (in float32, float64 for float64 inputs),
+   so the gradients are bitwise repeatable run to run.
+
+``exchange="allgather"`` is the baseline and fallback: all of ``K`` and ``V`` are all-gathered
+and every block of the prefix is in the call (the gradients still go back by all-to-all).
+
+KL: the op normalises by the call's row count; this module rescales every rank's term to the
+global count (contract §4: ``1/(N*Hi)`` with ``N`` the batch's tokens) and sums the ranks' terms
+in rank order. The KL gradient's weight is handed to ``msa::backward`` as the float32
+``kl_grad`` (``gamma * T_call / N``), so the index gradients agree with the single-process call
+to float32 rounding of that factor (relative 6e-8), the rest to the rounding of the partial sums.
+
+Bytes moved: ``return_stats=True`` adds a dict of the bytes this rank received per phase
+(payload, without padding); the backward adds its phases to the same dict when it runs.
+
+Limits and costs (measured against the single-process call):
+
+* The selection of step 2 is exact (the library's ``select_blocks``), but the library has no
+  selection for queries at an offset (queries at positions ``a..b-1`` against keys ``0..b-1``):
+  the call also scores the zero rows of the prefix, so each rank pays the selection of its whole
+  prefix, not only of its queries. A ``select_blocks`` with a query offset (what the serving
+  API's chunked prefill needs too) would make step 2 cost only this rank's share.
+* The compact call holds one query row per fetched key row (zero queries), so ``q``, ``out``,
+  ``dout`` and ``dq`` of the call are as large as the call, not as the shard.
+* Everything is host-orchestrated (block lists and split sizes are read on the host): not
+  capturable in a CUDA graph. Every rank must call the function with the same options and run
+  the backward (as in any context-parallel model); a rank whose shard or options do not match
+  the others makes every rank raise the same ``ValueError`` before any data moves.
+
+NVLink multicast stays off: importing this module sets ``NCCL_NVLS_ENABLE=0`` and
+``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` in the environment (overriding other values, with a
+warning). NCCL reads them when a communicator is created, so import ``msa.distributed`` before
+``torch.distributed.init_process_group``.
+"""
+
+import hashlib
+import os
+import struct
+import warnings
+from typing import Dict, List, Optional, Sequence
+
+_MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+
+
+def multicast_off() -> None:
+    """Sets NCCL_NVLS_ENABLE=0 and TORCH_SYMM_MEM_DISABLE_MULTICAST=1 (NVLink multicast off)."""
+    for key, value in _MULTICAST_OFF.items():
+        old = os.environ.get(key)
+        if old is not None and old != value:
+            warnings.warn(f"msa.distributed: {key}={old} overridden with {value} (NVLink "
+                          f"multicast stays off)")
+        os.environ[key] = value
+
+
+multicast_off()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import Tensor  # noqa: E402
+
+from . import _ops  # noqa: E402,F401  (registers torch.ops.msa.*)
+from . import _cu_seqlens, _int, _kl_pass, _scale, _MAX_TOP_K  # noqa: E402
+
+__all__ = ["sparse_attention", "shard_positions", "shard", "multicast_off"]
+
+_LAYOUTS = ("contiguous", "balanced")
+_EXCHANGES = ("selected", "allgather")
+
+
+# --------------------------------------------------------------------------------------------
+# layouts
+# --------------------------------------------------------------------------------------------
+
+
+def _cu_list(cu_seqlens, total: int) -> List[int]:
+    if cu_seqlens is None:
+        return [0, total]
+    return [int(x) for x in torch.as_tensor(cu_seqlens).cpu().tolist()]
+
+
+def shard_positions(layout: str, rank: int, world: int, total: int, cu_seqlens=None,
+                    sizes: Optional[Sequence[int]] = None) -> Tensor:
+    """Global packed indices (int64, ascending) of the tokens rank ``rank`` of ``world`` holds.
+
+    ``layout="contiguous"``: rank ``r`` holds ``[sum(sizes[:r]), sum(sizes[:r+1]))``; without
+    ``sizes``, ``[r*total // world, (r+1)*total // world)``. ``layout="balanced"``: every
+    sequence of ``cu_seqlens`` (None: one of ``total`` tokens) is cut into ``2*world`` chunks with
+    bounds ``c*L // (2*world)``, and rank ``r`` holds chunks ``r`` and ``2*world-1-r`` of each."""
+    if layout not in _LAYOUTS:
+        raise ValueError(f"msa.distributed: argument 'layout': expected 'contiguous' or "
+                         f"'balanced', got {layout!r}")
+    if layout == "contiguous":
+        if sizes is None:
+            lo, hi = rank * total // world, (rank + 1) * total // world
+        else:
+            lo = int(sum(sizes[:rank]))
+            hi = lo + int(sizes[rank])
+        return torch.arange(lo, hi, dtype=torch.int64)
+    cu = _cu_list(cu_seqlens, total)
+    parts = []
+    n = 2 * world
+    for s in range(len(cu) - 1):
+        a, L = cu[s], cu[s + 1] - cu[s]
+        for c in (rank, n - 1 - rank):
+            parts.append(torch.arange(a + c * L // n, a + (c + 1) * L // n, dtype=torch.int64))
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+
+def shard(x: Tensor, layout: str, rank: int, world: int, cu_seqlens=None) -> Tensor:
+    """The rows of the packed tensor ``x`` ([T, ...]) that rank ``rank`` holds in ``layout``
+    (contiguous: the even split)."""
+    pos = shard_positions(layout, rank, world, x.shape[0], cu_seqlens)
+    return x[pos.to(x.device)]
+
+
+# --------------------------------------------------------------------------------------------
+# communication helpers (every helper is called by all ranks in the same order)
+# --------------------------------------------------------------------------------------------
+
+
+class _Comm:
+    def __init__(self, group, device: torch.device):
+        self.group = group
+        self.W = dist.get_world_size(group)
+        self.r = dist.get_rank(group)
+        backend = str(dist.get_backend(group)).lower()
+        # NCCL moves device tensors; other backends (gloo) host tensors.
+        self.dev = device if "nccl" in backend else torch.device("cpu")
+
+    def all_gather_int(self, vals: List[int]) -> List[List[int]]:
+        t = torch.tensor(vals, dtype=torch.int64, device=self.dev)
+        out = [torch.empty_like(t) for _ in range(self.W)]
+        dist.all_gather(out, t, group=self.group)
+        return [o.cpu().tolist() for o in out]
+
+    def all_gather_rows(self, x: Tensor, sizes: List[int]) -> List[Tensor]:
+        """Every rank's ``x`` ([sizes[rank], F]); padded to the largest size on the wire."""
+        m = max(sizes) if sizes else 0
+        buf = torch.zeros((m,) + tuple(x.shape[1:]), dtype=x.dtype, device=self.dev)
+        buf[: x.shape[0]] = x.to(self.dev)
+        out = [torch.empty_like(buf) for _ in range(self.W)]
+        dist.all_gather(out, buf, group=self.group)
+        return [o[: sizes[i]].to(x.device) for i, o in enumerate(out)]
+
+    def all_to_all(self, send: Tensor, send_counts: List[int], recv_counts: List[int]) -> Tensor:
+        """Rows ``send`` split by destination (``send_counts``); returns the rows received,
+        ordered by source rank (``recv_counts``)."""
+        recv = torch.empty((sum(recv_counts),) + tuple(send.shape[1:]), dtype=send.dtype,
+                           device=self.dev)
+        dist.all_to_all_single(recv, send.to(self.dev).contiguous(), recv_counts, send_counts,
+                               group=self.group)
+        return recv.to(send.device)
+
+
+def _nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _hash(values: List[int]) -> int:
+    h = hashlib.sha256(struct.pack(f"<{len(values)}q", *values)).digest()
+    return int.from_bytes(h[:7], "little")
+
+
+def _float_bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+
+# --------------------------------------------------------------------------------------------
+# the plan: who holds what, the call's layout, the routing of rows
+# --------------------------------------------------------------------------------------------
+
+
+class _Plan:
+    """Host-side description of one distributed call (built in the forward)."""
+
+
+def _check_local(q, k, v, q_idx, k_idx, block_idx, has_idx) -> Optional[str]:
+    """The shape/dtype problems of this rank's tensors (None when they are fine)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor) or t.dim() != 3:
+            return f"argument '{name}': expected a rank-3 tensor"
+    n = q.shape[0]
+    if k.shape != v.shape or k.shape[0] != n or k.shape[2] != q.shape[2]:
+        return (f"argument 'k'/'v': expected [{n}, Hkv, {q.shape[2]}], got {tuple(k.shape)} "
+                f"and {tuple(v.shape)}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        return "argument 'k'/'v': expected the dtype of q"
+    if q.dtype not in _DTYPES:
+        return f"argument 'q': unsupported dtype {q.dtype}"
+    if has_idx:
+        for name, t in (("q_idx", q_idx), ("k_idx", k_idx)):
+            if not isinstance(t, Tensor) or t.dim() != 3 or t.shape[0] != n:
+                return f"argument '{name}': expected a rank-3 tensor of {n} rows (those of q)"
+            if t.dtype != q.dtype:
+                return f"argument '{name}': expected the dtype of q"
+        if q_idx.shape[2] != k_idx.shape[2]:
+            return "argument 'k_idx': expected the head dim of q_idx"
+    if block_idx is not None:
+        if not isinstance(block_idx, Tensor) or block_idx.dim() != 3 or block_idx.shape[0] != n:
+            return f"argument 'block_idx': expected [{n}, Hi, k] int32"
+    return None
+
+
+def _plan(comm: _Comm, q, k, v, q_idx, k_idx, block_idx, cu_seqlens, opts) -> _Plan:
+    W, r = comm.W, comm.r
+    has_idx = q_idx is not None
+    err = _check_local(q, k, v, q_idx, k_idx, block_idx, has_idx)
+    n = q.shape[0] if err is None else 0
+    cu_vals = [] if cu_seqlens is None else [int(x) for x in cu_seqlens.cpu().tolist()]
+    shp = lambda t, i: int(t.shape[i]) if (err is None and t is not None) else -1  # noqa: E731
+    hi = shp(q_idx, 1) if has_idx else (shp(block_idx, 1) if block_idx is not None else -1)
+    meta = dict(
+        n=n, error=0 if err is None else 1,
+        Hq=shp(q, 1), Hkv=shp(k, 1), D=shp(q, 2), Hi=hi,
+        Hik=shp(k_idx, 1) if has_idx else -1, Di=shp(q_idx, 2) if has_idx else -1,
+        dtype=_DTYPES.index(q.dtype) if err is None else -1,
+        top_k=opts["top_k"] if block_idx is None else shp(block_idx, 2),
+        block_size=opts["block_size"], sink_blocks=opts["sink_blocks"],
+        local_blocks=opts["local_blocks"], layout=_LAYOUTS.index(opts["layout"]),
+        exchange=_EXCHANGES.index(opts["exchange"]), has_idx=int(has_idx),
+        caller_block_idx=int(block_idx is not None), kl_value=int(opts["kl_value"]),
+        cu_seqlens=_hash(cu_vals), scale=_float_bits(opts["scale"]),
+        scale_idx=_float_bits(opts["scale_idx"]), kl_pass=opts["kl_pass_code"],
+        fwd_pass=opts["fwd_pass_code"],
+        device_type=1 if isinstance(q, Tensor) and q.device.type == "cuda" else 0)
+    names = list(meta)
+    gathered = comm.all_gather_int([meta[x] for x in names])
+    # From here on every rank sees the same data, so every rank raises the same error.
+    for o in range(W):
+        if gathered[o][1]:
+            if o == r:
+                raise ValueError(f"msa.distributed: rank {r}: {err}")
+            raise ValueError(f"msa.distributed: rank {o} passed bad input (its error names the "
+                             f"argument)")
+    for i, name in enumerate(names[2:], start=2):
+        vals = [g[i] for g in gathered]
+        if any(x != vals[0] for x in vals):
+            raise ValueError(f"msa.distributed: argument '{name}' differs across ranks "
+                             f"(rank 0: {vals[0]}, others: {vals}); every rank must pass the same "
+                             f"shapes, options and cu_seqlens")
+    sizes = [g[0] for g in gathered]
+    total = sum(sizes)
+    if cu_seqlens is not None and cu_vals[-1] != total:
+        raise ValueError(f"msa.distributed: argument 'cu_seqlens': ends at {cu_vals[-1]}, but the "
+                         f"ranks hold {total} tokens in all (shards {sizes})")
+    layout = opts["layout"]
+    cu = cu_vals if cu_seqlens is not None else [0, total]
+    positions = [shard_positions(layout, o, W, total, cu, sizes if layout == "contiguous"
+                                 else None) for o in range(W)]
+    for o in range(W):
+        if positions[o].numel() != sizes[o]:
+            raise ValueError(
+                f"msa.distributed: rank {o} holds {sizes[o]} tokens, but the '{layout}' layout of "
+                f"{total} tokens over {W} ranks gives it {positions[o].numel()} (shard sizes "
+                f"{sizes}; cu_seqlens {cu})")
+
+    p = _Plan()
+    p.W, p.r, p.N, p.sizes, p.positions, p.has_idx = W, r, total, sizes, positions, has_idx
+    p.Hq, p.Hkv, p.D = q.shape[1], k.shape[1], q.shape[2]
+    p.Hi = meta["Hi"]
+    p.Hik, p.Di = (k_idx.shape[1], k_idx.shape[2]) if has_idx else (0, 0)
+    p.Bk = opts["block_size"]
+    p.cu = torch.tensor(cu, dtype=torch.int64)
+    p.owner = torch.empty(total, dtype=torch.int64)
+    p.lidx = torch.empty(total, dtype=torch.int64)
+    for o in range(W):
+        p.owner[positions[o]] = o
+        p.lidx[positions[o]] = torch.arange(sizes[o], dtype=torch.int64)
+    return p
+
+
+def _layout_call(p: _Plan, bi_local: Optional[Tensor], allgather: bool):
+    """The compact call: which global rows it holds (ascending), where this rank's queries sit,
+    and this rank's block ids remapped to the call's blocks."""
+    Bk, cu = p.Bk, p.cu
+    pos = p.positions[p.r]
+    nseq = cu.numel() - 1
+    lens = cu[1:] - cu[:-1]
+    nblk = (lens + Bk - 1) // Bk
+    blkbase = torch.cumsum(nblk, 0) - nblk  # global block id of each sequence's block 0
+    nblocks = int(nblk.sum())
+    s_loc = torch.searchsorted(cu, pos, right=True) - 1
+    t_loc = pos - cu[s_loc]
+    tmax = torch.full((max(nseq, 1),), -1, dtype=torch.int64)
+    if pos.numel():
+        tmax = tmax.scatter_reduce(0, s_loc, t_loc, reduce="amax")
+    own_gb = blkbase[s_loc] + t_loc // Bk
+    if allgather:
+        present = torch.nonzero(tmax >= 0).flatten()
+        nb_need = torch.where(tmax >= 0, tmax // Bk + 1, torch.zeros_like(tmax))[present]
+        seq_of = torch.repeat_interleave(present, nb_need)
+        first = torch.cumsum(nb_need, 0) - nb_need
+        b_in = torch.arange(int(nb_need.sum())) - torch.repeat_interleave(first, nb_need)
+        ublocks = blkbase[seq_of] + b_in
+    else:
+        gb = blkbase[s_loc][:, None, None] + bi_local.long()
+        gb = gb[bi_local >= 0]
+        ublocks = torch.unique(torch.cat([gb, own_gb]))  # sorted
+    useq = torch.searchsorted(blkbase, ublocks, right=True) - 1
+    # sequences with no block (empty) share blkbase with the next one: searchsorted(right)
+    # picks the last of them, which is the one whose blocks start there.
+    ub = ublocks - blkbase[useq]
+    nrows = torch.clamp(tmax[useq] + 1 - ub * Bk, max=Bk)
+    call_start = torch.cumsum(nrows, 0) - nrows  # call row of each used block's first key
+    T_call = int(nrows.sum())
+    # call-block index inside its call sequence, and the call sequences' offsets
+    new_seq = torch.ones_like(useq, dtype=torch.bool)
+    if useq.numel() > 1:
+        new_seq[1:] = useq[1:] != useq[:-1]
+    seq_first = torch.nonzero(new_seq).flatten()
+    grp = torch.cumsum(new_seq.long(), 0) - 1
+    cblk = torch.arange(ublocks.numel()) - seq_first[grp]
+    cu_call = torch.cat([call_start[seq_first], torch.tensor([T_call])]).to(torch.int32)
+    # global rows of the call
+    rep = torch.repeat_interleave(torch.arange(ublocks.numel()), nrows)
+    within = torch.arange(T_call) - call_start[rep]
+    rows = cu[useq[rep]] + ub[rep] * Bk + within
+    # maps global block -> call block / call row of its first key
+    cblk_of = torch.full((max(nblocks, 1),), -1, dtype=torch.int64)
+    cblk_of[ublocks] = cblk
+    crow_of = torch.full((max(nblocks, 1),), -1, dtype=torch.int64)
+    crow_of[ublocks] = call_start
+    qrow = crow_of[own_gb] + t_loc % Bk
+    bi_call = None
+    if bi_local is not None:
+        b = bi_local.long()
+        g = blkbase[s_loc][:, None, None] + b.clamp(min=0)
+        bi_call = torch.where(b >= 0, cblk_of[g], torch.full_like(b, -1)).to(torch.int32)
+    return dict(rows=rows, qrow=qrow, cu_call=cu_call, bi_call=bi_call, T_call=T_call,
+                s_loc=s_loc, t_loc=t_loc, tmax=tmax, blocks=int(ublocks.numel()))
+
+
+def _select(p: _Plan, q_idx: Tensor, k_idx_full: Tensor, opts) -> Tensor:
+    """This rank's selection (global block ids of each sequence), from the library's
+    select_blocks over the prefix of every sequence up to this rank's last query; the other
+    rows of the prefix are zero queries whose selections are dropped."""
+    dev = q_idx.device
+    pos = p.positions[p.r]
+    cu = p.cu
+    s_loc = torch.searchsorted(cu, pos, right=True) - 1
+    t_loc = pos - cu[s_loc]
+    nseq = cu.numel() - 1
+    tmax = torch.full((max(nseq, 1),), -1, dtype=torch.int64)
+    if pos.numel():
+        tmax = tmax.scatter_reduce(0, s_loc, t_loc, reduce="amax")
+    ln = tmax + 1
+    start = torch.cumsum(ln, 0) - ln
+    T_sel = int(ln.sum())
+    rep = torch.repeat_interleave(torch.arange(ln.numel()), ln)
+    rows = cu[rep] + torch.arange(T_sel) - start[rep]
+    selrow = (start[s_loc] + t_loc).to(dev)
+    qi = torch.zeros((T_sel,) + tuple(q_idx.shape[1:]), dtype=q_idx.dtype, device=dev)
+    qi[selrow] = q_idx
+    present = ln > 0
+    cu_sel = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(ln[present], 0)])
+    bi = torch.ops.msa.select_blocks(
+        qi, k_idx_full[rows.to(dev)], cu_sel.to(torch.int32).to(dev), opts["top_k"],
+        p.Bk, opts["sink_blocks"], opts["local_blocks"], opts["scale_idx"])
+    return bi[selrow]
+
+
+# --------------------------------------------------------------------------------------------
+# the autograd function
+# --------------------------------------------------------------------------------------------
+
+
+class _CPAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, comm, p, opts, stats, block_idx, q, k, v, q_idx, k_idx):
+        dev, dtype = q.device, q.dtype
+        W, r = p.W, p.r
+        allgather = opts["exchange"] == "allgather"
+        has_idx = p.has_idx
+
+        # 1. index keys of every rank
+        k_idx_full = None
+        if has_idx:
+            parts = comm.all_gather_rows(k_idx.detach(), p.sizes)
+            k_idx_full = torch.empty((p.N, p.Hik, p.Di), dtype=dtype, device=dev)
+            for o in range(W):
+                k_idx_full[p.positions[o].to(dev)] = parts[o]
+                if o != r:
+                    stats["k_idx_allgather"] += _nbytes(parts[o])
+            del parts
+
+        # 2. selection with global positions
+        if block_idx is None:
+            bi_local = _select(p, q_idx.detach(), k_idx_full, opts)
+        else:
+            bi_local = block_idx.to(device=dev, dtype=torch.int32)
+        kk = bi_local.shape[2]
+
+        # 3. the compact call and the rows it needs from every owner
+        lay = _layout_call(p, bi_local.cpu(), allgather)
+        rows, T_call = lay["rows"], lay["T_call"]
+        owner = p.owner[rows]
+        lid = p.lidx[rows]
+        req_rows = [torch.nonzero(owner == o).flatten() for o in range(W)]  # call rows by owner
+        req_ids = [lid[x] for x in req_rows]  # their indices in the owner's shard
+        F = p.Hkv * p.D
+        kv_local = torch.cat([k.detach().reshape(-1, F), v.detach().reshape(-1, F)], 1)
+        kv_call = torch.empty((T_call, 2 * F), dtype=dtype, device=dev)
+        mine = req_rows[r].to(dev)
+        kv_call[mine] = kv_local[req_ids[r].to(dev)]
+        send_counts = [int(x.numel()) if o != r else 0 for o, x in enumerate(req_ids)]
+        if allgather:
+            parts = comm.all_gather_rows(kv_local, p.sizes)
+            for o in range(W):
+                if o != r:
+                    stats["kv_allgather"] += _nbytes(parts[o])
+                    kv_call[req_rows[o].to(dev)] = parts[o][req_ids[o].to(dev)]
+            del parts
+            served = None  # the peers' requests are exchanged in the backward
+        else:
+            served = _exchange_ids(comm, req_ids, send_counts, stats, "kv_request_ids")
+            send = torch.cat([kv_local[served[o].to(dev)] for o in range(W)])
+            recv = comm.all_to_all(send, [int(x.numel()) for x in served], send_counts)
+            stats["kv_fetch"] += _nbytes(recv)
+            off = 0
+            for o in range(W):
+                c = send_counts[o]
+                if c:
+                    kv_call[req_rows[o].to(dev)] = recv[off: off + c]
+                off += c
+            del send, recv
+        k_call = kv_call[:, :F].reshape(T_call, p.Hkv, p.D)
+        v_call = kv_call[:, F:].reshape(T_call, p.Hkv, p.D)
+
+        qrow = lay["qrow"].to(dev)
+        q_call = torch.zeros((T_call, p.Hq, p.D), dtype=dtype, device=dev)
+        q_call[qrow] = q.detach()
+        bi_call = torch.full((T_call, p.Hi, kk), -1, dtype=torch.int32, device=dev)
+        bi_call[qrow] = lay["bi_call"].to(dev)
+        cu_call = lay["cu_call"].to(dev)
+        q_idx_call = k_idx_call = None
+        if has_idx:
+            q_idx_call = torch.zeros((T_call, p.Hi, p.Di), dtype=dtype, device=dev)
+            q_idx_call[qrow] = q_idx.detach()
+            k_idx_call = k_idx_full[rows.to(dev)]
+        del k_idx_full
+        stats["call_tokens"] += T_call
+        stats["fetched_tokens"] += T_call - int(req_rows[r].numel())
+        stats["call_blocks"] += lay["blocks"]
+
+        # 4. the forward over the call
+        want_kl = bool(opts["kl_value"]) and has_idx
+        if T_call:
+            out_c, lse_c, _, kl_c = torch.ops.msa.forward(
+                q_call, k_call, v_call, q_idx_call, k_idx_call, bi_call, cu_call, False, False,
+                p.Bk, kk, opts["sink_blocks"], opts["local_blocks"], opts["scale"],
+                opts["scale_idx"], want_kl, opts["deterministic"], opts["kl_pass"],
+                opts["fwd_pass"])
+        else:
+            out_c = q_call.new_zeros(q_call.shape)
+            lse_c = torch.zeros((0, p.Hq), dtype=torch.float32, device=dev)
+            kl_c = torch.zeros((), dtype=torch.float32, device=dev)
+        kl = torch.zeros((), dtype=torch.float32, device=dev)
+        if want_kl:
+            # this rank's term renormalised from 1/(T_call*Hi) to 1/(N*Hi); ranks summed in order
+            term = kl_c.double().reshape(1) * (T_call / p.N if p.N else 0.0)
+            terms = comm.all_gather_rows(term.reshape(1, 1), [1] * W)
+            stats["kl_allgather"] += 8 * (W - 1)
+            tot = torch.zeros((1, 1), dtype=torch.float64, device=dev)
+            for o in range(W):
+                tot = tot + terms[o]
+            kl = tot.reshape(()).float()
+
+        ctx.comm, ctx.p, ctx.opts, ctx.stats = comm, p, opts, stats
+        ctx.req_rows, ctx.req_ids, ctx.served, ctx.send_counts = (req_rows, req_ids, served,
+                                                                  send_counts)
+        ctx.T_call = T_call
+        ctx.save_for_backward(q_call, k_call, v_call, q_idx_call, k_idx_call, bi_call, cu_call,
+                              out_c, lse_c, qrow)
+        out = out_c[qrow]
+        lse = lse_c[qrow]
+        ctx.mark_non_differentiable(lse, bi_local)
+        ctx.set_materialize_grads(False)
+        return out, kl, lse, bi_local
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_kl, grad_lse, grad_bi):
+        comm, p, opts, stats = ctx.comm, ctx.p, ctx.opts, ctx.stats
+        (q_call, k_call, v_call, q_idx_call, k_idx_call, bi_call, cu_call, out_c, lse_c,
+         qrow) = ctx.saved_tensors
+        dev, dtype = q_call.device, q_call.dtype
+        W, r, T_call, has_idx = p.W, p.r, ctx.T_call, p.has_idx
+        F = p.Hkv * p.D
+        Fi = p.Hik * p.Di if has_idx else 0
+        want_idx = has_idx and grad_kl is not None
+        if T_call:
+            dout = torch.zeros_like(out_c)
+            if grad_out is not None:
+                dout[qrow] = grad_out.to(dtype)
+            kl_grad = None
+            if want_idx:
+                kl_grad = (grad_kl.detach().double().reshape(1) * (T_call / p.N)).float()
+            dq_c, dk_c, dv_c, dqi_c, dki_c = torch.ops.msa.backward(
+                dout, q_call, k_call, v_call, out_c, lse_c, q_idx_call, k_idx_call, bi_call,
+                cu_call, kl_grad, False, p.Bk, opts["scale"], opts["scale_idx"], want_idx,
+                want_idx, opts["deterministic"], kl_pass=opts["kl_pass"],
+                check_values=dev.type != "cuda")
+            if not want_idx and has_idx:
+                dqi_c = torch.zeros_like(q_idx_call)
+                dki_c = torch.zeros_like(k_idx_call)
+        else:
+            dq_c = q_call.new_zeros(q_call.shape)
+            dk_c = dv_c = k_call.new_zeros(k_call.shape)
+            dqi_c = q_call.new_zeros((0, p.Hi, p.Di)) if has_idx else None
+            dki_c = q_call.new_zeros((0, p.Hik, p.Di)) if has_idx else None
+        parts = [dk_c.reshape(T_call, F), dv_c.reshape(T_call, F)]
+        if has_idx:
+            parts.append(dki_c.reshape(T_call, Fi))
+        g_call = torch.cat(parts, 1)
+        del parts
+
+        served = ctx.served
+        if served is None:
+            served = _exchange_ids(comm, ctx.req_ids, ctx.send_counts, stats, "grad_request_ids")
+        send = torch.cat([g_call[ctx.req_rows[o].to(dev)] if o != r else g_call[:0]
+                          for o in range(W)])
+        recv_counts = [int(x.numel()) for x in served]
+        recv = comm.all_to_all(send, ctx.send_counts, recv_counts)
+        stats["grad_return"] += _nbytes(recv)
+        # every owner sums the contributions in rank order 0 .. W-1 (bitwise repeatable)
+        acc_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        n = p.sizes[r]
+        acc = torch.zeros((n, 2 * F + Fi), dtype=acc_dtype, device=dev)
+        off = 0
+        for o in range(W):
+            if o == r:
+                ids = ctx.req_ids[r].to(dev)
+                acc[ids] += g_call[ctx.req_rows[r].to(dev)].to(acc_dtype)
+            else:
+                c = recv_counts[o]
+                if c:
+                    ids = served[o].to(dev)
+                    acc[ids] += recv[off: off + c].to(acc_dtype)
+                off += c
+        acc = acc.to(dtype)
+        dk = acc[:, :F].reshape(n, p.Hkv, p.D)
+        dv = acc[:, F: 2 * F].reshape(n, p.Hkv, p.D)
+        dq = dq_c[qrow]
+        dq_idx = dqi_c[qrow] if want_idx else None
+        dk_idx = acc[:, 2 * F:].reshape(n, p.Hik, p.Di) if want_idx else None
+        return None, None, None, None, None, dq, dk, dv, dq_idx, dk_idx
+
+
+def _exchange_ids(comm: _Comm, req_ids: List[Tensor], send_counts: List[int], stats,
+                  key: str) -> List[Tensor]:
+    """Sends every owner the list of its rows this rank needs; returns, per peer, the rows of
+    this rank's shard that the peer needs (empty for this rank itself)."""
+    W, r = comm.W, comm.r
+    counts = torch.tensor(send_counts, dtype=torch.int64).reshape(W, 1)
+    got = comm.all_to_all(counts, [1] * W, [1] * W).reshape(W).tolist()
+    stats[key] += 8 * (W - 1)
+    send = torch.cat([req_ids[o] if o != r else req_ids[o][:0] for o in range(W)]).reshape(-1, 1)
+    recv = comm.all_to_all(send, send_counts, got).reshape(-1)
+    stats[key] += _nbytes(recv)
+    out, off = [], 0
+    for o in range(W):
+        out.append(recv[off: off + got[o]])
+        off += got[o]
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# public entry point
+# --------------------------------------------------------------------------------------------
+
+
+_STAT_KEYS = ("k_idx_allgather", "kv_request_ids", "kv_fetch", "kv_allgather", "kl_allgather",
+              "grad_request_ids", "grad_return", "call_tokens", "fetched_tokens", "call_blocks")
+
+
+def sparse_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_idx: Optional[Tensor],
+    k_idx: Optional[Tensor],
+    top_k: int = 16,
+    block_size: int = 128,
+    *,
+    cu_seqlens: Optional[Tensor] = None,
+    group=None,
+    layout: str = "contiguous",
+    exchange: str = "selected",
+    block_idx: Optional[Tensor] = None,
+    sink_blocks: int = 0,
+    local_blocks: int = 1,
+    scale: Optional[float] = None,
+    scale_idx: Optional[float] = None,
+    kl_value: bool = True,
+    return_lse: bool = False,
+    return_block_idx: bool = False,
+    return_stats: bool = False,
+    deterministic: bool = False,
+    kl_pass: str = "auto",
+    fwd_pass: str = "auto",
+):
+    """Context-parallel :func:`msa.sparse_attention` over the process group ``group``.
+
+    Every rank passes its shard (rows in ascending global order) of the packed tensors ``q``
+    [n, Hq, D], ``k``, ``v`` [n, Hkv, D], ``q_idx`` [n, Hi, Di], ``k_idx`` [n, Hik, Di], and the
+    batch's ``cu_seqlens`` (global offsets, the same on every rank; None: one sequence). Which
+    tokens a rank holds is given by ``layout`` (see :func:`shard_positions`; "contiguous": the
+    ranks' shards in rank order, any sizes; "balanced": the zigzag cut of every sequence).
+
+    ``exchange``: "selected" fetches only the K/V rows of the blocks this rank's queries selected
+    (all-to-all of per-owner row lists); "allgather" all-gathers K and V (the baseline).
+    ``block_idx`` [n, Hi, k] int32: a caller's selection for this rank's queries (block ids of
+    their own sequences, -1 = empty); then no selection runs and ``q_idx``/``k_idx`` may be None
+    (no KL). The other options are those of :func:`msa.sparse_attention`.
+
+    Returns ``(out, kl)`` — ``out`` [n, Hq, D] this rank's rows, ``kl`` the global KL value (the
+    same on every rank) — then ``lse`` [n, Hq], ``block_idx`` [n, Hi, k] and a stats dict of the
+    bytes this rank received per phase, when asked for. Each rank's loss must include ``kl``
+    with the same weight and every rank must run the backward (its collectives pair up across
+    ranks); the global KL's gradient is then the single-process one, like every other gradient.
+    """
+    if layout not in _LAYOUTS:
+        raise ValueError(f"msa.distributed: argument 'layout': expected 'contiguous' or "
+                         f"'balanced', got {layout!r}")
+    if exchange not in _EXCHANGES:
+        raise ValueError(f"msa.distributed: argument 'exchange': expected 'selected' or "
+                         f"'allgather', got {exchange!r}")
+    _int("block_size", block_size, 1)
+    _int("sink_blocks", sink_blocks, 0)
+    _int("local_blocks", local_blocks, 1)
+    _int("top_k", top_k, 1, _MAX_TOP_K)
+    _kl_pass(kl_pass)
+    _ops._need_fwd_pass(fwd_pass)
+    if block_size & (block_size - 1):
+        raise ValueError(f"msa.distributed: argument 'block_size': must be a power of two, "
+                         f"got {block_size}")
+    if block_idx is None and (q_idx is None or k_idx is None):
+        raise ValueError("msa.distributed: argument 'q_idx': q_idx and k_idx are required "
+                         "unless block_idx is given")
+    if (q_idx is None) != (k_idx is None):
+        raise ValueError("msa.distributed: argument 'k_idx': q_idx and k_idx must be given "
+                         "together")
+    if group is None:
+        group = dist.group.WORLD
+    cu = _cu_seqlens(cu_seqlens, cu_seqlens.device) if cu_seqlens is not None else None
+    comm = _Comm(group, q.device if isinstance(q, Tensor) else torch.device("cpu"))
+    opts = dict(top_k=top_k, block_size=block_size, sink_blocks=sink_blocks,
+                local_blocks=local_blocks, scale=_scale("scale", scale),
+                scale_idx=_scale("scale_idx", scale_idx), kl_value=bool(kl_value),
+                layout=layout, exchange=exchange, deterministic=bool(deterministic),
+                kl_pass=kl_pass, fwd_pass=fwd_pass,
+                kl_pass_code=_ops._KL_PASSES.index(kl_pass),
+                fwd_pass_code=_ops._FWD_PASSES.index(fwd_pass))
+    p = _plan(comm, q, k, v, q_idx, k_idx, block_idx, cu, opts)
+    stats: Dict[str, int] = {key: 0 for key in _STAT_KEYS}
+    out, kl, lse, bi = _CPAttention.apply(comm, p, opts, stats, block_idx, q, k, v, q_idx,
+                                          k_idx)
+    result = (out, kl)
+    if return_lse:
+        result += (lse,)
+    if return_block_idx:
+        result += (bi,)
+    if return_stats:
+        result += (stats,)
+    return result
+
+
+def moved_bytes(stats: Dict[str, int], phase: str = "all") -> int:
+    """Bytes a rank received: ``phase`` "forward", "backward" or "all" (from a stats dict)."""
+    fwd = ("k_idx_allgather", "kv_request_ids", "kv_fetch", "kv_allgather", "kl_allgather")
+    bwd = ("grad_request_ids", "grad_return")
+    keys = fwd if phase == "forward" else bwd if phase == "backward" else fwd + bwd
+    return sum(int(stats[x]) for x in keys)

@@ -1,0 +1,226 @@
+"""msa.distributed: context-parallel MSA over gloo on the CPU backend, against the
+single-process call.
+
+Each spawn of W processes (W = 2 and 3; a FileStore on a temporary file, collective timeouts
+of 60 s and a deadline on the whole spawn, so a failure never hangs) runs every case: varlen
+batches in both layouts and both exchange modes, twice each (bitwise repeatability), and the
+bad-shard cases. The workers save their results; the tests here compare them with the
+single-process call computed in this process.
+"""
+
+import datetime
+import os
+import tempfile
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import msa
+import msa.distributed as msad
+
+from conftest import assert_close
+
+SPAWN_DEADLINE_S = 240
+PG_TIMEOUT_S = 60
+
+# (name, cu_seqlens, dtype, options): small varlen batches with an empty and a short sequence
+CASES = [
+    ("varlen64", [0, 150, 170, 170, 333], torch.float64,
+     dict(top_k=4, block_size=16, sink_blocks=1, local_blocks=2)),
+    ("one32", [0, 200], torch.float32, dict(top_k=3, block_size=32)),
+]
+HEADS = dict(Hq=4, Hkv=2, Hi=2, Hik=1, D=8, Di=8)
+LAYOUTS = ("contiguous", "balanced")
+EXCHANGES = ("selected", "allgather")
+KL_WEIGHT = 0.7
+
+
+def _inputs(name):
+    """The whole batch's inputs of a case, the same in every process."""
+    _, cu, dtype, _ = next(c for c in CASES if c[0] == name)
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
+    T = cu[-1]
+    h = HEADS
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+
+    x = dict(q=r(T, h["Hq"], h["D"]), k=r(T, h["Hkv"], h["D"]), v=r(T, h["Hkv"], h["D"]),
+             q_idx=r(T, h["Hi"], h["Di"]), k_idx=r(T, h["Hik"], h["Di"]),
+             gout=r(T, h["Hq"], h["D"]))
+    return x, torch.tensor(cu, dtype=torch.int32)
+
+
+NAMES = ("q", "k", "v", "q_idx", "k_idx")
+
+
+def _reference(name):
+    x, cu = _inputs(name)
+    opts = next(c for c in CASES if c[0] == name)[3]
+    ins = [x[n].clone().requires_grad_(True) for n in NAMES]
+    out, kl, lse, bi = msa.sparse_attention(*ins, cu_seqlens=cu, return_lse=True,
+                                            return_block_idx=True, **opts)
+    loss = (out * x["gout"]).sum() + KL_WEIGHT * kl
+    gs = torch.autograd.grad(loss, ins)
+    return dict(out=out.detach(), kl=kl.detach(), lse=lse, block_idx=bi,
+                **{"d" + n: g for n, g in zip(NAMES, gs)})
+
+
+def _run_case(name, layout, exchange, rank, world):
+    x, cu = _inputs(name)
+    opts = next(c for c in CASES if c[0] == name)[3]
+    pos = msad.shard_positions(layout, rank, world, cu[-1].item(), cu)
+    ins = [x[n][pos].clone().requires_grad_(True) for n in NAMES]
+    out, kl, lse, bi, stats = msad.sparse_attention(
+        *ins, cu_seqlens=cu, layout=layout, exchange=exchange, return_lse=True,
+        return_block_idx=True, return_stats=True, **opts)
+    loss = (out * x["gout"][pos]).sum() + KL_WEIGHT * kl
+    gs = torch.autograd.grad(loss, ins)
+    return dict(pos=pos, out=out.detach(), kl=kl.detach(), lse=lse, block_idx=bi,
+                stats=dict(stats), **{"d" + n: g for n, g in zip(NAMES, gs)})
+
+
+def _worker(rank, world, store_path, outdir):
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+    try:
+        res = {}
+        for name, *_ in CASES:
+            for layout in LAYOUTS:
+                for exchange in EXCHANGES:
+                    a = _run_case(name, layout, exchange, rank, world)
+                    b = _run_case(name, layout, exchange, rank, world)
+                    a["repeat_equal"] = all(
+                        torch.equal(a["d" + n], b["d" + n]) for n in NAMES) and torch.equal(
+                        a["out"], b["out"]) and torch.equal(a["kl"], b["kl"])
+                    res[(name, layout, exchange)] = a
+        # bad shards: every rank gets an error naming the problem, none hangs
+        x, cu = _inputs("varlen64")
+        errors = {}
+        pos = msad.shard_positions("contiguous", rank, world, cu[-1].item(), cu)
+        ins = [x[n][pos] for n in NAMES]
+        cut = [t[:-1] for t in ins] if rank == 1 else ins
+        moved = msad.shard_positions("contiguous", rank, world, cu[-1].item(), cu,
+                                     sizes=[x["q"].shape[0] - 5 * (world - 1)] + [5] * (world - 1))
+        for kind, args, kw in (
+            ("short_shard", [x[n][moved] for n in NAMES], dict(layout="balanced")),
+            ("total", cut, dict(layout="contiguous")),
+            ("top_k", ins, dict(top_k=4 + (rank == 1))),
+            ("bad_tensor", [ins[0][0] if rank == 1 else ins[0]] + ins[1:], {}),
+        ):
+            kw = dict(dict(top_k=4, block_size=16, cu_seqlens=cu), **kw)
+            try:
+                msad.sparse_attention(*args, **kw)
+                errors[kind] = None
+            except ValueError as e:
+                errors[kind] = str(e)
+        res["errors"] = errors
+        torch.save(res, os.path.join(outdir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(world):
+    tmp = tempfile.mkdtemp(prefix="msa_cp_")
+    store = os.path.join(tmp, "store")
+    ctx = mp.start_processes(_worker, args=(world, store, tmp), nprocs=world, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + SPAWN_DEADLINE_S
+    while not ctx.join(timeout=5):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.terminate()
+            pytest.fail(f"{world} processes did not finish within {SPAWN_DEADLINE_S} s")
+    return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False)
+            for r in range(world)]
+
+
+_RESULTS = {}
+
+
+def _results(world):
+    if world not in _RESULTS:
+        _RESULTS[world] = _spawn(world)
+    return _RESULTS[world]
+
+
+_REFS = {}
+
+
+def _ref(name):
+    if name not in _REFS:
+        _REFS[name] = _reference(name)
+    return _REFS[name]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("exchange", EXCHANGES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("case", [c[0] for c in CASES])
+def test_matches_single_process(case, layout, exchange, world):
+    ref = _ref(case)
+    f64 = next(c for c in CASES if c[0] == case)[2] == torch.float64
+    rtol = 1e-12 if f64 else 2e-6
+    rtol_idx = 1e-6  # the KL weight reaches the op as a float32 factor (see the module)
+    per_rank = [res[(case, layout, exchange)] for res in _results(world)]
+    T = ref["out"].shape[0]
+    seen = torch.zeros(T, dtype=torch.int64)
+    for r, got in enumerate(per_rank):
+        pos = got["pos"]
+        seen[pos] += 1
+        assert torch.equal(got["block_idx"], ref["block_idx"][pos]), f"rank {r}: block_idx"
+        assert_close(got["out"], ref["out"][pos], rtol, f"rank {r}: out")
+        assert_close(got["lse"], ref["lse"][pos], 1e-6, f"rank {r}: lse")
+        for n in ("dq", "dk", "dv"):
+            assert_close(got[n], ref[n][pos], rtol, f"rank {r}: {n}")
+        for n in ("dq_idx", "dk_idx"):
+            assert_close(got[n], ref[n][pos], rtol_idx, f"rank {r}: {n}")
+        assert_close(got["kl"], ref["kl"], 1e-6, f"rank {r}: kl")
+        assert got["repeat_equal"], f"rank {r}: a second run gave other bits"
+    assert torch.equal(seen, torch.ones_like(seen)), "the shards must cover every token once"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_selected_exchange_moves_fewer_bytes(world):
+    for case in [c[0] for c in CASES]:
+        for layout in LAYOUTS:
+            sel = [res[(case, layout, "selected")]["stats"] for res in _results(world)]
+            ag = [res[(case, layout, "allgather")]["stats"] for res in _results(world)]
+            sel_b = sum(msad.moved_bytes(s) for s in sel)
+            ag_b = sum(msad.moved_bytes(s) for s in ag)
+            assert 0 < sel_b < ag_b, (case, layout, sel_b, ag_b)
+            assert sum(s["kv_allgather"] for s in sel) == 0
+            assert sum(s["kv_fetch"] for s in ag) == 0
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_bad_shard_raises_on_every_rank(world):
+    res = _results(world)
+    for kind, words in (("short_shard", "layout"), ("total", "cu_seqlens"),
+                        ("top_k", "top_k"), ("bad_tensor", "rank 1")):
+        for r in range(world):
+            msg = res[r]["errors"][kind]
+            assert msg is not None, f"{kind}: rank {r} raised nothing"
+            assert words in msg, f"{kind}: rank {r}: {msg}"
+    assert "argument 'q'" in res[1]["errors"]["bad_tensor"]
+
+
+def test_shard_positions_cover_each_token_once():
+    cu = torch.tensor([0, 7, 7, 40, 41], dtype=torch.int32)
+    for world in (1, 2, 3, 4):
+        for layout in LAYOUTS:
+            allpos = torch.cat([msad.shard_positions(layout, r, world, 41, cu)
+                                for r in range(world)])
+            assert torch.equal(allpos.sort().values, torch.arange(41)), (layout, world)
+    z = msad.shard_positions("balanced", 0, 2, 40, None)
+    assert z.tolist() == list(range(0, 10)) + list(range(30, 40))
+
+
+def test_multicast_stays_off():
+    assert os.environ["NCCL_NVLS_ENABLE"] == "0"
+    assert os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
