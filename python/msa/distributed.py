@@ -332,9 +332,11 @@ def _layout_call(p: _Plan, bi_local: Optional[Tensor], allgather: bool):
         b_in = torch.arange(int(nb_need.sum())) - torch.repeat_interleave(first, nb_need)
         ublocks = blkbase[seq_of] + b_in
     else:
-        gb = blkbase[s_loc][:, None, None] + bi_local.long()
-        gb = gb[bi_local >= 0]
-        ublocks = torch.unique(torch.cat([gb, own_gb]))  # sorted
+        # the union of the selected blocks, on the selection's device (it can be large)
+        dev = bi_local.device
+        base = blkbase[s_loc].to(dev)
+        gb = (base[:, None, None] + bi_local.long())[bi_local >= 0]
+        ublocks = torch.unique(torch.cat([gb, own_gb.to(dev)])).cpu()  # sorted
     useq = torch.searchsorted(blkbase, ublocks, right=True) - 1
     # sequences with no block (empty) share blkbase with the next one: searchsorted(right)
     # picks the last of them, which is the one whose blocks start there.
@@ -362,9 +364,11 @@ def _layout_call(p: _Plan, bi_local: Optional[Tensor], allgather: bool):
     qrow = crow_of[own_gb] + t_loc % Bk
     bi_call = None
     if bi_local is not None:
+        dev = bi_local.device
         b = bi_local.long()
-        g = blkbase[s_loc][:, None, None] + b.clamp(min=0)
-        bi_call = torch.where(b >= 0, cblk_of[g], torch.full_like(b, -1)).to(torch.int32)
+        g = blkbase[s_loc].to(dev)[:, None, None] + b.clamp(min=0)
+        bi_call = torch.where(b >= 0, cblk_of.to(dev)[g], torch.full_like(b, -1))
+        bi_call = bi_call.to(torch.int32)
     return dict(rows=rows, qrow=qrow, cu_call=cu_call, bi_call=bi_call, T_call=T_call,
                 s_loc=s_loc, t_loc=t_loc, tmax=tmax, blocks=int(ublocks.numel()))
 
@@ -430,7 +434,7 @@ class _CPAttention(torch.autograd.Function):
         kk = bi_local.shape[2]
 
         # 3. the compact call and the rows it needs from every owner
-        lay = _layout_call(p, bi_local.cpu(), allgather)
+        lay = _layout_call(p, bi_local, allgather)
         rows, T_call = lay["rows"], lay["T_call"]
         owner = p.owner[rows]
         lid = p.lidx[rows]

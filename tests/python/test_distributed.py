@@ -224,3 +224,18 @@ def test_shard_positions_cover_each_token_once():
 def test_multicast_stays_off():
     assert os.environ["NCCL_NVLS_ENABLE"] == "0"
     assert os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
+
+
+def test_bench_cp_tiny(tmp_path, capsys):
+    """bench/bench_cp.py --device cpu --tiny on two local processes (gloo)."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import bench_cp
+    out = tmp_path / "cp"
+    rc = bench_cp.main(["--device", "cpu", "--tiny", "--spawn", "2", "--lengths", "256",
+                        "--index", "random", "--reps", "1", "--timeout", "60", "--out", str(out)])
+    assert rc == 0
+    rows = (tmp_path / "cp.csv").read_text().splitlines()
+    assert len(rows) == 1 + 4  # header + 2 layouts x 2 exchanges
+    assert "err_out" in rows[0]

@@ -1,0 +1,324 @@
+#!/usr/bin/env python3
+"""Context-parallel MSA training step (msa.distributed) on W GPUs against one GPU, and the bytes
+it moves against the all-gather baseline.
+
+Per length T (one sequence of T tokens) and overlap level of the index inputs
+(``selection_patterns``: "mixed", calibrated so that neighbouring tokens share about 57% of
+their blocks, and "random", every token selects its own random blocks), every rank draws the
+same inputs (bf16, paper heads by default: Hq 64, Hkv 4, Hi 4, Hik 1, D = Di = 128, Bk 128,
+k 16, sink 1, local 4) and times:
+
+* 1 GPU    ``msa.sparse_attention`` on the whole sequence + backward (``loss = <out, g> + kl``),
+           on every rank's own GPU at once (rank 0's time is reported);
+* CP       ``msa.distributed.sparse_attention`` on this rank's shard + backward, for each
+           layout (contiguous, balanced = zigzag) and exchange ("selected": only the K/V rows of
+           the selected blocks move; "allgather": the baseline); the step time is the slowest
+           rank's, the bytes are those all ranks received (payload), forward + backward.
+
+The KL value is skipped in the timed steps (its gradient is not), as in bench_backward's "step".
+A check run (the first length and level, ``--check``) compares the CP outputs and all five
+gradients with the one-GPU call on the same inputs and prints the largest errors.
+
+Two GPUs (NCCL; NVLink multicast stays off: the script sets NCCL_NVLS_ENABLE=0 and
+TORCH_SYMM_MEM_DISABLE_MULTICAST=1 before torch.distributed starts):
+
+    PYTHONPATH=build-gpu-py torchrun --standalone --nproc-per-node 2 bench/bench_cp.py \\
+        --out cp-h200                      # 128K, 256K, 512K, mixed and random
+    PYTHONPATH=build-gpu-py torchrun --standalone --nproc-per-node 2 bench/bench_cp.py --quick
+
+On the CPU (gloo, the CPU backend, tiny shapes; ``--spawn N`` starts N local processes
+instead of torchrun):
+
+    PYTHONPATH=build-cpu-py python bench/bench_cp.py --device cpu --tiny --spawn 2
+"""
+
+import argparse
+import csv
+import datetime
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Dict, List
+
+# NVLink multicast stays off, before anything can create a NCCL communicator.
+os.environ["NCCL_NVLS_ENABLE"] = "0"
+os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import selection_patterns as sp  # noqa: E402
+
+PAPER = dict(Hq=64, Hkv=4, Hi=4, Hik=1, D=128, Di=128, Bk=128, k=16)
+TINY = dict(Hq=4, Hkv=2, Hi=2, Hik=1, D=16, Di=16, Bk=16, k=8)
+LAYOUTS = ("contiguous", "balanced")
+EXCHANGES = ("selected", "allgather")
+
+
+def log(msg: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(msg, flush=True)
+
+
+def parse_tokens(text: str) -> List[int]:
+    out = []
+    for x in text.split(","):
+        x = x.strip().upper()
+        mult = 1 << 20 if x.endswith("M") else 1 << 10 if x.endswith("K") else 1
+        out.append(int(x.rstrip("MK")) * mult)
+    return out
+
+
+def fmt_tokens(n: int) -> str:
+    if n % (1 << 20) == 0:
+        return f"{n >> 20}M"
+    return f"{n >> 10}K" if n % 1024 == 0 else str(n)
+
+
+class Timer:
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def ms(self, fn, reps: int, warm: int = 1) -> float:
+        """Median over ``reps`` calls of the slowest rank's wall time (ms)."""
+        for _ in range(warm):
+            fn()
+        times = []
+        for _ in range(reps):
+            self.sync()
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            self.sync()
+            t = torch.tensor([(time.perf_counter() - t0) * 1e3], dtype=torch.float64,
+                             device=_comm_dev(self.device))
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            times.append(float(t))
+        return statistics.median(times)
+
+
+def _comm_dev(device: torch.device) -> torch.device:
+    return device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def _all_reduce(x: float, op) -> float:
+    t = torch.tensor([x], dtype=torch.float64, device=_comm_dev(_DEVICE[0]))
+    dist.all_reduce(t, op=op)
+    return float(t)
+
+
+_DEVICE = [torch.device("cpu")]
+
+
+def bench_case(msa, msad, T: int, level: str, h: Dict, args, timer: Timer, device,
+               check: bool) -> List[Dict]:
+    W, rank = dist.get_world_size(), dist.get_rank()
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cu = torch.tensor([0, T], dtype=torch.int32, device=device)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(args.seed)
+    q_idx, k_idx, _, st = sp.make_level(level, cu, h["Hi"], h["Hik"], h["Di"], h["Bk"], h["k"],
+                                        dtype=dtype, device=device, generator=gen)
+
+    def r(*shape):
+        return torch.randn(*shape, device=device, generator=gen, dtype=torch.float32).to(dtype)
+
+    q, k, v = r(T, h["Hq"], h["D"]), r(T, h["Hkv"], h["D"]), r(T, h["Hkv"], h["D"])
+    gout = r(T, h["Hq"], h["D"])
+    opts = dict(top_k=h["k"], block_size=h["Bk"], sink_blocks=sp.SINK_BLOCKS,
+                local_blocks=sp.LOCAL_BLOCKS)
+    full = [t.detach().requires_grad_(True) for t in (q, k, v, q_idx, k_idx)]
+
+    def single(kl_value=False):
+        out, kl = msa.sparse_attention(*full, cu_seqlens=cu, kl_value=kl_value, **opts)
+        loss = (out * gout).float().sum() + kl
+        return out, kl, torch.autograd.grad(loss, full)
+
+    t1 = timer.ms(lambda: single(), args.reps)
+    rows = []
+    ref = None
+    if check:
+        out, kl, g = single(kl_value=True)
+        ref = (out.detach(), kl.detach(), [x.detach() for x in g])
+        del out, g
+    for layout in LAYOUTS:
+        pos = msad.shard_positions(layout, rank, W, T, cu).to(device)
+        shard = [t[pos].detach().clone().requires_grad_(True) for t in (q, k, v, q_idx, k_idx)]
+        g_shard = gout[pos]
+        for exchange in EXCHANGES:
+            stats_box = []
+
+            def cp(kl_value=False):
+                out, kl, stats = msad.sparse_attention(
+                    *shard, cu_seqlens=cu, layout=layout, exchange=exchange, kl_value=kl_value,
+                    return_stats=True, **opts)
+                loss = (out * g_shard).float().sum() + kl
+                grads = torch.autograd.grad(loss, shard)
+                stats_box[:] = [stats]
+                return out, kl, grads
+
+            tcp = timer.ms(lambda: cp(), args.reps)
+            stats = stats_box[0]
+            fwd_b = _all_reduce(msad.moved_bytes(stats, "forward"), dist.ReduceOp.SUM)
+            bwd_b = _all_reduce(msad.moved_bytes(stats, "backward"), dist.ReduceOp.SUM)
+            fetched = _all_reduce(stats["fetched_tokens"], dist.ReduceOp.SUM)
+            errs = {}
+            if ref is not None:
+                out, kl, g = cp(kl_value=True)
+                pairs = [("out", out, ref[0][pos])] + [
+                    (n, a, b[pos]) for n, a, b in zip(("dq", "dk", "dv", "dq_idx", "dk_idx"),
+                                                      g, ref[2])]
+                for n, a, b in pairs:
+                    e = (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
+                    s = b.float().abs().max().item() if b.numel() else 0.0
+                    errs[n] = _all_reduce(e, dist.ReduceOp.MAX) / max(
+                        _all_reduce(s, dist.ReduceOp.MAX), 1e-30)
+                errs["kl"] = abs(kl.item() - ref[1].item()) / max(abs(ref[1].item()), 1e-30)
+                del out, g
+            rows.append(dict(
+                T=T, level=level, overlap=round(st["overlap"], 3), union=round(st["union"], 3),
+                world=W, layout=layout, exchange=exchange, ms_1gpu=round(t1, 3),
+                ms_cp=round(tcp, 3), speedup=round(t1 / tcp, 3) if tcp else float("nan"),
+                mb_forward=round(fwd_b / 2**20, 3), mb_backward=round(bwd_b / 2**20, 3),
+                mb_total=round((fwd_b + bwd_b) / 2**20, 3), fetched_tokens=int(fetched),
+                **{f"err_{n}": f"{e:.2e}" for n, e in errs.items()}))
+            log(f"  {fmt_tokens(T)} {level} {layout} {exchange}: 1 GPU {t1:.1f} ms, "
+                f"{W} ranks {tcp:.1f} ms, {(fwd_b + bwd_b) / 2**20:.1f} MiB moved"
+                + (f", errors {errs}" if errs else ""))
+        del shard
+    del full, q, k, v, gout, q_idx, k_idx, ref
+    return rows
+
+
+def report(rows: List[Dict], out: str) -> None:
+    base = {(r["T"], r["level"], r["layout"]): r["mb_total"] for r in rows
+            if r["exchange"] == "allgather"}
+    for r in rows:
+        b = base.get((r["T"], r["level"], r["layout"]))
+        r["bytes_vs_allgather"] = round(r["mb_total"] / b, 3) if b else float("nan")
+    W = rows[0]["world"] if rows else 0
+    print(f"\n## MSA context parallelism: training step on {W} ranks vs 1 (fwd + bwd with KL "
+          f"gradient), bytes received by all ranks per step\n")
+    print("| T | index (overlap / union) | layout | exchange | 1 GPU ms | CP ms | speedup | "
+          "MiB moved | vs all-gather |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {fmt_tokens(r['T'])} | {r['level']} ({r['overlap']:.2f} / {r['union']:.2f}) | "
+              f"{r['layout']} | {r['exchange']} | {r['ms_1gpu']:.1f} | {r['ms_cp']:.1f} | "
+              f"{r['speedup']:.2f}x | {r['mb_total']:.1f} | {r['bytes_vs_allgather']:.0%} |")
+    checked = [r for r in rows if "err_out" in r]
+    if checked:
+        print("\nCP against one GPU (max error / max |reference|):")
+        for r in checked:
+            errs = ", ".join(f"{k[4:]} {v}" for k, v in r.items() if k.startswith("err_"))
+            print(f"  {fmt_tokens(r['T'])} {r['level']} {r['layout']} {r['exchange']}: {errs}")
+    if out:
+        keys = []
+        for r in rows:
+            keys += [k for k in r if k not in keys]
+        with open(out + ".csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=keys)
+            w.writeheader()
+            w.writerows(rows)
+        print(f"\nwrote {out}.csv")
+
+
+def run(args) -> int:
+    import msa
+    import msa.distributed as msad
+    if args.device == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // dist.get_world_size()))
+    _DEVICE[0] = device
+    h = dict(TINY if args.tiny else PAPER)
+    if args.top_k:
+        h["k"] = args.top_k
+    timer = Timer(device)
+    lengths = parse_tokens(args.lengths)
+    levels = sp.level_names(args.index)
+    log(f"msa.distributed benchmark: {dist.get_world_size()} ranks ({dist.get_backend()}, "
+        f"{device.type}), heads {h}, lengths {[fmt_tokens(x) for x in lengths]}, "
+        f"levels {levels}, reps {args.reps}")
+    rows = []
+    first = True
+    for T in lengths:
+        for level in levels:
+            rows += bench_case(msa, msad, T, level, h, args, timer, device,
+                               check=args.check and first)
+            first = False
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    if dist.get_rank() == 0:
+        report(rows, args.out)
+    return 0
+
+
+def _worker(rank, world, store_path, argv):
+    args = parse_args(argv)
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("gloo" if args.device == "cpu" else "nccl", store=store, rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=args.timeout))
+    try:
+        run(args)
+    finally:
+        dist.destroy_process_group()
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--lengths", default="128K,256K,512K", help="tokens of the one sequence")
+    ap.add_argument("--index", default="mixed,random", help="overlap levels of the index inputs")
+    ap.add_argument("--top-k", type=int, default=0, help="k (0: 16, tiny: 8)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--tiny", action="store_true",
+                    help="tiny heads (Hq 4, Hkv 2, Hi 2, D 16, Bk 16, k 8) and lengths 512,1K")
+    ap.add_argument("--quick", action="store_true", help="128K and 256K, 2 reps (~3 minutes)")
+    ap.add_argument("--no-check", dest="check", action="store_false",
+                    help="skip comparing the first case with the one-GPU call")
+    ap.add_argument("--spawn", type=int, default=0,
+                    help="start this many local processes (instead of torchrun)")
+    ap.add_argument("--timeout", type=int, default=600, help="collective timeout, seconds")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="write PREFIX.csv (rank 0)")
+    args = ap.parse_args(argv)
+    if args.tiny:
+        args.lengths = "512,1024" if args.lengths == ap.get_default("lengths") else args.lengths
+        args.reps = min(args.reps, 2)
+    if args.quick:
+        args.lengths = "128K,256K"
+        args.reps = 2
+    return args
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.spawn:
+        import torch.multiprocessing as mp
+        tmp = tempfile.mkdtemp(prefix="msa_bench_cp_")
+        mp.start_processes(_worker, args=(args.spawn, os.path.join(tmp, "store"), argv),
+                           nprocs=args.spawn, join=True, start_method="spawn")
+        return 0
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo",
+                            timeout=datetime.timedelta(seconds=args.timeout))
+    try:
+        return run(args)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
