@@ -804,31 +804,32 @@ Status validate(const PagedAppendParams& p, Problem* prob) {
   prob->opts.block_size = Bk;
   if (!p.k.defined() && !p.v.defined() && !p.k_idx.defined())
     return c.fail("k", "at least one of k, v and k_idx is required (each is written into its cache tensor)");
-  // Each given input [Tq, H, n] goes to its cache tensor [pages, Bk, H, n] (an output); v matches
-  // k's dtype and shape when both are given.
+  // Each given input [Tq, H, n] goes to its cache tensor [pages, Bk, H, n] (an output), whose
+  // heads, dim and dtype it must have; the v cache matches the k cache when both are written.
   int64_t pages = -1;
   prob->T = -1;
   auto one = [&](const char* arg, const TensorRef& in, const char* cache_arg, const TensorRef& out,
                  const char* names, const char* cache_names, const TensorRef* like) -> Status {
     if (!in.defined()) return Status::Ok();
-    MSA_TRY(c.tensor(arg, in, 3, false));
+    MSA_TRY(c.tensor(cache_arg, out, 4, /*output=*/true));
     if (like) {
-      MSA_TRY(c.dtype(arg, in, like->dtype));
-      MSA_TRY(c.shape(arg, in, {prob->T, like->shape[1], like->shape[2]}, names));
+      MSA_TRY(c.dtype(cache_arg, out, like->dtype));
+      MSA_TRY(c.shape(cache_arg, out, {pages, Bk, like->shape[2], like->shape[3]}, cache_names));
     } else {
-      MSA_TRY(c.float_dtype(arg, in));
-      MSA_TRY(c.shape(arg, in, {prob->T, -1, -1}, names));
-      MSA_TRY(check_head_dim(c, arg, in.shape[1], "the head count (dim 1)"));
-      MSA_TRY(check_head_dim(c, arg, in.shape[2], "the head dim (dim 2)"));
+      MSA_TRY(c.float_dtype(cache_arg, out));
+      MSA_TRY(c.shape(cache_arg, out, {pages, Bk, -1, -1}, cache_names));
+      MSA_TRY(check_head_dim(c, cache_arg, out.shape[2], "the head count (dim 2)"));
+      MSA_TRY(check_head_dim(c, cache_arg, out.shape[3], "the head dim (dim 3)"));
     }
-    prob->T = in.shape[0];
-    MSA_TRY(page_tensor(c, cache_arg, out, in.dtype, pages, Bk, in.shape[1], in.shape[2], cache_names,
-                        /*output=*/true));
     pages = out.shape[0];
+    MSA_TRY(c.tensor(arg, in, 3, false));
+    MSA_TRY(c.dtype(arg, in, out.dtype));
+    MSA_TRY(c.shape(arg, in, {prob->T, out.shape[2], out.shape[3]}, names));
+    prob->T = in.shape[0];
     return Status::Ok();
   };
   MSA_TRY(one("k", p.k, "cache.k", cache.k, "[Tq, Hkv, D]", "[pages, Bk, Hkv, D]", nullptr));
-  MSA_TRY(one("v", p.v, "cache.v", cache.v, "[Tq, Hkv, D]", "[pages, Bk, Hkv, D]", p.k.defined() ? &p.k : nullptr));
+  MSA_TRY(one("v", p.v, "cache.v", cache.v, "[Tq, Hkv, D]", "[pages, Bk, Hkv, D]", p.k.defined() ? &cache.k : nullptr));
   MSA_TRY(one("k_idx", p.k_idx, "cache.k_idx", cache.k_idx, "[Tq, Hik, Di]", "[pages, Bk, Hik, Di]", nullptr));
   MSA_TRY(paged_batch_shape(c, cache, p.cu_seqlens_q));
   MSA_TRY(c.no_aliasing());  // the layout is all checked: the values of inputs come last

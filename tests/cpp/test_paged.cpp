@@ -457,9 +457,12 @@ TEST(PagedValidation, Append) {
       {"v dtype", "v", [](P& p, ValidPaged&) { p.v.dtype = DType::kFloat64; }},
       {"k_idx tokens", "k_idx", [](P& p, ValidPaged&) { p.k_idx.shape[0] = 3; }},
       {"k cache missing", "cache.k", [](P& p, ValidPaged&) { p.cache.k = {}; }},
-      {"k cache dtype", "cache.k", [](P& p, ValidPaged&) { p.cache.k.dtype = DType::kFloat64; }},
+      {"k cache dtype", "cache.k", [](P& p, ValidPaged&) { p.cache.k.dtype = DType::kInt32; }},
+      {"k dtype vs the cache", "k", [](P& p, ValidPaged&) { p.k.dtype = DType::kFloat64; }},
+      {"v cache dtype vs the k cache", "cache.v", [](P& p, ValidPaged&) { p.cache.v.dtype = DType::kFloat64; }},
       {"v cache pages", "cache.v", [](P& p, ValidPaged&) { p.cache.v.shape[0] -= 1; }},
-      {"k_idx cache head dim", "cache.k_idx", [](P& p, ValidPaged&) { p.cache.k_idx.shape[3] = 8; }},
+      {"k_idx head dim vs the cache", "k_idx", [](P& p, ValidPaged&) { p.cache.k_idx.shape[3] = 8; }},
+      {"k heads vs the cache", "k", [](P& p, ValidPaged&) { p.k.shape[1] = 1; }},
       {"cache aliasing the input", "cache.v", [](P& p, ValidPaged&) { p.cache.v.data = p.cache.k.data; }},
   };
   cases.insert(cases.end(), own.begin(), own.end());
