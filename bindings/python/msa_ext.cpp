@@ -136,14 +136,24 @@ msa::Options options(const nb::int_& mode, const nb::int_& block_size, const nb:
 // tensor on the tensors' device, kept alive for the duration of the call. `check_values`: see
 // msa::Launch (a CUDA call that checks values waits for the check; one being captured into a
 // CUDA graph must pass false).
+//
+// `workspace` (the serving calls' plan/run: a buffer sized once by the caller) replaces `alloc`
+// when given: the call then allocates nothing; too small a buffer is a ValueError naming it.
 template <class P, class F>
-void run(P& p, uintptr_t stream, bool check_values, const nb::object& alloc, F&& call) {
+void run(P& p, uintptr_t stream, bool check_values, const nb::object& alloc, F&& call,
+         const OptArray& workspace = std::nullopt) {
   p.launch.stream = reinterpret_cast<void*>(stream);
   p.launch.check_values = check_values;
   const size_t need = msa::workspace_size(p);
   nb::object ws_obj;
   std::optional<Array> ws;
-  if (need > 0) {
+  if (workspace) {
+    if (workspace->nbytes() < need)
+      bad_arg("workspace", "this call needs " + std::to_string(need) + " bytes of workspace, got " +
+                               std::to_string(workspace->nbytes()));
+    p.launch.workspace = workspace->nbytes() > 0 ? workspace->data() : nullptr;
+    p.launch.workspace_bytes = workspace->nbytes();
+  } else if (need > 0) {
     if (alloc.is_none()) bad_arg("workspace_alloc", "this call needs " + std::to_string(need) + " bytes of workspace but no allocator was given");
     ws_obj = alloc(need);
     ws = nb::cast<Array>(ws_obj);
@@ -163,6 +173,54 @@ msa::DeviceType parse_device(const std::string& d) {
   if (d == "cpu") return msa::DeviceType::kCpu;
   if (d == "cuda") return msa::DeviceType::kCuda;
   bad_arg("device_type", "expected 'cpu' or 'cuda', got '" + d + "'");
+}
+
+msa::PagedCache paged_cache(const OptArray& k, const OptArray& v, const OptArray& k_idx, const Array& page_table,
+                            const Array& seq_lens) {
+  msa::PagedCache c;
+  c.k = to_ref("cache.k", k);
+  c.v = to_ref("cache.v", v);
+  c.k_idx = to_ref("cache.k_idx", k_idx);
+  c.page_table = to_ref("cache.page_table", page_table);
+  c.seq_lens = to_ref("cache.seq_lens", seq_lens);
+  return c;
+}
+
+msa::PagedSelectParams paged_select_params(const Array& q_idx, const Array& cu_seqlens_q, const Array& k_idx_cache,
+                                           const Array& page_table, const Array& seq_lens, const Array& block_idx,
+                                           const nb::int_& max_q_len, const nb::int_& block_size,
+                                           const nb::int_& top_k, const nb::int_& sink_blocks,
+                                           const nb::int_& local_blocks, float scale_idx) {
+  msa::PagedSelectParams p;
+  p.q_idx = to_ref("q_idx", q_idx);
+  p.cu_seqlens_q = to_ref("cu_seqlens_q", cu_seqlens_q);
+  p.cache = paged_cache(std::nullopt, std::nullopt, k_idx_cache, page_table, seq_lens);
+  p.block_idx = to_ref("block_idx", block_idx);
+  p.max_q_len = int32_arg("max_q_len", max_q_len);
+  p.opts = options(nb::int_(0), block_size, top_k, sink_blocks, local_blocks, 0.f, scale_idx, false);
+  return p;
+}
+
+msa::PagedForwardParams paged_forward_params(const Array& q, const Array& cu_seqlens_q, const Array& k_cache,
+                                             const Array& v_cache, const OptArray& k_idx_cache,
+                                             const Array& page_table, const Array& seq_lens,
+                                             const OptArray& block_idx, bool select, const OptArray& q_idx,
+                                             const Array& out, const OptArray& lse, const nb::int_& max_q_len,
+                                             const nb::int_& mode, const nb::int_& block_size,
+                                             const nb::int_& top_k, const nb::int_& sink_blocks,
+                                             const nb::int_& local_blocks, float scale, float scale_idx) {
+  msa::PagedForwardParams p;
+  p.q = to_ref("q", q);
+  p.cu_seqlens_q = to_ref("cu_seqlens_q", cu_seqlens_q);
+  p.cache = paged_cache(k_cache, v_cache, k_idx_cache, page_table, seq_lens);
+  p.block_idx = to_ref("block_idx", block_idx);
+  p.select = select;
+  p.q_idx = to_ref("q_idx", q_idx);
+  p.out = to_ref("out", out);
+  p.lse = to_ref("lse", lse);
+  p.max_q_len = int32_arg("max_q_len", max_q_len);
+  p.opts = options(mode, block_size, top_k, sink_blocks, local_blocks, scale, scale_idx, false);
+  return p;
 }
 
 }  // namespace
@@ -294,4 +352,106 @@ NB_MODULE(_C, m) {
       nb::arg("kl_rows").none() = nb::none(), nb::arg("mode") = 0, nb::arg("block_size") = 128,
       nb::arg("scale") = 0.f, nb::arg("scale_idx") = 0.f, nb::arg("stream") = 0,
       nb::arg("check_values") = true, nb::arg("workspace_alloc") = nb::none());
+
+  // ---- serving over a paged cache (docs/contract.md §6) ----------------------------------------
+
+  m.def(
+      "paged_select_blocks",
+      [](const Array& q_idx, const Array& cu_seqlens_q, const Array& k_idx_cache, const Array& page_table,
+         const Array& seq_lens, const Array& block_idx, const nb::int_& max_q_len, const nb::int_& block_size,
+         const nb::int_& top_k, const nb::int_& sink_blocks, const nb::int_& local_blocks, float scale_idx,
+         uintptr_t stream, bool check_values, const nb::object& workspace_alloc, const OptArray& workspace) {
+        msa::PagedSelectParams p = paged_select_params(q_idx, cu_seqlens_q, k_idx_cache, page_table, seq_lens,
+                                                       block_idx, max_q_len, block_size, top_k, sink_blocks,
+                                                       local_blocks, scale_idx);
+        run(p, stream, check_values, workspace_alloc,
+            [](const msa::PagedSelectParams& x) { return msa::paged_select_blocks(x); }, workspace);
+      },
+      nb::arg("q_idx"), nb::arg("cu_seqlens_q"), nb::arg("k_idx_cache"), nb::arg("page_table"),
+      nb::arg("seq_lens"), nb::arg("block_idx"), nb::arg("max_q_len") = 0, nb::arg("block_size") = 128,
+      nb::arg("top_k") = 16, nb::arg("sink_blocks") = 0, nb::arg("local_blocks") = 1,
+      nb::arg("scale_idx") = 0.f, nb::arg("stream") = 0, nb::arg("check_values") = true,
+      nb::arg("workspace_alloc") = nb::none(), nb::arg("workspace").none() = nb::none());
+
+  m.def(
+      "paged_select_workspace_size",
+      [](const Array& q_idx, const Array& cu_seqlens_q, const Array& k_idx_cache, const Array& page_table,
+         const Array& seq_lens, const Array& block_idx, const nb::int_& max_q_len, const nb::int_& block_size,
+         const nb::int_& top_k, const nb::int_& sink_blocks, const nb::int_& local_blocks, float scale_idx) {
+        const msa::PagedSelectParams p = paged_select_params(q_idx, cu_seqlens_q, k_idx_cache, page_table,
+                                                             seq_lens, block_idx, max_q_len, block_size, top_k,
+                                                             sink_blocks, local_blocks, scale_idx);
+        return msa::workspace_size(p);
+      },
+      nb::arg("q_idx"), nb::arg("cu_seqlens_q"), nb::arg("k_idx_cache"), nb::arg("page_table"),
+      nb::arg("seq_lens"), nb::arg("block_idx"), nb::arg("max_q_len") = 0, nb::arg("block_size") = 128,
+      nb::arg("top_k") = 16, nb::arg("sink_blocks") = 0, nb::arg("local_blocks") = 1,
+      nb::arg("scale_idx") = 0.f);
+
+  m.def(
+      "paged_forward",
+      [](const Array& q, const Array& cu_seqlens_q, const Array& k_cache, const Array& v_cache,
+         const OptArray& k_idx_cache, const Array& page_table, const Array& seq_lens, const OptArray& block_idx,
+         bool select, const OptArray& q_idx, const Array& out, const OptArray& lse, const nb::int_& max_q_len,
+         const nb::int_& mode, const nb::int_& block_size, const nb::int_& top_k, const nb::int_& sink_blocks,
+         const nb::int_& local_blocks, float scale, float scale_idx, uintptr_t stream, bool check_values,
+         const nb::object& workspace_alloc, const OptArray& workspace) {
+        msa::PagedForwardParams p = paged_forward_params(
+            q, cu_seqlens_q, k_cache, v_cache, k_idx_cache, page_table, seq_lens, block_idx, select, q_idx, out,
+            lse, max_q_len, mode, block_size, top_k, sink_blocks, local_blocks, scale, scale_idx);
+        run(p, stream, check_values, workspace_alloc,
+            [](const msa::PagedForwardParams& x) { return msa::paged_forward(x); }, workspace);
+      },
+      nb::arg("q"), nb::arg("cu_seqlens_q"), nb::arg("k_cache"), nb::arg("v_cache"),
+      nb::arg("k_idx_cache").none(), nb::arg("page_table"), nb::arg("seq_lens"), nb::arg("block_idx").none(),
+      nb::arg("select"), nb::arg("q_idx").none(), nb::arg("out"), nb::arg("lse").none(),
+      nb::arg("max_q_len") = 0, nb::arg("mode") = 0, nb::arg("block_size") = 128, nb::arg("top_k") = 16,
+      nb::arg("sink_blocks") = 0, nb::arg("local_blocks") = 1, nb::arg("scale") = 0.f,
+      nb::arg("scale_idx") = 0.f, nb::arg("stream") = 0, nb::arg("check_values") = true,
+      nb::arg("workspace_alloc") = nb::none(), nb::arg("workspace").none() = nb::none());
+
+  m.def(
+      "paged_forward_workspace_size",
+      [](const Array& q, const Array& cu_seqlens_q, const Array& k_cache, const Array& v_cache,
+         const OptArray& k_idx_cache, const Array& page_table, const Array& seq_lens, const OptArray& block_idx,
+         bool select, const OptArray& q_idx, const Array& out, const OptArray& lse, const nb::int_& max_q_len,
+         const nb::int_& mode, const nb::int_& block_size, const nb::int_& top_k, const nb::int_& sink_blocks,
+         const nb::int_& local_blocks, float scale, float scale_idx) {
+        const msa::PagedForwardParams p = paged_forward_params(
+            q, cu_seqlens_q, k_cache, v_cache, k_idx_cache, page_table, seq_lens, block_idx, select, q_idx, out,
+            lse, max_q_len, mode, block_size, top_k, sink_blocks, local_blocks, scale, scale_idx);
+        return msa::workspace_size(p);
+      },
+      nb::arg("q"), nb::arg("cu_seqlens_q"), nb::arg("k_cache"), nb::arg("v_cache"),
+      nb::arg("k_idx_cache").none(), nb::arg("page_table"), nb::arg("seq_lens"), nb::arg("block_idx").none(),
+      nb::arg("select"), nb::arg("q_idx").none(), nb::arg("out"), nb::arg("lse").none(),
+      nb::arg("max_q_len") = 0, nb::arg("mode") = 0, nb::arg("block_size") = 128, nb::arg("top_k") = 16,
+      nb::arg("sink_blocks") = 0, nb::arg("local_blocks") = 1, nb::arg("scale") = 0.f,
+      nb::arg("scale_idx") = 0.f);
+
+  m.def(
+      "paged_append",
+      [](const OptArray& k, const OptArray& v, const OptArray& k_idx, const Array& cu_seqlens_q,
+         const OptArray& k_cache, const OptArray& v_cache, const OptArray& k_idx_cache, const Array& page_table,
+         const Array& seq_lens, const nb::int_& block_size, uintptr_t stream, bool check_values) {
+        msa::PagedAppendParams p;
+        p.k = to_ref("k", k);
+        p.v = to_ref("v", v);
+        p.k_idx = to_ref("k_idx", k_idx);
+        p.cu_seqlens_q = to_ref("cu_seqlens_q", cu_seqlens_q);
+        p.cache = paged_cache(k_cache, v_cache, k_idx_cache, page_table, seq_lens);
+        p.block_size = int32_arg("block_size", block_size);
+        p.launch.stream = reinterpret_cast<void*>(stream);
+        p.launch.check_values = check_values;
+        msa::Status s;
+        {
+          nb::gil_scoped_release release;
+          s = msa::paged_append(p);
+        }
+        check(s);
+      },
+      nb::arg("k").none(), nb::arg("v").none(), nb::arg("k_idx").none(), nb::arg("cu_seqlens_q"),
+      nb::arg("k_cache").none(), nb::arg("v_cache").none(), nb::arg("k_idx_cache").none(),
+      nb::arg("page_table"), nb::arg("seq_lens"), nb::arg("block_size") = 128, nb::arg("stream") = 0,
+      nb::arg("check_values") = true);
 }
