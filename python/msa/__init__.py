@@ -378,3 +378,4 @@ def kl_divergence(
 
 
 from . import nn  # noqa: E402,F401  (msa.nn.MSAAttention; imports this module)
+from . import serving  # noqa: E402,F401  (msa.serving: paged KV cache, plan/run; torch.ops.msa.paged_*)
