@@ -428,7 +428,7 @@ Status seqlens_values(const Check& c, const TensorRef& cu, Problem* prob, const 
                              std::to_string(prob->cu[s]) + " < " + a + "[" + std::to_string(s - 1) +
                              "] = " + std::to_string(prob->cu[s - 1]));
   if (prob->cu[n - 1] != prob->T)
-    return c.fail(arg, "must end at T = " + std::to_string(prob->T) + ", got " +
+    return c.fail(arg, std::string("must end at ") + (a == "cu_seqlens_q" ? "Tq" : "T") + " = " + std::to_string(prob->T) + ", got " +
                            std::to_string(prob->cu[n - 1]));
   return Status::Ok();
 }
@@ -587,7 +587,7 @@ Status paged_values(const Check& c, const PagedCache& cache, const TensorRef& cu
                                           std::to_string((L + Bk - 1) / Bk) + " pages of Bk = " + std::to_string(Bk) +
                                           " tokens, more than the page table's max_pages = " + std::to_string(max_pages));
     if (max_q_len > 0 && n > max_q_len)
-      return c.fail("cu_seqlens_q", "sequence " + ss + " has " + std::to_string(n) +
+      return c.fail("max_q_len", "sequence " + ss + " has " + std::to_string(n) +
                                         " new tokens, more than max_q_len = " + std::to_string(max_q_len));
     for (int64_t b = 0; b < (L + Bk - 1) / Bk; ++b) {
       const int64_t page = table[s * cache.page_table.stride[0] + b * cache.page_table.stride[1]];

@@ -369,7 +369,7 @@ TEST(PagedValidation, Select) {
   const Batch<P> own = {
       {"max_q_len 17", "max_q_len", [](P& p, ValidPaged&) { p.max_q_len = 17; }},
       {"max_q_len negative", "max_q_len", [](P& p, ValidPaged&) { p.max_q_len = -1; }},
-      {"n_s > max_q_len", "cu_seqlens_q", [](P& p, ValidPaged&) { p.max_q_len = 8; }},
+      {"n_s > max_q_len", "max_q_len", [](P& p, ValidPaged&) { p.max_q_len = 8; }},
       {"kDense", "mode", [](P& p, ValidPaged&) { p.opts.mode = Mode::kDense; }},
       {"block_size", "block_size", [](P& p, ValidPaged&) { p.opts.block_size = 48; }},
       {"top_k below the forced blocks", "top_k", [](P& p, ValidPaged&) { p.opts.local_blocks = 3; }},
@@ -393,7 +393,7 @@ TEST(PagedValidation, Forward) {
   Batch<P> cases = batch_cases<P>();
   const Batch<P> own = {
       {"max_q_len 17", "max_q_len", [](P& p, ValidPaged&) { p.max_q_len = 17; }},
-      {"n_s > max_q_len", "cu_seqlens_q", [](P& p, ValidPaged&) { p.max_q_len = 9; }},
+      {"n_s > max_q_len", "max_q_len", [](P& p, ValidPaged&) { p.max_q_len = 9; }},
       {"q missing", "q", [](P& p, ValidPaged&) { p.q = {}; }},
       {"q rank", "q", [](P& p, ValidPaged&) { p.q.rank = 2; }},
       {"page shape of k", "cache.k", [](P& p, ValidPaged&) { p.cache.k.shape[1] = 32; }},

@@ -251,7 +251,7 @@ def test_errors_name_the_argument():
     _error(lambda: torch.ops.msa.paged_forward(q, b.cu_q, b.k_cache, b.v_cache, b.k_idx_cache,
                                                b.table, b.seq_lens, qi, None, 17, False, True,
                                                64, 2, 0, 1, 0.0, 0.0), "max_q_len")
-    _error(lambda: fwd(max_q_len=8), "cu_seqlens_q")
+    _error(lambda: fwd(max_q_len=8), "max_q_len")
     # Bk is the k cache's dim 1: another page size in the v cache is a wrong page shape.
     _error(lambda: serving.paged_forward(q, b.k_cache, b.v_cache[:, :32], b.table, b.seq_lens,
                                          b.cu_q, dense=True), "cache.v")
