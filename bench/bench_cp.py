@@ -128,7 +128,7 @@ def bench_case(msa, msad, T: int, level: str, h: Dict, args, timer: Timer, devic
                                         dtype=dtype, device=device, generator=gen)
 
     def r(*shape):
-        return torch.randn(*shape, device=device, generator=gen, dtype=torch.float32).to(dtype)
+        return torch.randn(*shape, device=device, generator=gen, dtype=dtype)  # no fp32 copy
 
     q, k, v = r(T, h["Hq"], h["D"]), r(T, h["Hkv"], h["D"]), r(T, h["Hkv"], h["D"])
     gout = r(T, h["Hq"], h["D"])

@@ -181,6 +181,9 @@ def test_matches_single_process(case, layout, exchange, world):
         for n in ("dq_idx", "dk_idx"):
             assert_close(got[n], ref[n][pos], rtol_idx, f"rank {r}: {n}")
         assert_close(got["kl"], ref["kl"], 1e-6, f"rank {r}: kl")
+        # the same support in the same order: the query side is the single-process call's bits
+        for n in ("out", "lse", "dq"):
+            assert torch.equal(got[n], ref[n][pos]), f"rank {r}: {n} not bitwise equal"
         assert got["repeat_equal"], f"rank {r}: a second run gave other bits"
     assert torch.equal(seen, torch.ones_like(seen)), "the shards must cover every token once"
 
