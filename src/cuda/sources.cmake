@@ -19,14 +19,15 @@ if(MSA_CUDA_FAST_BUILD)
 endif()
 # Kernel families: the launch function of host/launch.cuh and its Args struct (host/args.h).
 set(MSA_CUDA_FAMILIES "forward FwdArgs" "fwd_kv FwdKvArgs" "select SelectArgs" "bwd_q BwdQArgs"
-    "bwd_kv BwdKvArgs" "kl KlArgs")
+    "bwd_kv BwdKvArgs" "kl KlArgs" "paged_score PagedScoreArgs" "paged_attn PagedAttnArgs")
 
 set(MSA_CUDA_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/host/forward.cu
   ${CMAKE_CURRENT_LIST_DIR}/host/backward.cu
   ${CMAKE_CURRENT_LIST_DIR}/host/plan.cu
   ${CMAKE_CURRENT_LIST_DIR}/host/reverse_index.cu
-  ${CMAKE_CURRENT_LIST_DIR}/host/check_values.cu)
+  ${CMAKE_CURRENT_LIST_DIR}/host/check_values.cu
+  ${CMAKE_CURRENT_LIST_DIR}/host/paged.cu)
 set(MSA_CUDA_GENERATED_DIR ${CMAKE_CURRENT_BINARY_DIR}/msa_cuda_instances)
 set(_msa_x "")
 foreach(_variant IN LISTS MSA_CUDA_VARIANTS)

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "harness.h"
+#include "paged_cases.h"
 #include "reference.h"
 
 namespace msatest {
@@ -1382,6 +1383,311 @@ TEST(Cuda, KlPassOption) {
       EXPECT_LT(std::sqrt(num / den), 1e-2) << name << ": fused and separate passes disagree";
     }
   }
+}
+
+
+// ---- serving over a paged cache (docs/contract.md §6) -------------------------------------------
+//
+// The same batches as the CPU tests (paged_cases.h: shuffled page tables, NaN in every page row
+// no sequence owns), uploaded: the CUDA selection must satisfy the contract's rule at the new
+// tokens' positions (scores from the contiguous sequences), and its attention must match the CPU
+// backend's paged call over the same block_idx within the forward tolerances.
+
+struct DevicePaged {
+  DeviceTensor q, q_idx, k, v, k_idx, page_table, seq_lens, cu_q;
+  DevicePaged(PagedBatch& b, cudaStream_t s)
+      : q(DeviceTensor::upload(b.q, s)), q_idx(DeviceTensor::upload(b.q_idx, s)), k(DeviceTensor::upload(b.kc, s)),
+        v(DeviceTensor::upload(b.vc, s)), k_idx(DeviceTensor::upload(b.kic, s)),
+        page_table(DeviceTensor::upload(b.page_table, s)), seq_lens(DeviceTensor::upload(b.seq_lens, s)),
+        cu_q(DeviceTensor::upload(b.cu_q, s)) {}
+  PagedRefs refs() const {
+    return {q.ref(), q_idx.ref(), k.ref(), v.ref(), k_idx.ref(), page_table.ref(), seq_lens.ref(), cu_q.ref()};
+  }
+};
+
+// Device workspace of `bytes` (none for 0).
+struct Workspace {
+  DeviceTensor buf;
+  explicit Workspace(size_t bytes) : buf(DType::kInt32, {static_cast<int64_t>((bytes + 3) / 4)}) {}
+  template <class P>
+  void attach(P& p) const {
+    p.launch.workspace = buf.ref().data;
+    p.launch.workspace_bytes = static_cast<size_t>(buf.ref().shape[0]) * 4;
+  }
+};
+
+// A [Tq, ...] result scattered to the rows of the contiguous problem (new_rows), for the checks
+// written against whole problems; other rows hold `fill`.
+HostTensor to_full_rows(const HostTensor& t, const PagedBatch& b, double fill) {
+  std::vector<int64_t> shape = t.shape();
+  const int64_t row = t.numel() / std::max<int64_t>(shape[0], 1);
+  shape[0] = b.full.T;
+  HostTensor f(t.dtype(), shape);
+  f.fill(fill);
+  for (size_t r = 0; r < b.new_rows.size(); ++r)
+    for (int64_t x = 0; x < row; ++x) f.set(b.new_rows[r] * row + x, t.get(static_cast<int64_t>(r) * row + x));
+  return f;
+}
+
+// The CPU backend's paged forward over `bi` (kSparse) or dense, in float64 (the reference).
+FwdResult cpu_paged_forward(const PagedCase& cs, PagedBatch& b, HostTensor* bi, Mode mode) {
+  PagedCase wide = cs;
+  wide.dtype = DType::kFloat64;
+  PagedBatch w(wide);  // same seed: the same values before rounding; copy the rounded ones
+  const std::pair<const HostTensor*, HostTensor*> pairs[] = {
+      {&b.q, &w.q}, {&b.q_idx, &w.q_idx}, {&b.kc, &w.kc}, {&b.vc, &w.vc}, {&b.kic, &w.kic}};
+  for (auto [src, dst] : pairs)
+    for (int64_t x = 0; x < src->numel(); ++x) dst->set(x, src->get(x));
+  FwdResult r{HostTensor(DType::kFloat64, {w.Tq, cs.Hq, cs.D}), HostTensor(DType::kFloat32, {w.Tq, cs.Hq}), {}};
+  const PagedRefs refs = host_refs(w);
+  expect_ok(msa::paged_forward(paged_forward_params(wide, refs, mode, false, bi ? bi->ref() : msa::TensorRef{},
+                                                    r.out.ref(), r.lse.ref())));
+  return r;
+}
+
+PagedCase paged_gpu_case(std::vector<int64_t> lens, std::vector<int64_t> nq, int Hq, int Hkv, int Hi, int Hik,
+                         int D, int Bk, int k, DType dt, int max_q_len, uint64_t seed) {
+  PagedCase c;
+  c.lens = std::move(lens);
+  c.nq = std::move(nq);
+  c.Hq = Hq;
+  c.Hkv = Hkv;
+  c.Hi = Hi;
+  c.Hik = Hik;
+  c.D = c.Di = D;
+  c.Bk = Bk;
+  c.k = k;
+  c.dtype = dt;
+  c.max_q_len = max_q_len;
+  c.seed = seed;
+  return c;
+}
+
+PagedCase with_forced(PagedCase c, int sink, int local) {
+  c.sink = sink;
+  c.local = local;
+  return c;
+}
+
+const PagedCase kPagedCases[] = {
+    // decode, paper-like heads (G = 16, one index key head), block edges, an empty request
+    paged_gpu_case({1, 127, 128, 129, 4000, 0}, {1, 1, 8, 16, 3, 0}, 32, 2, 2, 1, 128, 128, 4, kBf16, 16, 1),
+    // decode of one long sequence: split over the union, many score chunks
+    paged_gpu_case({40000}, {1}, 64, 4, 4, 1, 128, 128, 16, kBf16, 1, 2),
+    paged_gpu_case({20000, 300}, {8, 2}, 16, 2, 4, 2, 128, 128, 8, kBf16, 8, 3),
+    // prefill chunks (many tiles, no split), sinks and local blocks
+    with_forced(paged_gpu_case({3000, 700, 1}, {600, 200, 1}, 16, 2, 2, 1, 128, 128, 6, kBf16, 0, 4), 1, 2),
+    // other variants (skipped when not built)
+    paged_gpu_case({2100, 90}, {16, 16}, 8, 2, 2, 1, 64, 64, 5, kFp16, 16, 5),
+    paged_gpu_case({1500}, {300}, 8, 8, 8, 1, 64, 128, 4, kFp16, 0, 6),
+    paged_gpu_case({900, 65}, {5, 65}, 4, 1, 4, 4, 128, 64, 3, kBf16, 0, 7),
+};
+
+class PagedCudaVsCpu : public ::testing::TestWithParam<PagedCase> {};
+
+TEST_P(PagedCudaVsCpu, SelectAndForward) {
+  SKIP_WITHOUT_CUDA();
+  const PagedCase cs = GetParam();
+  SCOPED_TRACE(cs.str());
+  SKIP_UNLESS_BUILT(cs.config(), true, true);
+  Stream st(true);
+  PagedBatch b(cs);
+  DevicePaged d(b, st.get());
+  const PagedRefs r = d.refs();
+  Problem& full = b.full;
+  const IndexScores sc(full);
+
+  // The selection alone: the contract's rule at every new token.
+  DeviceTensor bi = DeviceTensor::poisoned(DType::kInt32, {b.Tq, cs.Hi, cs.k}, st.get());
+  msa::PagedSelectParams sp = paged_select_params(cs, r, bi.ref());
+  Workspace ws_sel(msa::workspace_size(sp));
+  ws_sel.attach(sp);
+  sp.launch.stream = st.get();
+  require_ok(msa::paged_select_blocks(sp));
+  HostTensor sel = bi.download(st.get());
+  const Failures fs = check_selection(full, sc, to_full_rows(sel, b, -1), nullptr, b.new_rows);
+  EXPECT_EQ(fs.count, 0) << "paged_select_blocks:" << fs.first;
+
+  // Attention over that selection, against the CPU backend's paged call over the same one.
+  const FwdResult want = cpu_paged_forward(cs, b, &sel, Mode::kSparse);
+  DeviceTensor out = DeviceTensor::poisoned(cs.dtype, {b.Tq, cs.Hq, cs.D}, st.get());
+  DeviceTensor lse = DeviceTensor::poisoned(DType::kFloat32, {b.Tq, cs.Hq}, st.get());
+  msa::PagedForwardParams fp = paged_forward_params(cs, r, Mode::kSparse, false, bi.ref(), out.ref(), lse.ref());
+  Workspace ws_fwd(msa::workspace_size(fp));
+  ws_fwd.attach(fp);
+  fp.launch.stream = st.get();
+  require_ok(msa::paged_forward(fp));
+  expect_forward_close(out.download(st.get()), lse.download(st.get()), want, cs.dtype, "paged_forward(block_idx)");
+
+  // With the selection inside the call: its block_idx, then the attention over it.
+  DeviceTensor bi2 = DeviceTensor::poisoned(DType::kInt32, {b.Tq, cs.Hi, cs.k}, st.get());
+  DeviceTensor out2 = DeviceTensor::poisoned(cs.dtype, {b.Tq, cs.Hq, cs.D}, st.get());
+  msa::PagedForwardParams fs2 = paged_forward_params(cs, r, Mode::kSparse, true, bi2.ref(), out2.ref(), {});
+  Workspace ws2(msa::workspace_size(fs2));
+  ws2.attach(fs2);
+  fs2.launch.stream = st.get();
+  require_ok(msa::paged_forward(fs2));
+  HostTensor sel2 = bi2.download(st.get());
+  EXPECT_EQ(first_difference(sel2, sel), "") << "paged_forward(select) chose differently from paged_select_blocks";
+  HostTensor no_lse(DType::kFloat32, {b.Tq, cs.Hq});
+  no_lse.fill(0);
+  FwdResult want2 = want;
+  want2.lse = no_lse;
+  expect_forward_close(out2.download(st.get()), no_lse, want2, cs.dtype, "paged_forward(select)");
+
+  // Dense causal attention over the cache.
+  const FwdResult dense = cpu_paged_forward(cs, b, nullptr, Mode::kDense);
+  DeviceTensor out3 = DeviceTensor::poisoned(cs.dtype, {b.Tq, cs.Hq, cs.D}, st.get());
+  DeviceTensor lse3 = DeviceTensor::poisoned(DType::kFloat32, {b.Tq, cs.Hq}, st.get());
+  msa::PagedForwardParams fd = paged_forward_params(cs, r, Mode::kDense, false, {}, out3.ref(), lse3.ref());
+  Workspace ws3(msa::workspace_size(fd));
+  ws3.attach(fd);
+  fd.launch.stream = st.get();
+  require_ok(msa::paged_forward(fd));
+  expect_forward_close(out3.download(st.get()), lse3.download(st.get()), dense, cs.dtype, "paged_forward(kDense)");
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, PagedCudaVsCpu, ::testing::ValuesIn(kPagedCases),
+                         [](const ::testing::TestParamInfo<PagedCase>& i) { return "case" + std::to_string(i.index); });
+
+// paged_append writes exactly the new tokens' rows, as the CPU backend does.
+TEST(CudaPaged, AppendMatchesCpu) {
+  SKIP_WITHOUT_CUDA();
+  PagedCase cs = paged_gpu_case({300, 5, 129}, {17, 5, 1}, 16, 2, 2, 1, 128, 128, 4, kBf16, 0, 21);
+  Stream st(true);
+  PagedBatch b(cs);
+  HostTensor kn = gather_rows(b.full.k, b.new_rows), vn = gather_rows(b.full.v, b.new_rows),
+             kin = gather_rows(b.full.k_idx, b.new_rows);
+  for (HostTensor* c : {&b.kc, &b.vc, &b.kic})  // the new rows not yet written
+    for (int64_t x = 0; x < c->numel(); ++x) c->set(x, 0.5);
+  DevicePaged d(b, st.get());
+  DeviceTensor dk = DeviceTensor::upload(kn, st.get()), dv = DeviceTensor::upload(vn, st.get()),
+               dki = DeviceTensor::upload(kin, st.get());
+  msa::PagedAppendParams ap;
+  ap.k = dk.ref();
+  ap.v = dv.ref();
+  ap.k_idx = dki.ref();
+  ap.cu_seqlens_q = d.cu_q.ref();
+  ap.cache = cache_of(d.refs());
+  ap.block_size = cs.Bk;
+  ap.launch.stream = st.get();
+  require_ok(msa::paged_append(ap));
+  msa::PagedAppendParams hp = ap;
+  const PagedRefs h = host_refs(b);
+  hp.k = kn.ref();
+  hp.v = vn.ref();
+  hp.k_idx = kin.ref();
+  hp.cu_seqlens_q = h.cu_q;
+  hp.cache = cache_of(h);
+  hp.launch = {};
+  expect_ok(msa::paged_append(hp));
+  EXPECT_EQ(first_difference(d.k.download(st.get()), b.kc), "") << "k cache";
+  EXPECT_EQ(first_difference(d.v.download(st.get()), b.vc), "") << "v cache";
+  EXPECT_EQ(first_difference(d.k_idx.download(st.get()), b.kic), "") << "k_idx cache";
+}
+
+// Bad values on the device are reported naming the argument, as on the CPU.
+TEST(CudaPaged, ValueChecksNameTheArgument) {
+  SKIP_WITHOUT_CUDA();
+  PagedCase cs = paged_gpu_case({300, 130}, {3, 2}, 16, 2, 2, 1, 128, 128, 4, kBf16, 4, 22);
+  Stream st(false);
+  struct Edit {
+    std::function<void(PagedBatch&)> edit;
+    const char* arg;
+  };
+  const Edit edits[] = {
+      {[](PagedBatch& b) { b.page_table.set(1, b.pages); }, "argument 'cache.page_table'"},
+      {[](PagedBatch& b) { b.seq_lens.set(0, 1e6); }, "argument 'cache.seq_lens'"},
+      {[](PagedBatch& b) { b.seq_lens.set(1, 1); }, "argument 'cache.seq_lens'"},
+  };
+  for (const Edit& e : edits) {
+    PagedBatch b(cs);
+    e.edit(b);
+    DevicePaged d(b, st.get());
+    DeviceTensor out = DeviceTensor::poisoned(cs.dtype, {b.Tq, cs.Hq, cs.D}, st.get());
+    DeviceTensor bi = DeviceTensor::poisoned(DType::kInt32, {b.Tq, cs.Hi, cs.k}, st.get());
+    msa::PagedForwardParams fp = paged_forward_params(cs, d.refs(), Mode::kSparse, true, bi.ref(), out.ref(), {});
+    Workspace ws(msa::workspace_size(fp));
+    ws.attach(fp);
+    expect_error(msa::paged_forward(fp), StatusCode::kInvalidArgument, e.arg, e.arg);
+  }
+  // max_q_len below a sequence's new tokens
+  PagedCase small = cs;
+  small.max_q_len = 2;
+  PagedBatch b(small);
+  DevicePaged d(b, st.get());
+  DeviceTensor bi = DeviceTensor::poisoned(DType::kInt32, {b.Tq, cs.Hi, cs.k}, st.get());
+  msa::PagedSelectParams sp = paged_select_params(small, d.refs(), bi.ref());
+  Workspace ws(msa::workspace_size(sp));
+  ws.attach(sp);
+  expect_error(msa::paged_select_blocks(sp), StatusCode::kInvalidArgument, "argument 'max_q_len'", "max_q_len");
+}
+
+// A decode step captured into a CUDA graph (checks off) and replayed with new lengths, page
+// tables and queries of the same shapes gives the eager result of the new batch.
+TEST(CudaPaged, GraphReplayWithNewLengthsAndPages) {
+  SKIP_WITHOUT_CUDA();
+  const PagedCase c1 = paged_gpu_case({5000, 300, 129}, {4, 4, 1}, 32, 2, 2, 1, 128, 128, 8, kBf16, 4, 31);
+  PagedCase c2 = c1;
+  c2.lens = {4000, 700, 257};
+  c2.nq = {2, 4, 3};
+  c2.seed = 32;
+  PagedBatch b1(c1), b2(c2);
+  ASSERT_EQ(b1.Tq, b2.Tq);
+  // Same shapes: the second batch's pages and page table fit in the first's buffers.
+  ASSERT_LE(b2.pages, b1.pages);
+  ASSERT_LE(b2.max_pages, b1.max_pages);
+  Stream st(true);
+  DevicePaged d(b1, st.get());
+  DeviceTensor bi = DeviceTensor::poisoned(DType::kInt32, {b1.Tq, c1.Hi, c1.k}, st.get());
+  DeviceTensor out = DeviceTensor::poisoned(c1.dtype, {b1.Tq, c1.Hq, c1.D}, st.get());
+  msa::PagedForwardParams fp = paged_forward_params(c1, d.refs(), Mode::kSparse, true, bi.ref(), out.ref(), {});
+  Workspace ws(msa::workspace_size(fp));
+  ws.attach(fp);
+  fp.launch.stream = st.get();
+  fp.launch.check_values = false;
+  cudaGraph_t graph = nullptr;
+  CUDA_CHECK(cudaStreamBeginCapture(st.get(), cudaStreamCaptureModeThreadLocal));
+  const msa::Status captured = msa::paged_forward(fp);
+  CUDA_CHECK(cudaStreamEndCapture(st.get(), &graph));
+  require_ok(captured);
+  cudaGraphExec_t exec = nullptr;
+  CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+
+  for (PagedBatch* b : {&b1, &b2}) {
+    // New contents in the same device buffers (b2's cache fits in b1's pages: same or fewer rows used).
+    auto put = [&](DeviceTensor& dst, HostTensor& src) {
+      ASSERT_LE(src.numel() * msa::dtype_size(src.dtype()), static_cast<int64_t>(
+          dst.ref().numel() * msa::dtype_size(dst.ref().dtype)));
+      CUDA_CHECK(cudaMemcpyAsync(dst.ref().data, src.ref().data, src.numel() * msa::dtype_size(src.dtype()),
+                                 cudaMemcpyHostToDevice, st.get()));
+    };
+    HostTensor pt(DType::kInt32, {b1.nseq, b1.max_pages});
+    pt.fill(-1);
+    for (int64_t s = 0; s < b->nseq; ++s)
+      for (size_t x = 0; x < b->table[s].size(); ++x) pt.set(s * b1.max_pages + x, b->table[s][x]);
+    put(d.q, b->q);
+    put(d.q_idx, b->q_idx);
+    put(d.seq_lens, b->seq_lens);
+    put(d.cu_q, b->cu_q);
+    put(d.page_table, pt);
+    put(d.k, b->kc);
+    put(d.v, b->vc);
+    put(d.k_idx, b->kic);
+    CUDA_CHECK(cudaGraphLaunch(exec, st.get()));
+    HostTensor sel = bi.download(st.get());
+    const IndexScores sc(b->full);
+    const Failures fs = check_selection(b->full, sc, to_full_rows(sel, *b, -1), nullptr, b->new_rows);
+    EXPECT_EQ(fs.count, 0) << "replayed selection:" << fs.first;
+    const FwdResult want = cpu_paged_forward(b->cs, *b, &sel, Mode::kSparse);
+    HostTensor no_lse(DType::kFloat32, {b->Tq, c1.Hq});
+    no_lse.fill(0);
+    FwdResult w = want;
+    w.lse = no_lse;
+    expect_forward_close(out.download(st.get()), no_lse, w, c1.dtype, "replayed paged_forward");
+  }
+  CUDA_CHECK(cudaGraphExecDestroy(exec));
+  CUDA_CHECK(cudaGraphDestroy(graph));
 }
 
 }  // namespace

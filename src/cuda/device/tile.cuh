@@ -54,6 +54,26 @@ __device__ inline QueryTile decode_tile(const int32_t* cu_seqlens, int32_t nseq,
   return t;
 }
 
+// Position of new token t (packed) of a paged call inside its sequence (and the sequence, when
+// `seq` is given). The new tokens are the last n_s of their sequence's seq_lens[s] positions.
+// Values are clamped (lengths to [0, cap], cu_q to [0, Tq]): malformed ones never index out of
+// bounds.
+__device__ inline int32_t paged_position(const int32_t* cu_q, int32_t nseq, int32_t Tq,
+                                         const int32_t* seq_lens, int32_t cap, int64_t t,
+                                         int32_t* seq = nullptr) {
+  int32_t lo = 0, hi = nseq - 1;
+  while (lo < hi) {
+    const int32_t mid = (lo + hi + 1) >> 1;
+    if (clamp_offset(cu_q[mid], 0, Tq) <= t) lo = mid; else hi = mid - 1;
+  }
+  const int64_t start = clamp_offset(cu_q[lo], 0, Tq);
+  const int64_t n = clamp_offset(cu_q[lo + 1], start, Tq) - start;
+  const int32_t len = static_cast<int32_t>(clamp_offset(seq_lens[lo], 0, cap));
+  const int64_t base = len - n > 0 ? len - n : 0;
+  if (seq != nullptr) *seq = lo;
+  return static_cast<int32_t>(base + (t - start));
+}
+
 inline int64_t num_tile_ids(int32_t nseq, int64_t T, int32_t m) { return nseq + T / m + 1; }
 
 }  // namespace msa::cuda::kern

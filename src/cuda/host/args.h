@@ -16,6 +16,10 @@ namespace msa::cuda {
 // into this many MMA rows (selection: 256, see select_kernel.cuh).
 constexpr int kQueryTileRows = 128;
 constexpr int kSelectTileRows = 256;
+// Rows of the paged kernels' tiles: index rows (token x index head) of a score tile, and query rows
+// (token x query head of one KV head) of an attention tile.
+constexpr int kPagedScoreRows = 32;
+constexpr int kPagedAttnRows = 64;
 
 // Packed sequences: cu_seqlens (null: one sequence of T tokens).
 struct SeqArgs {
@@ -140,6 +144,69 @@ struct KlArgs : KvSideArgs {
   int64_t lse_s0 = 0, lse_s1 = 0;
   unsigned long long* kl_rows = nullptr;  // [T, Hi] fixed point
   float scale_log2 = 0.f;                 // signed
+};
+
+// ---- Serving over a paged KV cache (docs/contract.md §6; host/paged.cu) -------------------------
+
+// The new tokens of a paged call and the cache's page table. Sequence s has n_s new tokens
+// (cu_q) at positions seq_lens[s] - n_s ...; its key position x lives in page
+// page_table[s * pt_s0 + x / Bk], row x % Bk. Kernels clamp every value they read from these
+// (lengths to [0, max_pages * Bk], page ids to [0, num_pages)), so malformed values never send an
+// access outside the tensors.
+struct PagedArgs {
+  const int32_t* cu_q = nullptr;  // [nseq + 1]
+  int32_t nseq = 0;
+  int32_t Tq = 0;
+  const int32_t* seq_lens = nullptr;    // [nseq]
+  const int32_t* page_table = nullptr;  // [nseq, max_pages]
+  int64_t pt_s0 = 0;
+  int32_t max_pages = 0, num_pages = 0;
+  int32_t block_size = 0;
+  int32_t tile_tokens = 0;  // new tokens per tile (kern::decode_tile over cu_q)
+  int64_t num_tiles = 0;    // grid.x
+};
+
+// Index scores of the new tokens (kernels/paged_score_kernel.cuh): the block max of
+// scale_idx * q_idx . k_idx over the causal keys of each block, for the packed tokens
+// [tok_lo, tok_hi) of a pass, into scores[(t - tok_lo) * Hi + i][b] (row stride max_pages).
+struct PagedScoreArgs : PagedArgs {
+  const void* q_idx = nullptr;
+  int64_t q_s0 = 0, q_s1 = 0;
+  const void* k_idx = nullptr;  // cache [pages, Bk, Hik, Di]
+  int64_t k_s0 = 0, k_s1 = 0, k_s2 = 0;
+  int32_t Hi = 0, Hik = 0, idx_per_key = 0;  // Gk = Hi / Hik <= kPagedScoreRows
+  float scale = 0.f;                         // signed scale_idx
+  float* scores = nullptr;
+  int32_t chunk_blocks = 0, num_chunks = 0;  // grid.z: chunks of chunk_blocks logical blocks
+  int64_t tok_lo = 0, tok_hi = 0;
+};
+
+// Sparse (or, dense: every causal key) attention of the new tokens over the cache
+// (kernels/paged_attn_kernel.cuh). A tile is tile_tokens tokens x the G query heads of one KV
+// head (grid.y); it visits the union of its rows' selections, split over grid.z = splits CTAs;
+// with splits > 1 each writes a normalised partial output and its LSE for the combine.
+struct PagedAttnArgs : PagedArgs {
+  const void* q = nullptr;
+  int64_t q_s0 = 0, q_s1 = 0;
+  const void *k = nullptr, *v = nullptr;  // cache [pages, Bk, Hkv, D]
+  int64_t k_s0 = 0, k_s1 = 0, k_s2 = 0, v_s0 = 0, v_s1 = 0, v_s2 = 0;
+  int32_t Hq = 0, Hkv = 0, Hi = 0;
+  int32_t group = 0;          // G = Hq / Hkv
+  int32_t heads_per_idx = 0;  // Hq / Hi
+  int32_t idx_per_kv = 0;     // Hi / Hkv
+  const int32_t* block_idx = nullptr;  // [Tq, Hi, k] (sparse)
+  int64_t bi_s0 = 0, bi_s1 = 0;
+  int32_t top_k = 0;
+  int32_t union_cap = 0;  // sort slots of a tile's selections: a power of two >= m * idx_per_kv * k
+  bool dense = false;
+  float scale_log2 = 0.f;  // signed scale * log2(e)
+  void* out = nullptr;
+  int64_t o_s0 = 0, o_s1 = 0;
+  float* lse = nullptr;  // optional
+  int64_t lse_s0 = 0, lse_s1 = 0;
+  int32_t splits = 1;
+  float* part_o = nullptr;    // [splits, Tq, Hq, D]: normalised partial outputs
+  float* part_lse = nullptr;  // [splits, Tq, Hq]: their LSE (natural log)
 };
 
 }  // namespace msa::cuda

@@ -23,6 +23,11 @@ enum Kind : unsigned long long {
   kCuEnd = 2,       // index: nseq
   kBlockRange = 3,  // index: flat entry (t * Hi + i) * k + j
   kBlockTwice = 4,  // index: flat entry of the second occurrence
+  // paged calls (cu = cu_seqlens_q)
+  kLenShort = 5,    // index: s, seq_lens[s] < n_s
+  kLenLong = 6,     // index: s, seq_lens[s] > max_pages * Bk
+  kQLen = 7,        // index: s, n_s > max_q_len
+  kPage = 8,        // index: s * max_pages + b, a used page id outside [0, pages)
 };
 
 __device__ void report(unsigned long long* verdict, Kind kind, long long index) {
@@ -59,6 +64,63 @@ __global__ void check_kernel(const int32_t* cu, int32_t nseq, int64_t T, const i
     const int32_t* row = bi + t * bi_s0 + i * bi_s1;
     const int32_t b = row[j];
     if (b < -1 || b > (t - start) / Bk) {
+      report(verdict, kBlockRange, e);
+    } else if (b >= 0) {
+      for (int32_t j2 = 0; j2 < j; ++j2)
+        if (row[j2] == b) {
+          report(verdict, kBlockTwice, e);
+          break;
+        }
+    }
+  }
+}
+
+
+struct PagedCheck {
+  const int32_t* cu = nullptr;
+  int32_t nseq = 0, Tq = 0;
+  const int32_t* lens = nullptr;
+  const int32_t* pt = nullptr;
+  int64_t pt_s0 = 0;
+  int32_t max_pages = 0, pages = 0, Bk = 0, max_q_len = 0;
+  const int32_t* bi = nullptr;
+  int64_t bi_s0 = 0, bi_s1 = 0;
+  int32_t Hi = 0, k = 0;
+};
+
+__global__ void paged_check_kernel(const PagedCheck c, unsigned long long* verdict) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t cap = int64_t(c.max_pages) * c.Bk;
+  for (int64_t s = first; s <= c.nseq; s += stride) {
+    if (s == 0 && c.cu[0] != 0) report(verdict, kCuStart, 0);
+    if (s > 0 && c.cu[s] < c.cu[s - 1]) report(verdict, kCuDecrease, s);
+    if (s == c.nseq && c.cu[s] != c.Tq) report(verdict, kCuEnd, s);
+    if (s == c.nseq) continue;
+    const int64_t n = int64_t(c.cu[s + 1]) - c.cu[s];
+    if (c.lens[s] > cap) report(verdict, kLenLong, s);
+    else if (c.lens[s] < n || c.lens[s] < 0) report(verdict, kLenShort, s);
+    if (c.max_q_len > 0 && n > c.max_q_len) report(verdict, kQLen, s);
+  }
+  const int64_t np = int64_t(c.nseq) * c.max_pages;
+  for (int64_t e = first; e < np; e += stride) {
+    const int64_t s = e / c.max_pages;
+    const int32_t b = static_cast<int32_t>(e % c.max_pages);
+    const int64_t len = kern::clamp_offset(c.lens[s], 0, cap);
+    if (int64_t(b) * c.Bk >= len) continue;
+    const int32_t page = c.pt[s * c.pt_s0 + b];
+    if (page < 0 || page >= c.pages) report(verdict, kPage, e);
+  }
+  if (c.bi == nullptr) return;
+  const int64_t n = int64_t(c.Tq) * c.Hi * c.k;
+  for (int64_t e = first; e < n; e += stride) {
+    const int64_t t = e / (static_cast<int64_t>(c.Hi) * c.k);
+    const int32_t rem = static_cast<int32_t>(e - t * c.Hi * c.k);
+    const int32_t i = rem / c.k, j = rem - i * c.k;
+    const int32_t pos = kern::paged_position(c.cu, c.nseq, c.Tq, c.lens, static_cast<int32_t>(cap), t);
+    const int32_t* row = c.bi + t * c.bi_s0 + i * c.bi_s1;
+    const int32_t b = row[j];
+    if (b < -1 || b > pos / c.Bk) {
       report(verdict, kBlockRange, e);
     } else if (b >= 0) {
       for (int32_t j2 = 0; j2 < j; ++j2)
@@ -146,6 +208,100 @@ Status check_values(const char* fn, const Problem& prob, const TensorRef& cu_seq
   return bad("block_idx", "entry [" + std::to_string(t) + ", " + std::to_string(i) + ", " + std::to_string(j) +
                               "] = " + std::to_string(value) + " is out of range: expected -1 or a block in [0, " +
                               std::to_string((t - start) / prob.opts.block_size) + "] (the token's own block)");
+}
+
+Status check_paged_values(const char* fn, const Problem& prob, const TensorRef& cu_seqlens_q,
+                          const PagedCache& cache, const TensorRef& block_idx, int32_t max_q_len,
+                          const Launch& launch) {
+  if (!launch.check_values) return Status::Ok();
+  const cudaStream_t stream = static_cast<cudaStream_t>(launch.stream);
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  cudaError_t e = cudaStreamIsCapturing(stream, &capture);
+  if (e != cudaSuccess) return cuda_error(fn, e);
+  if (capture != cudaStreamCaptureStatusNone)
+    return detail::invalid_arg(
+        fn, "launch.check_values",
+        "the values of cu_seqlens_q, the cache's seq_lens and page_table and block_idx cannot be "
+        "checked on a stream that is being captured into a CUDA graph (the check waits for the "
+        "device): set it to false to capture");
+  PagedCheck c;
+  c.cu = static_cast<const int32_t*>(cu_seqlens_q.data);
+  c.nseq = static_cast<int32_t>(cu_seqlens_q.shape[0] - 1);
+  c.Tq = static_cast<int32_t>(prob.T);
+  c.lens = static_cast<const int32_t*>(cache.seq_lens.data);
+  c.pt = static_cast<const int32_t*>(cache.page_table.data);
+  c.pt_s0 = cache.page_table.stride[0];
+  c.max_pages = static_cast<int32_t>(cache.page_table.shape[1]);
+  const TensorRef& any_cache = cache.k.defined() ? cache.k : (cache.v.defined() ? cache.v : cache.k_idx);
+  c.pages = static_cast<int32_t>(any_cache.shape[0]);
+  c.Bk = prob.opts.block_size;
+  c.max_q_len = max_q_len;
+  if (block_idx.defined()) {
+    c.bi = static_cast<const int32_t*>(block_idx.data);
+    c.bi_s0 = block_idx.stride[0];
+    c.bi_s1 = block_idx.stride[1];
+    c.Hi = prob.Hi;
+    c.k = prob.k;
+  }
+  unsigned long long* slots = nullptr;
+  e = cudaGetSymbolAddress(reinterpret_cast<void**>(&slots), g_verdict);
+  if (e != cudaSuccess) return cuda_error(fn, e);
+  unsigned long long* verdict = slots + next_slot.fetch_add(1) % kSlots;
+  e = cudaMemsetAsync(verdict, 0xff, sizeof(unsigned long long), stream);
+  if (e != cudaSuccess) return cuda_error(fn, e);
+  const int64_t work = std::max<int64_t>({int64_t(c.Tq) * c.Hi * c.k, int64_t(c.nseq) * c.max_pages, c.nseq + 1});
+  const int blocks = static_cast<int>(std::min<int64_t>((work + 255) / 256, int64_t(num_sms()) * 16));
+  paged_check_kernel<<<blocks, 256, 0, stream>>>(c, verdict);
+  e = cudaGetLastError();
+  if (e != cudaSuccess) return cuda_error(fn, e);
+  unsigned long long v = 0;
+  MSA_TRY(read(fn, &v, verdict, 1, stream));
+  if (v == kNone) return Status::Ok();
+
+  const auto kind = static_cast<Kind>(v >> 56);
+  const int64_t index = static_cast<int64_t>(v & ((1ull << 56) - 1));
+  const auto bad = [&](const char* arg, const std::string& what) { return detail::invalid_arg(fn, arg, what); };
+  std::vector<int32_t> cu(c.nseq + 1);
+  MSA_TRY(read(fn, cu.data(), c.cu, cu.size(), stream));
+  if (kind == kCuStart) return bad("cu_seqlens_q", "must start at 0, got " + std::to_string(cu[0]));
+  if (kind == kCuEnd)
+    return bad("cu_seqlens_q", "must end at Tq = " + std::to_string(c.Tq) + ", got " + std::to_string(cu[c.nseq]));
+  if (kind == kCuDecrease)
+    return bad("cu_seqlens_q", "must be non-decreasing, but cu_seqlens_q[" + std::to_string(index) + "] = " +
+                                   std::to_string(cu[index]) + " < cu_seqlens_q[" + std::to_string(index - 1) +
+                                   "] = " + std::to_string(cu[index - 1]));
+  if (kind == kLenShort || kind == kLenLong || kind == kQLen) {
+    int32_t len = 0;
+    MSA_TRY(read(fn, &len, c.lens + index, 1, stream));
+    const int64_t n = int64_t(cu[index + 1]) - cu[index];
+    const std::string s = std::to_string(index);
+    if (kind == kQLen)
+      return bad("max_q_len", "sequence " + s + " has " + std::to_string(n) + " new tokens, more than max_q_len = " +
+                                  std::to_string(max_q_len));
+    if (kind == kLenLong)
+      return bad("cache.seq_lens", "seq_lens[" + s + "] = " + std::to_string(len) + " exceeds the page table's " +
+                                       std::to_string(c.max_pages) + " pages x block_size " + std::to_string(c.Bk));
+    return bad("cache.seq_lens", "seq_lens[" + s + "] = " + std::to_string(len) + " is less than the sequence's " +
+                                     std::to_string(n) + " new tokens (cu_seqlens_q)");
+  }
+  if (kind == kPage) {
+    const int64_t s = index / c.max_pages, b = index % c.max_pages;
+    int32_t page = 0;
+    MSA_TRY(read(fn, &page, c.pt + s * c.pt_s0 + b, 1, stream));
+    return bad("cache.page_table", "entry [" + std::to_string(s) + ", " + std::to_string(b) + "] = " +
+                                       std::to_string(page) + " is not a page of the cache (expected [0, " +
+                                       std::to_string(c.pages) + "))");
+  }
+  const int64_t t = index / (int64_t(c.Hi) * c.k);
+  const int32_t i = static_cast<int32_t>(index / c.k % c.Hi), j = static_cast<int32_t>(index % c.k);
+  int32_t value = 0;
+  MSA_TRY(read(fn, &value, c.bi + t * c.bi_s0 + i * c.bi_s1 + j, 1, stream));
+  if (kind == kBlockTwice)
+    return bad("block_idx", "row [" + std::to_string(t) + ", " + std::to_string(i) + "] selects block " +
+                                std::to_string(value) + " twice");
+  return bad("block_idx", "entry [" + std::to_string(t) + ", " + std::to_string(i) + ", " + std::to_string(j) +
+                              "] = " + std::to_string(value) +
+                              " is out of range: expected -1 or a block up to the token's own block");
 }
 
 }  // namespace msa::cuda

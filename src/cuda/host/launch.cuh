@@ -9,7 +9,10 @@
 #include "../kernels/fwd_kernel.cuh"
 #include "../kernels/fwd_kv_kernel.cuh"
 #include "../kernels/kl_kernel.cuh"
+#include "../kernels/paged_attn_kernel.cuh"
+#include "../kernels/paged_score_kernel.cuh"
 #include "../kernels/select_kernel.cuh"
+#include "../../core/status.h"
 #include "launch.h"
 
 namespace msa::cuda {
@@ -144,6 +147,32 @@ template <class Element, int kDim, int kBlockN>
 Status launch_kl(const KlArgs& a, cudaStream_t stream) {
   using Traits = kern::KlTraits<Element, kDim, kBlockN>;
   return detail::launch_kv_side<Traits, kern::KlParams<Traits>>("kl", kern::kl_kernel<Traits>, a, stream);
+}
+
+template <class Element, int kDim, int kBlockN>
+Status launch_paged_score(const PagedScoreArgs& a, cudaStream_t stream) {
+  using Traits = kern::PagedScoreTraits<Element, kDim, kBlockN>;
+  const dim3 grid(static_cast<unsigned>(a.num_tiles), static_cast<unsigned>(a.Hik),
+                  static_cast<unsigned>(a.num_chunks));
+  return detail::launch_kernel("paged_select_blocks", kern::paged_score_kernel<Traits>, grid, Traits::kThreads,
+                               sizeof(typename Traits::SharedStorage), stream, a);
+}
+
+template <class Element, int kHeadDim, int kBlockN>
+Status launch_paged_attn(const PagedAttnArgs& a, cudaStream_t stream) {
+  using Traits = kern::PagedAttnTraits<Element, kHeadDim, kBlockN>;
+  const dim3 grid(static_cast<unsigned>(a.num_tiles), static_cast<unsigned>(a.Hkv),
+                  static_cast<unsigned>(a.splits));
+  MSA_TRY(detail::launch_kernel("paged_forward", kern::paged_attn_kernel<Traits>, grid, Traits::kThreads,
+                                Traits::smem_bytes(a.dense ? 0 : a.union_cap), stream, a,
+                                "argument 'block_idx': the union of a tile's selections (" +
+                                    std::to_string(a.tile_tokens) + " tokens x k = " + std::to_string(a.top_k) +
+                                    " blocks)"));
+  if (a.splits == 1) return Status::Ok();
+  const int64_t blocks = (int64_t(a.Tq) * a.Hq * 32 + 255) / 256;
+  kern::paged_combine_kernel<Element, kHeadDim><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(a);
+  const cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? Status::Ok() : detail::launch_error("paged_forward", e);
 }
 
 }  // namespace msa::cuda

@@ -25,6 +25,13 @@ Status launch_kl(const KlArgs& a, cudaStream_t stream);
 template <class Element, int kHeadDim, int kBlockN>
 Status launch_fwd_kv(const FwdKvArgs& a, cudaStream_t stream);
 
+// The paged (serving) kernels: block scores of one pass of tokens; attention and, with splits,
+// its combine.
+template <class Element, int kDim, int kBlockN>
+Status launch_paged_score(const PagedScoreArgs& a, cudaStream_t stream);
+template <class Element, int kHeadDim, int kBlockN>
+Status launch_paged_attn(const PagedAttnArgs& a, cudaStream_t stream);
+
 // The forward kernel of the variant (dt, dim, bk) (forward.cu); `arg` names the tensor whose
 // dtype and head dim pick it.
 Status run_forward(const char* fn, const char* arg, const FwdArgs& a, DType dt, int32_t dim,

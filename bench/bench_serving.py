@@ -1,0 +1,245 @@
+#!/usr/bin/env python3
+"""Serving benchmarks on one GPU (paged KV cache, docs/contract.md §6): decode steps and prefill
+chunks of MSA against dense attention over the same cache, with the HBM bandwidth measured in
+the same run.
+
+Decode (paper heads Hq 64 / Hkv 4 / Hi 4 / Hik 1, D = Di = 128, Bk = 128, k = 16, bf16): for each
+context length, batch and q_len (new tokens per sequence), a shuffled page table over one cache;
+timed with CUDA events, value checks off (as PagedMSAWrapper.run):
+
+  indexer   paged_select_blocks: reads every index key of the context (its bytes / time against
+            the measured HBM bandwidth);
+  attend    paged_forward over that block_idx;
+  step      PagedMSAWrapper.run (selection + attention), eager and as a CUDA graph replay;
+  dense     the same call with dense=True (every cached key), and torch SDPA (cuDNN or flash) on
+            contiguous K/V of the same heads where it applies (q_len 1: no mask needed).
+
+Prefill: chunks of new tokens against a cached prefix, index inputs of mixed overlap
+(bench/selection_patterns.index_inputs); effective TFLOP/s count the selected work only
+(4 * D * Hq * the support size of every row).
+
+    python bench/bench_serving.py --out docs/bench-serving-h200     # everything (a few minutes)
+    python bench/bench_serving.py --quick                           # fewer shapes
+"""
+
+import argparse
+import csv
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import msa  # noqa: E402
+from msa import serving  # noqa: E402
+import selection_patterns as sp  # noqa: E402
+
+HQ, HKV, HI, HIK, D, DI, BK, K = 64, 4, 4, 1, 128, 128, 128, 16
+SINK, LOCAL = 1, 4
+
+
+def timed(fn, iters: int = 20, warmup: int = 3) -> float:
+    """Median milliseconds of fn() over `iters` runs (CUDA events)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def hbm_bandwidth(dev) -> float:
+    """Bytes per second of a 4 GiB device copy (read + write)."""
+    x = torch.empty(1 << 31, dtype=torch.int16, device=dev)
+    y = torch.empty_like(x)
+    ms = timed(lambda: y.copy_(x), iters=10)
+    del x, y
+    return 2 * (1 << 32) / (ms * 1e-3)
+
+
+class Cache:
+    """One physical cache of `pages` pages, filled with random values."""
+
+    def __init__(self, pages: int, dev):
+        g = torch.Generator(device=dev).manual_seed(0)
+        shape = (pages, BK, HKV, D)
+        self.k = torch.randn(shape, generator=g, device=dev, dtype=torch.bfloat16)
+        self.v = torch.randn(shape, generator=g, device=dev, dtype=torch.bfloat16)
+        self.k_idx = torch.randn((pages, BK, HIK, DI), generator=g, device=dev, dtype=torch.bfloat16)
+        self.pages = pages
+
+
+def decode_case(cache: Cache, ctx: int, batch: int, q_len: int, bw: float, graphs: bool, dev):
+    g = torch.Generator(device=dev).manual_seed(ctx + batch + q_len)
+    per = -(-ctx // BK)
+    perm = torch.randperm(cache.pages, generator=g, device=dev)[: batch * per].to(torch.int32)
+    page_table = perm.view(batch, per).contiguous()
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+    cu = (torch.arange(batch + 1, device=dev, dtype=torch.int32) * q_len)
+    Tq = batch * q_len
+    q = torch.randn((Tq, HQ, D), generator=g, device=dev, dtype=torch.bfloat16)
+    q_idx = torch.randn((Tq, HI, DI), generator=g, device=dev, dtype=torch.bfloat16)
+    kw = dict(max_q_len=q_len, sink_blocks=SINK, local_blocks=LOCAL)
+    with msa.value_checks(False):
+        bi = serving.paged_select_blocks(q_idx, cache.k_idx, page_table, seq_lens, cu, K, **kw)
+        t_index = timed(lambda: serving.paged_select_blocks(q_idx, cache.k_idx, page_table, seq_lens,
+                                                            cu, K, **kw))
+        t_attend = timed(lambda: serving.paged_forward(q, cache.k, cache.v, page_table, seq_lens, cu,
+                                                       block_idx=bi, **kw))
+    pc = serving.PagedKVCache.__new__(serving.PagedKVCache)  # a view of the benchmark's tensors
+    pc.k, pc.v, pc.k_idx, pc.page_size, pc.device = cache.k, cache.v, cache.k_idx, BK, dev
+    w = serving.PagedMSAWrapper(pc)
+    w.plan(batch, Tq, HQ, max_pages=per, max_q_len=q_len, num_idx_heads=HI, top_k=K,
+           sink_blocks=SINK, local_blocks=LOCAL)
+    t_step = timed(lambda: w.run(q, page_table, seq_lens, cu, q_idx))
+    wd = serving.PagedMSAWrapper(pc)
+    wd.plan(batch, Tq, HQ, max_pages=per, max_q_len=q_len, dense=True)
+    t_dense = timed(lambda: wd.run(q, page_table, seq_lens, cu))
+    t_graph = float("nan")
+    if graphs:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            w.run(q, page_table, seq_lens, cu, q_idx)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            w.run(q, page_table, seq_lens, cu, q_idx)
+        t_graph = timed(graph.replay)
+    t_sdpa = float("nan")
+    if q_len == 1 and batch * ctx <= (8 << 20):
+        kc = cache.k[page_table.long()].view(batch, per * BK, HKV, D)[:, :ctx].transpose(1, 2).contiguous()
+        vc = cache.v[page_table.long()].view(batch, per * BK, HKV, D)[:, :ctx].transpose(1, 2).contiguous()
+        qs = q.view(batch, 1, HQ, D).transpose(1, 2)
+        t_sdpa = timed(lambda: F.scaled_dot_product_attention(qs, kc, vc, enable_gqa=True))
+        del kc, vc
+    # Bytes: the index keys of every context; the K and V of the distinct blocks each (sequence,
+    # KV head) attends (its tokens' union); dense reads every K and V.
+    idx_bytes = batch * ctx * HIK * DI * 2
+    sel = bi.view(batch, q_len, HKV, HI // HKV, K).permute(0, 2, 1, 3, 4).reshape(batch * HKV, -1)
+    union = sum(int(torch.unique(r[r >= 0]).numel()) for r in sel[: min(len(sel), 64)]) / min(len(sel), 64)
+    kv_bytes = batch * HKV * union * BK * D * 2 * 2
+    dense_bytes = batch * ctx * HKV * D * 2 * 2
+    return dict(kind="decode", ctx=ctx, batch=batch, q_len=q_len, union_blocks=round(union, 1),
+                indexer_ms=t_index, attend_ms=t_attend, step_ms=t_step, graph_ms=t_graph,
+                dense_ms=t_dense, sdpa_ms=t_sdpa,
+                indexer_bw=idx_bytes / (t_index * 1e-3) / bw,
+                step_bw=(idx_bytes + kv_bytes) / (t_step * 1e-3) / bw,
+                dense_bw=dense_bytes / (t_dense * 1e-3) / bw,
+                speedup_dense=t_dense / t_step,
+                speedup_sdpa=t_sdpa / t_step if t_sdpa == t_sdpa else float("nan"))
+
+
+def prefill_case(cache: Cache, prefix: int, chunk: int, dev, alpha: float = 0.44):
+    total = prefix + chunk
+    per = -(-total // BK)
+    cu_full = torch.tensor([0, total], dtype=torch.int32, device=dev)
+    g = torch.Generator(device=dev).manual_seed(total)
+    q_idx_full, k_idx_full = sp.index_inputs(alpha, cu_full, HI, HIK, DI, BK, dtype=torch.bfloat16,
+                                             device=dev, generator=g)
+    perm = torch.randperm(cache.pages, generator=g, device=dev)[:per].to(torch.int32)
+    page_table = perm.view(1, per).contiguous()
+    rows = torch.arange(total, device=dev)
+    cache.k_idx.view(-1, HIK, DI)[(perm.long()[rows // BK] * BK + rows % BK)] = k_idx_full
+    seq_lens = torch.tensor([total], dtype=torch.int32, device=dev)
+    cu = torch.tensor([0, chunk], dtype=torch.int32, device=dev)
+    q = torch.randn((chunk, HQ, D), generator=g, device=dev, dtype=torch.bfloat16)
+    q_idx = q_idx_full[prefix:].contiguous()
+    kw = dict(sink_blocks=SINK, local_blocks=LOCAL)
+    with msa.value_checks(False):
+        bi = serving.paged_select_blocks(q_idx, cache.k_idx, page_table, seq_lens, cu, K, **kw)
+        t_index = timed(lambda: serving.paged_select_blocks(q_idx, cache.k_idx, page_table, seq_lens,
+                                                            cu, K, **kw), iters=5, warmup=1)
+        t_attend = timed(lambda: serving.paged_forward(q, cache.k, cache.v, page_table, seq_lens, cu,
+                                                       block_idx=bi, **kw), iters=5, warmup=1)
+    stats = sp.selection_stats(bi, torch.tensor([0, chunk], dtype=torch.int32, device=dev), k=K)
+    # Support size of every (token, index head) row: its valid blocks, the own block partial.
+    pos = torch.arange(prefix, total, device=dev)
+    own = (pos // BK)[:, None, None]
+    valid = bi >= 0
+    full_blocks = (valid & (bi != own)).sum(-1)
+    has_own = (bi == own).any(-1)
+    support = full_blocks * BK + has_own * (pos % BK + 1)[:, None]
+    flops = 4 * D * (HQ // HI) * float(support.sum())
+    index_flops = 2 * DI * HI * float((pos + 1).sum())
+    return dict(kind="prefill", ctx=total, batch=1, q_len=chunk, overlap=round(stats["overlap"], 3),
+                union=round(stats["union"], 2), indexer_ms=t_index, attend_ms=t_attend,
+                step_ms=t_index + t_attend, attend_tflops=flops / (t_attend * 1e-3) / 1e12,
+                indexer_tflops=index_flops / (t_index * 1e-3) / 1e12)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out", default=None, help="write PREFIX.csv and PREFIX.json")
+    p.add_argument("--no-prefill", action="store_true")
+    args = p.parse_args(argv)
+    dev = torch.device("cuda")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    bw = hbm_bandwidth(dev)
+    print(f"HBM copy bandwidth: {bw / 1e12:.2f} TB/s", flush=True)
+    ctxs = [32768, 131072, 1 << 20]
+    batches = [1, 8, 64]
+    qlens = [1, 8]
+    if args.quick:
+        ctxs, batches = [131072, 1 << 20], [1, 8]
+    max_tokens = 8 << 20
+    cache = Cache(max_tokens // BK + 64, dev)
+    rows = []
+    for ctx in ctxs:
+        for batch in batches:
+            if batch * ctx > max_tokens:
+                continue
+            for q_len in qlens:
+                r = decode_case(cache, ctx, batch, q_len, bw, graphs=True, dev=dev)
+                rows.append(r)
+                print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}),
+                      flush=True)
+    if not args.no_prefill:
+        for prefix, chunk in ([(131072, 8192), (1 << 20, 8192)] if args.quick else
+                              [(131072, 8192), (131072, 32768), (1 << 20, 8192), (1 << 20, 32768)]):
+            r = prefill_case(cache, prefix, chunk, dev)
+            rows.append(r)
+            print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}),
+                  flush=True)
+    if args.out:
+        keys = []
+        for r in rows:
+            keys += [k for k in r if k not in keys]
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out + ".csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=keys)
+            w.writeheader()
+            w.writerows(rows)
+        with open(args.out + ".json", "w") as f:
+            json.dump(dict(hbm_bandwidth=bw, rows=rows), f, indent=1)
+    print(f"\nH200 serving, paper heads {HQ}/{HKV}/{HI}/{HIK}, D {D}, k {K}, bf16; HBM {bw / 1e12:.2f} TB/s")
+    print(f"{'ctx':>8} {'B':>3} {'q':>3} {'index ms':>9} {'%HBM':>5} {'attend':>7} {'step':>7} {'graph':>7}"
+          f" {'dense':>7} {'sdpa':>7} {'x dense':>7} {'x sdpa':>6}")
+    for r in rows:
+        if r["kind"] != "decode":
+            continue
+        print(f"{r['ctx']:>8} {r['batch']:>3} {r['q_len']:>3} {r['indexer_ms']:>9.3f} {100 * r['indexer_bw']:>5.0f}"
+              f" {r['attend_ms']:>7.3f} {r['step_ms']:>7.3f} {r['graph_ms']:>7.3f} {r['dense_ms']:>7.3f}"
+              f" {r['sdpa_ms']:>7.3f} {r['speedup_dense']:>7.2f} {r['speedup_sdpa']:>6.2f}")
+    for r in rows:
+        if r["kind"] == "prefill":
+            print(f"prefill {r['q_len']} tokens at {r['ctx']}: overlap {r['overlap']} union {r['union']};"
+                  f" indexer {r['indexer_ms']:.1f} ms ({r['indexer_tflops']:.0f} TF/s), attention"
+                  f" {r['attend_ms']:.1f} ms ({r['attend_tflops']:.0f} TF/s effective)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,382 @@
+// Entry points of the Hopper backend's serving path (docs/contract.md §6): selection, attention
+// and append over a paged KV cache. Each call: the kernels' limits, the value checks of its
+// device inputs (check_values.h, skipped with Launch.check_values = false), then launches whose
+// grids and workspace depend on shapes only, so a captured CUDA graph replays with new lengths
+// and page tables.
+//
+//   paged_select_blocks  paged_score_kernel (block scores, in passes of tokens that bound the
+//                        score buffer) -> paged_topk_kernel
+//   paged_forward        [selection] -> paged_attn_kernel (split over the tile's block union
+//                        when the grid would not fill the GPU) -> [paged_combine_kernel]
+//   paged_append         one copy kernel for k, v and k_idx
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "../backend.h"
+#include "../kernels/paged_topk_kernel.cuh"
+#include "check_values.h"
+#include "common.h"
+#include "launch.h"
+#include "variants.h"
+
+namespace msa::cuda {
+namespace {
+
+constexpr size_t kScoreBudget = size_t(256) << 20;  // bytes of block scores per pass
+constexpr int32_t kMaxSplits = 32;
+
+int32_t max_pages_of(const PagedCache& c) { return static_cast<int32_t>(c.page_table.shape[1]); }
+int32_t num_pages_of(const TensorRef& cache) { return static_cast<int32_t>(cache.shape[0]); }
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// A cache tensor [pages, Bk, H, D]: 16-byte rows for cp.async.
+Status check_cache(const char* fn, const char* arg, const TensorRef& t) {
+  MSA_TRY(check_half(fn, arg, t));
+  return check_aligned(fn, arg, t);
+}
+
+PagedArgs paged_args(const Problem& prob, const TensorRef& cu_q, const PagedCache& c,
+                     int32_t tile_tokens) {
+  PagedArgs a;
+  a.cu_q = static_cast<const int32_t*>(cu_q.data);
+  a.nseq = static_cast<int32_t>(cu_q.shape[0] - 1);
+  a.Tq = static_cast<int32_t>(prob.T);
+  a.seq_lens = static_cast<const int32_t*>(c.seq_lens.data);
+  a.page_table = static_cast<const int32_t*>(c.page_table.data);
+  a.pt_s0 = c.page_table.stride[0];
+  a.max_pages = max_pages_of(c);
+  a.block_size = prob.opts.block_size;
+  a.tile_tokens = tile_tokens;
+  a.num_tiles = kern::num_tile_ids(a.nseq, a.Tq, tile_tokens);
+  return a;
+}
+
+// Tiles that can hold tokens: decode's bound (max_q_len per sequence) or a prefill's.
+int64_t busy_tiles(const PagedArgs& a, int32_t max_q_len) {
+  if (max_q_len > 0) return int64_t(a.nseq) * ceil_div(max_q_len, a.tile_tokens);
+  return ceil_div(a.Tq, a.tile_tokens) + 1;
+}
+
+// ---- selection
+struct SelectPlan {
+  PagedScoreArgs score;
+  kern::PagedTopkArgs topk;
+  int64_t pass_tokens = 0;
+  size_t bytes = 0;  // the score buffer
+};
+
+Status can_paged_select(const char* fn, const Problem& prob, const PagedSelectParams& p) {
+  MSA_TRY(check_half(fn, "q_idx", p.q_idx));
+  MSA_TRY(check_aligned(fn, "q_idx", p.q_idx));
+  MSA_TRY(check_cache(fn, "cache.k_idx", p.cache.k_idx));
+  MSA_TRY(check_head_dim(fn, "q_idx", prob.Di));
+  MSA_TRY(check_block_size(fn, prob.opts.block_size));
+  if (prob.idx_per_key() > kPagedScoreRows)
+    return fail(fn, "q_idx", "the CUDA serving kernels take at most " + std::to_string(kPagedScoreRows) +
+                                 " index heads per index key head, got " + std::to_string(prob.idx_per_key()));
+  if (prob.k > 256)
+    return fail(fn, "top_k", "the CUDA serving kernels take at most 256, got " + std::to_string(prob.k));
+  return Status::Ok();
+}
+
+SelectPlan select_plan(const Problem& prob, const PagedSelectParams& p) {
+  SelectPlan sp;
+  PagedScoreArgs& a = sp.score;
+  static_cast<PagedArgs&>(a) = paged_args(prob, p.cu_seqlens_q, p.cache, kPagedScoreRows / prob.idx_per_key());
+  a.q_idx = p.q_idx.data;
+  a.q_s0 = p.q_idx.stride[0];
+  a.q_s1 = p.q_idx.stride[1];
+  a.k_idx = p.cache.k_idx.data;
+  a.k_s0 = p.cache.k_idx.stride[0];
+  a.k_s1 = p.cache.k_idx.stride[1];
+  a.k_s2 = p.cache.k_idx.stride[2];
+  a.num_pages = num_pages_of(p.cache.k_idx);
+  a.Hi = prob.Hi;
+  a.Hik = prob.Hik;
+  a.idx_per_key = prob.idx_per_key();
+  a.scale = prob.opts.scale_idx;
+  // Chunks of blocks: enough CTAs for every SM several times over, from shapes only.
+  const int64_t want = 4 * int64_t(num_sms());
+  const int64_t ctas = std::max<int64_t>(1, busy_tiles(a, p.max_q_len) * a.Hik);
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(a.max_pages, ceil_div(want, ctas)));
+  a.chunk_blocks = static_cast<int32_t>(std::max<int64_t>(1, ceil_div(a.max_pages, chunks)));
+  a.num_chunks = static_cast<int32_t>(std::max<int64_t>(1, ceil_div(a.max_pages, a.chunk_blocks)));
+  const size_t row_bytes = size_t(prob.Hi) * std::max(1, a.max_pages) * sizeof(float);
+  sp.pass_tokens = std::max<int64_t>(1, std::min<int64_t>(prob.T, int64_t(kScoreBudget / row_bytes)));
+  sp.bytes = (size_t(sp.pass_tokens) * row_bytes + 255) / 256 * 256;
+
+  kern::PagedTopkArgs& t = sp.topk;
+  t.cu_q = a.cu_q;
+  t.nseq = a.nseq;
+  t.Tq = a.Tq;
+  t.seq_lens = a.seq_lens;
+  t.cap = a.max_pages * a.block_size;
+  t.block_size = a.block_size;
+  t.Hi = prob.Hi;
+  t.k = prob.k;
+  t.sink_blocks = prob.opts.sink_blocks;
+  t.local_blocks = prob.opts.local_blocks;
+  t.max_pages = a.max_pages;
+  t.block_idx = static_cast<int32_t*>(p.block_idx.data);
+  t.bi_s0 = p.block_idx.stride[0];
+  t.bi_s1 = p.block_idx.stride[1];
+  return sp;
+}
+
+Status run_select(const char* fn, const Problem& prob, SelectPlan sp, void* ws, DType dt,
+                  cudaStream_t stream) {
+  sp.score.scores = static_cast<float*>(ws);
+  sp.topk.scores = sp.score.scores;
+  for (int64_t lo = 0; lo < prob.T; lo += sp.pass_tokens) {
+    const int64_t hi = std::min<int64_t>(prob.T, lo + sp.pass_tokens);
+    sp.score.tok_lo = lo;
+    sp.score.tok_hi = hi;
+    MSA_TRY(dispatch(fn, "q_idx", dt, prob.Di, prob.opts.block_size, [&](auto v) {
+      using V = decltype(v);
+      return launch_paged_score<typename V::Element, V::kDim, V::kBlockN>(sp.score, stream);
+    }));
+    sp.topk.tok_lo = lo;
+    const int64_t rows = (hi - lo) * prob.Hi;
+    kern::paged_topk_kernel<<<static_cast<unsigned>(rows), kern::kTopkThreads, 0, stream>>>(sp.topk);
+    const cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return cuda_error(fn, e);
+  }
+  return Status::Ok();
+}
+
+// ---- attention
+struct AttnPlan {
+  PagedAttnArgs attn;
+  size_t part_o = 0, part_lse = 0, bytes = 0;
+};
+
+Status can_paged_attn(const char* fn, const Problem& prob, const PagedForwardParams& p) {
+  MSA_TRY(check_half(fn, "q", p.q));
+  MSA_TRY(check_aligned(fn, "q", p.q));
+  MSA_TRY(check_cache(fn, "cache.k", p.cache.k));
+  MSA_TRY(check_cache(fn, "cache.v", p.cache.v));
+  MSA_TRY(check_head_dim(fn, "q", prob.D));
+  MSA_TRY(check_block_size(fn, prob.opts.block_size));
+  if (prob.group() > kPagedAttnRows)
+    return fail(fn, "q", "the CUDA serving kernels take at most " + std::to_string(kPagedAttnRows) +
+                             " query heads per KV head, got " + std::to_string(prob.group()));
+  if (prob.opts.mode == Mode::kSparse && prob.k > 256)
+    return fail(fn, "top_k", "the CUDA serving kernels take at most 256, got " + std::to_string(prob.k));
+  return Status::Ok();
+}
+
+AttnPlan attn_plan(const Problem& prob, const PagedForwardParams& p) {
+  AttnPlan ap;
+  PagedAttnArgs& a = ap.attn;
+  const int32_t G = prob.group();
+  static_cast<PagedArgs&>(a) = paged_args(prob, p.cu_seqlens_q, p.cache, kPagedAttnRows / G);
+  a.num_pages = num_pages_of(p.cache.k);
+  a.q = p.q.data;
+  a.q_s0 = p.q.stride[0];
+  a.q_s1 = p.q.stride[1];
+  a.k = p.cache.k.data;
+  a.k_s0 = p.cache.k.stride[0];
+  a.k_s1 = p.cache.k.stride[1];
+  a.k_s2 = p.cache.k.stride[2];
+  a.v = p.cache.v.data;
+  a.v_s0 = p.cache.v.stride[0];
+  a.v_s1 = p.cache.v.stride[1];
+  a.v_s2 = p.cache.v.stride[2];
+  a.Hq = prob.Hq;
+  a.Hkv = prob.Hkv;
+  a.group = G;
+  a.dense = prob.opts.mode == Mode::kDense;
+  if (!a.dense) {
+    a.Hi = prob.Hi;
+    a.heads_per_idx = prob.heads_per_idx();
+    a.idx_per_kv = prob.Hi / prob.Hkv;
+    a.block_idx = static_cast<const int32_t*>(p.block_idx.data);
+    a.bi_s0 = p.block_idx.stride[0];
+    a.bi_s1 = p.block_idx.stride[1];
+    a.top_k = prob.k;
+    int32_t cap = 128;
+    while (cap < a.tile_tokens * a.idx_per_kv * a.top_k) cap *= 2;
+    a.union_cap = cap;
+  } else {
+    a.Hi = prob.Hkv;
+    a.heads_per_idx = G;
+    a.idx_per_kv = 1;
+  }
+  a.scale_log2 = prob.opts.scale * 1.4426950408889634f;
+  a.out = p.out.data;
+  a.o_s0 = p.out.stride[0];
+  a.o_s1 = p.out.stride[1];
+  if (p.lse.defined()) {
+    a.lse = static_cast<float*>(p.lse.data);
+    a.lse_s0 = p.lse.stride[0];
+    a.lse_s1 = p.lse.stride[1];
+  }
+  // Split the block union when the tiles alone would leave SMs idle (decode's small batches).
+  const int64_t ctas = std::max<int64_t>(1, busy_tiles(a, p.max_q_len) * prob.Hkv);
+  a.splits = static_cast<int32_t>(std::clamp<int64_t>(ceil_div(2 * int64_t(num_sms()), ctas), 1, kMaxSplits));
+  if (a.splits > 1) {
+    const size_t rows = size_t(prob.T) * prob.Hq * a.splits;
+    ap.part_o = 0;
+    ap.part_lse = (rows * prob.D * sizeof(float) + 255) / 256 * 256;
+    ap.bytes = ap.part_lse + (rows * sizeof(float) + 255) / 256 * 256;
+  }
+  return ap;
+}
+
+Status need(const char* fn, size_t bytes, const Launch& launch) {
+  if (bytes == 0) return Status::Ok();
+  if (launch.workspace == nullptr || launch.workspace_bytes < bytes)
+    return detail::invalid_arg(fn, "launch.workspace",
+                               "expected at least " + std::to_string(bytes) + " bytes (workspace_size), got " +
+                                   std::to_string(launch.workspace == nullptr ? 0 : launch.workspace_bytes));
+  return Status::Ok();
+}
+
+PagedSelectParams select_part(const PagedForwardParams& p) {
+  PagedSelectParams s;
+  s.q_idx = p.q_idx;
+  s.cu_seqlens_q = p.cu_seqlens_q;
+  s.cache = p.cache;
+  s.block_idx = p.block_idx;
+  s.max_q_len = p.max_q_len;
+  s.opts = p.opts;
+  s.launch = p.launch;
+  return s;
+}
+
+// ---- append: one thread per 16-bit element of the new rows, k, v, k_idx in turn.
+struct AppendArgs {
+  const int32_t* cu_q = nullptr;
+  int32_t nseq = 0, Tq = 0, block_size = 0, max_pages = 0, cap = 0;
+  const int32_t* seq_lens = nullptr;
+  const int32_t* page_table = nullptr;
+  int64_t pt_s0 = 0;
+  struct Part {
+    const uint16_t* src = nullptr;
+    int64_t s0 = 0, s1 = 0;
+    uint16_t* dst = nullptr;
+    int64_t d0 = 0, d1 = 0, d2 = 0;
+    int32_t H = 0, D = 0, pages = 0;
+  } part[3];
+};
+
+__global__ void paged_append_kernel(const __grid_constant__ AppendArgs a) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int w = 0; w < 3; ++w) {
+    const AppendArgs::Part& p = a.part[w];
+    if (p.src == nullptr) continue;
+    const int64_t n = int64_t(a.Tq) * p.H * p.D;
+    for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < n; e += stride) {
+      const int64_t t = e / (int64_t(p.H) * p.D);
+      const int32_t h = static_cast<int32_t>(e / p.D % p.H), d = static_cast<int32_t>(e % p.D);
+      int32_t s = 0;
+      const int32_t pos = kern::paged_position(a.cu_q, a.nseq, a.Tq, a.seq_lens, a.cap, t, &s);
+      const int32_t b = min(pos / a.block_size, a.max_pages - 1);
+      int32_t page = a.page_table[s * a.pt_s0 + b];
+      page = page < 0 ? 0 : (page >= p.pages ? p.pages - 1 : page);
+      p.dst[page * p.d0 + (pos % a.block_size) * p.d1 + h * p.d2 + d] = p.src[t * p.s0 + h * p.s1 + d];
+    }
+  }
+}
+
+}  // namespace
+
+Status paged_select_blocks(const Problem& prob, const PagedSelectParams& p) {
+  const char* fn = "paged_select_blocks";
+  MSA_TRY(can_paged_select(fn, prob, p));
+  const SelectPlan sp = select_plan(prob, p);
+  MSA_TRY(need(fn, sp.bytes, p.launch));
+  if (prob.T == 0) return Status::Ok();
+  DeviceGuard guard(p.q_idx.device.index);
+  MSA_TRY(check_paged_values(fn, prob, p.cu_seqlens_q, p.cache, TensorRef{}, p.max_q_len, p.launch));
+  return run_select(fn, prob, sp, p.launch.workspace, p.q_idx.dtype, static_cast<cudaStream_t>(p.launch.stream));
+}
+
+Status paged_forward(const Problem& prob, const PagedForwardParams& p) {
+  const char* fn = "paged_forward";
+  const bool dense = prob.opts.mode == Mode::kDense;
+  MSA_TRY(can_paged_attn(fn, prob, p));
+  const bool select = !dense && p.select;
+  SelectPlan sp;
+  if (select) {
+    MSA_TRY(can_paged_select(fn, prob, select_part(p)));
+    sp = select_plan(prob, select_part(p));
+  }
+  AttnPlan ap = attn_plan(prob, p);
+  // Selection and attention run one after the other: the larger of the two workspaces.
+  MSA_TRY(need(fn, std::max(sp.bytes, ap.bytes), p.launch));
+  if (prob.T == 0) return Status::Ok();
+  DeviceGuard guard(p.q.device.index);
+  MSA_TRY(check_paged_values(fn, prob, p.cu_seqlens_q, p.cache,
+                             dense || select ? TensorRef{} : p.block_idx, p.max_q_len, p.launch));
+  const cudaStream_t stream = static_cast<cudaStream_t>(p.launch.stream);
+  void* ws = p.launch.workspace;
+  if (select) MSA_TRY(run_select(fn, prob, sp, ws, p.q_idx.dtype, stream));
+  if (ap.attn.splits > 1) {
+    ap.attn.part_o = at<float>(ws, ap.part_o);
+    ap.attn.part_lse = at<float>(ws, ap.part_lse);
+  }
+  return dispatch(fn, "q", p.q.dtype, prob.D, prob.opts.block_size, [&](auto v) {
+    using V = decltype(v);
+    return launch_paged_attn<typename V::Element, V::kDim, V::kBlockN>(ap.attn, stream);
+  });
+}
+
+Status paged_append(const PagedAppendParams& p) {
+  const char* fn = "paged_append";
+  const TensorRef* srcs[3] = {&p.k, &p.v, &p.k_idx};
+  const TensorRef* dsts[3] = {&p.cache.k, &p.cache.v, &p.cache.k_idx};
+  const char* names[3] = {"k", "v", "k_idx"};
+  AppendArgs a;
+  a.cu_q = static_cast<const int32_t*>(p.cu_seqlens_q.data);
+  a.nseq = static_cast<int32_t>(p.cu_seqlens_q.shape[0] - 1);
+  a.seq_lens = static_cast<const int32_t*>(p.cache.seq_lens.data);
+  a.page_table = static_cast<const int32_t*>(p.cache.page_table.data);
+  a.pt_s0 = p.cache.page_table.stride[0];
+  a.max_pages = max_pages_of(p.cache);
+  a.block_size = p.block_size;
+  a.cap = a.max_pages * a.block_size;
+  int device = -1;
+  for (int w = 0; w < 3; ++w) {
+    const TensorRef& s = *srcs[w];
+    if (!s.defined()) continue;
+    MSA_TRY(check_half(fn, names[w], s));
+    a.Tq = static_cast<int32_t>(s.shape[0]);
+    device = s.device.index;
+    const TensorRef& d = *dsts[w];
+    a.part[w] = {static_cast<const uint16_t*>(s.data), s.stride[0], s.stride[1], static_cast<uint16_t*>(d.data),
+                 d.stride[0], d.stride[1], d.stride[2], static_cast<int32_t>(s.shape[1]),
+                 static_cast<int32_t>(s.shape[2]), static_cast<int32_t>(d.shape[0])};
+  }
+  if (device < 0 || a.Tq == 0) return Status::Ok();
+  DeviceGuard guard(device);
+  Problem prob;
+  prob.T = a.Tq;
+  prob.opts.block_size = p.block_size;
+  MSA_TRY(check_paged_values(fn, prob, p.cu_seqlens_q, p.cache, TensorRef{}, 0, p.launch));
+  int64_t n = 0;
+  for (const auto& part : a.part) n = std::max<int64_t>(n, int64_t(a.Tq) * part.H * part.D);
+  const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(n, 256), int64_t(num_sms()) * 8));
+  paged_append_kernel<<<blocks, 256, 0, static_cast<cudaStream_t>(p.launch.stream)>>>(a);
+  const cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? Status::Ok() : cuda_error(fn, e);
+}
+
+size_t paged_select_workspace(const Problem& prob, const PagedSelectParams& p) {
+  if (!can_paged_select("paged_select_blocks", prob, p).ok()) return 0;
+  return select_plan(prob, p).bytes;
+}
+
+size_t paged_forward_workspace(const Problem& prob, const PagedForwardParams& p) {
+  if (!can_paged_attn("paged_forward", prob, p).ok()) return 0;
+  size_t bytes = attn_plan(prob, p).bytes;
+  if (prob.opts.mode == Mode::kSparse && p.select && can_paged_select("paged_forward", prob, select_part(p)).ok())
+    bytes = std::max(bytes, select_plan(prob, select_part(p)).bytes);
+  return bytes;
+}
+
+}  // namespace msa::cuda

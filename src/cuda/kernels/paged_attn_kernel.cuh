@@ -1,0 +1,337 @@
+// Sparse (or dense) attention of new tokens over a paged KV cache (docs/contract.md §3 and §6):
+// decode with 1..16 tokens per sequence, and chunked prefill with the same kernel.
+//
+// Rows: a tile packs m = kPagedAttnRows / G new tokens of one sequence x the G query heads of
+// one KV head (grid.y) into 64 MMA rows (row = token * G + head), so decode's few tokens still
+// fill a tile with heads. Block list: the union of the tile's selections (each of its tokens x
+// the Hi / Hkv index heads of the KV head), built in shared memory by a bitonic sort of
+// (block, pair) keys; each union block carries a 64-bit mask of the (token, index head) pairs
+// that selected it, so a row attends a block only where its own pair did. Dense mode walks every
+// causal block. The union is split over grid.z CTAs (split-KV): with splits > 1 each writes its
+// rows' normalised partial output and LSE, and paged_combine_kernel merges them.
+//
+// Warp roles: none; four warps own 16 rows each (mma.sync m16n8k16, fp32 accumulation).
+// Pipeline: cp.async groups K(u), V(u); K(u + 1) is loaded while P V runs, V(u + 1) while the
+// next S = Q K^T runs. Online softmax in registers (exp2, signed scale folded into the scores).
+#pragma once
+
+#include <cub/block/block_scan.cuh>
+
+#include "../device/paged.cuh"
+#include "../device/utils.cuh"
+
+namespace msa::cuda::kern {
+
+template <class Element_, int kHeadDim_, int kBlockN_>
+struct PagedAttnTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kRows = cuda::kPagedAttnRows;
+  static constexpr int kWarps = kRows / 16;
+  static constexpr int kThreads = 32 * kWarps;
+  using TiledMma = TiledMMA<Sm80MmaAtom<Element>, Layout<Shape<Int<kWarps>, _1, _1>>,
+                            Tile<Int<16 * kWarps>, _16, _16>>;
+  using SmemLayoutQ = Sm80SmemLayout<Element, kRows, kHeadDim>;
+  using SmemLayoutKV = Sm80SmemLayout<Element, kBlockN, kHeadDim>;
+  using SmemLayoutVt = decltype(composition(
+      SmemLayoutKV{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, GenRowMajor{})));
+  struct SharedStorage {
+    alignas(128) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
+    alignas(128) cute::array_aligned<Element, cosize_v<SmemLayoutKV>> k;
+    alignas(128) cute::array_aligned<Element, cosize_v<SmemLayoutKV>> v;
+    int32_t num_union;
+  };
+  // Followed by the union arrays: uint64 mask[cap], uint32 key[cap], int32 block[cap].
+  static constexpr size_t kUnionOffset = (sizeof(SharedStorage) + 15) / 16 * 16;
+  static size_t smem_bytes(int32_t cap) { return kUnionOffset + size_t(cap) * 16; }
+};
+
+// Sorts keys[0, cap) ascending (cap a power of two) with all kThreads threads.
+template <int kThreads>
+__device__ inline void bitonic_sort(uint32_t* keys, int32_t cap, int tid) {
+  for (int32_t size = 2; size <= cap; size <<= 1) {
+    for (int32_t stride = size >> 1; stride > 0; stride >>= 1) {
+      for (int32_t e = tid; e < cap / 2; e += kThreads) {
+        const int32_t lo = 2 * stride * (e / stride) + (e % stride), hi = lo + stride;
+        const bool ascending = (lo & size) == 0;
+        const uint32_t x = keys[lo], y = keys[hi];
+        if ((x > y) == ascending) {
+          keys[lo] = y;
+          keys[hi] = x;
+        }
+      }
+      __syncthreads();
+    }
+  }
+}
+
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads)
+    paged_attn_kernel(const __grid_constant__ PagedAttnArgs a) {
+  using Element = typename Traits::Element;
+  constexpr int kHeadDim = Traits::kHeadDim, kBlockN = Traits::kBlockN, kRows = Traits::kRows;
+  constexpr int kThreads = Traits::kThreads;
+  constexpr uint32_t kNoKey = 0xffffffffu;
+  extern __shared__ __align__(128) char smem_raw[];
+  auto& ss = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
+  uint64_t* u_mask = reinterpret_cast<uint64_t*>(smem_raw + Traits::kUnionOffset);
+  uint32_t* u_key = reinterpret_cast<uint32_t*>(u_mask + a.union_cap);
+  int32_t* u_block = reinterpret_cast<int32_t*>(u_key + a.union_cap);
+
+  const PagedTile pt = paged_tile(a, blockIdx.x);
+  if (pt.tile.count == 0) return;
+  const int32_t kv = blockIdx.y, split = blockIdx.z;
+  const int32_t G = a.group, ipk = a.idx_per_kv, i0 = kv * ipk;
+  const int32_t count = pt.tile.count;
+  const int64_t t0 = pt.tile.seq_start + pt.tile.first;
+  const int tid = threadIdx.x;
+
+  // ---- Q and the block list
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutKV{});
+  Tensor sVt = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutVt{});
+  const Element* q_base = as<Element>(a.q) + t0 * a.q_s0 + int64_t(kv) * G * a.q_s1;
+  load_rows_async<kRows, kHeadDim>(
+      sQ,
+      [&](int r) -> const Element* {
+        return r < count * G ? q_base + (r / G) * a.q_s0 + (r % G) * a.q_s1 : nullptr;
+      },
+      tid, kThreads);
+  cp_async_commit();
+
+  const int32_t last_block = min(pt.last_pos() / kBlockN, a.max_pages - 1);
+  int32_t num_union = 0;
+  if (a.dense) {
+    num_union = last_block + 1;
+  } else {
+    const int32_t per_tok = ipk * a.top_k;
+    const int32_t n = count * per_tok;
+    for (int32_t e = tid; e < a.union_cap; e += kThreads) {
+      uint32_t key = kNoKey;
+      if (e < n) {
+        const int32_t j = e / per_tok, rem = e % per_tok, ii = rem / a.top_k, c = rem % a.top_k;
+        const int32_t b = a.block_idx[(t0 + j) * a.bi_s0 + int64_t(i0 + ii) * a.bi_s1 + c];
+        if (b >= 0 && b <= pt.pos(j) / kBlockN && b < a.max_pages)
+          key = (uint32_t(b) << 6) | uint32_t(j * ipk + ii);
+      }
+      u_key[e] = key;
+      u_mask[e] = 0;
+    }
+    __syncthreads();
+    bitonic_sort<kThreads>(u_key, a.union_cap, tid);
+    // Union index of each key: the number of distinct blocks up to it, by a scan of per-thread
+    // counts over contiguous ranges.
+    using Scan = cub::BlockScan<int32_t, kThreads>;
+    __shared__ typename Scan::TempStorage scan_tmp;
+    const int32_t per = a.union_cap / kThreads > 0 ? a.union_cap / kThreads : 1;
+    const int32_t lo = min(a.union_cap, tid * per), hi = min(a.union_cap, lo + per);
+    auto is_head = [&](int32_t e) {
+      return u_key[e] != kNoKey && (e == 0 || (u_key[e] >> 6) != (u_key[e - 1] >> 6));
+    };
+    int32_t heads = 0;
+    for (int32_t e = lo; e < hi; ++e) heads += is_head(e);
+    int32_t before = 0, total = 0;
+    Scan(scan_tmp).ExclusiveSum(heads, before, total);
+    int32_t u = before - 1;
+    for (int32_t e = lo; e < hi; ++e) {
+      if (u_key[e] == kNoKey) break;
+      if (is_head(e)) u_block[++u] = static_cast<int32_t>(u_key[e] >> 6);
+      atomicOr(reinterpret_cast<unsigned long long*>(&u_mask[u]), 1ull << (u_key[e] & 63));
+    }
+    num_union = total;
+    __syncthreads();
+  }
+  const int32_t u_begin = static_cast<int32_t>(int64_t(num_union) * split / a.splits);
+  const int32_t u_end = static_cast<int32_t>(int64_t(num_union) * (split + 1) / a.splits);
+
+  auto block_of = [&](int32_t u) { return a.dense ? u : u_block[u]; };
+  const Element* k_head = as<Element>(a.k) + int64_t(kv) * a.k_s2;
+  const Element* v_head = as<Element>(a.v) + int64_t(kv) * a.v_s2;
+  auto load_kv = [&](auto& s, const Element* head, int64_t s0, int64_t s1, int32_t b) {
+    const Element* src = head + int64_t(page_of(a, pt.pages, b)) * s0;
+    const int32_t valid = min(kBlockN, pt.len - b * kBlockN);  // rows past the sequence: zeros
+    load_rows_async<kBlockN, kHeadDim>(
+        s, [&](int r) { return r < valid ? src + r * s1 : nullptr; }, tid, kThreads);
+  };
+  if (u_begin < u_end) {
+    load_kv(sK, k_head, a.k_s0, a.k_s1, block_of(u_begin));
+    cp_async_commit();
+    load_kv(sV, v_head, a.v_s0, a.v_s1, block_of(u_begin));
+    cp_async_commit();
+  }
+
+  // ---- MMA state
+  typename Traits::TiledMma mma;
+  auto thr = mma.get_thread_slice(tid);
+  Tensor tSrQ = thr.partition_fragment_A(sQ);
+  Tensor tSrK = thr.partition_fragment_B(sK);
+  Tensor tOrVt = thr.partition_fragment_B(sVt);
+  auto s2r_q = make_tiled_copy_A(Copy_Atom<SM75_U32x4_LDSM_N, Element>{}, mma);
+  auto s2r_k = make_tiled_copy_B(Copy_Atom<SM75_U32x4_LDSM_N, Element>{}, mma);
+  auto s2r_v = make_tiled_copy_B(Copy_Atom<SM75_U16x8_LDSM_T, Element>{}, mma);
+  auto thr_q = s2r_q.get_thread_slice(tid);
+  auto thr_k = s2r_k.get_thread_slice(tid);
+  auto thr_v = s2r_v.get_thread_slice(tid);
+  Tensor tQsQ = thr_q.partition_S(sQ);
+  Tensor tQrQ = thr_q.retile_D(tSrQ);
+  Tensor tKsK = thr_k.partition_S(sK);
+  Tensor tKrK = thr_k.retile_D(tSrK);
+  Tensor tVsV = thr_v.partition_S(sVt);
+  Tensor tVrV = thr_v.retile_D(tOrVt);
+
+  Tensor accS = partition_fragment_C(mma, Shape<Int<kRows>, Int<kBlockN>>{});
+  Tensor accO = partition_fragment_C(mma, Shape<Int<kRows>, Int<kHeadDim>>{});
+  clear(accO);
+  Tensor S = make_tensor(accS.data(), sm80_rowcol(accS.layout()));
+  Tensor O = make_tensor(accO.data(), sm80_rowcol(accO.layout()));
+  Tensor cS = thr.partition_C(make_identity_tensor(Shape<Int<kRows>, Int<kBlockN>>{}));
+  Tensor cSrc = make_tensor(cS.data(), sm80_rowcol(cS.layout()));
+  constexpr int kRowsPerThread = decltype(size<0>(S))::value;
+
+  // Per row: its position, its (token, index head) pair, the running max (log2 units) and sum.
+  int32_t row_pos[kRowsPerThread], row_pair[kRowsPerThread];
+  float row_max[kRowsPerThread], row_sum[kRowsPerThread];
+#pragma unroll
+  for (int r = 0; r < kRowsPerThread; ++r) {
+    const int32_t row = get<0>(cSrc(r, 0)), j = row / G;
+    const int32_t head = kv * G + row % G;
+    row_pos[r] = j < count ? pt.pos(j) : -1;
+    row_pair[r] = j * ipk + head / a.heads_per_idx - i0;
+    row_max[r] = -INFINITY;
+    row_sum[r] = 0.f;
+  }
+
+  for (int32_t u = u_begin; u < u_end; ++u) {
+    const int32_t b = block_of(u);
+    const uint64_t mask = a.dense ? ~0ull : u_mask[u];
+    cp_async_wait<1>();  // Q and K(u)
+    __syncthreads();
+    clear(accS);
+#pragma unroll
+    for (int kk = 0; kk < size<2>(tSrK); ++kk) {  // Q slices from shared memory: registers go to S and O
+      copy(s2r_q, tQsQ(_, _, kk), tQrQ(_, _, kk));
+      copy(s2r_k, tKsK(_, _, kk), tKrK(_, _, kk));
+      cute::gemm(mma, tSrQ(_, _, kk), tSrK(_, _, kk), accS);
+    }
+    __syncthreads();  // every warp is done with K(u)
+    const bool more = u + 1 < u_end;
+    if (more) {
+      load_kv(sK, k_head, a.k_s0, a.k_s1, block_of(u + 1));
+      cp_async_commit();
+    }
+
+    // Mask (the row's pair selected b; causal keys), scale, online softmax.
+    const int32_t key0 = b * kBlockN;
+#pragma unroll
+    for (int r = 0; r < kRowsPerThread; ++r) {
+      const bool sel = row_pos[r] >= 0 && ((mask >> row_pair[r]) & 1);
+      float mx = -INFINITY;
+#pragma unroll
+      for (int c = 0; c < size<1>(S); ++c) {
+        const bool ok = sel && key0 + get<1>(cSrc(r, c)) <= row_pos[r];
+        S(r, c) = ok ? S(r, c) * a.scale_log2 : -INFINITY;
+        mx = fmaxf(mx, S(r, c));
+      }
+      mx = quad_max(mx);
+      const float m_new = fmaxf(row_max[r], mx);
+      const float m_use = m_new == -INFINITY ? 0.f : m_new;
+      const float alpha = exp2f(row_max[r] - m_use);
+      row_max[r] = m_new;
+      float sum = 0.f;
+#pragma unroll
+      for (int c = 0; c < size<1>(S); ++c) {
+        S(r, c) = exp2f(S(r, c) - m_use);
+        sum += S(r, c);
+      }
+      row_sum[r] = row_sum[r] * alpha + sum;
+#pragma unroll
+      for (int c = 0; c < size<1>(O); ++c) O(r, c) *= alpha;
+    }
+    Tensor rP = make_tensor_like<Element>(accS);
+    convert_into(accS, rP);
+    Tensor tOrP = make_tensor(rP.data(), sm80_acc_as_a(rP.layout()));
+
+    if (more) cp_async_wait<1>(); else cp_async_wait<0>();  // V(u)
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < size<2>(tOrVt); ++kk) {
+      copy(s2r_v, tVsV(_, _, kk), tVrV(_, _, kk));
+      cute::gemm(mma, tOrP(_, _, kk), tOrVt(_, _, kk), accO);
+    }
+    __syncthreads();  // every warp is done with V(u)
+    if (more) {
+      load_kv(sV, v_head, a.v_s0, a.v_s1, block_of(u + 1));
+      cp_async_commit();
+    }
+  }
+
+  cp_async_wait<0>();  // Q of a CTA with no blocks
+  // ---- Epilogue: out and lse (one split), or the split's normalised partial and its LSE.
+  Tensor cO = thr.partition_C(make_identity_tensor(Shape<Int<kRows>, Int<kHeadDim>>{}));
+  Tensor cOrc = make_tensor(cO.data(), sm80_rowcol(cO.layout()));
+  constexpr float kLn2 = 0.6931471805599453f;
+#pragma unroll
+  for (int r = 0; r < kRowsPerThread; ++r) {
+    const float sum = quad_sum(row_sum[r]);
+    const int32_t row = get<0>(cOrc(r, 0)), j = row / G;
+    if (j >= count) continue;
+    const int64_t t = t0 + j;
+    const int32_t head = kv * G + row % G;
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    const float lse = sum > 0.f ? (row_max[r] + log2f(sum)) * kLn2 : -INFINITY;
+    if (a.splits == 1) {
+      Element* o = as<Element>(a.out) + t * a.o_s0 + int64_t(head) * a.o_s1;
+#pragma unroll
+      for (int c = 0; c < size<1>(O); c += 2) {
+        const int d = get<1>(cOrc(r, c));
+        o[d] = static_cast<Element>(O(r, c) * inv);
+        o[d + 1] = static_cast<Element>(O(r, c + 1) * inv);
+      }
+      if (a.lse != nullptr && (tid & 3) == 0) a.lse[t * a.lse_s0 + int64_t(head) * a.lse_s1] = lse;
+    } else {
+      const int64_t prow = (int64_t(split) * a.Tq + t) * a.Hq + head;
+      float* o = a.part_o + prow * kHeadDim;
+#pragma unroll
+      for (int c = 0; c < size<1>(O); c += 2) {
+        const int d = get<1>(cOrc(r, c));
+        *reinterpret_cast<float2*>(o + d) = make_float2(O(r, c) * inv, O(r, c + 1) * inv);
+      }
+      if ((tid & 3) == 0) a.part_lse[prow] = lse;
+    }
+  }
+}
+
+// Merges the splits' partial outputs: one warp per (token, head) row, in split order.
+template <class Element, int kHeadDim>
+__global__ void __launch_bounds__(256) paged_combine_kernel(const __grid_constant__ PagedAttnArgs a) {
+  const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= int64_t(a.Tq) * a.Hq) return;
+  const int64_t t = row / a.Hq;
+  const int32_t h = static_cast<int32_t>(row % a.Hq);
+  const int64_t plane = int64_t(a.Tq) * a.Hq;
+  float mx = -INFINITY;
+  for (int s = 0; s < a.splits; ++s) mx = fmaxf(mx, a.part_lse[s * plane + row]);
+  constexpr int kPer = kHeadDim / 32;
+  float acc[kPer] = {};
+  float sum = 0.f;
+  if (mx != -INFINITY) {
+    for (int s = 0; s < a.splits; ++s) {
+      const float w = expf(a.part_lse[s * plane + row] - mx);
+      sum += w;
+      const float* o = a.part_o + (s * plane + row) * kHeadDim;
+#pragma unroll
+      for (int e = 0; e < kPer; ++e) acc[e] += w * o[lane + 32 * e];
+    }
+  }
+  const float inv = sum > 0.f ? 1.f / sum : 0.f;
+  Element* o = as<Element>(a.out) + t * a.o_s0 + int64_t(h) * a.o_s1;
+#pragma unroll
+  for (int e = 0; e < kPer; ++e) o[lane + 32 * e] = static_cast<Element>(acc[e] * inv);
+  if (a.lse != nullptr && lane == 0)
+    a.lse[t * a.lse_s0 + int64_t(h) * a.lse_s1] = sum > 0.f ? mx + logf(sum) : -INFINITY;
+}
+
+}  // namespace msa::cuda::kern

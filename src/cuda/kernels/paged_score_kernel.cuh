@@ -1,0 +1,164 @@
+// The decode/prefill indexer over a paged cache (docs/contract.md §2 at the new tokens'
+// positions), in two kernels:
+//
+//   paged_score_kernel  block scores M_i(t, b) = max over the causal keys j of block b of
+//                       scale_idx * q_idx[t, i] . k_idx[j]: one CTA per (tile of index rows,
+//                       index key head, chunk of logical blocks), so that a batch of one at 1M
+//                       tokens still spreads its index keys over every SM.
+//   paged_topk_kernel   (kernels/paged_topk.cuh) the contract's selection from those scores.
+//
+// Score kernel. Rows: a tile packs m = kPagedScoreRows / Gk new tokens x the Gk = Hi / Hik index
+// heads of one index key head into 32 MMA columns (row = token * Gk + head). Warp roles: none;
+// four warps each take 1/4 of a block's keys (S^T = K q^T: keys are the MMA's M, so a block of
+// 128 keys fills the tensor cores whatever the row count). Pipeline: two cp.async stages of
+// k_idx blocks; block b + 1 is in flight while block b is scored. Work loop: the chunk's
+// blocks up to the tile's last causal block; each block's per-row max goes to
+// scores[(t - tok_lo) * Hi + i][b].
+#pragma once
+
+#include "../device/paged.cuh"
+#include "../device/utils.cuh"
+
+namespace msa::cuda::kern {
+
+template <class Element_, int kDim_, int kBlockN_>
+struct PagedScoreTraits {
+  using Element = Element_;
+  static constexpr int kDim = kDim_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kRows = cuda::kPagedScoreRows;
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = 32 * kWarps;
+  using TiledMma = TiledMMA<Sm80MmaAtom<Element>, Layout<Shape<Int<kWarps>, _1, _1>>,
+                            Tile<Int<16 * kWarps>, _16, _16>>;
+  using SmemLayoutQ = Sm80SmemLayout<Element, kRows, kDim>;
+  using SmemLayoutK = Sm80SmemLayout<Element, kBlockN, kDim>;
+  struct SharedStorage {
+    alignas(128) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
+    alignas(128) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k[2];
+    float warp_max[kWarps][kRows];
+  };
+};
+
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads)
+    paged_score_kernel(const __grid_constant__ PagedScoreArgs a) {
+  using Element = typename Traits::Element;
+  constexpr int kDim = Traits::kDim, kBlockN = Traits::kBlockN, kRows = Traits::kRows;
+  constexpr int kThreads = Traits::kThreads;
+  extern __shared__ __align__(128) char smem_raw[];
+  auto& ss = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
+
+  const PagedTile pt = paged_tile(a, blockIdx.x);
+  if (pt.tile.count == 0) return;
+  const int32_t ik = blockIdx.y, Gk = a.idx_per_key;
+  const int64_t t0 = pt.tile.seq_start + pt.tile.first;  // packed index of the tile's token 0
+  const int32_t j_lo = static_cast<int32_t>(max<int64_t>(0, a.tok_lo - t0));
+  const int32_t j_hi = static_cast<int32_t>(min<int64_t>(pt.tile.count, a.tok_hi - t0));
+  if (j_lo >= j_hi) return;
+  const int32_t last_block = min(pt.pos(j_hi - 1) / kBlockN, a.max_pages - 1);
+  const int32_t b0 = blockIdx.z * a.chunk_blocks;
+  if (b0 > last_block) return;
+  const int32_t b1 = min(last_block + 1, b0 + a.chunk_blocks);
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+
+  const Element* q_base = as<Element>(a.q_idx) + t0 * a.q_s0 + int64_t(ik) * Gk * a.q_s1;
+  const Element* k_base = as<Element>(a.k_idx) + int64_t(ik) * a.k_s2;
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQ{});
+  auto load_k = [&](int32_t b, int stage) {
+    Tensor sK = make_tensor(make_smem_ptr(ss.k[stage].data()), typename Traits::SmemLayoutK{});
+    const Element* src = k_base + int64_t(page_of(a, pt.pages, b)) * a.k_s0;
+    const int32_t valid = min(kBlockN, pt.len - b * kBlockN);  // rows past the sequence: zeros
+    load_rows_async<kBlockN, kDim>(
+        sK, [&](int r) { return r < valid ? src + r * a.k_s1 : nullptr; }, tid, kThreads);
+  };
+  // Q rows (token r / Gk, head r % Gk) of the pass; the others are zeros.
+  load_rows_async<kRows, kDim>(
+      sQ,
+      [&](int r) -> const Element* {
+        const int32_t j = r / Gk;
+        return j >= j_lo && j < j_hi ? q_base + j * a.q_s0 + (r % Gk) * a.q_s1 : nullptr;
+      },
+      tid, kThreads);
+  load_k(b0, 0);
+  cp_async_commit();
+
+  typename Traits::TiledMma mma;
+  auto thr = mma.get_thread_slice(tid);
+  Tensor sK0 = make_tensor(make_smem_ptr(ss.k[0].data()), typename Traits::SmemLayoutK{});
+  Tensor tSrK = thr.partition_fragment_A(sK0);  // (MMA, MMA_M, MMA_K): keys x dim
+  Tensor tSrQ = thr.partition_fragment_B(sQ);   // (MMA, MMA_N, MMA_K): rows x dim
+  auto s2r_k = make_tiled_copy_A(Copy_Atom<SM75_U32x4_LDSM_N, Element>{}, mma);
+  auto s2r_q = make_tiled_copy_B(Copy_Atom<SM75_U32x4_LDSM_N, Element>{}, mma);
+  auto thr_k = s2r_k.get_thread_slice(tid);
+  auto thr_q = s2r_q.get_thread_slice(tid);
+  Tensor tKrK = thr_k.retile_D(tSrK);
+  Tensor tQrQ = thr_q.retile_D(tSrQ);
+  Tensor acc = partition_fragment_C(mma, Shape<Int<kBlockN>, Int<kRows>>{});
+  Tensor S = make_tensor(acc.data(), sm80_rowcol(acc.layout()));  // (key, row)
+  Tensor cS = thr.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kRows>>{}));
+  Tensor cSrc = make_tensor(cS.data(), sm80_rowcol(cS.layout()));
+  constexpr int kCols = decltype(size<1>(S))::value;
+
+  // Each column's last causal key position (-1: inactive row).
+  int32_t col_last[kCols];
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) {
+    const int32_t row = get<1>(cSrc(0, c)), j = row / Gk;
+    col_last[c] = (j >= j_lo && j < j_hi) ? pt.pos(j) : -1;
+  }
+
+  for (int32_t b = b0; b < b1; ++b) {
+    const int stage = (b - b0) & 1;
+    if (b + 1 < b1) {
+      load_k(b + 1, stage ^ 1);
+      cp_async_commit();
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    if (b == b0) copy(s2r_q, thr_q.partition_S(sQ), tQrQ);
+    Tensor sK = make_tensor(make_smem_ptr(ss.k[stage].data()), typename Traits::SmemLayoutK{});
+    Tensor tKsK = thr_k.partition_S(sK);
+    clear(acc);
+#pragma unroll
+    for (int kk = 0; kk < size<2>(tSrK); ++kk) {
+      copy(s2r_k, tKsK(_, _, kk), tKrK(_, _, kk));
+      cute::gemm(mma, tSrK(_, _, kk), tSrQ(_, _, kk), acc);
+    }
+    // Column max over this thread's causal keys, then over the lanes and warps holding the
+    // column's other keys. fmaxf drops NaN scores (the contract counts them as -inf).
+    const int32_t key0 = b * kBlockN;
+    float m[kCols];
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+      m[c] = -INFINITY;
+#pragma unroll
+      for (int r = 0; r < size<0>(S); ++r) {
+        const bool causal = key0 + get<0>(cSrc(r, c)) <= col_last[c];
+        m[c] = fmaxf(m[c], causal ? S(r, c) * a.scale : -INFINITY);
+      }
+      m[c] = fmaxf(m[c], __shfl_xor_sync(0xffffffff, m[c], 4));
+      m[c] = fmaxf(m[c], __shfl_xor_sync(0xffffffff, m[c], 8));
+      m[c] = fmaxf(m[c], __shfl_xor_sync(0xffffffff, m[c], 16));
+    }
+    if (lane < 4) {
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) ss.warp_max[warp][get<1>(cSrc(0, c))] = m[c];
+    }
+    __syncthreads();  // warp_max complete; this stage's keys are no longer read
+    if (tid < kRows) {
+      const int32_t j = tid / Gk;
+      if (j >= j_lo && j < j_hi && b <= pt.pos(j) / kBlockN) {
+        float v = ss.warp_max[0][tid];
+#pragma unroll
+        for (int w = 1; w < Traits::kWarps; ++w) v = fmaxf(v, ss.warp_max[w][tid]);
+        const int64_t row = (t0 + j - a.tok_lo) * a.Hi + ik * Gk + tid % Gk;
+        a.scores[row * a.max_pages + b] = v;
+      }
+    }
+  }
+}
+
+}  // namespace msa::cuda::kern

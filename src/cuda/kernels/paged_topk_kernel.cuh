@@ -1,0 +1,130 @@
+// The selection of the paged indexer (docs/contract.md §2) from the block scores of
+// paged_score_kernel: one CTA of 256 threads per (new token, index head) row.
+//
+// Forced blocks (sinks, the local blocks ending at the token's own block) are taken as they are;
+// the other slots go to the best candidates [sink end, first local block). The slots-th best
+// candidate key is found by a radix select over the scores' order-preserving 32-bit keys (four
+// 8-bit digits, a shared histogram and a block scan per digit); every candidate above it is
+// taken, and of those equal to it the lowest block ids (the contract's tie rule), ranked by a
+// block scan over contiguous per-thread ranges. The row is written in ascending block order,
+// then -1 padding.
+#pragma once
+
+#include <cub/block/block_scan.cuh>
+
+#include "../device/tile.cuh"
+
+namespace msa::cuda::kern {
+
+struct PagedTopkArgs {
+  const int32_t* cu_q = nullptr;
+  int32_t nseq = 0;
+  int32_t Tq = 0;
+  const int32_t* seq_lens = nullptr;
+  int32_t cap = 0;  // max_pages * Bk
+  int32_t block_size = 0, Hi = 0, k = 0, sink_blocks = 0, local_blocks = 1;
+  const float* scores = nullptr;  // [(t - tok_lo) * Hi + i][max_pages]
+  int32_t max_pages = 0;
+  int64_t tok_lo = 0;
+  int32_t* block_idx = nullptr;  // [Tq, Hi, k]
+  int64_t bi_s0 = 0, bi_s1 = 0;
+};
+
+constexpr int kTopkThreads = 256;
+
+// Larger float, larger key; NaN ranks as -inf (contract §2).
+__device__ inline uint32_t order_key(float x) {
+  if (x != x) x = -INFINITY;
+  const uint32_t u = __float_as_uint(x);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__global__ void __launch_bounds__(kTopkThreads) paged_topk_kernel(const __grid_constant__ PagedTopkArgs a) {
+  using Scan = cub::BlockScan<int32_t, kTopkThreads>;
+  __shared__ typename Scan::TempStorage scan_tmp;
+  __shared__ int32_t hist[256];
+  __shared__ int32_t chosen[256];  // the candidates taken (k <= 256), in no order
+  __shared__ int32_t n_chosen;
+  __shared__ uint32_t s_prefix;
+  __shared__ int32_t s_need;
+
+  const int64_t row = blockIdx.x;
+  const int64_t t = a.tok_lo + row / a.Hi;
+  const int32_t i = static_cast<int32_t>(row % a.Hi);
+  const int tid = threadIdx.x;
+  const int32_t pos = paged_position(a.cu_q, a.nseq, a.Tq, a.seq_lens, a.cap, t);
+  const int32_t own = min(pos / a.block_size, a.max_pages - 1);
+  const int32_t first_local = max(0, own - a.local_blocks + 1);
+  const int32_t sink_end = min(a.sink_blocks, first_local);
+  const int32_t slots = max(0, a.k - sink_end - (own - first_local + 1));
+  const int32_t n = first_local - sink_end;  // candidates sink_end .. first_local - 1
+  const float* sc = a.scores + row * a.max_pages + sink_end;
+  // Contiguous ranges per thread: the tie ranks follow block order.
+  const int32_t per = (n + kTopkThreads - 1) / kTopkThreads;
+  const int32_t lo = min(n, tid * per), hi = min(n, lo + per);
+
+  if (tid == 0) n_chosen = 0;
+  if (n <= slots) {  // every candidate is taken
+    __syncthreads();
+    for (int32_t c = tid; c < n; c += kTopkThreads) chosen[c] = sink_end + c;
+    if (tid == 0) n_chosen = n;
+  } else if (slots > 0) {
+    uint32_t prefix = 0, mask = 0;
+    int32_t need = slots;  // how many of the keys matching `prefix` are still to take
+    for (int shift = 24; shift >= 0; shift -= 8) {
+      hist[tid] = 0;
+      __syncthreads();
+      for (int32_t c = lo; c < hi; ++c) {
+        const uint32_t key = order_key(sc[c]);
+        if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255], 1);
+      }
+      __syncthreads();
+      // Thread d holds digit 255 - d: an inclusive scan counts the keys at that digit or above.
+      const int32_t count = hist[255 - tid];
+      int32_t above_incl = 0;
+      Scan(scan_tmp).InclusiveSum(count, above_incl);
+      const int32_t above = above_incl - count;
+      if (above < need && need <= above_incl) {
+        s_prefix = prefix | (uint32_t(255 - tid) << shift);
+        s_need = need - above;
+      }
+      __syncthreads();
+      prefix = s_prefix;
+      need = s_need;
+      mask |= 255u << shift;
+    }
+    // Above the threshold key: taken. Equal to it: the `need` lowest block ids.
+    int32_t ties = 0;
+    for (int32_t c = lo; c < hi; ++c) {
+      const uint32_t key = order_key(sc[c]);
+      if (key > prefix) chosen[atomicAdd(&n_chosen, 1)] = sink_end + c;
+      ties += key == prefix;
+    }
+    int32_t rank = 0;
+    Scan(scan_tmp).ExclusiveSum(ties, rank);
+    for (int32_t c = lo; c < hi && rank < need; ++c)
+      if (order_key(sc[c]) == prefix) {
+        chosen[atomicAdd(&n_chosen, 1)] = sink_end + c;
+        ++rank;
+      }
+  }
+  __syncthreads();
+
+  // Ascending: sinks, the chosen candidates (all in [sink_end, first_local)), the local blocks.
+  int32_t* out = a.block_idx + t * a.bi_s0 + int64_t(i) * a.bi_s1;
+  const int32_t m = n_chosen;
+  if (tid < m) {
+    const int32_t v = chosen[tid];
+    int32_t r = 0;
+    for (int32_t c = 0; c < m; ++c) r += chosen[c] < v;
+    out[sink_end + r] = v;
+  }
+  const int32_t nlocal = own - first_local + 1;
+  for (int32_t c = tid; c < a.k; c += kTopkThreads) {
+    if (c < sink_end) out[c] = c;
+    else if (c >= sink_end + m && c < sink_end + m + nlocal) out[c] = first_local + (c - sink_end - m);
+    else if (c >= sink_end + m + nlocal) out[c] = -1;
+  }
+}
+
+}  // namespace msa::cuda::kern
