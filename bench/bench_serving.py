@@ -184,6 +184,9 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=None, help="write PREFIX.csv and PREFIX.json")
     p.add_argument("--no-prefill", action="store_true")
+    p.add_argument("--ctx", type=int, nargs="*", help="decode context lengths (default: a grid)")
+    p.add_argument("--batch", type=int, nargs="*", help="decode batches")
+    p.add_argument("--q-len", type=int, nargs="*", help="decode new tokens per sequence")
     args = p.parse_args(argv)
     dev = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -194,6 +197,7 @@ def main(argv=None) -> int:
     qlens = [1, 8]
     if args.quick:
         ctxs, batches = [131072, 1 << 20], [1, 8]
+    ctxs, batches, qlens = args.ctx or ctxs, args.batch or batches, args.q_len or qlens
     max_tokens = 8 << 20
     cache = Cache(max_tokens // BK + 64, dev)
     rows = []

@@ -7,9 +7,12 @@ three ways from the same initialisation for the same steps:
           branch), then sparse attention over the selected blocks;
   sparse  MSA sparse attention from step 0 (the index branch learns from the KL alone).
 
-The task: a sequence of random filler tokens holds `pairs` (key, value) pairs, each written as
-KEY k v, at random places; the last tokens ask QUERY k for one of them, and the model must answer
-its value. The answer sits up to a whole sequence earlier, so attention must reach far back.
+The task (multi-query associative recall): a sequence of random filler tokens holds `pairs`
+(key, value) pairs, each written as KEY k v, at random places before its last 3 * `queries`
+tokens; those ask QUERY k ANS for `queries` of the pairs, and the model must answer each value
+at its ANS token (the loss and the accuracy count every answer). An answer sits up to a whole
+sequence earlier, so attention must reach far back; the pairs are where a good index branch
+must look.
 
 Reported per evaluation (CSV + PNG next to --out): answer accuracy and loss on held-out sequences;
 the KL of each MSA layer; the index recall, i.e. the share of the dense teacher's attention mass
@@ -42,27 +45,49 @@ Tensor = torch.Tensor
 FILLER0 = 4  # token ids: 0 pad, 1 KEY, 2 QUERY, 3 ANSWER-slot; fillers, keys and values after
 
 
-def batch(B: int, L: int, vocab: int, pairs: int, gen: torch.Generator, device):
-    """Token ids [B, L], the answer positions' targets [B], the position of the query token [B]
-    and of the answer's value token [B]. Keys and values are drawn from the top half of the
-    vocabulary, fillers from the bottom half."""
+def needle_batch(B: int, L: int, vocab: int, gen: torch.Generator, device):
+    """The needle task: filler tokens from the bottom half of the vocabulary, one value token
+    from the top half at a random position, and the last token ANS, where the model must answer
+    that value. Returns what batch() does, with one answer per sequence."""
     half = FILLER0 + (vocab - FILLER0) // 2
     x = torch.randint(FILLER0, half, (B, L), generator=gen)
-    keys = torch.randint(half, vocab, (B, pairs), generator=gen)
+    vals = torch.randint(half, vocab, (B, 1), generator=gen)
+    pos = torch.randint(0, L - 1, (B, 1), generator=gen)
+    x.scatter_(1, pos, vals)
+    x[:, L - 1] = 3
+    return x.to(device), vals.to(device), torch.tensor([L - 1]).to(device), pos.to(device)
+
+
+def make_batch(args, B: int, L: int, gen: torch.Generator, device):
+    if args.task == "needle":
+        return needle_batch(B, L, args.vocab, gen, device)
+    return batch(B, L, args.vocab, args.pairs, args.queries, gen, device)
+
+
+def batch(B: int, L: int, vocab: int, pairs: int, queries: int, gen: torch.Generator, device):
+    """Token ids [B, L]; the answers [B, queries]; the positions of the ANS tokens [queries]
+    (the same in every sequence) and of the answers' value tokens [B, queries]. Keys (distinct
+    within a sequence) and values come from the top half of the vocabulary, fillers from the
+    bottom half."""
+    half = FILLER0 + (vocab - FILLER0) // 2
+    assert pairs <= vocab - half and queries <= pairs
+    x = torch.randint(FILLER0, half, (B, L), generator=gen)
+    keys = torch.stack([torch.randperm(vocab - half, generator=gen)[:pairs] for _ in range(B)]) + half
     vals = torch.randint(half, vocab, (B, pairs), generator=gen)
-    slots = (L - 4) // 3
+    slots = (L - 3 * queries) // 3
     starts = torch.stack([torch.randperm(slots, generator=gen)[:pairs] for _ in range(B)]) * 3
-    ask = torch.randint(0, pairs, (B,), generator=gen)
+    ask = torch.stack([torch.randperm(pairs, generator=gen)[:queries] for _ in range(B)])
     rows = torch.arange(B)[:, None]
     x[rows, starts] = 1
     x[rows, starts + 1] = keys
     x[rows, starts + 2] = vals
-    x[:, L - 3] = 2
-    x[:, L - 2] = keys[torch.arange(B), ask]
-    x[:, L - 1] = 3  # the model answers here
-    target = vals[torch.arange(B), ask]
-    value_pos = starts[torch.arange(B), ask] + 2
-    return x.to(device), target.to(device), value_pos.to(device)
+    q0 = L - 3 * queries + 3 * torch.arange(queries)
+    x[:, q0] = 2
+    x[rows, q0 + 1] = keys.gather(1, ask)
+    x[:, q0 + 2] = 3  # the model answers here
+    target = vals.gather(1, ask)
+    value_pos = starts.gather(1, ask) + 2
+    return x.to(device), target.to(device), (q0 + 2).to(device), value_pos.to(device)
 
 
 class Block(nn.Module):
@@ -104,7 +129,8 @@ class Model(nn.Module):
         y = attn.o_proj(o.transpose(1, 2).reshape(B * L, -1))
         return y.view(B, L, -1), h.new_zeros((), dtype=torch.float32)
 
-    def forward(self, x: Tensor):
+    def forward(self, x: Tensor, ans_pos: Tensor):
+        """Logits at the answer positions [B, len(ans_pos), vocab] and the layers' KL sum."""
         B, L = x.shape
         h = self.emb(x)
         aux = h.new_zeros((), dtype=torch.float32)
@@ -113,13 +139,14 @@ class Model(nn.Module):
             h = h + a
             h = h + b.mlp(b.n2(h))
             aux = aux + kl
-        return self.head(self.norm(h[:, -1])), aux
+        return self.head(self.norm(h[:, ans_pos])), aux
 
 
 @torch.no_grad()
-def recall(model: Model, x: Tensor, value_pos: Tensor):
-    """(teacher mass in the selected blocks, share of (layer) where the query token's selection
-    holds the answer's block), over the layers of `model` on (at most two of) sequences x [B, L]."""
+def recall(model: Model, x: Tensor, ans_pos: Tensor, value_pos: Tensor):
+    """(teacher mass in the selected blocks, share of (layer, answer) where the ANS token's
+    selection holds the block of the answer's value), over the layers of `model` on (at most two
+    of) sequences x [B, L]."""
     x, value_pos = x[:2], value_pos[:2]
     B, L = x.shape
     h = model.emb(x)
@@ -143,9 +170,9 @@ def recall(model: Model, x: Tensor, value_pos: Tensor):
         kept = pi.gather(-1, sel.clamp(min=0)) * (sel >= 0)
         mass.append(float(kept.sum(-1).mean()))
         del s, pi
-        qsel = sel[:, :, L - 1, :]  # the answering token's selection [B, Hi, k]
-        vb = (value_pos // a.block_size)[:, None, None]
-        hit.append(float((qsel == vb).any(2).any(1).float().mean()))
+        qsel = sel[:, :, ans_pos, :]  # the answering tokens' selections [B, Hi, queries, k]
+        vb = (value_pos // a.block_size)[:, None, :, None]
+        hit.append(float((qsel == vb).any(3).any(1).float().mean()))
         a_out, _ = a(hn.view(B, L, -1))
         h = h + a_out
         h = h + b.mlp(b.n2(h))
@@ -153,20 +180,39 @@ def recall(model: Model, x: Tensor, value_pos: Tensor):
 
 
 def evaluate(model: Model, data, kind: str, mode: str):
-    x, target, value_pos = data
+    x, target, ans_pos, value_pos = data
     model.set_mode(kind, mode)
     for b in model.blocks:
         b.attn.kl_value = True
     with torch.no_grad():
-        logits, aux = model(x)
+        logits, aux = model(x, ans_pos)
     for b in model.blocks:
         b.attn.kl_value = False
-    row = dict(loss=float(F.cross_entropy(logits.float(), target)),
+    row = dict(loss=float(F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())),
                acc=float((logits.argmax(-1) == target).float().mean()),
                kl=float(aux) / (len(model.blocks) * model.blocks[0].attn.kl_weight or 1.0))
     if kind == "msa":
-        row["recall_mass"], row["recall_answer"] = recall(model, x, value_pos)
+        row["recall_mass"], row["recall_answer"] = recall(model, x, ans_pos, value_pos)
     return row
+
+
+def length_at(args, step: int) -> int:
+    """The training length at `step` (1-based): the --curriculum stages, then --seq-len."""
+    done = 0
+    for length, steps in args.curriculum:
+        done += steps
+        if step <= done:
+            return length
+    return args.seq_len
+
+
+def parse_curriculum(text: str):
+    """"1024:300,4096:300" -> [(1024, 300), (4096, 300)]."""
+    out = []
+    for part in filter(None, text.split(",")):
+        length, steps = part.split(":")
+        out.append((int(length), int(steps)))
+    return out
 
 
 def run(args) -> Dict:
@@ -177,7 +223,7 @@ def run(args) -> Dict:
                  args.block_size, args.top_k, args.kl_weight).to(device=device, dtype=dtype)
     init = {k: v.clone() for k, v in base.state_dict().items()}
     gen_eval = torch.Generator().manual_seed(args.seed + 1)
-    evals = batch(args.eval_batch, args.seq_len, args.vocab, args.pairs, gen_eval, device)
+    evals = make_batch(args, args.eval_batch, args.seq_len, gen_eval, device)
     rows: List[Dict] = []
     summary: Dict = {}
     for name in args.models.split(","):
@@ -193,12 +239,14 @@ def run(args) -> Dict:
                 model.set_mode("msa", "warmup" if step <= args.warmup_steps else "sparse")
             else:
                 model.set_mode("msa", "sparse")
-            x, target, _ = batch(args.batch, args.seq_len, args.vocab, args.pairs, gen, device)
+            x, target, ans_pos, _ = make_batch(args, args.batch, length_at(args, step), gen, device)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            logits, aux = model(x)
-            loss = F.cross_entropy(logits.float(), target)
+            for g in opt.param_groups:  # linear learning-rate warmup
+                g["lr"] = args.lr * min(1.0, step / max(1, args.lr_warmup))
+            logits, aux = model(x, ans_pos)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
             opt.zero_grad(set_to_none=True)
             (loss + aux).backward()
             opt.step()
@@ -281,10 +329,17 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--models", default="dense,warmup,sparse")
     p.add_argument("--seq-len", type=int, default=8192)
+    p.add_argument("--curriculum", type=parse_curriculum, default=[],
+                   help="shorter training lengths first, LEN:STEPS,... (then --seq-len); "
+                        "evaluation is always at --seq-len")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--eval-batch", type=int, default=8)
     p.add_argument("--vocab", type=int, default=512)
-    p.add_argument("--pairs", type=int, default=16)
+    p.add_argument("--task", choices=["needle", "mqar"], default="needle",
+                   help="needle: one value token somewhere, answered at the end; mqar: "
+                        "multi-query associative recall over (KEY k v) pairs")
+    p.add_argument("--pairs", type=int, default=64)
+    p.add_argument("--queries", type=int, default=32)
     p.add_argument("--d-model", type=int, default=512)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=8)
@@ -293,6 +348,7 @@ def main(argv=None) -> int:
     p.add_argument("--top-k", type=int, default=16)
     p.add_argument("--kl-weight", type=float, default=0.1)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr-warmup", type=int, default=50)
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--warmup-steps", type=int, default=150)
     p.add_argument("--eval-every", type=int, default=50)
@@ -302,7 +358,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.tiny:
         args.device = "cpu"
-        args.seq_len, args.batch, args.eval_batch, args.vocab, args.pairs = 96, 4, 8, 64, 3
+        args.seq_len, args.batch, args.eval_batch, args.vocab, args.pairs, args.queries = 96, 4, 8, 64, 4, 3
         args.d_model, args.layers, args.heads, args.kv_heads = 32, 2, 4, 2
         args.block_size, args.top_k, args.lr = 8, 4, 3e-3
         args.steps, args.warmup_steps, args.eval_every = 24, 12, 12

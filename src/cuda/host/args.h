@@ -20,6 +20,12 @@ constexpr int kSelectTileRows = 256;
 // (token x query head of one KV head) of an attention tile.
 constexpr int kPagedScoreRows = 32;
 constexpr int kPagedAttnRows = 64;
+constexpr int kPagedScoreStages = 3;
+// Shared memory of a score CTA (Q rows, the k_idx stages, the per-warp maxima), for sizing a grid
+// to whole waves on the host.
+constexpr size_t paged_score_smem(int Di, int Bk) {
+  return size_t(kPagedScoreRows + kPagedScoreStages * Bk) * Di * 2 + 4 * kPagedScoreRows * 4;
+}
 
 // Packed sequences: cu_seqlens (null: one sequence of T tokens).
 struct SeqArgs {

@@ -10,10 +10,10 @@
 // Score kernel. Rows: a tile packs m = kPagedScoreRows / Gk new tokens x the Gk = Hi / Hik index
 // heads of one index key head into 32 MMA columns (row = token * Gk + head). Warp roles: none;
 // four warps each take 1/4 of a block's keys (S^T = K q^T: keys are the MMA's M, so a block of
-// 128 keys fills the tensor cores whatever the row count). Pipeline: two cp.async stages of
-// k_idx blocks; block b + 1 is in flight while block b is scored. Work loop: the chunk's
-// blocks up to the tile's last causal block; each block's per-row max goes to
-// scores[(t - tok_lo) * Hi + i][b].
+// 128 keys fills the tensor cores whatever the row count). Pipeline: kStages cp.async stages
+// of k_idx blocks; blocks b + 1 .. b + kStages - 1 are in flight while block b is scored.
+// Work loop: the chunk's blocks up to the tile's last causal block; each block's per-row max
+// goes to scores[(t - tok_lo) * Hi + i][b].
 #pragma once
 
 #include "../device/paged.cuh"
@@ -29,13 +29,14 @@ struct PagedScoreTraits {
   static constexpr int kRows = cuda::kPagedScoreRows;
   static constexpr int kWarps = 4;
   static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kStages = cuda::kPagedScoreStages;
   using TiledMma = TiledMMA<Sm80MmaAtom<Element>, Layout<Shape<Int<kWarps>, _1, _1>>,
                             Tile<Int<16 * kWarps>, _16, _16>>;
   using SmemLayoutQ = Sm80SmemLayout<Element, kRows, kDim>;
   using SmemLayoutK = Sm80SmemLayout<Element, kBlockN, kDim>;
   struct SharedStorage {
     alignas(128) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
-    alignas(128) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k[2];
+    alignas(128) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k[kStages];
     float warp_max[kWarps][kRows];
   };
 };
@@ -80,8 +81,11 @@ __global__ void __launch_bounds__(Traits::kThreads)
         return j >= j_lo && j < j_hi ? q_base + j * a.q_s0 + (r % Gk) * a.q_s1 : nullptr;
       },
       tid, kThreads);
-  load_k(b0, 0);
-  cp_async_commit();
+  constexpr int kStages = Traits::kStages;
+  for (int st = 0; st < kStages - 1; ++st) {  // group st: block b0 + st (with Q in group 0)
+    if (b0 + st < b1) load_k(b0 + st, st);
+    cp_async_commit();
+  }
 
   typename Traits::TiledMma mma;
   auto thr = mma.get_thread_slice(tid);
@@ -109,14 +113,12 @@ __global__ void __launch_bounds__(Traits::kThreads)
   }
 
   for (int32_t b = b0; b < b1; ++b) {
-    const int stage = (b - b0) & 1;
-    if (b + 1 < b1) {
-      load_k(b + 1, stage ^ 1);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
+    const int stage = (b - b0) % kStages;
+    // Block b + kStages - 1 goes into the stage block b - 1 used (free since the last barrier);
+    // a group is committed every iteration, empty or not, so block b's is the oldest pending.
+    if (b + kStages - 1 < b1) load_k(b + kStages - 1, (b - b0 + kStages - 1) % kStages);
+    cp_async_commit();
+    cp_async_wait<kStages - 1>();
     __syncthreads();
     if (b == b0) copy(s2r_q, thr_q.partition_S(sQ), tQrQ);
     Tensor sK = make_tensor(make_smem_ptr(ss.k[stage].data()), typename Traits::SmemLayoutK{});

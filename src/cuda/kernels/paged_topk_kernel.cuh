@@ -2,11 +2,14 @@
 // paged_score_kernel: one CTA of 256 threads per (new token, index head) row.
 //
 // Forced blocks (sinks, the local blocks ending at the token's own block) are taken as they are;
-// the other slots go to the best candidates [sink end, first local block). The slots-th best
-// candidate key is found by a radix select over the scores' order-preserving 32-bit keys (four
-// 8-bit digits, a shared histogram and a block scan per digit); every candidate above it is
-// taken, and of those equal to it the lowest block ids (the contract's tie rule), ranked by a
-// block scan over contiguous per-thread ranges. The row is written in ascending block order,
+// the other slots go to the best candidates [sink end, first local block). The row's
+// order-preserving 32-bit keys are staged in shared memory (up to kTopkSmemKeys candidates;
+// longer rows are read from global memory, where the score kernel just left them in L2). The
+// slots-th best key is found by a radix select: four 8-bit digits, each a shared histogram
+// (equal digits of a warp are added by one lane: neighbouring blocks' scores share their top
+// bits, and per-lane atomics on one bin would serialise) and a block scan. Every candidate above
+// it is taken, and of those equal to it the lowest block ids (the contract's tie rule), ranked by
+// a block scan over contiguous per-thread ranges. The row is written in ascending block order,
 // then -1 padding.
 #pragma once
 
@@ -31,6 +34,7 @@ struct PagedTopkArgs {
 };
 
 constexpr int kTopkThreads = 256;
+constexpr int kTopkSmemKeys = 8192;
 
 // Larger float, larger key; NaN ranks as -inf (contract §2).
 __device__ inline uint32_t order_key(float x) {
@@ -47,6 +51,7 @@ __global__ void __launch_bounds__(kTopkThreads) paged_topk_kernel(const __grid_c
   __shared__ int32_t n_chosen;
   __shared__ uint32_t s_prefix;
   __shared__ int32_t s_need;
+  __shared__ uint32_t keys[kTopkSmemKeys];
 
   const int64_t row = blockIdx.x;
   const int64_t t = a.tok_lo + row / a.Hi;
@@ -59,7 +64,9 @@ __global__ void __launch_bounds__(kTopkThreads) paged_topk_kernel(const __grid_c
   const int32_t slots = max(0, a.k - sink_end - (own - first_local + 1));
   const int32_t n = first_local - sink_end;  // candidates sink_end .. first_local - 1
   const float* sc = a.scores + row * a.max_pages + sink_end;
-  // Contiguous ranges per thread: the tie ranks follow block order.
+  const bool staged = n <= kTopkSmemKeys;
+  auto key_at = [&](int32_t c) { return staged ? keys[c] : order_key(sc[c]); };
+  // Contiguous ranges per thread (the tie ranks follow block order).
   const int32_t per = (n + kTopkThreads - 1) / kTopkThreads;
   const int32_t lo = min(n, tid * per), hi = min(n, lo + per);
 
@@ -69,14 +76,24 @@ __global__ void __launch_bounds__(kTopkThreads) paged_topk_kernel(const __grid_c
     for (int32_t c = tid; c < n; c += kTopkThreads) chosen[c] = sink_end + c;
     if (tid == 0) n_chosen = n;
   } else if (slots > 0) {
+    if (staged)
+      for (int32_t c = tid; c < n; c += kTopkThreads) keys[c] = order_key(sc[c]);
     uint32_t prefix = 0, mask = 0;
     int32_t need = slots;  // how many of the keys matching `prefix` are still to take
+    const int lane = tid % 32;
     for (int shift = 24; shift >= 0; shift -= 8) {
       hist[tid] = 0;
       __syncthreads();
-      for (int32_t c = lo; c < hi; ++c) {
-        const uint32_t key = order_key(sc[c]);
-        if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255], 1);
+      // Strided over the candidates, every lane of a warp in every round (256: no digit).
+      for (int32_t c0 = 0; c0 < n; c0 += kTopkThreads) {
+        const int32_t c = c0 + tid;
+        uint32_t digit = 256;
+        if (c < n) {
+          const uint32_t key = key_at(c);
+          if ((key & mask) == prefix) digit = (key >> shift) & 255;
+        }
+        const uint32_t same = __match_any_sync(0xffffffffu, digit);
+        if (digit < 256 && lane == __ffs(same) - 1) atomicAdd(&hist[digit], __popc(same));
       }
       __syncthreads();
       // Thread d holds digit 255 - d: an inclusive scan counts the keys at that digit or above.
@@ -96,14 +113,14 @@ __global__ void __launch_bounds__(kTopkThreads) paged_topk_kernel(const __grid_c
     // Above the threshold key: taken. Equal to it: the `need` lowest block ids.
     int32_t ties = 0;
     for (int32_t c = lo; c < hi; ++c) {
-      const uint32_t key = order_key(sc[c]);
+      const uint32_t key = key_at(c);
       if (key > prefix) chosen[atomicAdd(&n_chosen, 1)] = sink_end + c;
       ties += key == prefix;
     }
     int32_t rank = 0;
     Scan(scan_tmp).ExclusiveSum(ties, rank);
     for (int32_t c = lo; c < hi && rank < need; ++c)
-      if (order_key(sc[c]) == prefix) {
+      if (key_at(c) == prefix) {
         chosen[atomicAdd(&n_chosen, 1)] = sink_end + c;
         ++rank;
       }
