@@ -183,6 +183,64 @@ inline std::vector<int64_t> sample_tokens(const Shape& s, int64_t n, uint64_t se
   return {pick.begin(), pick.end()};
 }
 
+// ---- selection (docs/contract.md §2) ----------------------------------------------------------
+
+// Judges one returned selection row `row` (k entries) of a query whose own block is M.size() - 1,
+// given the reference block maxima M (over its causal keys), by the contract's rule: entries -1 or
+// in [0, own], distinct, as many as the reference selects, every forced block present, and every
+// selected non-forced block scoring at least the reference's (k - |F|)-th best minus the slack.
+// Rows equal to the reference's selection count in *identical.
+inline void judge_selection(const Shape& s, const std::vector<double>& M, const int32_t* row, const Tolerances& tol,
+                            const std::string& where, ErrStat& st, int64_t* identical) {
+  const int64_t own = static_cast<int64_t>(M.size()) - 1;
+  // Forced blocks; the others ranked by score, ties to the lower index.
+  std::vector<bool> forced(own + 1, false);
+  for (int64_t b = std::max<int64_t>(0, own - s.local + 1); b <= own; ++b) forced[b] = true;
+  for (int64_t b = 0; b < std::min<int64_t>(s.sink, own + 1); ++b) forced[b] = true;
+  const int64_t nforced = std::count(forced.begin(), forced.end(), true);
+  std::vector<int64_t> cand;
+  for (int64_t b = 0; b < own; ++b)
+    if (!forced[b]) cand.push_back(b);
+  std::stable_sort(cand.begin(), cand.end(), [&](int64_t a, int64_t b) { return M[a] > M[b]; });
+  const int64_t slots = std::max<int64_t>(0, s.k - nforced);
+  const int64_t expect = nforced + std::min<int64_t>(slots, static_cast<int64_t>(cand.size()));
+  const double kth = static_cast<int64_t>(cand.size()) > slots && slots > 0 ? M[cand[slots - 1]] : -INFINITY;
+  // The returned row: entries -1 or in [0, own], distinct, `expect` of them, forced ones included.
+  std::vector<int64_t> got;
+  for (int32_t x = 0; x < s.k; ++x) {
+    const int64_t b = row[x];
+    if (b == -1) continue;
+    if (b < 0 || b > own) return st.fail(where + ": entry " + std::to_string(b) + " out of [-1, " + std::to_string(own) + "]");
+    got.push_back(b);
+  }
+  std::sort(got.begin(), got.end());
+  if (std::adjacent_find(got.begin(), got.end()) != got.end()) return st.fail(where + ": a block is selected twice");
+  if (static_cast<int64_t>(got.size()) != expect)
+    return st.fail(where + ": " + std::to_string(got.size()) + " blocks selected, expected " + std::to_string(expect));
+  for (int64_t b = 0; b <= own; ++b)
+    if (forced[b] && !std::binary_search(got.begin(), got.end(), b))
+      return st.fail(where + ": forced block " + std::to_string(b) + " missing");
+  // Every selected non-forced block scores at least the reference's k-th best minus the slack.
+  // (kth is -inf when every candidate fits: then any selected candidate is fine.)
+  double deficit = 0;
+  int64_t worst_block = -1;
+  if (std::isfinite(kth))
+    for (int64_t b : got)
+      if (!forced[b] && kth - M[b] > deficit) deficit = kth - M[b], worst_block = b;
+  const double allowed = tol.score_abs * (1 + (std::isfinite(kth) ? std::fabs(kth) : 0.0));
+  st.add_error(deficit, allowed, [&] {
+    char buf[200];
+    std::snprintf(buf, sizeof buf, ": selected block %lld scores %.9g, below the reference's k-th best %.9g (slack %.3g)",
+                  static_cast<long long>(worst_block), M[worst_block], kth, allowed);
+    return where + buf;
+  });
+  std::vector<int64_t> ref(cand.begin(), cand.begin() + std::min<int64_t>(slots, cand.size()));
+  for (int64_t b = 0; b <= own; ++b)
+    if (forced[b]) ref.push_back(b);
+  std::sort(ref.begin(), ref.end());
+  if (ref == got) ++*identical;
+}
+
 // ---- the checker ----------------------------------------------------------------------------------
 
 class Reference {
@@ -329,7 +387,6 @@ class Reference {
 
   void check_selection(int64_t g, int32_t i, CheckStats& st) const {
     const int64_t base = s_.base_of(g), t = g - base, own = t / s_.Bk;
-    const std::string where = "sparse block_idx[" + std::to_string(g) + ", " + std::to_string(i) + "]";
     // Token scores and block maxima over causal keys.
     std::vector<double> qi(s_.Di), kj(s_.Di), M(own + 1, -INFINITY);
     in_.q_idx.load_row(g, i, qi.data());
@@ -337,53 +394,8 @@ class Reference {
       in_.k_idx.load_row(base + j, i / s_.idx_per_key(), kj.data());
       M[j / s_.Bk] = std::max(M[j / s_.Bk], s_.scale_idx * dot(qi.data(), kj.data(), s_.Di));
     }
-    // Forced blocks; the others ranked by score, ties to the lower index.
-    std::vector<bool> forced(own + 1, false);
-    for (int64_t b = std::max<int64_t>(0, own - s_.local + 1); b <= own; ++b) forced[b] = true;
-    for (int64_t b = 0; b < std::min<int64_t>(s_.sink, own + 1); ++b) forced[b] = true;
-    const int64_t nforced = std::count(forced.begin(), forced.end(), true);
-    std::vector<int64_t> cand;
-    for (int64_t b = 0; b < own; ++b)
-      if (!forced[b]) cand.push_back(b);
-    std::stable_sort(cand.begin(), cand.end(), [&](int64_t a, int64_t b) { return M[a] > M[b]; });
-    const int64_t slots = std::max<int64_t>(0, s_.k - nforced);
-    const int64_t expect = nforced + std::min<int64_t>(slots, static_cast<int64_t>(cand.size()));
-    const double kth = static_cast<int64_t>(cand.size()) > slots && slots > 0 ? M[cand[slots - 1]] : -INFINITY;
-    // The returned row: entries -1 or in [0, own], distinct, `expect` of them, forced ones included.
-    std::vector<int64_t> got;
-    for (int32_t x = 0; x < s_.k; ++x) {
-      const int64_t b = bi_row(g, i)[x];
-      if (b == -1) continue;
-      if (b < 0 || b > own) return st.selection.fail(where + ": entry " + std::to_string(b) + " out of [-1, " + std::to_string(own) + "]");
-      got.push_back(b);
-    }
-    std::sort(got.begin(), got.end());
-    if (std::adjacent_find(got.begin(), got.end()) != got.end())
-      return st.selection.fail(where + ": a block is selected twice");
-    if (static_cast<int64_t>(got.size()) != expect)
-      return st.selection.fail(where + ": " + std::to_string(got.size()) + " blocks selected, expected " + std::to_string(expect));
-    for (int64_t b = 0; b <= own; ++b)
-      if (forced[b] && !std::binary_search(got.begin(), got.end(), b))
-        return st.selection.fail(where + ": forced block " + std::to_string(b) + " missing");
-    // Every selected non-forced block scores at least the reference's k-th best minus the slack.
-    // (kth is -inf when every candidate fits: then any selected candidate is fine.)
-    double deficit = 0;
-    int64_t worst_block = -1;
-    if (std::isfinite(kth))
-      for (int64_t b : got)
-        if (!forced[b] && kth - M[b] > deficit) deficit = kth - M[b], worst_block = b;
-    const double allowed = tol_.score_abs * (1 + (std::isfinite(kth) ? std::fabs(kth) : 0.0));
-    st.selection.add_error(deficit, allowed, [&] {
-      char buf[200];
-      std::snprintf(buf, sizeof buf, ": selected block %lld scores %.9g, below the reference's k-th best %.9g (slack %.3g)",
-                    static_cast<long long>(worst_block), M[worst_block], kth, allowed);
-      return where + buf;
-    });
-    std::vector<int64_t> ref(cand.begin(), cand.begin() + std::min<int64_t>(slots, cand.size()));
-    for (int64_t b = 0; b <= own; ++b)
-      if (forced[b]) ref.push_back(b);
-    std::sort(ref.begin(), ref.end());
-    if (ref == got) ++st.selection_identical;
+    judge_selection(s_, M, bi_row(g, i), tol_, "sparse block_idx[" + std::to_string(g) + ", " + std::to_string(i) + "]",
+                    st.selection, &st.selection_identical);
   }
 
   // ---- rows: out, lse, dq, dq_idx ----
