@@ -1,6 +1,7 @@
 // msa_main's timing table: stdout text and optional CSV.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <string>
@@ -31,12 +32,15 @@ inline void print_table(std::FILE* f, const std::vector<TableRow>& rows, bool te
     else std::snprintf(buf, sizeof buf, "%*s", width, "-");
     return std::string(buf);
   };
-  std::fprintf(f, "%-26s %11s %10s %10s %9s %7s\n", "stage", "time ms", "GFLOP", tera ? "TFLOP/s" : "GFLOP/s",
+  int width = 26;  // the stage column: as wide as the longest name
+  for (const TableRow& r : rows) width = std::max(width, static_cast<int>(r.stage.size()));
+  std::fprintf(f, "%-*s %11s %10s %10s %9s %7s\n", width, "stage", "time ms", "GFLOP", tera ? "TFLOP/s" : "GFLOP/s",
                "vs dense", "ideal");
   for (const TableRow& r : rows) {
     const std::string sp = std::isfinite(r.speedup()) ? num(r.speedup(), 2, 8) + "x" : num(NAN, 0, 9);
     const std::string id = std::isfinite(r.ideal()) ? num(r.ideal(), 2, 6) + "x" : num(NAN, 0, 7);
-    std::fprintf(f, "%-26s %s %s %s %s %s\n", r.stage.c_str(), num(r.ms, 1, 11).c_str(),
+    const int ms_digits = r.ms < 1 ? 3 : r.ms < 10 ? 2 : 1;  // serving calls take microseconds on a GPU
+    std::fprintf(f, "%-*s %s %s %s %s %s\n", width, r.stage.c_str(), num(r.ms, ms_digits, 11).c_str(),
                  num(r.flops / 1e9, -4, 10).c_str(), num(r.rate() / unit, tera ? 1 : 2, 10).c_str(), sp.c_str(),
                  id.c_str());
   }
