@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The main job: builds the library and msa_main, then runs one MSA training step (selection,
 # forward, backward with the KL gradient) and the warmup step on the default shape, checks a
-# sample against the reference and prints the timing table. Arguments go to msa_main
-# (scripts/run_main.sh --help lists them).
+# sample against the reference and prints the timing table; with --mode serve, chunked prefill and
+# decode from a paged KV cache instead. Arguments go to msa_main (scripts/run_main.sh --help lists
+# them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
