@@ -228,7 +228,8 @@ def main(argv=None) -> int:
             w.writerows(rows)
         with open(args.out + ".json", "w") as f:
             json.dump(dict(hbm_bandwidth=bw, rows=rows), f, indent=1)
-    print(f"\nH200 serving, paper heads {HQ}/{HKV}/{HI}/{HIK}, D {D}, k {K}, bf16; HBM {bw / 1e12:.2f} TB/s")
+    print(f"\n## MSA serving on {torch.cuda.get_device_name()}, heads {HQ}/{HKV}/{HI}/{HIK}, D {D}, k {K}, bf16;"
+          f" HBM copy {bw / 1e12:.2f} TB/s; decode times in ms (graph: one CUDA-graph replay of the step)")
     print(f"{'ctx':>8} {'B':>3} {'q':>3} {'index ms':>9} {'%HBM':>5} {'attend':>7} {'step':>7} {'graph':>7}"
           f" {'dense':>7} {'sdpa':>7} {'x dense':>7} {'x sdpa':>6}")
     for r in rows:

@@ -15,6 +15,7 @@
 #   racecheck  compute-sanitizer --tool racecheck on the same tests             -> racecheck.log
 #   bench      bench/bench_forward.py                  -> bench.log, bench.csv, bench.json
 #   bench_bwd  bench/bench_backward.py (training step)  -> bench_bwd.log, bench_bwd.csv
+#   bench_serving  bench/bench_serving.py (decode, prefill) -> bench_serving.log, .csv, .json
 # and, where matplotlib is installed, bench/plot_bench.py draws PNGs next to the CSVs.
 # A summary table (stage, result, counts, seconds) and the benchmark's tables come last.
 #
@@ -27,8 +28,9 @@
 #   SANITIZER_FILTER  gtest filter of the sanitizer stages
 #   BENCH_ARGS        arguments of the benchmark (default --with-1m; --quick for a smoke run)
 #   BENCH_BWD_ARGS    arguments of the training benchmark (default none)
+#   BENCH_SERVING_ARGS  arguments of the serving benchmark (default none)
 #   STAGES            the stages to run (default: build ptxas gtest pytest memcheck racecheck
-#                     bench bench_bwd)
+#                     bench bench_bwd bench_serving)
 #   GPU_CHECK_BUDGET  seconds for everything (default 560); each stage also has a cap,
 #                     e.g. PYTEST_TIMEOUT=300 (BUILD_, GTEST_, MEMCHECK_, RACECHECK_, BENCH_)
 set -uo pipefail
@@ -48,12 +50,12 @@ if [[ "$PY" == */* ]]; then
 fi
 build_dir="${MSA_BUILD_DIR:-build}"
 stage_dir="$root/build-gpu-py"
-stages="${STAGES:-build ptxas gtest pytest memcheck racecheck bench bench_bwd}"
+stages="${STAGES:-build ptxas gtest pytest memcheck racecheck bench bench_bwd bench_serving}"
 bench_args_text="${BENCH_ARGS---with-1m}"
 read -r -a bench_args <<<"$bench_args_text"
 read -r -a gtest_args <<<"${GTEST_ARGS:-}"
 read -r -a pytest_args <<<"${PYTEST_ARGS:-}"
-sanitizer_filter="${SANITIZER_FILTER:-Shapes/CudaVsCpu.*/G1_D128_Di128_Bk128:Shapes/CudaVsCpu.*/G16_D128_Bk128_varlen_fp16:Cuda.AllSequencesEmpty:Cuda.FusedQkvStrides:Cuda.VarlenNanStaysInItsSequence:Cuda.ValueChecks*:Cuda.KlPassOption}"
+sanitizer_filter="${SANITIZER_FILTER:-Shapes/CudaVsCpu.*/G1_D128_Di128_Bk128:Shapes/CudaVsCpu.*/G16_D128_Bk128_varlen_fp16:Cuda.AllSequencesEmpty:Cuda.FusedQkvStrides:Cuda.VarlenNanStaysInItsSequence:Cuda.ValueChecks*:Cuda.KlPassOption:Shapes/PagedCudaVsCpu.*/case0:CudaPaged.*}"
 budget="${GPU_CHECK_BUDGET:-560}"
 export PYTHONUNBUFFERED=1
 # msa_tests may carry the absolute build path of the machine it was linked on as its runpath:
@@ -266,6 +268,21 @@ if enabled bench_bwd; then
   fi
 fi
 
+# ---- bench_serving ------------------------------------------------------------------------
+if enabled bench_serving; then
+  : >"$OUT/bench_serving.log"
+  read -r -a bench_serving_args <<<"${BENCH_SERVING_ARGS:-}"
+  if [ "$binding_ok" -ne 1 ]; then
+    note bench_serving skipped "no binding built" 0
+    failed=1
+  else
+    run_stage bench_serving "$OUT/bench_serving.log" "${BENCH_SERVING_TIMEOUT:-300}" 0 \
+      env PYTHONPATH="$stage_dir" "$PY" bench/bench_serving.py "${bench_serving_args[@]}" --out "$OUT/bench_serving"
+    note bench_serving "$(result_of "$rc")" "args: ${BENCH_SERVING_ARGS:-none}" "$stage_seconds"
+    [ "$rc" -ne 0 ] && failures+=("bench_serving $OUT/bench_serving.log")
+  fi
+fi
+
 # ---- plots of the benchmarks' CSVs (where matplotlib is installed) --------------------------
 plots=()
 for f in "$OUT/bench.csv" "$OUT/bench_bwd.csv"; do [ -f "$f" ] && plots+=("$f"); done
@@ -291,5 +308,9 @@ fi
 if enabled bench_bwd && [ -s "$OUT/bench_bwd.log" ] && grep -q '^## MSA training' "$OUT/bench_bwd.log"; then
   echo
   sed -n '/^## MSA training/,$p' "$OUT/bench_bwd.log"
+fi
+if enabled bench_serving && [ -s "$OUT/bench_serving.log" ] && grep -q '^## MSA serving' "$OUT/bench_serving.log"; then
+  echo
+  sed -n '/^## MSA serving/,$p' "$OUT/bench_serving.log"
 fi
 exit "$failed"
