@@ -7,25 +7,27 @@ three ways from the same initialisation for the same steps:
           branch), then sparse attention over the selected blocks;
   sparse  MSA sparse attention from step 0 (the index branch learns from the KL alone).
 
-The task (multi-query associative recall): a sequence of random filler tokens holds `pairs`
-(key, value) pairs, each written as KEY k v, at random places before its last 3 * `queries`
-tokens; those ask QUERY k ANS for `queries` of the pairs, and the model must answer each value
-at its ANS token (the loss and the accuracy count every answer). An answer sits up to a whole
-sequence earlier, so attention must reach far back; the pairs are where a good index branch
-must look.
+The task (--task needle, the default): random filler tokens from the bottom half of the
+vocabulary, one value token from the top half at a random place, and the last --queries tokens
+all ANS: at each of them the model must answer the value, which sits up to a whole sequence
+earlier, so attention must reach far back and a good index branch must select the needle's
+block. --task mqar is multi-query associative recall (KEY k v pairs, QUERY k ANS at the end).
+Training starts on short sequences (--curriculum) and ends at --seq-len; every evaluation is at
+--seq-len. Weights are float32; on the GPU the model runs under bf16 autocast.
 
 Reported per evaluation (CSV + PNG next to --out): answer accuracy and loss on held-out sequences;
 the KL of each MSA layer; the index recall, i.e. the share of the dense teacher's attention mass
 that the selected blocks hold (mean over layers, tokens and index heads) and how often the block
-holding the answer's value is selected for the query token (any index head, mean over layers);
+holding the answer's value is selected for the ANS tokens (any index head, mean over layers);
 the step time of each model. At the end, the trained warmup model's block_idx of its layers at
 the training length is saved (PREFIX_block_idx.pt) for the kernel benchmarks.
 
-    python examples/train_retrieval.py --device cuda --out runs/retrieval   # on a GPU (minutes)
+    python examples/train_retrieval.py --device cuda --out runs/retrieval   # on a GPU (~2 minutes)
     python examples/train_retrieval.py --tiny --out /tmp/retrieval           # the CPU smoke run
 """
 
 import argparse
+import contextlib
 import csv
 import json
 import math
@@ -45,22 +47,24 @@ Tensor = torch.Tensor
 FILLER0 = 4  # token ids: 0 pad, 1 KEY, 2 QUERY, 3 ANSWER-slot; fillers, keys and values after
 
 
-def needle_batch(B: int, L: int, vocab: int, gen: torch.Generator, device):
+def needle_batch(B: int, L: int, vocab: int, queries: int, gen: torch.Generator, device):
     """The needle task: filler tokens from the bottom half of the vocabulary, one value token
-    from the top half at a random position, and the last token ANS, where the model must answer
-    that value. Returns what batch() does, with one answer per sequence."""
+    from the top half at a random position before the last `queries` tokens, which are all ANS:
+    the model must answer that value at each of them. Returns what batch() does."""
     half = FILLER0 + (vocab - FILLER0) // 2
     x = torch.randint(FILLER0, half, (B, L), generator=gen)
     vals = torch.randint(half, vocab, (B, 1), generator=gen)
-    pos = torch.randint(0, L - 1, (B, 1), generator=gen)
+    pos = torch.randint(0, L - queries, (B, 1), generator=gen)
     x.scatter_(1, pos, vals)
-    x[:, L - 1] = 3
-    return x.to(device), vals.to(device), torch.tensor([L - 1]).to(device), pos.to(device)
+    x[:, L - queries:] = 3
+    ans_pos = torch.arange(L - queries, L)
+    return (x.to(device), vals.expand(B, queries).to(device), ans_pos.to(device),
+            pos.expand(B, queries).to(device))
 
 
 def make_batch(args, B: int, L: int, gen: torch.Generator, device):
     if args.task == "needle":
-        return needle_batch(B, L, args.vocab, gen, device)
+        return needle_batch(B, L, args.vocab, args.queries, gen, device)
     return batch(B, L, args.vocab, args.pairs, args.queries, gen, device)
 
 
@@ -217,10 +221,13 @@ def parse_curriculum(text: str):
 
 def run(args) -> Dict:
     device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(args.seed)
+    # float32 weights (bf16 weights would drop AdamW's small updates); on the GPU the matmuls
+    # and the attention run in bf16 under autocast.
     base = Model(args.vocab, args.d_model, args.layers, args.heads, args.kv_heads,
-                 args.block_size, args.top_k, args.kl_weight).to(device=device, dtype=dtype)
+                 args.block_size, args.top_k, args.kl_weight).to(device=device)
+    amp = ((lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda"
+           else contextlib.nullcontext)
     init = {k: v.clone() for k, v in base.state_dict().items()}
     gen_eval = torch.Generator().manual_seed(args.seed + 1)
     evals = make_batch(args, args.eval_batch, args.seq_len, gen_eval, device)
@@ -245,10 +252,12 @@ def run(args) -> Dict:
             t0 = time.perf_counter()
             for g in opt.param_groups:  # linear learning-rate warmup
                 g["lr"] = args.lr * min(1.0, step / max(1, args.lr_warmup))
-            logits, aux = model(x, ans_pos)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+            with amp():
+                logits, aux = model(x, ans_pos)
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
             opt.zero_grad(set_to_none=True)
             (loss + aux).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -258,13 +267,15 @@ def run(args) -> Dict:
                 mode = model.blocks[0].attn.mode  # evaluated as trained at this step
                 row = dict(model=name, step=step, mode="dense" if name == "dense" else mode,
                            train_loss=float(loss.detach()), step_ms=1e3 * recent[len(recent) // 2])
-                row.update(evaluate(model, evals, "dense" if name == "dense" else "msa", mode))
+                with amp():
+                    row.update(evaluate(model, evals, "dense" if name == "dense" else "msa", mode))
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         summary[name] = rows[-1]
         if name == "warmup" and args.out:
             model.set_mode("msa", "sparse")
-            save_selection(model, evals[0], args.out + "_block_idx.pt")
+            with amp():
+                save_selection(model, evals[0], args.out + "_block_idx.pt")
     return dict(rows=rows, summary=summary)
 
 
@@ -329,29 +340,31 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--models", default="dense,warmup,sparse")
     p.add_argument("--seq-len", type=int, default=8192)
-    p.add_argument("--curriculum", type=parse_curriculum, default=[],
+    p.add_argument("--curriculum", type=parse_curriculum,
+                   default=parse_curriculum("256:700,512:150,1024:150,2048:100,4096:100"),
                    help="shorter training lengths first, LEN:STEPS,... (then --seq-len); "
                         "evaluation is always at --seq-len")
-    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--batch", type=int, default=16)
     p.add_argument("--eval-batch", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--vocab", type=int, default=64)
     p.add_argument("--task", choices=["needle", "mqar"], default="needle",
-                   help="needle: one value token somewhere, answered at the end; mqar: "
+                   help="needle: one value token somewhere, answered at each of the last "
+                        "--queries tokens; mqar: "
                         "multi-query associative recall over (KEY k v) pairs")
     p.add_argument("--pairs", type=int, default=64)
-    p.add_argument("--queries", type=int, default=32)
-    p.add_argument("--d-model", type=int, default=512)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--queries", type=int, default=8)
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=1)
+    p.add_argument("--kv-heads", type=int, default=1)
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--top-k", type=int, default=16)
     p.add_argument("--kl-weight", type=float, default=0.1)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--lr-warmup", type=int, default=50)
-    p.add_argument("--steps", type=int, default=600)
-    p.add_argument("--warmup-steps", type=int, default=150)
-    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--steps", type=int, default=1400)
+    p.add_argument("--warmup-steps", type=int, default=800)
+    p.add_argument("--eval-every", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write PREFIX.csv, PREFIX.json, PREFIX.png")
     p.add_argument("--tiny", action="store_true", help="a small CPU configuration (seconds)")
@@ -362,6 +375,7 @@ def main(argv=None) -> int:
         args.d_model, args.layers, args.heads, args.kv_heads = 32, 2, 4, 2
         args.block_size, args.top_k, args.lr = 8, 4, 3e-3
         args.steps, args.warmup_steps, args.eval_every = 24, 12, 12
+        args.curriculum = [(48, 6)]
     result = run(args)
     if args.out:
         write_report(args.out, result)
