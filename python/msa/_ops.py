@@ -49,18 +49,25 @@ def _alloc(device: torch.device):
 _value_checks = True
 
 
-def _launch(fn, device: torch.device, *args, check_values: bool = True, **kwargs):
+def _launch(fn, device: torch.device, *args, check_values: bool = True,
+            workspace: Optional[Tensor] = None, allocates: bool = True, **kwargs):
     """Calls the binding function ``fn`` for tensors on ``device``: on the CPU directly; for
     CUDA with ``device`` current and its current stream. ``check_values`` (CUDA only; the CPU
     always checks, for free) is turned off while that stream is being captured, and where
-    msa.value_checks(False) is in force."""
+    msa.value_checks(False) is in force. Device workspace comes from the torch allocator, or is
+    ``workspace`` when given (the call's whole workspace: nothing is allocated);
+    ``allocates=False`` for calls that take no workspace at all."""
+    extra = {}
+    if allocates:
+        extra = ({"workspace": workspace, "workspace_alloc": None} if workspace is not None
+                 else {"workspace_alloc": _alloc(device)})
     if device.type != "cuda":
-        return fn(*args, stream=0, check_values=True, workspace_alloc=_alloc(device), **kwargs)
+        return fn(*args, stream=0, check_values=True, **extra, **kwargs)
     with torch.cuda.device(device):
         check = (bool(check_values) and _value_checks
                  and not torch.cuda.is_current_stream_capturing())
         return fn(*args, stream=torch.cuda.current_stream(device).cuda_stream,
-                  check_values=check, workspace_alloc=_alloc(device), **kwargs)
+                  check_values=check, **extra, **kwargs)
 
 
 def _need_rank(name: str, t: Optional[Tensor], rank: int, shape: str) -> None:

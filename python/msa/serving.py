@@ -44,31 +44,7 @@ _MAX_Q_LEN = 16
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
 
-def _launch(fn, device: torch.device, *args, check_values: bool = True,
-            workspace: Optional[Tensor] = None, allocates: bool = True, **kwargs):
-    """Calls the binding function ``fn`` as msa._ops._launch does (the device's current stream,
-    value checks off while capturing or under msa.value_checks(False)); ``workspace``, when
-    given, is the call's whole workspace (nothing is allocated); ``allocates=False`` for calls
-    that take no workspace at all (paged_append)."""
-    extra = {}
-    if allocates:
-        extra = ({"workspace": workspace, "workspace_alloc": None} if workspace is not None
-                 else {"workspace_alloc": _ops._alloc(device)})
-    if device.type != "cuda":
-        return fn(*args, stream=0, check_values=True, **extra, **kwargs)
-    with torch.cuda.device(device):
-        check = (bool(check_values) and _ops._value_checks
-                 and not torch.cuda.is_current_stream_capturing())
-        return fn(*args, stream=torch.cuda.current_stream(device).cuda_stream,
-                  check_values=check, **extra, **kwargs)
-
-
-def _lc(t: Optional[Tensor]) -> Optional[Tensor]:
-    return _ops._lc(t)
-
-
-def _empty(dtype: torch.dtype, device: torch.device) -> Tensor:
-    return torch.empty((0,), dtype=dtype, device=device)
+_launch, _lc, _empty = _ops._launch, _ops._lc, _ops._empty
 
 
 # --------------------------------------------------------------------------------------------
