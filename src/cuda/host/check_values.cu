@@ -141,40 +141,66 @@ Status read(const char* fn, T* host, const T* dev, size_t n, cudaStream_t stream
   return e == cudaSuccess ? Status::Ok() : cuda_error(fn, e);
 }
 
-}  // namespace
 
-Status check_values(const char* fn, const Problem& prob, const TensorRef& cu_seqlens,
-                    const TensorRef& block_idx, const Launch& launch) {
-  if (!launch.check_values || (!cu_seqlens.defined() && !block_idx.defined())) return Status::Ok();
-  const cudaStream_t stream = static_cast<cudaStream_t>(launch.stream);
+// The verdict of one check: refuses a stream being captured (naming 'launch.check_values'; `what`
+// says which values), takes a verdict slot, runs launch_check(blocks, verdict) over `work` items
+// and waits for the first offence (kNone: none) in *v.
+template <class LaunchCheck>
+Status run_check(const char* fn, cudaStream_t stream, const char* what, int64_t work,
+                 LaunchCheck&& launch_check, unsigned long long* v) {
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   cudaError_t e = cudaStreamIsCapturing(stream, &capture);
   if (e != cudaSuccess) return cuda_error(fn, e);
   if (capture != cudaStreamCaptureStatusNone)
-    return detail::invalid_arg(
-        fn, "launch.check_values",
-        "the values of cu_seqlens and block_idx cannot be checked on a stream that is being "
-        "captured into a CUDA graph (the check waits for the device): set it to false to capture");
-  const int32_t* cu = cu_seqlens.defined() ? static_cast<const int32_t*>(cu_seqlens.data) : nullptr;
-  const int32_t nseq = num_seqs(cu_seqlens);
-  const int32_t* bi = block_idx.defined() ? static_cast<const int32_t*>(block_idx.data) : nullptr;
-  const int64_t n = bi != nullptr ? prob.T * prob.Hi * prob.k : 0;
-
+    return detail::invalid_arg(fn, "launch.check_values",
+                               std::string("the values of ") + what +
+                                   " cannot be checked on a stream that is being captured into a CUDA "
+                                   "graph (the check waits for the device): set it to false to capture");
   unsigned long long* slots = nullptr;
   e = cudaGetSymbolAddress(reinterpret_cast<void**>(&slots), g_verdict);
   if (e != cudaSuccess) return cuda_error(fn, e);
   unsigned long long* verdict = slots + next_slot.fetch_add(1) % kSlots;
   e = cudaMemsetAsync(verdict, 0xff, sizeof(unsigned long long), stream);
   if (e != cudaSuccess) return cuda_error(fn, e);
-  const int64_t work = std::max<int64_t>(n, nseq + 1);
   const int blocks = static_cast<int>(std::min<int64_t>((work + 255) / 256, int64_t(num_sms()) * 16));
-  check_kernel<<<blocks, 256, 0, stream>>>(cu, nseq, prob.T, bi, bi ? block_idx.stride[0] : 0,
-                                          bi ? block_idx.stride[1] : 0, prob.Hi, prob.k,
-                                          prob.opts.block_size, verdict);
+  launch_check(blocks, verdict);
   e = cudaGetLastError();
   if (e != cudaSuccess) return cuda_error(fn, e);
+  return read(fn, v, verdict, 1, stream);
+}
+
+// The message of a kCuStart / kCuDecrease / kCuEnd offence of `arg` (offsets c, ending at T).
+Status offsets_error(const char* fn, const char* arg, const char* total, Kind kind, int64_t index,
+                     const std::vector<int32_t>& c, int64_t T) {
+  const std::string a = arg;
+  const int64_t nseq = static_cast<int64_t>(c.size()) - 1;
+  if (kind == kCuStart) return detail::invalid_arg(fn, arg, "must start at 0, got " + std::to_string(c[0]));
+  if (kind == kCuEnd)
+    return detail::invalid_arg(fn, arg, std::string("must end at ") + total + " = " + std::to_string(T) + ", got " +
+                                            std::to_string(c[nseq]));
+  return detail::invalid_arg(fn, arg, "must be non-decreasing, but " + a + "[" + std::to_string(index) + "] = " +
+                                          std::to_string(c[index]) + " < " + a + "[" + std::to_string(index - 1) +
+                                          "] = " + std::to_string(c[index - 1]));
+}
+
+}  // namespace
+
+Status check_values(const char* fn, const Problem& prob, const TensorRef& cu_seqlens,
+                    const TensorRef& block_idx, const Launch& launch) {
+  if (!launch.check_values || (!cu_seqlens.defined() && !block_idx.defined())) return Status::Ok();
+  const cudaStream_t stream = static_cast<cudaStream_t>(launch.stream);
+  const int32_t* cu = cu_seqlens.defined() ? static_cast<const int32_t*>(cu_seqlens.data) : nullptr;
+  const int32_t nseq = num_seqs(cu_seqlens);
+  const int32_t* bi = block_idx.defined() ? static_cast<const int32_t*>(block_idx.data) : nullptr;
+  const int64_t n = bi != nullptr ? prob.T * prob.Hi * prob.k : 0;
   unsigned long long v = 0;
-  MSA_TRY(read(fn, &v, verdict, 1, stream));
+  MSA_TRY(run_check(fn, stream, "cu_seqlens and block_idx", std::max<int64_t>(n, nseq + 1),
+                    [&](int blocks, unsigned long long* verdict) {
+                      check_kernel<<<blocks, 256, 0, stream>>>(cu, nseq, prob.T, bi, bi ? block_idx.stride[0] : 0,
+                                                              bi ? block_idx.stride[1] : 0, prob.Hi, prob.k,
+                                                              prob.opts.block_size, verdict);
+                    },
+                    &v));
   if (v == kNone) return Status::Ok();
 
   // An offence: read what the message quotes.
@@ -184,12 +210,7 @@ Status check_values(const char* fn, const Problem& prob, const TensorRef& cu_seq
   if (kind <= kCuEnd) {
     std::vector<int32_t> c(nseq + 1);
     MSA_TRY(read(fn, c.data(), cu, c.size(), stream));
-    if (kind == kCuStart) return bad("cu_seqlens", "must start at 0, got " + std::to_string(c[0]));
-    if (kind == kCuEnd)
-      return bad("cu_seqlens", "must end at T = " + std::to_string(prob.T) + ", got " + std::to_string(c[nseq]));
-    return bad("cu_seqlens", "must be non-decreasing, but cu_seqlens[" + std::to_string(index) + "] = " +
-                                 std::to_string(c[index]) + " < cu_seqlens[" + std::to_string(index - 1) +
-                                 "] = " + std::to_string(c[index - 1]));
+    return offsets_error(fn, "cu_seqlens", "T", kind, index, c, prob.T);
   }
   const int64_t t = index / (int64_t(prob.Hi) * prob.k);
   const int32_t i = static_cast<int32_t>(index / prob.k % prob.Hi), j = static_cast<int32_t>(index % prob.k);
@@ -215,15 +236,6 @@ Status check_paged_values(const char* fn, const Problem& prob, const TensorRef& 
                           const Launch& launch) {
   if (!launch.check_values) return Status::Ok();
   const cudaStream_t stream = static_cast<cudaStream_t>(launch.stream);
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  cudaError_t e = cudaStreamIsCapturing(stream, &capture);
-  if (e != cudaSuccess) return cuda_error(fn, e);
-  if (capture != cudaStreamCaptureStatusNone)
-    return detail::invalid_arg(
-        fn, "launch.check_values",
-        "the values of cu_seqlens_q, the cache's seq_lens and page_table and block_idx cannot be "
-        "checked on a stream that is being captured into a CUDA graph (the check waits for the "
-        "device): set it to false to capture");
   PagedCheck c;
   c.cu = static_cast<const int32_t*>(cu_seqlens_q.data);
   c.nseq = static_cast<int32_t>(cu_seqlens_q.shape[0] - 1);
@@ -243,19 +255,13 @@ Status check_paged_values(const char* fn, const Problem& prob, const TensorRef& 
     c.Hi = prob.Hi;
     c.k = prob.k;
   }
-  unsigned long long* slots = nullptr;
-  e = cudaGetSymbolAddress(reinterpret_cast<void**>(&slots), g_verdict);
-  if (e != cudaSuccess) return cuda_error(fn, e);
-  unsigned long long* verdict = slots + next_slot.fetch_add(1) % kSlots;
-  e = cudaMemsetAsync(verdict, 0xff, sizeof(unsigned long long), stream);
-  if (e != cudaSuccess) return cuda_error(fn, e);
-  const int64_t work = std::max<int64_t>({int64_t(c.Tq) * c.Hi * c.k, int64_t(c.nseq) * c.max_pages, c.nseq + 1});
-  const int blocks = static_cast<int>(std::min<int64_t>((work + 255) / 256, int64_t(num_sms()) * 16));
-  paged_check_kernel<<<blocks, 256, 0, stream>>>(c, verdict);
-  e = cudaGetLastError();
-  if (e != cudaSuccess) return cuda_error(fn, e);
   unsigned long long v = 0;
-  MSA_TRY(read(fn, &v, verdict, 1, stream));
+  MSA_TRY(run_check(fn, stream, "cu_seqlens_q, the cache's seq_lens and page_table and block_idx",
+                    std::max<int64_t>({int64_t(c.Tq) * c.Hi * c.k, int64_t(c.nseq) * c.max_pages, c.nseq + 1}),
+                    [&](int blocks, unsigned long long* verdict) {
+                      paged_check_kernel<<<blocks, 256, 0, stream>>>(c, verdict);
+                    },
+                    &v));
   if (v == kNone) return Status::Ok();
 
   const auto kind = static_cast<Kind>(v >> 56);
@@ -263,13 +269,7 @@ Status check_paged_values(const char* fn, const Problem& prob, const TensorRef& 
   const auto bad = [&](const char* arg, const std::string& what) { return detail::invalid_arg(fn, arg, what); };
   std::vector<int32_t> cu(c.nseq + 1);
   MSA_TRY(read(fn, cu.data(), c.cu, cu.size(), stream));
-  if (kind == kCuStart) return bad("cu_seqlens_q", "must start at 0, got " + std::to_string(cu[0]));
-  if (kind == kCuEnd)
-    return bad("cu_seqlens_q", "must end at Tq = " + std::to_string(c.Tq) + ", got " + std::to_string(cu[c.nseq]));
-  if (kind == kCuDecrease)
-    return bad("cu_seqlens_q", "must be non-decreasing, but cu_seqlens_q[" + std::to_string(index) + "] = " +
-                                   std::to_string(cu[index]) + " < cu_seqlens_q[" + std::to_string(index - 1) +
-                                   "] = " + std::to_string(cu[index - 1]));
+  if (kind <= kCuEnd) return offsets_error(fn, "cu_seqlens_q", "Tq", kind, index, cu, c.Tq);
   if (kind == kLenShort || kind == kLenLong || kind == kQLen) {
     int32_t len = 0;
     MSA_TRY(read(fn, &len, c.lens + index, 1, stream));
