@@ -311,9 +311,9 @@ Status main_qkv(Check& c, const TensorRef& q, const TensorRef& k, const TensorRe
   return c.shape("v", v, {prob->T, prob->Hkv, prob->D}, "[T, Hkv, D]");
 }
 
-// Index tensors q_idx, k_idx: fills Hi, Hik, Di (and T, dtype when `standalone`).
-Status index_qk(Check& c, const TensorRef& qi, const TensorRef& ki, bool standalone,
-                Problem* prob) {
+// q_idx [T, Hi, Di] (`shape` names it): fills Hi, Di (and T, dtype when `standalone`: a call
+// without q); Hi must match a block_idx already read.
+Status index_queries(Check& c, const TensorRef& qi, bool standalone, const char* shape, Problem* prob) {
   MSA_TRY(c.tensor("q_idx", qi, 3, false));
   if (standalone) {
     MSA_TRY(c.float_dtype("q_idx", qi));
@@ -321,7 +321,7 @@ Status index_qk(Check& c, const TensorRef& qi, const TensorRef& ki, bool standal
     prob->dtype = qi.dtype;
   } else {
     MSA_TRY(c.dtype("q_idx", qi, prob->dtype));
-    MSA_TRY(c.shape("q_idx", qi, {prob->T, -1, -1}, "[T, Hi, Di]"));
+    MSA_TRY(c.shape("q_idx", qi, {prob->T, -1, -1}, shape));
   }
   MSA_TRY(check_head_dim(c, "q_idx", qi.shape[1], "the index head count Hi (dim 1)"));
   MSA_TRY(check_head_dim(c, "q_idx", qi.shape[2], "the index head dim Di (dim 2)"));
@@ -331,6 +331,13 @@ Status index_qk(Check& c, const TensorRef& qi, const TensorRef& ki, bool standal
                                std::to_string(prob->Hi));
   prob->Hi = Hi;
   prob->Di = static_cast<int32_t>(qi.shape[2]);
+  return Status::Ok();
+}
+
+// Index tensors q_idx, k_idx: fills Hi, Hik, Di (and T, dtype when `standalone`).
+Status index_qk(Check& c, const TensorRef& qi, const TensorRef& ki, bool standalone,
+                Problem* prob) {
+  MSA_TRY(index_queries(c, qi, standalone, "[T, Hi, Di]", prob));
   MSA_TRY(c.tensor("k_idx", ki, 3, false));
   MSA_TRY(c.dtype("k_idx", ki, qi.dtype));
   MSA_TRY(c.shape("k_idx", ki, {prob->T, -1, prob->Di}, "[T, Hik, Di]"));
@@ -520,23 +527,7 @@ Status page_tensor(Check& c, const char* arg, const TensorRef& t, DType dt, int6
 // Fills Hi, Hik, Di (and T, dtype when `standalone`: paged_select_blocks has no q).
 Status paged_index(Check& c, const TensorRef& qi, const TensorRef& kc, bool standalone, int64_t* pages,
                    Problem* prob) {
-  MSA_TRY(c.tensor("q_idx", qi, 3, false));
-  if (standalone) {
-    MSA_TRY(c.float_dtype("q_idx", qi));
-    prob->T = qi.shape[0];
-    prob->dtype = qi.dtype;
-  } else {
-    MSA_TRY(c.dtype("q_idx", qi, prob->dtype));
-    MSA_TRY(c.shape("q_idx", qi, {prob->T, -1, -1}, "[Tq, Hi, Di]"));
-  }
-  MSA_TRY(check_head_dim(c, "q_idx", qi.shape[1], "the index head count Hi (dim 1)"));
-  MSA_TRY(check_head_dim(c, "q_idx", qi.shape[2], "the index head dim Di (dim 2)"));
-  const int32_t Hi = static_cast<int32_t>(qi.shape[1]);
-  if (prob->Hi != 0 && prob->Hi != Hi)
-    return c.fail("q_idx", "Hi = " + std::to_string(Hi) + " does not match block_idx's Hi = " +
-                               std::to_string(prob->Hi));
-  prob->Hi = Hi;
-  prob->Di = static_cast<int32_t>(qi.shape[2]);
+  MSA_TRY(index_queries(c, qi, standalone, "[Tq, Hi, Di]", prob));
   MSA_TRY(page_tensor(c, "cache.k_idx", kc, qi.dtype, *pages, prob->opts.block_size, -1, prob->Di,
                       "[pages, Bk, Hik, Di]", false));
   *pages = kc.shape[0];
