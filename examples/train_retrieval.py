@@ -148,13 +148,14 @@ class Model(nn.Module):
 
 @torch.no_grad()
 def recall(model: Model, x: Tensor, ans_pos: Tensor, value_pos: Tensor):
-    """(teacher mass in the selected blocks, share of (layer, answer) where the ANS token's
+    """(teacher mass in the selected blocks, the same mass for a uniform teacher (chance: the
+    selected share of each row's causal keys), share of (layer, answer) where the ANS token's
     selection holds the block of the answer's value), over the layers of `model` on (at most two
     of) sequences x [B, L]."""
     x, value_pos = x[:2], value_pos[:2]
     B, L = x.shape
     h = model.emb(x)
-    mass, hit = [], []
+    mass, chance, hit = [], [], []
     cu = torch.arange(B + 1, device=x.device, dtype=torch.int32) * L
     for b in model.blocks:
         a = b.attn
@@ -173,6 +174,10 @@ def recall(model: Model, x: Tensor, ans_pos: Tensor, value_pos: Tensor):
         sel = bi.view(B, L, a.n_idx_heads, -1).long().permute(0, 2, 1, 3)  # [B, Hi, L, k]
         kept = pi.gather(-1, sel.clamp(min=0)) * (sel >= 0)
         mass.append(float(kept.sum(-1).mean()))
+        pos = torch.arange(L, device=x.device)
+        keys = ((sel >= 0) * (torch.clamp((pos[:, None] + 1) - sel.clamp(min=0) * a.block_size, 0,
+                                          a.block_size))).sum(-1)  # selected causal keys per row
+        chance.append(float((keys / (pos + 1)).mean()))
         del s, pi
         qsel = sel[:, :, ans_pos, :]  # the answering tokens' selections [B, Hi, queries, k]
         vb = (value_pos // a.block_size)[:, None, :, None]
@@ -180,7 +185,7 @@ def recall(model: Model, x: Tensor, ans_pos: Tensor, value_pos: Tensor):
         a_out, _ = a(hn.view(B, L, -1))
         h = h + a_out
         h = h + b.mlp(b.n2(h))
-    return sum(mass) / len(mass), sum(hit) / len(hit)
+    return sum(mass) / len(mass), sum(chance) / len(chance), sum(hit) / len(hit)
 
 
 def evaluate(model: Model, data, kind: str, mode: str):
@@ -196,7 +201,8 @@ def evaluate(model: Model, data, kind: str, mode: str):
                acc=float((logits.argmax(-1) == target).float().mean()),
                kl=float(aux) / (len(model.blocks) * model.blocks[0].attn.kl_weight or 1.0))
     if kind == "msa":
-        row["recall_mass"], row["recall_answer"] = recall(model, x, ans_pos, value_pos)
+        row["recall_mass"], row["recall_chance"], row["recall_answer"] = recall(model, x, ans_pos,
+                                                                                value_pos)
     return row
 
 
@@ -374,8 +380,9 @@ def main(argv=None) -> int:
         args.seq_len, args.batch, args.eval_batch, args.vocab, args.pairs, args.queries = 96, 4, 8, 64, 4, 3
         args.d_model, args.layers, args.heads, args.kv_heads = 32, 2, 4, 2
         args.block_size, args.top_k, args.lr = 8, 4, 3e-3
-        args.steps, args.warmup_steps, args.eval_every = 24, 12, 12
+        args.steps, args.warmup_steps, args.eval_every = 36, 24, 12
         args.curriculum = [(48, 6)]
+        args.lr_warmup = 4
     result = run(args)
     if args.out:
         write_report(args.out, result)
