@@ -271,8 +271,15 @@ def _worker(rank, world, store_path, argv):
                             world_size=world, timeout=datetime.timedelta(seconds=args.timeout))
     try:
         run(args)
+        dist.barrier()  # every rank is past its last collective before any tears gloo down
     finally:
         dist.destroy_process_group()
+    # A spawned gloo worker sometimes aborts in the interpreter's teardown ("terminate called
+    # without an active exception", after every rank has finished and the group is destroyed):
+    # once its work is done and flushed, the worker leaves without that teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def parse_args(argv=None):
