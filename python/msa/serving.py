@@ -84,6 +84,19 @@ def _(q_idx, cu_seqlens_q, k_idx_cache, page_table, seq_lens, max_q_len, top_k, 
     return q_idx.new_empty((q_idx.shape[0], q_idx.shape[1], top_k), dtype=torch.int32)
 
 
+def _run_paged_forward(q, cu_seqlens_q, k_cache, v_cache, k_idx_cache, page_table, seq_lens,
+                       q_idx, block_idx, out, lse, max_q_len, dense, sel, block_size, top_k,
+                       sink_blocks, local_blocks, scale, scale_idx, **launch):
+    """The binding's paged_forward into out / lse (and block_idx when ``sel``); ``launch``:
+    msa._ops._launch's check_values and workspace."""
+    _launch(_C.paged_forward, q.device, _lc(q), _lc(cu_seqlens_q), _lc(k_cache), _lc(v_cache),
+            _lc(k_idx_cache) if sel else None, _lc(page_table), _lc(seq_lens), block_idx, sel,
+            _lc(q_idx) if sel else None, out, lse, max_q_len=max_q_len,
+            mode=_ops._MODE_DENSE if dense else _ops._MODE_SPARSE, block_size=block_size,
+            top_k=top_k, sink_blocks=sink_blocks, local_blocks=local_blocks, scale=scale,
+            scale_idx=scale_idx, **launch)
+
+
 @torch.library.custom_op("msa::paged_forward", mutates_args=())
 def _paged_forward_op(
     q: Tensor,
@@ -127,12 +140,9 @@ def _paged_forward_op(
                              "is not set")
     out = torch.empty(q.shape, dtype=q.dtype, device=dev)
     lse = torch.empty((Tq, Hq), dtype=torch.float32, device=dev)
-    _launch(_C.paged_forward, dev, _lc(q), _lc(cu_seqlens_q), _lc(k_cache), _lc(v_cache),
-            _lc(k_idx_cache) if sel else None, _lc(page_table), _lc(seq_lens), bi, sel,
-            _lc(q_idx) if sel else None, out, lse, max_q_len=max_q_len,
-            mode=_ops._MODE_DENSE if dense else _ops._MODE_SPARSE, block_size=block_size,
-            top_k=top_k, sink_blocks=sink_blocks, local_blocks=local_blocks, scale=scale,
-            scale_idx=scale_idx)
+    _run_paged_forward(q, cu_seqlens_q, k_cache, v_cache, k_idx_cache, page_table, seq_lens,
+                       q_idx, bi, out, lse, max_q_len, dense, sel, block_size, top_k,
+                       sink_blocks, local_blocks, scale, scale_idx)
     return out, lse, bi_out
 
 
@@ -179,13 +189,10 @@ def _paged_forward_into_op(
     ``select``, ``block_idx`` are written; ``workspace`` (uint8, at least the planned size) is
     the call's whole device workspace, so nothing is allocated."""
     sel = (not dense) and select
-    _launch(_C.paged_forward, q.device, _lc(q), _lc(cu_seqlens_q), _lc(k_cache), _lc(v_cache),
-            _lc(k_idx_cache) if sel else None, _lc(page_table), _lc(seq_lens),
-            None if dense else block_idx, sel, _lc(q_idx) if sel else None, out, lse,
-            check_values=check_values, workspace=workspace, max_q_len=max_q_len,
-            mode=_ops._MODE_DENSE if dense else _ops._MODE_SPARSE, block_size=block_size,
-            top_k=top_k, sink_blocks=sink_blocks, local_blocks=local_blocks, scale=scale,
-            scale_idx=scale_idx)
+    _run_paged_forward(q, cu_seqlens_q, k_cache, v_cache, k_idx_cache, page_table, seq_lens,
+                       q_idx, None if dense else block_idx, out, lse, max_q_len, dense, sel,
+                       block_size, top_k, sink_blocks, local_blocks, scale, scale_idx,
+                       check_values=check_values, workspace=workspace)
 
 
 @_paged_forward_into_op.register_fake
