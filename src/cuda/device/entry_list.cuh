@@ -180,25 +180,45 @@ __device__ inline bool kv_chunk(const Params& p, WorkItem* it, QueryTile* tile, 
 // is copied in the group of entry n - kLead, which has landed when entry n's rows are issued.
 // The ring holds the record of every entry from the one before the entry being computed (the
 // KL branch finishes an entry one entry late) to the last one in flight.
-template <int kStages>
+//
+// kSyncThreads = 0: the whole CTA shares the stream (its syncs are __syncthreads). Otherwise the
+// kSyncThreads threads of one group (a warpgroup) own it: tid is the thread's index in the group
+// and `bar` the named barrier the group syncs on, so that groups run their streams independently.
+template <int kStages, int kSyncThreads = 0>
 struct EntryStream {
   static constexpr int kLead = kStages - 1;
   static constexpr int kRing = 2 * kStages;
   int64_t begin, end, next;
   EntryRecord* ring;
+  int tid;
+  uint32_t bar;
 
-  // The records of the first kLead entries, landed and visible to the CTA. Every thread of the
-  // CTA constructs the stream.
+  // The records of the first kLead entries, landed and visible to the group. Every thread of the
+  // group constructs the stream.
   __device__ EntryStream(const EntryList& list, const EntryListParams& lp, int64_t begin_,
-                         int64_t end_, EntryRecord* ring_)
-      : begin(begin_), end(end_), next(begin_), ring(ring_) {
-    const int tid = threadIdx.x;
+                         int64_t end_, EntryRecord* ring_, int tid_ = threadIdx.x, uint32_t bar_ = 0)
+      : begin(begin_), end(end_), next(begin_), ring(ring_), tid(tid_), bar(bar_) {
     for (int64_t e = begin; e < begin + kLead && e < end; ++e)
-      list.issue_record(lp, e, &ring[slot(e)], tid);
+      list.issue_record(lp, e, &ring[slot(e)], thread());
     cp_async_commit();
     cp_async_wait_all();
     cutlass::arch::fence_view_async_shared();
-    __syncthreads();
+    sync();
+  }
+
+  // The thread's index in the group (the CTA's streams read threadIdx.x afresh).
+  __device__ int thread() const {
+    if constexpr (kSyncThreads == 0)
+      return threadIdx.x;
+    else
+      return tid;
+  }
+
+  __device__ void sync() const {
+    if constexpr (kSyncThreads == 0)
+      __syncthreads();
+    else
+      cutlass::arch::NamedBarrier::sync(kSyncThreads, bar);
   }
 
   __device__ int stage(int64_t e) const { return static_cast<int>((e - begin) % kStages); }
@@ -215,13 +235,13 @@ struct EntryStream {
   __device__ void wait() const {
     cp_async_wait<kStages - 2>();
     cutlass::arch::fence_view_async_shared();
-    __syncthreads();
+    sync();
   }
 
   template <class Issue>
   __device__ void issue_next(const EntryList& list, const EntryListParams& lp, Issue&& issue) {
     if (next < end) issue(ring[slot(next)], stage(next));
-    if (next + kLead < end) list.issue_record(lp, next + kLead, &ring[slot(next + kLead)], threadIdx.x);
+    if (next + kLead < end) list.issue_record(lp, next + kLead, &ring[slot(next + kLead)], thread());
     cp_async_commit();
     ++next;
   }
