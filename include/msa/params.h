@@ -29,8 +29,10 @@ enum class KlPass : int32_t { kAuto = 0, kFused = 1, kSeparate = 2 };
 // visits the union of its tokens' selections (fastest when neighbouring tokens select alike).
 // kKvBlock: each KV block visits the tokens that selected it, writing partial outputs that a
 // second kernel combines (its cost does not grow with the union; it needs workspace for the
-// partials of `fwd_chunk_tokens` tokens at a time). kAuto: the backend's choice (CUDA today:
-// kQueryTile). The CPU backend has one implementation and accepts every value.
+// partials of `fwd_chunk_tokens` tokens at a time). kAuto: the backend's choice (CUDA: both passes
+// are launched and the device runs the one its cost model picks from the selection, with no host
+// sync, when the call's workspace holds the KV-block plan; the query tile otherwise). The CPU
+// backend has one implementation and accepts every value.
 enum class FwdPass : int32_t { kAuto = 0, kQueryTile = 1, kKvBlock = 2 };
 
 struct Options {

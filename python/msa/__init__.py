@@ -213,7 +213,8 @@ def sparse_attention(
             "fused" (inside the KV-side pass of the CUDA backward, or NotImplementedError where
             it cannot be) or "separate" (a pass of its own). Results agree to rounding; the CPU
             backend has one implementation.
-        fwd_pass: how the sparse forward walks its work: "auto" (the backend's choice),
+        fwd_pass: how the sparse forward walks its work: "auto" (the backend's choice; CUDA:
+            the device picks one of the two below from the selection, no host sync),
             "query_tile" (a tile of query rows visits the union of its tokens' selections:
             fastest when neighbouring tokens select alike) or "kv_block" (each KV block visits
             the tokens that selected it and a second kernel combines the partial outputs: its

@@ -1386,6 +1386,68 @@ TEST(Cuda, KlPassOption) {
 }
 
 
+// Options.fwd_pass = kAuto launches both forward passes and the device runs one (the sums of
+// device/pass_choice.cuh): on a selection where the tokens of a query tile agree it must give the
+// query-tile pass's bits, on one where they share little the KV-block pass's (the two passes
+// round differently, which the test checks first, so that it can tell them apart); and without
+// room for the KV-block plan in the workspace, kAuto runs the query tiles.
+TEST(Cuda, AutoPassRunsTheChosenPass) {
+  SKIP_WITHOUT_CUDA();
+  const Config c = shape({4096, 2000}, 16, 2, 128, 2, 1, 128, 128, 4, kBf16, 43);
+  if (!kernels_built(c, true, false)) GTEST_SKIP() << "kernel variant not built into this library";
+  SmallCall s(c);
+  const int64_t T = s.p.T;
+  // agree: own block, the one before, the sink, the block halfway (the same for a tile's tokens);
+  // scattered: own block and three others drawn per token.
+  HostTensor agree(DType::kInt32, {T, c.Hi, c.k}), scattered(DType::kInt32, {T, c.Hi, c.k});
+  std::mt19937_64 rng(9);
+  for (size_t sq = 0; sq + 1 < s.p.offsets.size(); ++sq) {
+    for (int64_t t = s.p.offsets[sq]; t < s.p.offsets[sq + 1]; ++t) {
+      const int32_t own = static_cast<int32_t>((t - s.p.offsets[sq]) / c.Bk);
+      for (int i = 0; i < c.Hi; ++i) {
+        std::vector<int32_t> a{own, own - 1, 0, own / 2}, b{own};
+        std::uniform_int_distribution<int32_t> u(0, std::max(own - 1, 0));
+        while (static_cast<int>(b.size()) < c.k && static_cast<int>(b.size()) <= own)
+          if (const int32_t x = u(rng); std::find(b.begin(), b.end(), x) == b.end()) b.push_back(x);
+        for (int j = 0; j < c.k; ++j) {
+          const int32_t va = a[j] >= 0 && std::find(a.begin(), a.begin() + j, a[j]) == a.begin() + j ? a[j] : -1;
+          agree.set((t * c.Hi + i) * c.k + j, va);
+          scattered.set((t * c.Hi + i) * c.k + j, j < static_cast<int>(b.size()) ? b[j] : -1);
+        }
+      }
+    }
+  }
+  auto run = [&](HostTensor& sel, msa::FwdPass pass, bool room) {
+    s.bi = DeviceTensor::upload(sel, nullptr);
+    DeviceTensor out = DeviceTensor::poisoned(kBf16, {T, c.Hq, c.D}, nullptr);
+    DeviceTensor lse = DeviceTensor::poisoned(DType::kFloat32, {T, c.Hq}, nullptr);
+    msa::ForwardParams f = s.forward();
+    f.out = out.ref();
+    f.lse = lse.ref();
+    f.opts.fwd_pass = pass;
+    const size_t need = msa::workspace_size(f);
+    DeviceTensor ws(DType::kInt32, {static_cast<int64_t>((need + 3) / 4) + 1});
+    f.launch.workspace = ws.ref().data;
+    f.launch.workspace_bytes = room ? need : 0;
+    if (!room) f.launch.workspace = nullptr;
+    require_ok(msa::forward(f));
+    return std::pair{out.download(nullptr), lse.download(nullptr)};
+  };
+  for (auto [sel, kv, name] : {std::tuple{&agree, false, "agreeing tiles"},
+                                      std::tuple{&scattered, true, "scattered selections"}}) {
+    const auto tile = run(*sel, msa::FwdPass::kQueryTile, true);
+    const auto block = run(*sel, msa::FwdPass::kKvBlock, true);
+    ASSERT_FALSE(tile.first.bitwise_equal(block.first)) << name << ": the passes cannot be told apart";
+    const auto chosen = run(*sel, msa::FwdPass::kAuto, true);
+    const auto& want = kv ? block : tile;
+    EXPECT_TRUE(chosen.first.bitwise_equal(want.first)) << name << ": kAuto's out is not the "
+                                                        << (kv ? "KV-block" : "query-tile") << " pass's";
+    EXPECT_TRUE(chosen.second.bitwise_equal(want.second)) << name << ": kAuto's lse";
+    const auto no_room = run(*sel, msa::FwdPass::kAuto, false);
+    EXPECT_TRUE(no_room.first.bitwise_equal(tile.first)) << name << ": kAuto without workspace";
+  }
+}
+
 // ---- serving over a paged cache (docs/contract.md §6) -------------------------------------------
 //
 // The same batches as the CPU tests (paged_cases.h: shuffled page tables, NaN in every page row

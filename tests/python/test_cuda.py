@@ -321,11 +321,12 @@ def test_select_blocks_scale_does_not_change_ranking():
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fwd_pass", ["auto", "kv_block"])
+@pytest.mark.parametrize("fwd_pass", ["auto", "query_tile", "kv_block"])
 @pytest.mark.parametrize("case", ATTN_CASES, ids=ATTN_IDS)
 @skip_unbuilt
 def test_forward_given_block_idx(case, fwd_pass):
-    """fwd_pass "kv_block": partial outputs per KV block, then their combine."""
+    """Every forward pass: the query tile, the KV block (partial outputs per KV block, then their
+    combine) and the device's choice between them."""
     _, lengths, Hq, Hkv, Hi, Hik, D, Bk, top_k, dtype = case
     T = sum(lengths)
     q, k, v = rand(T, Hq, D, dtype=dtype), rand(T, Hkv, D, dtype=dtype), rand(T, Hkv, D, dtype=dtype)
@@ -635,6 +636,56 @@ def test_cuda_graph_capture_and_replay():
         torch.cuda.synchronize()
         for i, (a, b) in enumerate(zip(captured, want)):
             assert torch.equal(a, b), f"graph replay output {i} differs from the eager call"
+
+
+def _agreeing_block_idx(lengths, Hi, k, Bk):
+    """Every token of a block selects the same blocks: its own, the one before, the first and
+    the one halfway (repeats as -1)."""
+    own = positions(lengths) // Bk
+    cand = torch.stack([own, own - 1, torch.zeros_like(own), own // 2], dim=-1)[:, :k]
+    for j in range(1, cand.shape[-1]):
+        cand[:, j] = torch.where((cand[:, :j] == cand[:, j:j + 1]).any(-1), -1, cand[:, j])
+    cand = torch.where(cand < 0, -1, cand)
+    if cand.shape[-1] < k:
+        cand = torch.cat([cand, cand.new_full((cand.shape[0], k - cand.shape[-1]), -1)], -1)
+    return cand[:, None, :].expand(-1, Hi, -1).to(torch.int32).contiguous()
+
+
+@cuda_only
+@skip_unbuilt
+def test_auto_forward_pass_follows_the_selection_under_graph_replay():
+    """fwd_pass="auto" picks its pass on the device: a captured graph replayed with a selection
+    whose tiles agree gives the query-tile pass's bits, and replayed with a scattered one the
+    KV-block pass's, with no host sync in between."""
+    lengths, Hq, Hkv, Hi, D, Bk, k = [4096, 2000], 16, 2, 2, 128, 128, 4
+    dtype = torch.bfloat16
+    T = sum(lengths)
+    cu = cu_of(lengths)
+    q, kk, v = rand(T, Hq, D, dtype=dtype), rand(T, Hkv, D, dtype=dtype), rand(T, Hkv, D, dtype=dtype)
+    agree = _agreeing_block_idx(lengths, Hi, k, Bk)
+    scattered = random_block_idx(lengths, Hi, k, Bk)
+
+    def fwd(bi, fwd_pass):
+        return msa.sparse_attention(q, kk, v, None, None, block_idx=bi, block_size=Bk, cu_seqlens=cu,
+                                    kl_value=False, fwd_pass=fwd_pass)[0]
+
+    static = agree.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fwd(static, "auto")
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        captured = fwd(static, "auto")
+    for bi, ran in ((scattered, "kv_block"), (agree, "query_tile"), (scattered, "kv_block")):
+        static.copy_(bi)
+        g.replay()
+        tile, block = fwd(bi, "query_tile"), fwd(bi, "kv_block")
+        torch.cuda.synchronize()
+        assert not torch.equal(tile, block), "the two passes cannot be told apart"
+        assert torch.equal(captured, tile if ran == "query_tile" else block), \
+            f"the replay did not run the {ran} pass"
 
 
 @skip_unbuilt

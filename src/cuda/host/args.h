@@ -62,6 +62,9 @@ struct FwdArgs : QueryTileArgs {
   float scale_log2 = 0.f;  // |scale| * log2(e)
   bool negate = false;     // the scale is negative: Q is negated on load and |scale| used
   bool lse_only = false;   // LSE only: no V, no out
+  // Options.fwd_pass = kAuto with the KV-block pass planned: the sums of pass_choice_kernel
+  // (kernels/fwd_kv_kernel.cuh); the kernel does nothing where they choose the KV-block pass.
+  const unsigned long long* choice = nullptr;
 };
 
 // Index selection (kernels/select_kernel.cuh).
@@ -131,7 +134,7 @@ struct FwdKvArgs : KvSideArgs {
   const int32_t* block_idx = nullptr;  // [T, Hi, k]
   int64_t bi_s0 = 0, bi_s1 = 0;
   void* part_o = nullptr;    // [tok_hi - tok_lo, Hq, k, D] element type: unnormalised O per slot
-  float* part_ml = nullptr;  // [tok_hi - tok_lo, Hq, k, 2]: max (log2 units) and sum per slot
+  float* part_ml = nullptr;  // [tok_hi - tok_lo, Hq, k, 2]: max (log2 units) and sum per slot (sum 0: no partial)
   void* out = nullptr;
   int64_t o_s0 = 0, o_s1 = 0;
   float* lse = nullptr;
@@ -139,6 +142,8 @@ struct FwdKvArgs : KvSideArgs {
   int64_t tok_lo = 0, tok_hi = 0;
   int32_t top_k = 0, block_size = 0;
   float scale_log2 = 0.f;  // signed
+  // kAuto: pass_choice_kernel's sums; the KV-block kernels do nothing unless they choose it.
+  const unsigned long long* choice = nullptr;
 };
 
 // The KL branch as a pass of its own (kernels/kl_kernel.cuh): the gradient sums and/or the

@@ -6,6 +6,7 @@
 #include <algorithm>
 
 #include "../backend.h"
+#include "../kernels/pass_choice_kernel.cuh"
 #include "check_values.h"
 #include "common.h"
 #include "launch.h"
@@ -27,15 +28,18 @@ Status run_select(const char* fn, const Problem& prob, const SelectArgs& a, DTyp
 // The KV-block forward (Options.fwd_pass = kKvBlock) over the caller's or the just-made
 // selection, in passes of pl.fwd_tokens tokens: the reverse index of the pass's rows, its work
 // list, the partials and their combine.
+// choice: kAuto's sums (the pass's kernels do nothing where they choose the query tiles).
 Status run_forward_kv(const char* fn, const Problem& prob, const ForwardParams& p, const Plan& pl,
-                      cudaStream_t stream) {
+                      const unsigned long long* choice, cudaStream_t stream) {
   void* ws = p.launch.workspace;
   FwdKvArgs a = fwd_kv_args(prob, p);
   a.part_o = at<void>(ws, pl.part_o);
   a.part_ml = at<float>(ws, pl.part_ml);
+  a.choice = choice;
   for (int64_t c0 = 0; c0 < prob.T; c0 += pl.fwd_tokens) {
     const int64_t c1 = std::min<int64_t>(prob.T, c0 + pl.fwd_tokens);
-    MSA_TRY(build_entries(fn, pl, prob, p.block_idx, a.cu_seqlens, a.nseq, c0, c1, ws, stream, &a.list));
+    MSA_TRY(build_entries(fn, pl, prob, p.block_idx, a.cu_seqlens, a.nseq, c0, c1, ws, stream, &a.list,
+                          choice));
     MSA_TRY(build_work(fn, pl, pl.kv, prob, a.list, a.cu_seqlens, a.nseq, ws, stream, &a.work, &a.grid));
     a.tok_lo = c0;
     a.tok_hi = c1;
@@ -44,6 +48,28 @@ Status run_forward_kv(const char* fn, const Problem& prob, const ForwardParams& 
       return launch_fwd_kv<typename V::Element, V::kDim, V::kBlockN>(a, stream);
     }));
   }
+  return Status::Ok();
+}
+
+// kAuto: the sums that choose the pass (device/pass_choice.cuh), zeroed then summed over the
+// query tiles of `a` into the plan's workspace; returns them through *sums.
+Status choose_pass(const char* fn, const Problem& prob, const FwdArgs& a, const Plan& pl, void* ws,
+                   cudaStream_t stream, const unsigned long long** sums) {
+  auto* s = at<unsigned long long>(ws, pl.choice);
+  cudaError_t e = cudaMemsetAsync(s, 0, 2 * sizeof(unsigned long long), stream);
+  if (e != cudaSuccess) return cuda_error(fn, e);
+  const size_t bitmap = 4 * size_t(std::max(a.uni.bitmap_words, 1));
+  const int warps = static_cast<int>(std::clamp<size_t>((96 << 10) / bitmap, 1, 8));
+  const size_t smem = warps * bitmap;
+  e = cudaFuncSetAttribute(kern::pass_choice_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(smem));
+  if (e != cudaSuccess) return cuda_error(fn, e);
+  const int64_t n = a.num_tiles * a.Hi;
+  const unsigned blocks = static_cast<unsigned>((n + warps - 1) / warps);
+  kern::pass_choice_kernel<<<blocks, 32 * warps, smem, stream>>>(a, prob.opts.block_size, s);
+  e = cudaGetLastError();
+  if (e != cudaSuccess) return cuda_error(fn, e);
+  *sums = s;
   return Status::Ok();
 }
 
@@ -93,9 +119,13 @@ Status attention_forward(const Problem& prob, const ForwardParams& p) {
   MSA_TRY(can_forward(fn, prob, p));
   const bool kv_block = kv_block_forward(prob);
   Plan kvp;
+  bool auto_kv = false;  // kAuto: both passes launched, the device picks one
   if (kv_block) {
     MSA_TRY(fwd_kv_plan(fn, prob, num_seqs(p.cu_seqlens), &kvp));
     MSA_TRY(need_workspace(fn, kvp, p.launch));
+  } else if (auto_forward(prob) && fwd_kv_plan(fn, prob, num_seqs(p.cu_seqlens), &kvp).ok()) {
+    // Without room for the KV-block plan, kAuto runs the query tiles.
+    auto_kv = p.launch.workspace != nullptr && p.launch.workspace_bytes >= kvp.total;
   }
   if (p.kl.defined()) {
     Plan pl;
@@ -112,10 +142,16 @@ Status attention_forward(const Problem& prob, const ForwardParams& p) {
       const SelectArgs sa = select_args(prob, p.q_idx, p.k_idx, p.cu_seqlens, p.block_idx);
       MSA_TRY(run_select(fn, prob, sa, p.q_idx.dtype, stream));
     }
-    if (kv_block)
-      MSA_TRY(run_forward_kv(fn, prob, p, kvp, stream));
-    else
+    if (kv_block) {
+      MSA_TRY(run_forward_kv(fn, prob, p, kvp, nullptr, stream));
+    } else if (auto_kv) {
+      FwdArgs a = forward_args(prob, p);
+      MSA_TRY(choose_pass(fn, prob, a, kvp, p.launch.workspace, stream, &a.choice));
+      MSA_TRY(run_forward(fn, "q", a, p.q.dtype, prob.D, prob.opts.block_size, stream));
+      MSA_TRY(run_forward_kv(fn, prob, p, kvp, a.choice, stream));
+    } else {
       MSA_TRY(run_forward(fn, "q", forward_args(prob, p), p.q.dtype, prob.D, prob.opts.block_size, stream));
+    }
   }
   if (!p.kl.defined()) return Status::Ok();
   KlParams kp = detail::kl_params_of(p);
@@ -127,7 +163,8 @@ size_t forward_workspace(const Problem& prob, const ForwardParams& p) {
   // The KV-block forward and the KL value run one after the other: the larger plan.
   size_t bytes = 0;
   Plan pl;
-  if (kv_block_forward(prob) && fwd_kv_plan("forward", prob, num_seqs(p.cu_seqlens), &pl).ok())
+  if ((kv_block_forward(prob) || auto_forward(prob)) &&
+      fwd_kv_plan("forward", prob, num_seqs(p.cu_seqlens), &pl).ok())
     bytes = pl.total;
   if (p.kl.defined() &&
       kl_plan("forward", prob, {p.q, p.k, p.lse, p.q_idx, p.k_idx, p.cu_seqlens, p.block_idx}, &pl).ok())

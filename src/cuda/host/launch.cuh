@@ -2,6 +2,7 @@
 // TMA descriptors) and launches it. Included by the generated instantiation sources only.
 #pragma once
 
+#include <algorithm>
 #include <string>
 
 #include "../kernels/bwd_kv_kernel.cuh"
@@ -13,6 +14,7 @@
 #include "../kernels/paged_score_kernel.cuh"
 #include "../kernels/select_kernel.cuh"
 #include "../../core/status.h"
+#include "common.h"
 #include "launch.h"
 
 namespace msa::cuda {
@@ -132,13 +134,18 @@ Status launch_bwd_kv(const BwdKvArgs& a, cudaStream_t stream) {
 template <class Element, int kHeadDim, int kBlockN>
 Status launch_fwd_kv(const FwdKvArgs& a, cudaStream_t stream) {
   using Traits = kern::FwdKvTraits<Element, kHeadDim, kBlockN>;
+  const int64_t pairs = (a.tok_hi - a.tok_lo) * a.Hq;
+  if (pairs == 0) return Status::Ok();
+  // The zeroing and the combine: grid-stride loops over a bounded grid (they return at once
+  // where kAuto chose the query tiles).
+  const auto grid = [](int64_t threads) {
+    return static_cast<unsigned>(std::min<int64_t>((threads + 255) / 256, int64_t(num_sms()) * 128));
+  };
+  kern::fwd_zero_kernel<Element><<<grid(pairs * a.top_k / 2 + 1), 256, 0, stream>>>(a);
   const Status st = detail::launch_kv_side<Traits, kern::FwdKvParams<Traits>>(
       "forward", kern::fwd_kv_kernel<Traits>, a, stream);
   if (!st.ok()) return st;
-  const int64_t warps = (a.tok_hi - a.tok_lo) * a.Hq;
-  const int64_t blocks = (warps * 32 + 255) / 256;
-  if (blocks == 0) return Status::Ok();
-  kern::fwd_combine_kernel<Element, kHeadDim><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(a);
+  kern::fwd_combine_kernel<Element, kHeadDim><<<grid(pairs * (kHeadDim / 8)), 256, 0, stream>>>(a);
   const cudaError_t e = cudaGetLastError();
   return e == cudaSuccess ? Status::Ok() : detail::launch_error("forward", e);
 }

@@ -117,6 +117,11 @@ bool kv_block_forward(const Problem& prob) {
   return prob.opts.mode == Mode::kSparse && prob.opts.fwd_pass == FwdPass::kKvBlock;
 }
 
+bool auto_forward(const Problem& prob) {
+  return prob.opts.mode == Mode::kSparse && prob.opts.fwd_pass == FwdPass::kAuto && prob.T > 0 &&
+         can_fwd_kv("forward", prob).ok();
+}
+
 Status can_fwd_kv(const char* fn, const Problem& prob) {
   const int32_t gi = prob.Hq / prob.Hi;
   if (gi > kBlockC)
@@ -470,6 +475,7 @@ Status make_plan(const char* fn, const Problem& prob, int32_t nseq, bool sparse,
     const size_t slots = size_t(fwd_tokens) * prob.Hq * size_t(prob.k);
     p.part_o = take(2 * slots * prob.D);
     p.part_ml = take(8 * slots);
+    p.choice = take(2 * sizeof(unsigned long long));
   }
   if (kl) {
     p.lse_idx = take(sizeof(float) * size_t(prob.T) * prob.Hi);

@@ -33,6 +33,9 @@ Status can_kl(const char* fn, const Problem& prob, const KlInputs& in);
 // Whether the sparse forward walks KV blocks (Options.fwd_pass; kAuto: the query-tile forward),
 // and that kernel's own limits (k <= 32, Hq / Hi <= 64; failures name 'fwd_pass').
 bool kv_block_forward(const Problem& prob);
+// Options.fwd_pass = kAuto in sparse mode where the KV-block pass can run: the pass is chosen on
+// the device (pass_choice_kernel) when the call's workspace holds the KV-block plan.
+bool auto_forward(const Problem& prob);
 Status can_fwd_kv(const char* fn, const Problem& prob);
 // Whether the backward computes the KL gradient inside the KV-side pass (Options.kl_pass; kAuto:
 // when the teacher's head mean is a butterfly over accumulator columns, Hq / Hi a power of two).
@@ -77,6 +80,7 @@ struct Plan {
   Work kv, kl_work;  // kv: bwd_kv's list, or the KV-block forward's
   int64_t fwd_tokens = 0;            // the KV-block forward: tokens per pass
   size_t part_o = 0, part_ml = 0;    // ... and its partial outputs of one pass
+  size_t choice = 0;                 // ... and kAuto's two sums (pass_choice_kernel)
 };
 
 // main: the attention backward (delta, bwd_kv's work list); kl: the KL branch; grad: its

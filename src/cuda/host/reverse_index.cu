@@ -8,6 +8,7 @@
 #include <algorithm>
 
 #include "../device/entry_list.cuh"
+#include "../device/pass_choice.cuh"
 #include "common.h"
 
 namespace msa::cuda {
@@ -20,7 +21,10 @@ namespace {
 __global__ void key_kernel(const int32_t* block_idx, int64_t bi_s0, int64_t bi_s1,
                            const int32_t* cu, int32_t nseq, int64_t T, int64_t t_lo, int64_t t_hi,
                            int32_t Hi, int32_t k, int32_t Bk, int32_t Hkv, int32_t ipk, int tbits,
-                           int sbits, uint64_t invalid, uint64_t* keys) {
+                           int sbits, uint64_t invalid, const unsigned long long* choice,
+                           uint64_t* keys) {
+  // kAuto chose the query-tile forward: no entries (the sort still runs, on invalid keys).
+  const bool none = choice != nullptr && !kern::kv_pass_chosen(choice);
   const int64_t n = (t_hi - t_lo) * Hi * k;
   for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -41,7 +45,7 @@ __global__ void key_kernel(const int32_t* block_idx, int64_t bi_s0, int64_t bi_s
       end = kern::clamp_offset(cu[s + 1], start, T);
     }
     uint64_t key = invalid;
-    if (t >= start && t < end) {
+    if (!none && t >= start && t < end) {
       const int64_t pos = t - start;
       const int32_t b = block_idx[t * bi_s0 + i * bi_s1 + slot];
       if (b >= 0 && b <= pos / Bk) {
@@ -134,7 +138,8 @@ __global__ void chunk_kernel(kern::EntryListParams list, const int32_t* cu, int3
 // returns the entry arguments.
 Status build_entries(const char* fn, const Plan& pl, const Problem& prob, const TensorRef& bi,
                      const int32_t* cu, int32_t nseq, int64_t t_lo, int64_t t_hi, void* ws,
-                     cudaStream_t stream, kern::EntryListParams* out) {
+                     cudaStream_t stream, kern::EntryListParams* out,
+                     const unsigned long long* choice) {
   uint64_t* ka = at<uint64_t>(ws, pl.keys_a);
   uint64_t* kb = at<uint64_t>(ws, pl.keys_b);
   uint8_t* flags = at<uint8_t>(ws, pl.flags);
@@ -149,7 +154,7 @@ Status build_entries(const char* fn, const Plan& pl, const Problem& prob, const 
     key_kernel<<<blocks, threads, 0, stream>>>(
         static_cast<const int32_t*>(bi.data), bi.stride[0], bi.stride[1], cu, nseq, prob.T, t_lo,
         t_hi, prob.Hi, prob.k, prob.opts.block_size, prob.Hkv, ipk, pl.tbits, pl.sbits,
-        pl.invalid, ka);
+        pl.invalid, choice, ka);
   }
   cub::DoubleBuffer<uint64_t> keys(ka, kb);
   size_t bytes = pl.cub_bytes;

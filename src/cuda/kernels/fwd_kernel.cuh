@@ -19,6 +19,7 @@
 #include "../device/kv_producer.cuh"
 #include "../device/load.cuh"
 #include "../device/mask.cuh"
+#include "../device/pass_choice.cuh"
 #include "../device/softmax.cuh"
 #include "../device/tile.cuh"
 #include "../device/utils.cuh"
@@ -78,6 +79,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   using Pipeline = typename Traits::Pipeline;
 
   extern __shared__ __align__(1024) char smem_raw[];
+  if (p.choice != nullptr && kv_pass_chosen(p.choice)) return;  // kAuto chose the KV-block pass
   const QueryTile tile = query_tile(p);
   if (tile.count == 0) return;
   QueryTileStream<Traits> kv(smem_raw, p);

@@ -6,18 +6,23 @@
 //
 // fwd_kv_kernel: one CTA walks one chunk of the entry list of one (KV block, KV head) item
 // (device/entry_list.cuh: records of up to m tokens that selected the block through one index
-// head; an entry's 64 columns are (token, head) pairs). Per entry, with the keys as MMA rows:
-//   S^T = K Q^T                         (SS wgmma, 64 keys per consumer warpgroup),
-//   column max over the block's visible keys (warp shuffles, then shared memory across warps),
-//   P^T = exp2(S^T scale_log2 - max)    (bf16/fp16, to shared memory as a (column, key) tile),
-//   O^T = V^T P^T                       (SS wgmma, the head dim as MMA rows),
-// and writes O^T (unnormalised, element type) and (max, sum) per column to the partial slot of
-// the (token, head, column of the block in the token's block_idx row). Q streams through
-// kStages shared-memory stages with cp.async (EntryStream); every thread issues its share.
+// head; an entry's 64 rows are (token, head) pairs, row = token slot * Gi + head). The block's K
+// and V stay in shared memory for the whole chunk. Per entry, with the entry's rows as MMA rows
+// (as a query tile's rows, so every reduction stays inside a quad of one warp):
+//   S = Q K^T                       (SS wgmma, 64 rows x kBlockN keys),
+//   the row max over the keys the row's token sees, P = exp2(S scale_log2 - max), row sums,
+//   O = P V                         (RS wgmma, P from registers),
+// and writes O (unnormalised, element type) and (max, sum) to the partial slot of (token, head,
+// column of the block in the token's block_idx row).
 //
-// fwd_combine_kernel: one warp per (token, head): the partials of the token's valid, distinct
-// slots in slot order (deterministic), out = sum w_j O_j / sum w_j l_j with
-// w_j = exp2(m_j - max_j m_j), lse = (max + log2 sum) ln 2; no valid slot: out 0, lse -inf.
+// Warp roles: two warpgroups, both consumers; each owns half of the chunk's entries and its own
+// entry stream (kStages shared-memory stages of Q, cp.async issued by its own threads, synced on
+// its own named barrier), so one warpgroup's softmax and stores run while the other's GEMMs do.
+// The only CTA-wide barrier follows the K and V load.
+//
+// fwd_combine_kernel: D / 8 threads per (token, head): the partials of the token's slots that
+// hold one, in slot order (deterministic), out = sum w_j O_j / sum w_j l_j with
+// w_j = exp2(m_j - max_j m_j), lse = (max + log2 sum) ln 2; no partial: out 0, lse -inf.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -26,6 +31,7 @@
 #include "../device/entry_list.cuh"
 #include "../device/kv_side_traits.cuh"
 #include "../device/load.cuh"
+#include "../device/pass_choice.cuh"
 #include "../device/softmax.cuh"
 #include "../device/tile.cuh"
 #include "../device/utils.cuh"
@@ -36,60 +42,57 @@ namespace msa::cuda::kern {
 using cuda::FwdKvArgs;
 
 template <class Element_, int kHeadDim_, int kBlockN_>
-struct FwdKvTraits : KvSideTraits<Element_, kHeadDim_, kBlockN_, 3> {
-  using Base = KvSideTraits<Element_, kHeadDim_, kBlockN_, 3>;
+struct FwdKvTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_, kBlockN = kBlockN_;
-  static constexpr int kBlockC = Base::kBlockC, kStages = Base::kStages;
-  static constexpr int kWarpGroups = Base::kWarpGroups, kThreads = Base::kThreads;
-  static constexpr int kWarps = kThreads / 32;
-  static constexpr int kOWarpGroups = kWarpGroups < kHeadDim / 64 ? kWarpGroups : kHeadDim / 64;
-  using typename Base::SmemLayoutK;
-  using typename Base::SmemLayoutKt;
-  using typename Base::SmemLayoutQ;
+  static constexpr int kRows = 64;  // an entry's (token, head) rows: one wgmma M
+  static constexpr int kWarpGroups = 2;
+  static constexpr int kThreads = 128 * kWarpGroups;
+  static constexpr int kStages = 3;  // per warpgroup
+  // The shared layouts of the KV side: the block (K-major, and V viewed transposed) and the
+  // entries' rows, kStages stages per warpgroup.
+  using Side = KvSideTraits<Element, kHeadDim, kBlockN, kWarpGroups * kStages>;
+  using SmemLayoutK = typename Side::SmemLayoutK;
+  using SmemLayoutVt = typename Side::SmemLayoutKt;
+  using SmemLayoutQ = typename Side::SmemLayoutQ;
+  static_assert(Side::kBlockC == kRows);
+  static constexpr int kOStride = kHeadDim + 8;
 
-  // O^T = V^T P^T (SS): V^T the MN-major A operand (head dim, keys), P^T the (columns, keys) B
-  // operand with the keys contiguous.
-  using TileO = Shape<Int<kHeadDim>, Int<kBlockC>, Int<kBlockN>>;
+  using TileS = Shape<Int<kRows>, Int<kBlockN>, Int<kHeadDim>>;
+  using TileO = Shape<Int<kRows>, Int<kHeadDim>, Int<kBlockN>>;
+  using MmaS = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, TileS>()));
   using MmaO = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, TileO, GMMA::Major::MN, GMMA::Major::K>(),
-      Layout<Shape<Int<kOWarpGroups>, _1, _1>>{}));
-  using SmemAtomP = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
-                             GMMA::Major::K, Element, Int<kBlockC>, Int<kBlockN>>());
-  using SmemLayoutP = decltype(tile_to_shape(SmemAtomP{}, Shape<Int<kBlockC>, Int<kBlockN>>{}));
-  static constexpr int kOStride = kHeadDim + 8;  // a staged O^T column, padded (16-byte rows)
+      GMMA::rs_op_selector<Element, Element, float, TileO, GMMA::Major::K, GMMA::Major::MN>()));
 
   struct SharedStorage {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> v;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
-    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutP>> p;
-    alignas(16) Element o[kBlockC * kOStride];  // O^T staged as [column][head dim]
-    float red_max[kWarps][kBlockC];             // per warp: its keys' column max
-    float red_sum[kWarps][kBlockC];             // per warp: its keys' column sum
-    float col_max[kBlockC];
-    EntryRecord ring[EntryStream<kStages>::kRing];
+    // Per warpgroup: an entry's O staged as [row][head dim] (rows padded by 16 bytes: the
+    // accumulator's stores hit 32 distinct banks), copied out in whole 16-byte row chunks.
+    alignas(16) Element o[kWarpGroups][kRows * kOStride];
+    int64_t row_slot[kWarpGroups][kRows];  // the partial slot of each staged row (-1: none)
+    EntryRecord ring[kWarpGroups][EntryStream<kStages, 128>::kRing];
   };
 };
 
 template <class Traits>
 struct FwdKvParams : FwdKvArgs {};
 
-// Warp roles: kBlockN / 64 consumer warpgroups (64 keys each; the first kOWarpGroups also own 64
-// rows of the head dim in O^T = V^T P^T); every thread also issues its share of the entries'
-// cp.async loads and of the partials' stores. Pipeline: the entry stream (kStages stages), CTA
-// barriers between the steps of an entry. Work: one chunk of one (KV block, KV head) entry list.
+// Warp roles: two consumer warpgroups, each with its own half of the chunk and its own entry
+// stream. Pipeline: per warpgroup, kStages stages of entries (cp.async). Work: one chunk of one
+// (KV block, KV head) entry list.
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     fwd_kv_kernel(const __grid_constant__ FwdKvParams<Traits> p) {
   using Element = typename Traits::Element;
-  constexpr int kBlockN = Traits::kBlockN, kBlockC = Traits::kBlockC, kHeadDim = Traits::kHeadDim;
-  constexpr int kThreads = Traits::kThreads, kWarps = Traits::kWarps, kOStride = Traits::kOStride;
+  constexpr int kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim, kStages = Traits::kStages;
   using SharedStorage = typename Traits::SharedStorage;
 
   extern __shared__ __align__(1024) char smem_raw[];
   SharedStorage& ss = *reinterpret_cast<SharedStorage*>(smem_raw);
 
+  if (p.choice != nullptr && !kv_pass_chosen(p.choice)) return;  // kAuto chose the query tiles
   WorkItem it;
   QueryTile tile;
   EntryList list;
@@ -98,213 +101,233 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   if (e_begin >= e_end) return;  // no token of this pass selected the block
   const int32_t r = it.r;
   const int64_t key_base = tile.seq_start + tile.first;  // packed index of the block's first key
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int32_t Gi = p.heads_per_idx, m = p.group_tokens, ipk = p.idx_per_kv;
-  // The records of the first entries; their rows are issued after the block's keys.
-  EntryStream<Traits::kStages> stream(list, p.list, e_begin, e_end, ss.ring);
+  const int tid = threadIdx.x, wg = tid / 128, lt = tid % 128;
+  const int32_t Gi = p.heads_per_idx, ipk = p.idx_per_kv;
 
   Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutK{});
-  Tensor sVt = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutKt{});
+  Tensor sVt = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutVt{});
   Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutK{});
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQ{});
-  Tensor sP = make_tensor(make_smem_ptr(ss.p.data()), typename Traits::SmemLayoutP{});
 
-  // K and V of the block; keys past the sequence end are zero rows (their P is 0, and 0 * a
-  // zero row adds nothing).
+  // K and V of the block, by every thread; keys past the sequence end are zero rows (no token
+  // sees them, and 0 * a zero row adds nothing).
   load_block_rows_async<kBlockN, kHeadDim>(
-      sK, as<Element>(p.k) + key_base * p.k_s0 + r * p.k_s1, p.k_s0, tile.count, tid, kThreads);
+      sK, as<Element>(p.k) + key_base * p.k_s0 + r * p.k_s1, p.k_s0, tile.count, tid, Traits::kThreads);
   load_block_rows_async<kBlockN, kHeadDim>(
-      sV, as<Element>(p.v) + key_base * p.v_s0 + r * p.v_s1, p.v_s0, tile.count, tid, kThreads);
+      sV, as<Element>(p.v) + key_base * p.v_s0 + r * p.v_s1, p.v_s0, tile.count, tid, Traits::kThreads);
+  cp_async_commit();
 
-  // An entry's Q columns into stage st (cp.async).
-  const ColumnLoader<kHeadDim, kThreads> cols_in(sQ(_, _, 0), Gi, tid);
-  constexpr int kStageElems = kBlockC * kHeadDim;
+  // This warpgroup's half of the chunk. The stream's constructor waits for all of the thread's
+  // copies (K and V included); the CTA barrier then makes every thread's visible to all.
+  const int64_t half = (e_end - e_begin + 1) / 2;
+  const int64_t my_begin = wg == 0 ? e_begin : e_begin + half;
+  const int64_t my_end = wg == 0 ? e_begin + half : e_end;
+  EntryStream<kStages, 128> stream(list, p.list, my_begin, my_end, ss.ring[wg], lt,
+                                   static_cast<uint32_t>(Barrier::kWarpGroup) + wg);
+  __syncthreads();
+
+  // An entry's Q rows into stage st of this warpgroup (cp.async by its 128 threads).
+  constexpr int kStageElems = Traits::kRows * kHeadDim;
+  const ColumnLoader<kHeadDim, 128> rows_in(sQ(_, _, wg * kStages), Gi, lt);
   auto issue = [&](const EntryRecord& en, int st) {
     const int32_t head0 = (r * ipk + en.seg - list.seg0) * Gi;
-    int32_t t[ColumnLoader<kHeadDim, kThreads>::kIters];
-    cols_in.tokens(en.tok, en.count, t);
-    cols_in.load(ss.q.data() + st * kStageElems, as<Element>(p.q) + head0 * p.q_s1, p.q_s0, p.q_s1, t);
+    int32_t t[ColumnLoader<kHeadDim, 128>::kIters];
+    rows_in.tokens(en.tok, en.count, t);
+    rows_in.load(ss.q.data() + (wg * kStages + st) * kStageElems, as<Element>(p.q) + head0 * p.q_s1,
+                 p.q_s0, p.q_s1, t);
   };
   stream.start(list, p.list, issue);
 
   typename Traits::MmaS mma_s;
   typename Traits::MmaO mma_o;
-  auto thr_s = mma_s.get_thread_slice(tid);
-  const bool o_thread = tid < 128 * Traits::kOWarpGroups;
-  auto thr_o = mma_o.get_thread_slice(o_thread ? tid : 0);
-  Tensor tSrK = thr_s.partition_fragment_A(sK);
-  Tensor tSrQ = thr_s.partition_fragment_B(sQ);
-  Tensor tSrS = partition_fragment_C(mma_s, Shape<Int<kBlockN>, Int<kBlockC>>{});
-  Tensor tOrVt = thr_o.partition_fragment_A(sVt);
-  Tensor tOrP = thr_o.partition_fragment_B(sP);
-  Tensor tOrO = partition_fragment_C(mma_o, Shape<Int<kHeadDim>, Int<kBlockC>>{});
-  Tensor cO = thr_o.partition_C(make_identity_tensor(Shape<Int<kHeadDim>, Int<kBlockC>>{}));
+  auto thr_s = mma_s.get_thread_slice(lt);
+  auto thr_o = mma_o.get_thread_slice(lt);
+  Tensor tSrQ = thr_s.partition_fragment_A(sQ);
+  Tensor tSrK = thr_s.partition_fragment_B(sK);
+  Tensor tOrV = thr_o.partition_fragment_B(sVt);
+  Tensor tSrS = partition_fragment_C(mma_s, Shape<Int<Traits::kRows>, Int<kBlockN>>{});
+  Tensor tOrO = partition_fragment_C(mma_o, Shape<Int<Traits::kRows>, Int<kHeadDim>>{});
+  Tensor rP = make_tensor<Element>(tSrS.layout());
+  Tensor tOrP = make_tensor(rP.data(), acc_as_a_operand(rP.layout()));
 
-  Tensor cS = thr_s.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockC>>{}));
+  Tensor cS = thr_s.partition_C(make_identity_tensor(Shape<Int<Traits::kRows>, Int<kBlockN>>{}));
   Tensor S = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
   Tensor cSrc = make_tensor(cS.data(), acc_rowcol(cS.layout()));
-  constexpr int kRows = decltype(size<0>(S))::value;
-  constexpr int kCols = decltype(size<1>(S))::value;
+  Tensor cO = thr_o.partition_C(make_identity_tensor(Shape<Int<Traits::kRows>, Int<kHeadDim>>{}));
+  Tensor O = make_tensor(tOrO.data(), acc_rowcol(tOrO.layout()));
+  Tensor cOrc = make_tensor(cO.data(), acc_rowcol(cO.layout()));
+  constexpr int kRowsThr = decltype(size<0>(S))::value;  // rows this thread holds (2)
+  // This thread's rows: token slot and head.
+  int32_t row_t[kRowsThr], row_h[kRowsThr];
+#pragma unroll
+  for (int a = 0; a < kRowsThr; ++a) {
+    const int row = get<0>(cSrc(a, 0));
+    row_t[a] = row / Gi;
+    row_h[a] = row - row_t[a] * Gi;
+  }
 
-  for (int64_t e = e_begin; e < e_end; ++e) {
-    const int st = stream.stage(e);
-    stream.wait();  // also: every thread is done with the previous entry's shared tiles
-    const EntryRecord& en = stream.record(e);
-    const int32_t count = en.count;
+  // Entry e's scores (S holds them, in log2 units) -> unnormalised probabilities, with each
+  // row's max and this thread's share of its sum. Only an entry whose first token (the tokens
+  // are ascending) lies inside the block, before its last key, needs the causal mask; rows past
+  // the entry's tokens are left unmasked (never stored).
+  float mx[kRowsThr], sum[kRowsThr];
+  auto softmax = [&](const EntryRecord& en) {
+    const bool causal = en.tok[0] - key_base < kBlockN - 1;
+    constexpr int kCols = decltype(size<1>(S))::value;
+    constexpr int kWays = 4;  // independent chains of the row max and sum
+    static_assert(kCols % kWays == 0);
+#pragma unroll
+    for (int a = 0; a < kRowsThr; ++a) {
+      const int32_t lim =
+          row_t[a] < en.count ? static_cast<int32_t>(en.tok[row_t[a]] - key_base) : kBlockN;
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) S(a, c) *= p.scale_log2;
+      if (causal) {
+#pragma unroll
+        for (int c = 0; c < kCols; ++c)
+          if (get<1>(cSrc(a, c)) > lim) S(a, c) = -INFINITY;
+      }
+      float part[kWays];
+#pragma unroll
+      for (int w = 0; w < kWays; ++w) part[w] = -INFINITY;
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) part[c % kWays] = fmaxf(part[c % kWays], S(a, c));
+      mx[a] = quad_max(fmaxf(fmaxf(part[0], part[1]), fmaxf(part[2], part[3])));
+      // finite: every row sees its block's first key
+#pragma unroll
+      for (int w = 0; w < kWays; ++w) part[w] = 0.f;
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) {
+        const float pr = fast_exp2(S(a, c) - mx[a]);
+        S(a, c) = pr;
+        part[c % kWays] += pr;
+      }
+      sum[a] = (part[0] + part[1]) + (part[2] + part[3]);
+    }
+  };
+  // Entry en's partials: (max, sum) of its real rows, and O (unnormalised, element type)
+  // through this warpgroup's staging tile, so that the global stores are whole 16-byte chunks
+  // of 256-byte rows. The warpgroup's previous copy-out finished before the stream's last sync.
+  Element* so = ss.o[wg];
+  int64_t* row_slot = ss.row_slot[wg];
+  auto store = [&](const EntryRecord& en, const float (&m)[kRowsThr], const float (&l)[kRowsThr]) {
     const int32_t head0 = (r * ipk + en.seg - list.seg0) * Gi;
-    stream.issue_next(list, p.list, issue);
-    if (count == 0) continue;
-
-    wg_gemm<true>(mma_s, tSrK, tSrQ(_, _, _, st), tSrS);
-    warpgroup_wait<0>();
-    // Scores in log2 units; a column sees the block's keys up to its token (col_lim: the
-    // token's position in the block; -1: no token).
-    float cmax[kCols];
 #pragma unroll
-    for (int c = 0; c < kCols; ++c) {
-      const int32_t t = get<1>(cSrc(0, c)) / Gi;
-      const int32_t lim = t < count ? static_cast<int32_t>(en.tok[t] - key_base) : -1;
-      cmax[c] = -INFINITY;
+    for (int a = 0; a < kRowsThr; ++a) {
+      const float lsum = quad_sum(l[a]);
+      const int row = get<0>(cOrc(a, 0));
 #pragma unroll
-      for (int a = 0; a < kRows; ++a) {
-        const float v = get<0>(cSrc(a, c)) <= lim ? S(a, c) * p.scale_log2 : -INFINITY;
-        S(a, c) = v;
-        cmax[c] = fmaxf(cmax[c], v);
+      for (int c = 0; c < size<1>(O); c += 2) {
+        cutlass::Array<Element, 2> pair;
+        pair[0] = static_cast<Element>(O(a, c));
+        pair[1] = static_cast<Element>(O(a, c + 1));
+        *reinterpret_cast<cutlass::Array<Element, 2>*>(so + row * Traits::kOStride + get<1>(cOrc(a, c))) = pair;
+      }
+      if ((lt & 3) == 0) {
+        const int32_t t = row_t[a];
+        int64_t slot = -1;
+        if (t < en.count) {
+          slot = (int64_t(en.tok[t] - p.tok_lo) * p.Hq + head0 + row_h[a]) * p.top_k + en.slot[t];
+          *reinterpret_cast<float2*>(p.part_ml + 2 * slot) = make_float2(m[a], lsum);
+        }
+        row_slot[row] = slot;
       }
     }
-    // Column max: the 8 lanes of a warp sharing a column, then the warps.
-#pragma unroll
-    for (int c = 0; c < kCols; ++c) {
-      cmax[c] = fmaxf(cmax[c], __shfl_xor_sync(0xffffffff, cmax[c], 4));
-      cmax[c] = fmaxf(cmax[c], __shfl_xor_sync(0xffffffff, cmax[c], 8));
-      cmax[c] = fmaxf(cmax[c], __shfl_xor_sync(0xffffffff, cmax[c], 16));
-    }
-    if (lane < 4) {
-#pragma unroll
-      for (int c = 0; c < kCols; ++c) ss.red_max[warp][get<1>(cSrc(0, c))] = cmax[c];
-    }
-    __syncthreads();
-    if (tid < kBlockC) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, ss.red_max[w][tid]);
-      ss.col_max[tid] = mx;
-    }
-    __syncthreads();
-    // P^T = exp2(S - max) to shared memory as (column, key); per-warp column sums.
-#pragma unroll
-    for (int c = 0; c < kCols; ++c) {
-      const int col = get<1>(cSrc(0, c));
-      const float mx = ss.col_max[col];
-      const float ms = mx == -INFINITY ? 0.f : mx;
-      float sum = 0.f;
-#pragma unroll
-      for (int a = 0; a < kRows; ++a) {
-        const float pr = fast_exp2(S(a, c) - ms);
-        sum += pr;
-        sP(col, get<0>(cSrc(a, c))) = static_cast<Element>(pr);
-      }
-      sum += __shfl_xor_sync(0xffffffff, sum, 4);
-      sum += __shfl_xor_sync(0xffffffff, sum, 8);
-      sum += __shfl_xor_sync(0xffffffff, sum, 16);
-      if (lane < 4) ss.red_sum[warp][col] = sum;
-    }
-    cutlass::arch::fence_view_async_shared();
-    __syncthreads();
-    if (o_thread) {
-      wg_gemm<true>(mma_o, tOrVt, tOrP, tOrO);
-      warpgroup_wait<0>();
-      // O^T (head dim, column) to the staging tile [column][head dim].
-#pragma unroll
-      for (int v = 0; v < size(tOrO); ++v)
-        ss.o[get<1>(cO(v)) * kOStride + get<0>(cO(v))] = static_cast<Element>(tOrO(v));
-    }
-    __syncthreads();
-    // The partials of the entry's real columns: O^T rows (16-byte copies) and (max, sum).
+    cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(Barrier::kWarpGroup) + wg);
     constexpr int kChunks = kHeadDim / 8;
-    for (int x = tid; x < kBlockC * kChunks; x += kThreads) {
-      const int col = x / kChunks, ch = x % kChunks;
-      const int32_t t = col / Gi;
-      if (t >= count || col >= m * Gi) continue;
-      const int64_t slot =
-          (int64_t(en.tok[t] - p.tok_lo) * p.Hq + head0 + (col - t * Gi)) * p.top_k + en.slot[t];
-      *reinterpret_cast<uint4*>(as<Element>(p.part_o) + slot * kHeadDim + ch * 8) =
-          *reinterpret_cast<const uint4*>(&ss.o[col * kOStride + ch * 8]);
-    }
-    if (tid < kBlockC) {
-      const int col = tid;
-      const int32_t t = col / Gi;
-      if (t < count && col < m * Gi) {
-        float sum = 0.f;
+    static_assert(128 % kChunks == 0);
+    const int ch = lt % kChunks;
 #pragma unroll
-        for (int w = 0; w < kWarps; ++w) sum += ss.red_sum[w][col];
-        const int64_t slot =
-            (int64_t(en.tok[t] - p.tok_lo) * p.Hq + head0 + (col - t * Gi)) * p.top_k + en.slot[t];
-        *reinterpret_cast<float2*>(p.part_ml + 2 * slot) = make_float2(ss.col_max[col], sum);
-      }
+    for (int row = lt / kChunks; row < Traits::kRows; row += 128 / kChunks) {
+      const int64_t slot = row_slot[row];
+      if (slot < 0) continue;
+      *reinterpret_cast<uint4*>(as<Element>(p.part_o) + slot * kHeadDim + ch * 8) =
+          *reinterpret_cast<const uint4*>(so + row * Traits::kOStride + ch * 8);
     }
+  };
+
+  // Software pipeline over the warpgroup's entries: S of entry e + 1 is computed and turned into
+  // probabilities while O = P V of entry e runs. Entries with no token (count 0) still go
+  // through the GEMMs (on zero rows) and store nothing.
+  if (my_begin < my_end) {
+    stream.wait();
+    stream.issue_next(list, p.list, issue);
+    wg_gemm<true>(mma_s, tSrQ(_, _, _, wg * kStages + stream.stage(my_begin)), tSrK, tSrS);
+    warpgroup_wait<0>();
+    softmax(stream.record(my_begin));
+    convert_into(tSrS, rP);
+  }
+  float m[kRowsThr], l[kRowsThr];  // the max and sum of the entry whose O = P V is in flight
+  for (int64_t e = my_begin; e + 1 < my_end; ++e) {
+    // Entry e + 1 has landed; entry e's stage (its S is done) is refilled.
+    stream.wait();
+    stream.issue_next(list, p.list, issue);
+    wg_gemm<true>(mma_s, tSrQ(_, _, _, wg * kStages + stream.stage(e + 1)), tSrK, tSrS);
+    wg_gemm<true, true>(mma_o, tOrP, tOrV, tOrO);
+#pragma unroll
+    for (int a = 0; a < kRowsThr; ++a) {
+      m[a] = mx[a];
+      l[a] = sum[a];
+    }
+    warpgroup_wait<1>();
+    softmax(stream.record(e + 1));
+    warpgroup_wait<0>();
+    store(stream.record(e), m, l);
+    convert_into(tSrS, rP);
+  }
+  if (my_begin < my_end) {
+    wg_gemm<true, true>(mma_o, tOrP, tOrV, tOrO);
+    warpgroup_wait<0>();
+    // The staging tile is free once every thread has copied out the previous entry (inside the
+    // loop, the next entry's stream wait is that barrier).
+    cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(Barrier::kWarpGroup) + wg);
+    store(stream.record(my_end - 1), mx, sum);
   }
   cp_async_wait_all();
 }
 
-// One warp per (token, head) of the pass [tok_lo, tok_hi): the combine of its partials.
+// One (token, head) pair g of the pass: lane owns elements [8 lane, 8 lane + 8) of the head dim.
 template <class Element, int kHeadDim>
-__global__ void fwd_combine_kernel(const __grid_constant__ FwdKvArgs p) {
-  constexpr int kPer = kHeadDim / 32;  // head-dim elements per lane
-  const int64_t w = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  const int lane = threadIdx.x & 31;
-  if (w >= (p.tok_hi - p.tok_lo) * p.Hq) return;
-  const int64_t t = p.tok_lo + w / p.Hq;
-  const int32_t h = static_cast<int32_t>(w % p.Hq);
-  const int32_t i = h / p.heads_per_idx;
-  // The token's position in its sequence (cu clamped as in decode_tile).
-  int64_t start = 0;
-  if (p.cu_seqlens != nullptr) {
-    int32_t lo = 0, hi = p.nseq - 1;
-    while (lo < hi) {
-      const int32_t mid = (lo + hi + 1) >> 1;
-      if (clamp_offset(p.cu_seqlens[mid], 0, p.T) <= t) lo = mid; else hi = mid - 1;
+__device__ void combine_pair(const FwdKvArgs& p, int64_t g, int lane) {
+  constexpr int kMaxSlots = 32;  // can_fwd_kv: top_k <= 32
+  const int64_t t = p.tok_lo + g / p.Hq;
+  const int32_t h = static_cast<int32_t>(g % p.Hq);
+  const float2* ml = reinterpret_cast<const float2*>(p.part_ml) + g * p.top_k;
+  uint32_t valid = 0;
+  float mx = -INFINITY;
+  for (int j = 0; j < p.top_k; ++j) {
+    const float2 v = ml[j];
+    if (v.y > 0.f) {
+      valid |= 1u << j;
+      mx = fmaxf(mx, v.x);
     }
-    start = clamp_offset(p.cu_seqlens[lo], 0, p.T);
   }
-  const int32_t own = static_cast<int32_t>((t - start) / p.block_size);
-  // Lane j < k: slot j, valid when its block is in [0, own] and no earlier slot holds it.
-  int32_t b = -1;
-  float mj = -INFINITY, lj = 0.f;
-  const int64_t row = (t - p.tok_lo) * p.Hq + h;
-  if (lane < p.top_k) {
-    b = p.block_idx[t * p.bi_s0 + i * p.bi_s1 + lane];
-    if (b < 0 || b > own) b = -1;
-  }
-  const unsigned same = __match_any_sync(0xffffffff, b);
-  bool valid = b >= 0 && (__ffs(same) - 1) == lane;
-  if (valid) {
-    const float2 ml = *reinterpret_cast<const float2*>(p.part_ml + 2 * (row * p.top_k + lane));
-    mj = ml.x;
-    lj = ml.y;
-    valid = lj > 0.f;
-  }
-  const unsigned vmask = __ballot_sync(0xffffffff, valid);
-  float mx = valid ? mj : -INFINITY;
+  float acc[8];
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, o));
-  float acc[kPer];
-#pragma unroll
-  for (int x = 0; x < kPer; ++x) acc[x] = 0.f;
+  for (int x = 0; x < 8; ++x) acc[x] = 0.f;
   float sum = 0.f;
-  const Element* po = as<Element>(p.part_o) + row * p.top_k * kHeadDim + lane * kPer;
-  for (unsigned bits = vmask; bits != 0u; bits &= bits - 1) {
-    const int j = __ffs(bits) - 1;
-    const float wj = fast_exp2(__shfl_sync(0xffffffff, mj, j) - mx);
-    sum += wj * __shfl_sync(0xffffffff, lj, j);
-    const Element* src = po + int64_t(j) * kHeadDim;
+  const Element* po = as<Element>(p.part_o) + g * p.top_k * kHeadDim + lane * 8;
+#pragma unroll 1
+  for (int j0 = 0; j0 < kMaxSlots && (valid >> j0) != 0u; j0 += 8) {
+    uint4 val[8];
 #pragma unroll
-    for (int x = 0; x < kPer; ++x) acc[x] += wj * static_cast<float>(src[x]);
+    for (int u = 0; u < 8; ++u)
+      if ((valid >> (j0 + u)) & 1u) val[u] = *reinterpret_cast<const uint4*>(po + int64_t(j0 + u) * kHeadDim);
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      if (!((valid >> (j0 + u)) & 1u)) continue;
+      const float2 v = ml[j0 + u];
+      const float wj = fast_exp2(v.x - mx);
+      sum += wj * v.y;
+      const Element* e = reinterpret_cast<const Element*>(&val[u]);
+#pragma unroll
+      for (int x = 0; x < 8; ++x) acc[x] += wj * static_cast<float>(e[x]);
+    }
   }
   const float inv = sum > 0.f ? 1.f / sum : 0.f;
-  Element* dst = as<Element>(p.out) + t * p.o_s0 + int64_t(h) * p.o_s1 + lane * kPer;
+  Element* dst = as<Element>(p.out) + t * p.o_s0 + int64_t(h) * p.o_s1 + lane * 8;
 #pragma unroll
-  for (int x = 0; x < kPer; x += 2) {
+  for (int x = 0; x < 8; x += 2) {
     cutlass::Array<Element, 2> pair;
     pair[0] = static_cast<Element>(acc[x] * inv);
     pair[1] = static_cast<Element>(acc[x + 1] * inv);
@@ -313,6 +336,37 @@ __global__ void fwd_combine_kernel(const __grid_constant__ FwdKvArgs p) {
   if (lane == 0)
     p.lse[t * p.lse_s0 + int64_t(h) * p.lse_s1] =
         sum > 0.f ? (mx + log2f(sum)) * 0.69314718055994531f : -INFINITY;
+}
+
+// The combine of the partials of (token, head) pairs of the pass [tok_lo, tok_hi): kLanes
+// threads per pair, each owning 8 elements of the head dim (16-byte loads), 8 slots' loads issued
+// before any is used; a grid-stride loop over the pairs. A slot holds a partial when its sum is
+// positive: fwd_zero_kernel zeroes the sums before the pass, and the KV pass writes one partial per distinct selected block of a token
+// (the reverse index keeps one record per block and token), whose sum is at least 1.
+template <class Element, int kHeadDim>
+__global__ void fwd_combine_kernel(const __grid_constant__ FwdKvArgs p) {
+  constexpr int kLanes = kHeadDim / 8;
+  if (p.choice != nullptr && !kv_pass_chosen(p.choice)) return;
+  const int lane = threadIdx.x % kLanes;
+  const int64_t pairs = (p.tok_hi - p.tok_lo) * p.Hq;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x / kLanes;
+  for (int64_t g = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kLanes; g < pairs;
+       g += stride)
+    combine_pair<Element, kHeadDim>(p, g, lane);
+}
+
+// The KV-block pass's (max, sum) slots zeroed before it runs (a slot it does not write then
+// reads as holding no partial); nothing where kAuto chose the query tiles.
+template <class Element>
+__global__ void fwd_zero_kernel(const __grid_constant__ FwdKvArgs p) {
+  if (p.choice != nullptr && !kv_pass_chosen(p.choice)) return;
+  const int64_t n = (p.tok_hi - p.tok_lo) * p.Hq * p.top_k / 2;  // float4: two slots
+  float4* dst = reinterpret_cast<float4*>(p.part_ml);
+  for (int64_t x = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; x < n;
+       x += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    dst[x] = make_float4(0.f, 0.f, 0.f, 0.f);
+  if ((p.tok_hi - p.tok_lo) * p.Hq * p.top_k % 2 != 0 && blockIdx.x == 0 && threadIdx.x == 0)
+    reinterpret_cast<float2*>(p.part_ml)[2 * n] = make_float2(0.f, 0.f);
 }
 
 }  // namespace msa::cuda::kern
