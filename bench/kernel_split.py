@@ -1,0 +1,85 @@
+#!/usr/bin/env python3
+"""Where the time of one sparse forward over a given block_idx goes, kernel by kernel
+(torch.profiler), on selections of each overlap level, for each forward pass.
+
+    python bench/kernel_split.py --config paper --length 131072
+    python bench/kernel_split.py --config flash-msa --length 32768 --passes kv_block
+
+One sequence of --length tokens; the index inputs and selections of ``selection_patterns``
+(sink 1, local 4 forced). Prints, per (level, pass), the overlap and union of the selection,
+the wall time of the call (CUDA events, median of --reps) and the kernels' device times.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import selection_patterns as sp  # noqa: E402
+from bench_backward import profile_kernels  # noqa: E402
+from bench_forward import HEADS  # noqa: E402
+
+
+def timed_ms(fn, reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", choices=sorted(HEADS), default="paper")
+    ap.add_argument("--length", type=int, default=131072)
+    ap.add_argument("--levels", default="shared,mixed,random")
+    ap.add_argument("--passes", default="query_tile,kv_block")
+    ap.add_argument("--top-k", type=int, default=16)
+    ap.add_argument("--block-size", type=int, default=128)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    import msa
+
+    dev = torch.device("cuda")
+    h = HEADS[args.config]
+    T, D, Bk, k = args.length, args.head_dim, args.block_size, args.top_k
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(args.seed)
+    r = lambda *s: torch.randn(*s, device=dev, dtype=torch.bfloat16, generator=gen)  # noqa: E731
+    q, kk, v = r(T, h["Hq"], D), r(T, h["Hkv"], D), r(T, h["Hkv"], D)
+    cu = torch.tensor([0, T], device=dev, dtype=torch.int32)
+    for name in sp.level_names(args.levels):
+        _, _, bi, st = sp.make_level(name, cu, h["Hi"], h["Hik"], D, Bk, k, device=dev, generator=gen)
+        outs = {}
+        for fp in [x.strip() for x in args.passes.split(",") if x.strip()]:
+            fn = lambda: msa.sparse_attention(q, kk, v, None, None, block_idx=bi, block_size=Bk,  # noqa: E731
+                                              cu_seqlens=cu, kl_value=False, fwd_pass=fp)
+            ms = timed_ms(fn, args.reps)
+            outs[fp] = fn()[0].float()
+            print(f"{args.config} T={T} {name} (overlap {st['overlap']:.2f} / union {st['union']:.2f}) "
+                  f"{fp}: {ms:.2f} ms")
+            for kname, kms in profile_kernels(fn)[:8]:
+                print(f"    {kms:9.3f} ms  {kname}")
+        if "query_tile" in outs and "kv_block" in outs:
+            a, b = outs["query_tile"], outs["kv_block"]
+            print(f"    rel L2 diff between passes: {((a - b).norm() / b.norm()).item():.2e}")
+        if "auto" in outs:  # which pass kAuto ran: its out is that pass's, bit for bit
+            ran = [fp for fp in ("query_tile", "kv_block") if fp in outs and torch.equal(outs[fp], outs["auto"])]
+            print(f"    auto ran: {', '.join(ran) or '?'}")
+        sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
