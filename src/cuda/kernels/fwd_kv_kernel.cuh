@@ -18,7 +18,11 @@
 // Warp roles: two warpgroups, both consumers; each owns half of the chunk's entries and its own
 // entry stream (kStages shared-memory stages of Q, cp.async issued by its own threads, synced on
 // its own named barrier), so one warpgroup's softmax and stores run while the other's GEMMs do.
-// The only CTA-wide barrier follows the K and V load.
+// Inside a warpgroup the entries are software-pipelined: S of entry e + 1 and its softmax run
+// while O = P V of entry e does. O leaves through a per-warpgroup staging tile in shared memory,
+// as whole 16-byte chunks of 256-byte rows. The only CTA-wide barrier follows the K and V load.
+//
+// fwd_zero_kernel clears the pass's (max, sum) slots first: a slot no entry writes keeps sum 0.
 //
 // fwd_combine_kernel: D / 8 threads per (token, head): the partials of the token's slots that
 // hold one, in slot order (deterministic), out = sum w_j O_j / sum w_j l_j with
@@ -80,8 +84,9 @@ template <class Traits>
 struct FwdKvParams : FwdKvArgs {};
 
 // Warp roles: two consumer warpgroups, each with its own half of the chunk and its own entry
-// stream. Pipeline: per warpgroup, kStages stages of entries (cp.async). Work: one chunk of one
-// (KV block, KV head) entry list.
+// stream. Pipelines: per warpgroup, kStages stages of entries (cp.async), and S / softmax of the
+// next entry under P V of the current one. Work: one chunk of one (KV block, KV head) entry list;
+// nothing where kAuto's sums chose the query tiles.
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     fwd_kv_kernel(const __grid_constant__ FwdKvParams<Traits> p) {
