@@ -7,34 +7,19 @@
 
 One sequence of --length tokens; the index inputs and selections of ``selection_patterns``
 (sink 1, local 4 forced). Prints, per (level, pass), the overlap and union of the selection,
-the wall time of the call (CUDA events, median of --reps) and the kernels' device times.
+the wall time of the call (CUDA events, L2 flushed, median of --reps) and the kernels' device times.
 """
 
 import argparse
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import selection_patterns as sp  # noqa: E402
-from bench_backward import profile_kernels  # noqa: E402
+from bench_backward import Timer, profile_kernels  # noqa: E402
 from bench_forward import HEADS  # noqa: E402
-
-
-def timed_ms(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
 
 
 def main(argv=None) -> int:
@@ -54,6 +39,7 @@ def main(argv=None) -> int:
     dev = torch.device("cuda")
     h = HEADS[args.config]
     T, D, Bk, k = args.length, args.head_dim, args.block_size, args.top_k
+    timer = Timer(dev, flush=True)
     gen = torch.Generator(device=dev)
     gen.manual_seed(args.seed)
     r = lambda *s: torch.randn(*s, device=dev, dtype=torch.bfloat16, generator=gen)  # noqa: E731
@@ -65,7 +51,7 @@ def main(argv=None) -> int:
         for fp in [x.strip() for x in args.passes.split(",") if x.strip()]:
             fn = lambda: msa.sparse_attention(q, kk, v, None, None, block_idx=bi, block_size=Bk,  # noqa: E731
                                               cu_seqlens=cu, kl_value=False, fwd_pass=fp)
-            ms = timed_ms(fn, args.reps)
+            ms = timer.ms(fn, reps=args.reps)
             outs[fp] = fn()[0].float()
             print(f"{args.config} T={T} {name} (overlap {st['overlap']:.2f} / union {st['union']:.2f}) "
                   f"{fp}: {ms:.2f} ms")
