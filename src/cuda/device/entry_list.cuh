@@ -32,8 +32,11 @@ namespace msa::cuda::kern {
 // Fixed-point sums across CTAs: one unit is 2^-32; integer atomics make them order-independent.
 constexpr double kFixedOne = 4294967296.0;
 
+// v * 2^32 is exact in float (a power-of-two scale cannot round, and overflow saturates the
+// conversion as the double product would), so this rounds exactly as the double product does,
+// without the float-to-double conversions.
 __device__ __forceinline__ void add_fixed(unsigned long long* dst, float v) {
-  atomicAdd(dst, static_cast<unsigned long long>(__double2ll_rn(static_cast<double>(v) * kFixedOne)));
+  atomicAdd(dst, static_cast<unsigned long long>(__float2ll_rn(v * 4294967296.f)));
 }
 
 constexpr int kEntryTokens = 16;  // the most tokens of an entry (m <= 16)

@@ -46,37 +46,55 @@ __device__ inline void load_rows_async(SmemTensor&& s, RowPtr row_ptr, int tid, 
 
 // The 64 (token, head) columns of an entry as a [64, kDim] row tile (column c = token * Gi +
 // head), loaded by kThreads threads with cp.async; the entry's tokens are packed indices (any
-// tokens, not only consecutive ones). What does not change from entry to entry (each thread's
-// rows, their token slot and head, their shared-memory offsets) is worked out once, so that an
-// entry costs each thread a shared-memory read and a few multiply-adds per 16-byte copy.
+// tokens, not only consecutive ones). A thread copies one 16-byte chunk of rows row0,
+// row0 + kRowStep, ...: kRowStep is a multiple of the swizzle atom's 8 rows, so those rows'
+// shared offsets differ by a constant, and their (token slot, head) advance by a constant
+// (dtok, dhead) with one carry. The constructor does the divisions and the swizzled
+// addressing once; an entry then costs each thread a shared-memory read and a few integer
+// operations per 16-byte copy.
 template <int kDim, int kThreads>
 struct ColumnLoader {
   static constexpr int kRows = 64;
   static constexpr int kChunks = kDim / 8;
   static constexpr int kIters = kRows * kChunks / kThreads;
-  static_assert(kRows * kChunks % kThreads == 0, "");
-  int32_t tok[kIters], head[kIters], soff[kIters];
-  int32_t chunk;
+  static constexpr int kRowStep = kThreads / kChunks;  // rows between one thread's copies
+  static_assert(kRows * kChunks % kThreads == 0 && kThreads % kChunks == 0 && kRowStep % 8 == 0,
+                "a thread's rows must sit at the same place in their swizzle atoms");
+  int32_t Gi, tok0, head0, dtok, dhead, soff0, dsoff, chunk;
 
   // smem: the tile of stage 0 (a CuTe tensor); offsets are in elements from its start.
   template <class SmemTensor>
-  __device__ ColumnLoader(const SmemTensor& smem, int32_t Gi, int tid) {
+  __device__ ColumnLoader(const SmemTensor& smem, int32_t gi, int tid) : Gi(gi) {
     chunk = tid % kChunks;
+    const int row0 = tid / kChunks;
+    tok0 = row0 / Gi;
+    head0 = row0 - tok0 * Gi;
+    dtok = kRowStep / Gi;
+    dhead = kRowStep - dtok * Gi;
     const auto* base = &smem(0, 0);
-#pragma unroll
-    for (int j = 0; j < kIters; ++j) {
-      const int row = (tid + j * kThreads) / kChunks;
-      tok[j] = row / Gi;
-      head[j] = row - tok[j] * Gi;
-      soff[j] = static_cast<int32_t>(&smem(row, chunk * 8) - base);
+    soff0 = static_cast<int32_t>(&smem(row0, chunk * 8) - base);
+    dsoff = kIters > 1 ? static_cast<int32_t>(&smem(row0 + kRowStep, chunk * 8) - base) - soff0 : 0;
+  }
+
+  // Steps (tok, head) on by kRowStep rows.
+  __device__ __forceinline__ void advance(int32_t& tok, int32_t& head) const {
+    tok += dtok;
+    head += dhead;
+    if (head >= Gi) {
+      head -= Gi;
+      ++tok;
     }
   }
 
-  // The tokens of this thread's rows: the packed indices toks[tok[j]] (-1: no such token).
+  // The tokens of this thread's rows: the packed indices toks[slot] (-1: no such token).
   template <int N>
   __device__ void tokens(const int32_t (&toks)[N], int32_t count, int32_t (&out)[kIters]) const {
+    int32_t tok = tok0, head = head0;
 #pragma unroll
-    for (int j = 0; j < kIters; ++j) out[j] = tok[j] < count ? toks[tok[j]] : -1;
+    for (int j = 0; j < kIters; ++j) {
+      out[j] = tok < count ? toks[tok] : -1;
+      advance(tok, head);
+    }
   }
 
   // The rows of tokens t[] (packed indices, from tokens()) into the tile at dst; src points at
@@ -84,10 +102,12 @@ struct ColumnLoader {
   template <class Element>
   __device__ void load(Element* dst, const Element* src, int64_t s0, int64_t s1,
                        const int32_t (&t)[kIters]) const {
+    int32_t tok = tok0, head = head0;
 #pragma unroll
     for (int j = 0; j < kIters; ++j) {
       const bool ok = t[j] >= 0;
-      cp_async16(dst + soff[j], ok ? src + t[j] * s0 + head[j] * s1 + chunk * 8 : src, ok);
+      cp_async16(dst + soff0 + j * dsoff, ok ? src + t[j] * s0 + head * s1 + chunk * 8 : src, ok);
+      advance(tok, head);
     }
   }
 };

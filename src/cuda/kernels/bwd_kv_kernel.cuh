@@ -153,6 +153,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor sQbt = make_tensor(make_smem_ptr(ss.kl.q_batch.data()), typename Traits::SmemLayoutQbt{});
   Tensor sDSb = make_tensor(make_smem_ptr(ss.kl.ds_batch.data()), typename Traits::SmemLayoutDSb{});
   Tensor sDS = make_tensor(make_smem_ptr(ss.kl.ds.data()), typename Traits::SmemLayoutDS{});
+  // The same tiles for scalar and 16-byte accesses: the swizzle acts on element offsets, so
+  // each access is a 32-bit shared-memory one (GEMM operands keep the tensors above).
+  Tensor sQiE = as_position_independent_swizzle_tensor(sQi);
+  Tensor sQbE = as_position_independent_swizzle_tensor(sQb);
+  Tensor sDSbE = as_position_independent_swizzle_tensor(sDSb);
+  Tensor sDSE = as_position_independent_swizzle_tensor(sDS);
 
   // K and V of the block; keys past the sequence end are zero rows.
   load_block_rows_async<kBlockN, kHeadDim>(
@@ -172,7 +178,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   }
 
   // An entry's columns into stage st (everything by cp.async: nothing here waits for memory).
-  constexpr bool kRebuildLoader = Traits::kKl || ColumnLoader<kHeadDim, kThreads>::kIters > 4;
+  constexpr bool kRebuildLoader = Traits::kKl;
   const ColumnLoader<kHeadDim, kThreads> cols_in(sQ(_, _, 0), Gi, tid);
   constexpr int kStageElems = kBlockC * kHeadDim;
   constexpr int kTok = Traits::kTok;
@@ -186,8 +192,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       cl.load(ss.dout.data() + st * kStageElems, as<Element>(p.dout) + head0 * p.do_s1, p.do_s0,
               p.do_s1, t);
     };
-    // With the KL branch, or one warpgroup (twice the rows per thread), the loader's addressing
-    // is rebuilt per entry: registers are scarcer than the few integer operations.
+    // With the KL branch the loader's addressing is rebuilt per entry: registers are scarcer
+    // than its few integer operations.
     if constexpr (kRebuildLoader) load_columns(ColumnLoader<kHeadDim, kThreads>(sQ(_, _, 0), Gi, fresh_thread_index()));
     else load_columns(cols_in);
     if (tid < kBlockC) {
@@ -294,7 +300,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       constexpr int kRowChunks = Traits::kBatch / 8;
       for (int e = ltid % 128; e < 64 * kRowChunks; e += 128) {
         const int row = wg_row0 + e / kRowChunks, c = e % kRowChunks;
-        *reinterpret_cast<uint4*>(&sDSb(row, c * 8)) = make_uint4(0, 0, 0, 0);
+        *reinterpret_cast<uint4*>(&sDSbE(row, c * 8)) = make_uint4(0, 0, 0, 0);
       }
       nb = 0;
       __syncthreads();
@@ -476,15 +482,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         for (int c = 0; c < kColsI; ++c) {
           const int t = get<1>(cIrc(a, c));
           const Element v = static_cast<Element>(Si(a, c));
-          sDS(t, row, (e - e_begin) & 1) = v;
-          if (t < en.count) sDSb(row, nb + t) = v;
+          sDSE(t, row, (e - e_begin) & 1) = v;
+          if (t < en.count) sDSbE(row, nb + t) = v;
         }
       }
       constexpr int kChunks = kHeadDim / 8;
       for (int e = ltid; e < en.count * kChunks; e += kThreads) {
         const int t = e / kChunks, c = e % kChunks;
-        *reinterpret_cast<uint4*>(&sQb(nb + t, c * 8)) =
-            *reinterpret_cast<const uint4*>(&sQi(t, c * 8, st));
+        *reinterpret_cast<uint4*>(&sQbE(nb + t, c * 8)) =
+            *reinterpret_cast<const uint4*>(&sQiE(t, c * 8, st));
       }
     }
     // Every read of the score accumulators happens before the two GEMMs are issued (ptxas
