@@ -1687,13 +1687,9 @@ TEST(CudaPaged, ValueChecksNameTheArgument) {
 
 // A decode step captured into a CUDA graph (checks off) and replayed with new lengths, page
 // tables and queries of the same shapes gives the eager result of the new batch.
-TEST(CudaPaged, GraphReplayWithNewLengthsAndPages) {
-  SKIP_WITHOUT_CUDA();
-  const PagedCase c1 = paged_gpu_case({5000, 300, 129}, {4, 4, 1}, 32, 2, 2, 1, 128, 128, 8, kBf16, 4, 31);
-  PagedCase c2 = c1;
-  c2.lens = {4000, 700, 257};
-  c2.nq = {2, 4, 3};
-  c2.seed = 32;
+// One captured paged_forward (selection inside) replayed over two batches of the same shapes
+// with other lengths, page tables and contents.
+void graph_replay_with_new_lengths_and_pages(const PagedCase& c1, const PagedCase& c2) {
   PagedBatch b1(c1), b2(c2);
   ASSERT_EQ(b1.Tq, b2.Tq);
   // Same shapes: the second batch's pages and page table fit in the first's buffers.
@@ -1750,6 +1746,28 @@ TEST(CudaPaged, GraphReplayWithNewLengthsAndPages) {
   }
   CUDA_CHECK(cudaGraphExecDestroy(exec));
   CUDA_CHECK(cudaGraphDestroy(graph));
+}
+
+// Decode (max_q_len 4): paged_attn_kernel.
+TEST(CudaPaged, GraphReplayWithNewLengthsAndPages) {
+  SKIP_WITHOUT_CUDA();
+  const PagedCase c1 = paged_gpu_case({5000, 300, 129}, {4, 4, 1}, 32, 2, 2, 1, 128, 128, 8, kBf16, 4, 31);
+  PagedCase c2 = c1;
+  c2.lens = {4000, 700, 257};
+  c2.nq = {2, 4, 3};
+  c2.seed = 32;
+  graph_replay_with_new_lengths_and_pages(c1, c2);
+}
+
+// Prefill chunks (max_q_len 0): the query-tile forward over the page table.
+TEST(CudaPaged, PrefillGraphReplayWithNewLengthsAndPages) {
+  SKIP_WITHOUT_CUDA();
+  const PagedCase c1 = paged_gpu_case({5000, 300, 129}, {300, 24, 1}, 32, 2, 2, 1, 128, 128, 8, kBf16, 0, 33);
+  PagedCase c2 = c1;
+  c2.lens = {4000, 700, 257};
+  c2.nq = {70, 200, 55};
+  c2.seed = 34;
+  graph_replay_with_new_lengths_and_pages(c1, c2);
 }
 
 }  // namespace

@@ -67,9 +67,12 @@ struct QueryTileTraits {
 };
 
 // The CTA's tile: blockIdx.x counts from the last (heavy, late tiles first); count 0: nothing to do.
+// With a page table, the tile's tokens are the last tile.seq_len of their sequence's cached keys.
 template <class Params>
 __device__ QueryTile query_tile(const Params& p) {
-  return decode_tile(p.cu_seqlens, p.nseq, p.T, p.tile_tokens, p.num_tiles - 1 - blockIdx.x);
+  QueryTile t = decode_tile(p.cu_seqlens, p.nseq, p.T, p.tile_tokens, p.num_tiles - 1 - blockIdx.x);
+  p.paged.place(t);
+  return t;
 }
 
 template <class Traits>
@@ -138,10 +141,10 @@ struct QueryTileStream {
     const int lane = threadIdx.x & 31;
     int32_t n;
     if (p.dense) {
-      n = (tile.first + tile.count - 1) / kBlockN + 1;
+      n = (tile.pos0 + tile.count - 1) / kBlockN + 1;
     } else {
       const int32_t* rows = p.block_idx + (tile.seq_start + tile.first) * p.bi_s0 + ih * p.bi_s1;
-      n = build_block_union(us(p), rows, p.bi_s0, p.top_k, tile.first, tile.count, kBlockN, lane);
+      n = build_block_union(us(p), rows, p.bi_s0, p.top_k, tile.pos0, tile.count, kBlockN, lane);
     }
     if (lane == 0) ss.num_blocks = n;
     __syncwarp();
@@ -149,9 +152,13 @@ struct QueryTileStream {
                                         static_cast<uint32_t>(Barrier::kListReady));
     if (lane != 0) return;
 
-    Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.T, kHeadDim, p.Hkv));
-    Tensor mV = p.tma_v.get_tma_tensor(make_shape(p.T, kHeadDim, p.Hkv));
-    const int32_t seq0 = static_cast<int32_t>(tile.seq_start);
+    const int32_t rows = p.paged.rows(p.T);
+    Tensor mK = p.tma_k.get_tma_tensor(make_shape(rows, kHeadDim, p.Hkv));
+    Tensor mV = p.tma_v.get_tma_tensor(make_shape(rows, kHeadDim, p.Hkv));
+    // Block b is tile b of the sequence's rows, or page pages[b] (an id out of range reads
+    // zeros: TMA fills boxes outside the tensor).
+    const int32_t* pages = p.paged.pages(tile);
+    const int32_t seq0 = pages != nullptr ? 0 : static_cast<int32_t>(tile.seq_start);
     Tensor gK = local_tile(domain_offset(make_coord(seq0, _0{}), mK(_, _, kvh)),
                            Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));
     Tensor gV = local_tile(domain_offset(make_coord(seq0, _0{}), mV(_, _, kvh)),
@@ -163,7 +170,7 @@ struct QueryTileStream {
     const BlockList<Params> list{p, us(p)};
     auto state = cutlass::make_producer_start_state<Pipeline>();
     for (int32_t u = 0; u < n; ++u) {
-      const int32_t b = list.block(u);
+      const int32_t b = pages != nullptr ? pages[list.block(u)] : list.block(u);
       pipe_k.producer_acquire(state);
       copy(p.tma_k.with(*pipe_k.producer_get_barrier(state), 0), tKg(_, b), tKs(_, state.index()));
       if (with_v) {

@@ -15,6 +15,11 @@ struct QueryTile {
   int32_t seq_len;
   int32_t first;      // position of the tile's first token inside its sequence
   int32_t count;      // tokens in the tile (0: empty tile id)
+  // Key space: the key position of the tile's first token and the sequence's keys. A packed
+  // sequence attends to itself (pos0 = first, key_len = seq_len); a paged call's new tokens are
+  // the last ones of a longer cached sequence (set by the kernels that read a page table).
+  int32_t pos0;
+  int32_t key_len;
 };
 
 // v clamped to [lo, hi].
@@ -22,10 +27,37 @@ __host__ __device__ inline int64_t clamp_offset(int64_t v, int64_t lo, int64_t h
   return v < lo ? lo : (v > hi ? hi : v);
 }
 
+// Keys in a paged cache (a serving prefill run by the training kernels): the key tensors are
+// pages [page, Bk, H, D] viewed as kv_rows = pages * Bk rows, block b of sequence s is page
+// page_table[s * pt_s0 + b], and a tile's tokens (packed by cu_seqlens) are the last new ones of
+// their sequence's seq_lens[s] cached keys (clamped to key_cap = max_pages * Bk). A null
+// page_table: the keys are packed like the tokens, each sequence attending to itself.
+struct PagedKeys {
+  const int32_t* page_table = nullptr;
+  int64_t pt_s0 = 0;
+  const int32_t* seq_lens = nullptr;
+  int32_t key_cap = 0;
+  int32_t kv_rows = 0;
+
+  // Rows of the key tensors (their TMA shape): the pages', or T packed ones.
+  __host__ __device__ int32_t rows(int32_t T) const { return page_table != nullptr ? kv_rows : T; }
+  // The tile's key space (pos0, key_len) for paged keys.
+  __device__ void place(QueryTile& t) const {
+    if (page_table == nullptr || t.count == 0) return;
+    const int32_t len = static_cast<int32_t>(clamp_offset(seq_lens[t.seq], 0, key_cap));
+    t.pos0 = (len > t.seq_len ? len - t.seq_len : 0) + t.first;
+    t.key_len = len;
+  }
+  // The page ids of the tile's sequence (null: packed keys, block b is tile b of its rows).
+  __device__ const int32_t* pages(const QueryTile& t) const {
+    return page_table != nullptr ? page_table + t.seq * pt_s0 : nullptr;
+  }
+};
+
 // cu_seqlens == nullptr: one sequence of T tokens.
 __device__ inline QueryTile decode_tile(const int32_t* cu_seqlens, int32_t nseq, int64_t T,
                                         int32_t m, int64_t tile_id) {
-  QueryTile t{0, 0, 0, 0, 0};
+  QueryTile t{0, 0, 0, 0, 0, 0, 0};
   int32_t s = 0;
   if (cu_seqlens != nullptr) {
     // The last sequence s with base(s) <= tile_id.
@@ -51,6 +83,8 @@ __device__ inline QueryTile decode_tile(const int32_t* cu_seqlens, int32_t nseq,
   if (j < 0 || first >= t.seq_len) return t;
   t.first = static_cast<int32_t>(first);
   t.count = static_cast<int32_t>(t.seq_len - first < m ? t.seq_len - first : m);
+  t.pos0 = t.first;
+  t.key_len = t.seq_len;
   return t;
 }
 

@@ -47,6 +47,7 @@ struct QueryTileArgs : SeqArgs {
   bool dense = false;
   kern::UnionLayout uni;  // the block-union arrays (zero in dense mode)
   int64_t num_tiles = 0;  // grid.x
+  kern::PagedKeys paged;  // K and V in a paged cache (a serving prefill); default: packed
 };
 
 // Attention forward (kernels/fwd_kernel.cuh); also the index branch's LSE over a selection
@@ -80,6 +81,7 @@ struct SelectArgs : SeqArgs {
   float scale = 0.f;  // |scale_idx|
   bool negate = false;
   int64_t num_tiles = 0;
+  kern::PagedKeys paged;  // k_idx in a paged cache (a serving prefill); default: packed
 };
 
 // Attention backward, query side (kernels/bwd_q_kernel.cuh).

@@ -61,9 +61,10 @@ Status launch_query_tile(const char* fn, Kernel kernel, const Args& a, cudaStrea
   constexpr int kHeadDim = Traits::kHeadDim, kBlockN = Traits::kBlockN;
   Params p{};
   static_cast<Args&>(p) = a;
+  const int32_t rows = a.paged.rows(a.T);  // the pages' rows when paged
   const auto kv_tensor = [&](const void* ptr, int64_t s0, int64_t s1) {
     return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)),
-                       make_layout(make_shape(a.T, int32_t(kHeadDim), a.Hkv), make_stride(s0, _1{}, s1)));
+                       make_layout(make_shape(rows, int32_t(kHeadDim), a.Hkv), make_stride(s0, _1{}, s1)));
   };
   const auto smem_kv = take<0, 2>(typename Traits::SmemLayoutKV{});
   const auto box = Shape<Int<kBlockN>, Int<kHeadDim>>{};
@@ -109,7 +110,8 @@ Status launch_select(const SelectArgs& a, cudaStream_t stream) {
   kern::SelectKernelParams<Traits> p{};
   static_cast<SelectArgs&>(p) = a;
   auto g = make_tensor(make_gmem_ptr(static_cast<Element const*>(a.k_idx)),
-                       make_layout(make_shape(a.T, int32_t(kDim), a.Hik), make_stride(a.k_s0, _1{}, a.k_s1)));
+                       make_layout(make_shape(a.paged.rows(a.T), int32_t(kDim), a.Hik),
+                                   make_stride(a.k_s0, _1{}, a.k_s1)));
   p.tma_k = make_tma_copy(SM90_TMA_LOAD{}, g, take<0, 2>(typename Traits::SmemLayoutK{}),
                           Shape<Int<kBlockN>, Int<kDim>>{}, _1{});
   const size_t smem = Traits::kListOffset + size_t(Traits::kBlockM) * (a.k | 1) * 8;

@@ -4,14 +4,19 @@
 // grids and workspace depend on shapes only, so a captured CUDA graph replays with new lengths
 // and page tables.
 //
-//   paged_select_blocks  paged_score_kernel (block scores, in passes of tokens that bound the
+//   paged_select_blocks  a prefill (max_q_len = 0): the training selection kernel
+//                        (select_kernel) with the page table as its block iterator; decode:
+//                        paged_score_kernel (block scores, in passes of tokens that bound the
 //                        score buffer) -> paged_topk_kernel
-//   paged_forward        [selection] -> paged_attn_kernel (split over the tile's block union
+//   paged_forward        [selection] -> a prefill (max_q_len = 0): the training forward's
+//                        query-tile kernel (fwd_kernel) with the page table as its block
+//                        iterator; decode: paged_attn_kernel (split over the tile's block union
 //                        when the grid would not fill the GPU) -> [paged_combine_kernel]
 //   paged_append         one copy kernel for k, v and k_idx
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <string>
 
@@ -20,6 +25,7 @@
 #include "check_values.h"
 #include "common.h"
 #include "launch.h"
+#include "plan.h"
 #include "variants.h"
 
 namespace msa::cuda {
@@ -32,6 +38,20 @@ int32_t max_pages_of(const PagedCache& c) { return static_cast<int32_t>(c.page_t
 int32_t num_pages_of(const TensorRef& cache) { return static_cast<int32_t>(cache.shape[0]); }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Whether a cache tensor's pages are whole row ranges (page stride = Bk rows): the pages of one
+// head are then one TMA tensor of pages * Bk rows, which the training kernels read by page id.
+bool pages_are_rows(const TensorRef& c, int32_t bk) { return c.stride[0] == int64_t(bk) * c.stride[1]; }
+
+kern::PagedKeys paged_keys(const PagedCache& c, const TensorRef& keys, int32_t bk) {
+  kern::PagedKeys k;
+  k.page_table = static_cast<const int32_t*>(c.page_table.data);
+  k.pt_s0 = c.page_table.stride[0];
+  k.seq_lens = static_cast<const int32_t*>(c.seq_lens.data);
+  k.key_cap = max_pages_of(c) * bk;
+  k.kv_rows = num_pages_of(keys) * bk;
+  return k;
+}
 
 // A cache tensor [pages, Bk, H, D]: 16-byte rows for cp.async.
 Status check_cache(const char* fn, const char* arg, const TensorRef& t) {
@@ -67,7 +87,13 @@ struct SelectPlan {
   kern::PagedTopkArgs topk;
   int64_t pass_tokens = 0;
   size_t bytes = 0;  // the score buffer
+  // A prefill: the training selection kernel over the page table instead (no score buffer).
+  bool query_tile = false;
+  SelectArgs tile;
 };
+
+// The training selection kernel's limit on k (its per-row candidate lists fill shared memory).
+constexpr int32_t kTileSelectMaxK = 32;
 
 Status can_paged_select(const char* fn, const Problem& prob, const PagedSelectParams& p) {
   MSA_TRY(check_half(fn, "q_idx", p.q_idx));
@@ -127,11 +153,30 @@ SelectPlan select_plan(const Problem& prob, const PagedSelectParams& p) {
   t.block_idx = static_cast<int32_t*>(p.block_idx.data);
   t.bi_s0 = p.block_idx.stride[0];
   t.bi_s1 = p.block_idx.stride[1];
+
+  // A prefill chunk (max_q_len = 0) scores every block of its sequences once per 256 index rows
+  // with wgmma: the training selection kernel, its block b read from page page_table[s, b].
+  const int32_t bk = prob.opts.block_size;
+  if (p.max_q_len == 0 && prob.k <= kTileSelectMaxK && prob.idx_per_key() <= 128 &&
+      pages_are_rows(p.cache.k_idx, bk)) {
+    sp.query_tile = true;
+    sp.bytes = 0;
+    SelectArgs& s = sp.tile;
+    s = select_args(prob, p.q_idx, p.cache.k_idx, p.cu_seqlens_q, p.block_idx);
+    s.k_s0 = p.cache.k_idx.stride[1];
+    s.k_s1 = p.cache.k_idx.stride[2];
+    s.paged = paged_keys(p.cache, p.cache.k_idx, bk);
+  }
   return sp;
 }
 
 Status run_select(const char* fn, const Problem& prob, SelectPlan sp, void* ws, DType dt,
                   cudaStream_t stream) {
+  if (sp.query_tile)
+    return dispatch(fn, "q_idx", dt, prob.Di, prob.opts.block_size, [&](auto v) {
+      using V = decltype(v);
+      return launch_select<typename V::Element, V::kDim, V::kBlockN>(sp.tile, stream);
+    });
   sp.score.scores = static_cast<float*>(ws);
   sp.topk.scores = sp.score.scores;
   for (int64_t lo = 0; lo < prob.T; lo += sp.pass_tokens) {
@@ -230,6 +275,75 @@ AttnPlan attn_plan(const Problem& prob, const PagedForwardParams& p) {
   return ap;
 }
 
+// ---- prefill attention: the training forward (kernels/fwd_kernel.cuh: 128-row query tiles,
+// wgmma, K and V by TMA) reading block b of sequence s from page page_table[s, b], with the
+// tokens' key positions offset to the end of their cached sequence. Taken for prefill calls
+// (max_q_len = 0) whose cache pages are whole row ranges (page stride = Bk rows, so the pages
+// are one TMA tensor of pages * Bk rows) and whose heads one query tile packs; decode keeps
+// paged_attn_kernel, which packs a few tokens' rows and splits the union over CTAs.
+struct PrefillPlan {
+  bool use = false;
+  FwdArgs fwd;
+  size_t bytes = 0;  // a scratch LSE [Tq, Hq] when the call asks for none (the kernel writes it)
+};
+
+PrefillPlan prefill_plan(const Problem& prob, const PagedForwardParams& p) {
+  PrefillPlan pp;
+  const bool dense = prob.opts.mode == Mode::kDense;
+  const int32_t bk = prob.opts.block_size;
+  const int32_t groups = dense ? prob.Hkv : prob.Hi;
+  if (p.max_q_len != 0 || groups <= 0 || groups % prob.Hkv != 0 || prob.Hq % groups != 0 ||
+      prob.Hq / groups > kQueryTileRows || !pages_are_rows(p.cache.k, bk) ||
+      !pages_are_rows(p.cache.v, bk))
+    return pp;
+  pp.use = true;
+  FwdArgs& a = pp.fwd;
+  a.cu_seqlens = static_cast<const int32_t*>(p.cu_seqlens_q.data);
+  a.nseq = static_cast<int32_t>(p.cu_seqlens_q.shape[0] - 1);
+  a.T = static_cast<int32_t>(prob.T);
+  a.Hq = prob.Hq;
+  a.Hkv = prob.Hkv;
+  a.Hi = groups;
+  a.heads_per_idx = prob.Hq / groups;
+  a.idx_per_kv = groups / prob.Hkv;
+  a.tile_tokens = kQueryTileRows / a.heads_per_idx;
+  a.top_k = prob.k;
+  a.dense = dense;
+  if (!dense) {
+    a.block_idx = static_cast<const int32_t*>(p.block_idx.data);
+    a.bi_s0 = p.block_idx.stride[0];
+    a.bi_s1 = p.block_idx.stride[1];
+  }
+  a.paged = paged_keys(p.cache, p.cache.k, bk);
+  a.uni = kern::UnionLayout::make(dense, a.paged.key_cap, bk, a.tile_tokens, prob.k);
+  a.num_tiles = kern::num_tile_ids(a.nseq, a.T, a.tile_tokens);
+  a.q = p.q.data;
+  a.q_s0 = p.q.stride[0];
+  a.q_s1 = p.q.stride[1];
+  a.k = p.cache.k.data;
+  a.k_s0 = p.cache.k.stride[1];
+  a.k_s1 = p.cache.k.stride[2];
+  a.v = p.cache.v.data;
+  a.v_s0 = p.cache.v.stride[1];
+  a.v_s1 = p.cache.v.stride[2];
+  a.out = p.out.data;
+  a.o_s0 = p.out.stride[0];
+  a.o_s1 = p.out.stride[1];
+  if (p.lse.defined()) {
+    a.lse = static_cast<float*>(p.lse.data);
+    a.lse_s0 = p.lse.stride[0];
+    a.lse_s1 = p.lse.stride[1];
+  } else {
+    pp.bytes = (size_t(prob.T) * prob.Hq * sizeof(float) + 255) / 256 * 256;
+    a.lse_s0 = prob.Hq;
+    a.lse_s1 = 1;
+  }
+  a.scale = std::fabs(prob.opts.scale);
+  a.scale_log2 = a.scale * 1.4426950408889634f;
+  a.negate = prob.opts.scale < 0.f;
+  return pp;
+}
+
 Status need(const char* fn, size_t bytes, const Launch& launch) {
   if (bytes == 0) return Status::Ok();
   if (launch.workspace == nullptr || launch.workspace_bytes < bytes)
@@ -309,9 +423,11 @@ Status paged_forward(const Problem& prob, const PagedForwardParams& p) {
     MSA_TRY(can_paged_select(fn, prob, select_part(p)));
     sp = select_plan(prob, select_part(p));
   }
-  AttnPlan ap = attn_plan(prob, p);
+  PrefillPlan pf = prefill_plan(prob, p);
+  AttnPlan ap;
+  if (!pf.use) ap = attn_plan(prob, p);
   // Selection and attention run one after the other: the larger of the two workspaces.
-  MSA_TRY(need(fn, std::max(sp.bytes, ap.bytes), p.launch));
+  MSA_TRY(need(fn, std::max(sp.bytes, pf.use ? pf.bytes : ap.bytes), p.launch));
   if (prob.T == 0) return Status::Ok();
   DeviceGuard guard(p.q.device.index);
   MSA_TRY(check_paged_values(fn, prob, p.cu_seqlens_q, p.cache,
@@ -319,6 +435,13 @@ Status paged_forward(const Problem& prob, const PagedForwardParams& p) {
   const cudaStream_t stream = static_cast<cudaStream_t>(p.launch.stream);
   void* ws = p.launch.workspace;
   if (select) MSA_TRY(run_select(fn, prob, sp, ws, p.q_idx.dtype, stream));
+  if (pf.use) {
+    if (pf.fwd.lse == nullptr) pf.fwd.lse = static_cast<float*>(ws);
+    return dispatch(fn, "q", p.q.dtype, prob.D, prob.opts.block_size, [&](auto v) {
+      using V = decltype(v);
+      return launch_forward<typename V::Element, V::kDim, V::kBlockN>(pf.fwd, stream);
+    });
+  }
   if (ap.attn.splits > 1) {
     ap.attn.part_o = at<float>(ws, ap.part_o);
     ap.attn.part_lse = at<float>(ws, ap.part_lse);
@@ -376,7 +499,8 @@ size_t paged_select_workspace(const Problem& prob, const PagedSelectParams& p) {
 
 size_t paged_forward_workspace(const Problem& prob, const PagedForwardParams& p) {
   if (!can_paged_attn("paged_forward", prob, p).ok()) return 0;
-  size_t bytes = attn_plan(prob, p).bytes;
+  const PrefillPlan pf = prefill_plan(prob, p);
+  size_t bytes = pf.use ? pf.bytes : attn_plan(prob, p).bytes;
   if (prob.opts.mode == Mode::kSparse && p.select && can_paged_select("paged_forward", prob, select_part(p)).ok())
     bytes = std::max(bytes, select_plan(prob, select_part(p)).bytes);
   return bytes;

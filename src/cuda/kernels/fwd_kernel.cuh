@@ -158,7 +158,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   auto softmax_step = [&](int32_t u, float (&corr)[kRows]) {
     const int32_t b = p.dense ? u : us.blocks[u];
     const int32_t key0 = b * kBlockN;
-    const bool causal = key0 + kBlockN - 1 > tile.first;
+    const bool causal = key0 + kBlockN - 1 > tile.pos0;
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       bool member = row_ok[r];
@@ -166,7 +166,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         const uint32_t word = us.members[u * p.uni.mask_words + (row_tok[r] >> 5)];
         member = (word >> (row_tok[r] & 31)) & 1u;
       }
-      const int32_t qpos = tile.first + row_tok[r];
+      const int32_t qpos = tile.pos0 + row_tok[r];
 #pragma unroll
       for (int c = 0; c < size<1>(S); ++c) {
         if (!member || (causal && key0 + get<1>(cSrc(r, c)) > qpos)) S(r, c) = -INFINITY;
@@ -174,14 +174,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
     softmax.update(S, corr);
   };
-  // Keys past the sequence end belong to the next sequence: P is 0 there, but 0 * NaN is not,
-  // so those rows of the V stage are zeroed. Each warpgroup zeroes them before its own P V (the
+  // Keys past the sequence end belong to the next sequence (or are a page's unwritten rows): P
+  // is 0 there, but 0 * NaN is not, so those rows of the V stage are zeroed. Each warpgroup zeroes them before its own P V (the
   // two may both write the same zeros), then syncs its 128 threads.
   const int wg = tidx / 128;
   auto zero_v_tail = [&](int32_t u, int stage) {
     const int32_t key0 = (p.dense ? u : us.blocks[u]) * kBlockN;
-    if (key0 + kBlockN <= tile.seq_len) return;
-    const int32_t valid = tile.seq_len - key0;
+    if (key0 + kBlockN <= tile.key_len) return;
+    const int32_t valid = tile.key_len - key0;
     constexpr int kChunks = kHeadDim / 8;
     for (int e = tidx % 128; e < (kBlockN - valid) * kChunks; e += 128) {
       const int row = valid + e / kChunks, c = e % kChunks;

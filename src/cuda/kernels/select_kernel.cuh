@@ -85,9 +85,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   const int64_t tile_id = p.num_tiles - 1 - blockIdx.x;
   const int32_t ik = blockIdx.y;
-  const QueryTile tile = decode_tile(p.cu_seqlens, p.nseq, p.T, p.tile_tokens, tile_id);
+  QueryTile tile = decode_tile(p.cu_seqlens, p.nseq, p.T, p.tile_tokens, tile_id);
   if (tile.count == 0) return;
-  const int32_t last_block = (tile.first + tile.count - 1) / kBlockN;
+  p.paged.place(tile);  // a prefill over paged index keys: the tokens' key positions
+  const int32_t last_block = (tile.pos0 + tile.count - 1) / kBlockN;
 
   const int warp = cutlass::canonical_warp_idx_sync();
   const bool producer = warp < 4;
@@ -105,16 +106,19 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   if (producer) {
     cutlass::arch::warpgroup_reg_dealloc<40>();
     if (threadIdx.x != 0) return;
-    Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.T, kDim, p.Hik));
-    Tensor gK = local_tile(domain_offset(make_coord(static_cast<int32_t>(tile.seq_start), _0{}),
-                                         mK(_, _, ik)),
+    Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.paged.rows(p.T), kDim, p.Hik));
+    // Block b: tile b of the sequence's rows, or page pages[b] (ids out of range read zeros).
+    const int32_t* pages = p.paged.pages(tile);
+    const int32_t seq0 = pages != nullptr ? 0 : static_cast<int32_t>(tile.seq_start);
+    Tensor gK = local_tile(domain_offset(make_coord(seq0, _0{}), mK(_, _, ik)),
                            Shape<Int<kBlockN>, Int<kDim>>{}, make_coord(_, _0{}));
     auto [tKg, tKs] = tma_partition(p.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
                                     group_modes<0, 2>(gK));
     auto state = cutlass::make_producer_start_state<Pipeline>();
     for (int32_t b = 0; b <= last_block; ++b) {
       pipe.producer_acquire(state);
-      copy(p.tma_k.with(*pipe.producer_get_barrier(state), 0), tKg(_, b), tKs(_, state.index()));
+      copy(p.tma_k.with(*pipe.producer_get_barrier(state), 0), tKg(_, pages != nullptr ? pages[b] : b),
+           tKs(_, state.index()));
       ++state;
     }
     return;
@@ -153,7 +157,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   }
   const int32_t my_tok = my_row / Gk;
   const bool active = my_row < rows_used && my_tok < tile.count;
-  const int32_t my_pos = tile.first + my_tok;
+  const int32_t my_pos = tile.pos0 + my_tok;  // key position (tile.first + my_tok when packed)
   const int32_t own = my_pos / kBlockN;
   const int32_t first_local = max(0, own - p.local_blocks + 1);
   const int32_t first_cand = p.sink_blocks, end_cand = first_local;  // [sink, first_local)
@@ -194,13 +198,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
     // Each row's max over the block's causal keys: four independent chains, then the quad.
     const int32_t key0 = b * kBlockN;
-    const bool causal = key0 + kBlockN - 1 > tile.first;
+    const bool causal = key0 + kBlockN - 1 > tile.pos0;
     float block_max[kRows];
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       float m[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
       if (causal) {
-        const int32_t last_key = tile.first + row_tok[r] - key0;
+        const int32_t last_key = tile.pos0 + row_tok[r] - key0;
 #pragma unroll
         for (int c = 0; c < size<1>(S); ++c)
           m[c & 3] = fmaxf(m[c & 3], get<1>(cSrc(r, c)) <= last_key ? S(r, c) : -INFINITY);
@@ -239,7 +243,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     my_block[j] = v;
   }
   const int32_t head = ik * Gk + (my_row - my_tok * Gk);
-  int32_t* out = p.block_idx + (tile.seq_start + my_pos) * p.bi_s0 + (int64_t)head * p.bi_s1;
+  int32_t* out = p.block_idx + (tile.seq_start + tile.first + my_tok) * p.bi_s0 + (int64_t)head * p.bi_s1;
   int32_t n = 0;
   for (int32_t b = 0; b < min(p.sink_blocks, first_local); ++b) out[n++] = b;
   for (int i = 0; i < slots; ++i)
