@@ -184,6 +184,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=None, help="write PREFIX.csv and PREFIX.json")
     p.add_argument("--no-prefill", action="store_true")
+    p.add_argument("--no-decode", action="store_true")
     p.add_argument("--ctx", type=int, nargs="*", help="decode context lengths (default: a grid)")
     p.add_argument("--batch", type=int, nargs="*", help="decode batches")
     p.add_argument("--q-len", type=int, nargs="*", help="decode new tokens per sequence")
@@ -201,7 +202,7 @@ def main(argv=None) -> int:
     max_tokens = 8 << 20
     cache = Cache(max_tokens // BK + 64, dev)
     rows = []
-    for ctx in ctxs:
+    for ctx in ([] if args.no_decode else ctxs):
         for batch in batches:
             if batch * ctx > max_tokens:
                 continue
