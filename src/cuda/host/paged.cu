@@ -125,13 +125,14 @@ SelectPlan select_plan(const Problem& prob, const PagedSelectParams& p) {
   a.Hik = prob.Hik;
   a.idx_per_key = prob.idx_per_key();
   a.scale = prob.opts.scale_idx;
-  // Chunks of blocks: one whole wave of CTAs (as many as fit on every SM at once: a second,
-  // partial wave would double a short call's time), from shapes only.
+  // Chunks of blocks: at most one whole wave of CTAs (as many as fit on every SM at once: a
+  // second, partial wave would double a short call's time), from shapes only. The chunk count
+  // rounds down: rounding up (5 chunks of 64 tiles for 264 slots) made a second wave.
   const int64_t per_sm = std::clamp<int64_t>(
       int64_t(227 * 1024) / int64_t(paged_score_smem(prob.Di, prob.opts.block_size) + 1024), 1, 8);
   const int64_t want = per_sm * int64_t(num_sms());
   const int64_t ctas = std::max<int64_t>(1, busy_tiles(a, p.max_q_len) * a.Hik);
-  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(a.max_pages, ceil_div(want, ctas)));
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(a.max_pages, want / ctas));
   a.chunk_blocks = static_cast<int32_t>(std::max<int64_t>(1, ceil_div(a.max_pages, chunks)));
   a.num_chunks = static_cast<int32_t>(std::max<int64_t>(1, ceil_div(a.max_pages, a.chunk_blocks)));
   const size_t row_bytes = size_t(prob.Hi) * std::max(1, a.max_pages) * sizeof(float);
