@@ -178,7 +178,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   }
 
   // An entry's columns into stage st (everything by cp.async: nothing here waits for memory).
-  constexpr bool kRebuildLoader = Traits::kKl;
+  constexpr bool kRebuildLoader = Traits::kKl || ColumnLoader<kHeadDim, kThreads>::kIters > 4;
   const ColumnLoader<kHeadDim, kThreads> cols_in(sQ(_, _, 0), Gi, tid);
   constexpr int kStageElems = kBlockC * kHeadDim;
   constexpr int kTok = Traits::kTok;
@@ -192,8 +192,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       cl.load(ss.dout.data() + st * kStageElems, as<Element>(p.dout) + head0 * p.do_s1, p.do_s0,
               p.do_s1, t);
     };
-    // With the KL branch the loader's addressing is rebuilt per entry: registers are scarcer
-    // than its few integer operations.
+    // With the KL branch, or one warpgroup (twice the rows per thread), the loader's addressing
+    // is rebuilt per entry: registers are scarcer than its few integer operations.
     if constexpr (kRebuildLoader) load_columns(ColumnLoader<kHeadDim, kThreads>(sQ(_, _, 0), Gi, fresh_thread_index()));
     else load_columns(cols_in);
     if (tid < kBlockC) {
