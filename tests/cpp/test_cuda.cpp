@@ -1478,6 +1478,21 @@ struct Workspace {
   }
 };
 
+// paged_forward into poisoned out and lse tensors, with a workspace of its own; the call must succeed.
+struct PagedForwardRun {
+  DeviceTensor out, lse;
+  PagedForwardRun(const PagedCase& cs, const PagedRefs& r, Mode mode, bool select, const msa::TensorRef& bi,
+                  int64_t Tq, cudaStream_t s)
+      : out(DeviceTensor::poisoned(cs.dtype, {Tq, cs.Hq, cs.D}, s)),
+        lse(DeviceTensor::poisoned(DType::kFloat32, {Tq, cs.Hq}, s)) {
+    msa::PagedForwardParams fp = paged_forward_params(cs, r, mode, select, bi, out.ref(), lse.ref());
+    Workspace ws(msa::workspace_size(fp));
+    ws.attach(fp);
+    fp.launch.stream = s;
+    require_ok(msa::paged_forward(fp));
+  }
+};
+
 // A [Tq, ...] result scattered to the rows of the contiguous problem (new_rows), for the checks
 // written against whole problems; other rows hold `fill`.
 HostTensor to_full_rows(const HostTensor& t, const PagedBatch& b, double fill) {
@@ -1572,14 +1587,9 @@ TEST_P(PagedCudaVsCpu, SelectAndForward) {
 
   // Attention over that selection, against the CPU backend's paged call over the same one.
   const FwdResult want = cpu_paged_forward(cs, b, &sel, Mode::kSparse);
-  DeviceTensor out = DeviceTensor::poisoned(cs.dtype, {b.Tq, cs.Hq, cs.D}, st.get());
-  DeviceTensor lse = DeviceTensor::poisoned(DType::kFloat32, {b.Tq, cs.Hq}, st.get());
-  msa::PagedForwardParams fp = paged_forward_params(cs, r, Mode::kSparse, false, bi.ref(), out.ref(), lse.ref());
-  Workspace ws_fwd(msa::workspace_size(fp));
-  ws_fwd.attach(fp);
-  fp.launch.stream = st.get();
-  require_ok(msa::paged_forward(fp));
-  expect_forward_close(out.download(st.get()), lse.download(st.get()), want, cs.dtype, "paged_forward(block_idx)");
+  PagedForwardRun fwd(cs, r, Mode::kSparse, false, bi.ref(), b.Tq, st.get());
+  expect_forward_close(fwd.out.download(st.get()), fwd.lse.download(st.get()), want, cs.dtype,
+                       "paged_forward(block_idx)");
 
   // With the selection inside the call: its block_idx, then the attention over it.
   DeviceTensor bi2 = DeviceTensor::poisoned(DType::kInt32, {b.Tq, cs.Hi, cs.k}, st.get());
@@ -1687,6 +1697,60 @@ TEST(CudaPaged, ValueChecksNameTheArgument) {
 
 // A decode step captured into a CUDA graph (checks off) and replayed with new lengths, page
 // tables and queries of the same shapes gives the eager result of the new batch.
+// A cache with head-major pages ([page, H, Bk, D] viewed as [page, Bk, H, D]): its pages are not
+// whole row ranges, so a prefill takes the paged kernels (score, top-k, paged attention) instead
+// of the training kernels; the selection and the outputs are the contract's all the same.
+TEST(CudaPaged, PrefillOverHeadMajorPages) {
+  SKIP_WITHOUT_CUDA();
+  const PagedCase cs =
+      with_forced(paged_gpu_case({3000, 700, 1}, {600, 200, 1}, 16, 2, 2, 1, 128, 128, 6, kBf16, 0, 41), 1, 2);
+  SKIP_UNLESS_BUILT(cs.config(), true, true);
+  Stream st(true);
+  PagedBatch b(cs);
+  DevicePaged d(b, st.get());
+  // [P, Bk, H, D] -> a [P, H, Bk, D] copy, and the [P, Bk, H, D] view of it.
+  auto head_major = [&](const HostTensor& t) {
+    const std::vector<int64_t>& sh = t.shape();
+    HostTensor hm(t.dtype(), {sh[0], sh[2], sh[1], sh[3]});
+    for (int64_t pg = 0; pg < sh[0]; ++pg)
+      for (int64_t r = 0; r < sh[1]; ++r)
+        for (int64_t h = 0; h < sh[2]; ++h)
+          for (int64_t x = 0; x < sh[3]; ++x)
+            hm.set(((pg * sh[2] + h) * sh[1] + r) * sh[3] + x, t.get(((pg * sh[1] + r) * sh[2] + h) * sh[3] + x));
+    return hm;
+  };
+  auto view = [](const DeviceTensor& dt, const std::vector<int64_t>& sh) {
+    msa::TensorRef v = dt.ref();
+    v.shape[0] = sh[0];
+    v.shape[1] = sh[1];
+    v.shape[2] = sh[2];
+    v.shape[3] = sh[3];
+    v.stride[0] = sh[1] * sh[2] * sh[3];
+    v.stride[1] = sh[3];
+    v.stride[2] = sh[1] * sh[3];
+    v.stride[3] = 1;
+    return v;
+  };
+  HostTensor khm = head_major(b.kc), vhm = head_major(b.vc), kihm = head_major(b.kic);
+  DeviceTensor dk = DeviceTensor::upload(khm, st.get()), dv = DeviceTensor::upload(vhm, st.get()),
+               dki = DeviceTensor::upload(kihm, st.get());
+  PagedRefs r = d.refs();
+  r.k = view(dk, b.kc.shape());
+  r.v = view(dv, b.vc.shape());
+  r.k_idx = view(dki, b.kic.shape());
+  ASSERT_NE(r.k.stride[0], cs.Bk * r.k.stride[1]) << "the pages must not be row ranges here";
+
+  DeviceTensor bi = DeviceTensor::poisoned(DType::kInt32, {b.Tq, cs.Hi, cs.k}, st.get());
+  PagedForwardRun fwd(cs, r, Mode::kSparse, true, bi.ref(), b.Tq, st.get());
+  HostTensor sel = bi.download(st.get());
+  const IndexScores sc(b.full);
+  const Failures fs = check_selection(b.full, sc, to_full_rows(sel, b, -1), nullptr, b.new_rows);
+  EXPECT_EQ(fs.count, 0) << "selection over head-major pages:" << fs.first;
+  const FwdResult want = cpu_paged_forward(cs, b, &sel, Mode::kSparse);
+  expect_forward_close(fwd.out.download(st.get()), fwd.lse.download(st.get()), want, cs.dtype,
+                       "paged_forward over head-major pages");
+}
+
 // One captured paged_forward (selection inside) replayed over two batches of the same shapes
 // with other lengths, page tables and contents.
 void graph_replay_with_new_lengths_and_pages(const PagedCase& c1, const PagedCase& c2) {
