@@ -1556,6 +1556,8 @@ const PagedCase kPagedCases[] = {
     with_forced(paged_gpu_case({3000, 700, 1}, {600, 200, 1}, 16, 2, 2, 1, 128, 128, 6, kBf16, 0, 4), 1, 2),
     // other variants (skipped when not built)
     paged_gpu_case({2100, 90}, {16, 16}, 8, 2, 2, 1, 64, 64, 5, kFp16, 16, 5),
+    // decode with few rows per sequence (max_q_len x Gk <= 16: the 16-row score tiles)
+    paged_gpu_case({2100, 90, 1}, {2, 1, 1}, 8, 2, 2, 1, 64, 64, 5, kFp16, 2, 8),
     paged_gpu_case({1500}, {300}, 8, 8, 8, 1, 64, 128, 4, kFp16, 0, 6),
     paged_gpu_case({900, 65}, {5, 65}, 4, 1, 4, 4, 128, 64, 3, kBf16, 0, 7),
 };

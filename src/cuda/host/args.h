@@ -19,12 +19,13 @@ constexpr int kSelectTileRows = 256;
 // Rows of the paged kernels' tiles: index rows (token x index head) of a score tile, and query rows
 // (token x query head of one KV head) of an attention tile.
 constexpr int kPagedScoreRows = 32;
+constexpr int kPagedScoreRowsDecode = 16;  // a decode call whose max_q_len x Gk rows fit in 16
 constexpr int kPagedAttnRows = 64;
 constexpr int kPagedScoreStages = 3;
 // Shared memory of a score CTA (Q rows, the k_idx stages, the per-warp maxima), for sizing a grid
 // to whole waves on the host.
-constexpr size_t paged_score_smem(int Di, int Bk) {
-  return size_t(kPagedScoreRows + kPagedScoreStages * Bk) * Di * 2 + 4 * kPagedScoreRows * 4;
+constexpr size_t paged_score_smem(int Di, int Bk, int rows = kPagedScoreRows) {
+  return size_t(rows + kPagedScoreStages * Bk) * Di * 2 + 4 * rows * 4;
 }
 
 // Packed sequences: cu_seqlens (null: one sequence of T tokens).
@@ -188,6 +189,7 @@ struct PagedScoreArgs : PagedArgs {
   const void* k_idx = nullptr;  // cache [pages, Bk, Hik, Di]
   int64_t k_s0 = 0, k_s1 = 0, k_s2 = 0;
   int32_t Hi = 0, Hik = 0, idx_per_key = 0;  // Gk = Hi / Hik <= kPagedScoreRows
+  int32_t rows = kPagedScoreRows;            // index rows of a tile (the kernel's instance)
   float scale = 0.f;                         // signed scale_idx
   float* scores = nullptr;
   int32_t chunk_blocks = 0, num_chunks = 0;  // grid.z: chunks of chunk_blocks logical blocks

@@ -160,11 +160,15 @@ Status launch_kl(const KlArgs& a, cudaStream_t stream) {
 
 template <class Element, int kDim, int kBlockN>
 Status launch_paged_score(const PagedScoreArgs& a, cudaStream_t stream) {
-  using Traits = kern::PagedScoreTraits<Element, kDim, kBlockN>;
   const dim3 grid(static_cast<unsigned>(a.num_tiles), static_cast<unsigned>(a.Hik),
                   static_cast<unsigned>(a.num_chunks));
-  return detail::launch_kernel("paged_select_blocks", kern::paged_score_kernel<Traits>, grid, Traits::kThreads,
-                               sizeof(typename Traits::SharedStorage), stream, a);
+  auto launch = [&](auto rows) {
+    using Traits = kern::PagedScoreTraits<Element, kDim, kBlockN, decltype(rows)::value>;
+    return detail::launch_kernel("paged_select_blocks", kern::paged_score_kernel<Traits>, grid,
+                                 Traits::kThreads, sizeof(typename Traits::SharedStorage), stream, a);
+  };
+  if (a.rows == kPagedScoreRowsDecode) return launch(cute::Int<kPagedScoreRowsDecode>{});
+  return launch(cute::Int<kPagedScoreRows>{});
 }
 
 template <class Element, int kHeadDim, int kBlockN>

@@ -112,7 +112,10 @@ Status can_paged_select(const char* fn, const Problem& prob, const PagedSelectPa
 SelectPlan select_plan(const Problem& prob, const PagedSelectParams& p) {
   SelectPlan sp;
   PagedScoreArgs& a = sp.score;
-  static_cast<PagedArgs&>(a) = paged_args(prob, p.cu_seqlens_q, p.cache, kPagedScoreRows / prob.idx_per_key());
+  // Decode tiles of 16 index rows when a sequence's tokens x Gk fit, else 32.
+  a.rows = p.max_q_len > 0 && p.max_q_len * prob.idx_per_key() <= kPagedScoreRowsDecode ? kPagedScoreRowsDecode
+                                                                                          : kPagedScoreRows;
+  static_cast<PagedArgs&>(a) = paged_args(prob, p.cu_seqlens_q, p.cache, a.rows / prob.idx_per_key());
   a.q_idx = p.q_idx.data;
   a.q_s0 = p.q_idx.stride[0];
   a.q_s1 = p.q_idx.stride[1];
@@ -129,7 +132,7 @@ SelectPlan select_plan(const Problem& prob, const PagedSelectParams& p) {
   // second, partial wave would double a short call's time), from shapes only. The chunk count
   // rounds down: rounding up (5 chunks of 64 tiles for 264 slots) made a second wave.
   const int64_t per_sm = std::clamp<int64_t>(
-      int64_t(227 * 1024) / int64_t(paged_score_smem(prob.Di, prob.opts.block_size) + 1024), 1, 8);
+      int64_t(227 * 1024) / int64_t(paged_score_smem(prob.Di, prob.opts.block_size, a.rows) + 1024), 1, 8);
   const int64_t want = per_sm * int64_t(num_sms());
   const int64_t ctas = std::max<int64_t>(1, busy_tiles(a, p.max_q_len) * a.Hik);
   const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(a.max_pages, want / ctas));

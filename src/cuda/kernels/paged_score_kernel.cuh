@@ -7,8 +7,9 @@
 //                       tokens still spreads its index keys over every SM.
 //   paged_topk_kernel   (kernels/paged_topk.cuh) the contract's selection from those scores.
 //
-// Score kernel. Rows: a tile packs m = kPagedScoreRows / Gk new tokens x the Gk = Hi / Hik index
-// heads of one index key head into 32 MMA columns (row = token * Gk + head). Warp roles: none;
+// Score kernel. Rows: a tile packs m = kRows / Gk new tokens x the Gk = Hi / Hik index heads of
+// one index key head into kRows MMA columns (row = token * Gk + head): 32, or 16 for a decode
+// call whose tokens per sequence times Gk fit (half the MMA and reduction work per key). Warp roles: none;
 // four warps each take 1/4 of a block's keys (S^T = K q^T: keys are the MMA's M, so a block of
 // 128 keys fills the tensor cores whatever the row count). Pipeline: kStages cp.async stages
 // of k_idx blocks; blocks b + 1 .. b + kStages - 1 are in flight while block b is scored.
@@ -21,12 +22,12 @@
 
 namespace msa::cuda::kern {
 
-template <class Element_, int kDim_, int kBlockN_>
+template <class Element_, int kDim_, int kBlockN_, int kRows_ = cuda::kPagedScoreRows>
 struct PagedScoreTraits {
   using Element = Element_;
   static constexpr int kDim = kDim_;
   static constexpr int kBlockN = kBlockN_;
-  static constexpr int kRows = cuda::kPagedScoreRows;
+  static constexpr int kRows = kRows_;
   static constexpr int kWarps = 4;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kStages = cuda::kPagedScoreStages;
