@@ -21,9 +21,8 @@ Layouts (:func:`shard_positions`):
 How a step runs (``exchange="selected"``):
 
 1. all-gather the index keys ``k_idx`` (``Hik*Di`` per token: at the paper's heads 1/8 of ``K+V``);
-2. select with global positions: ``msa.select_blocks`` over, per sequence, the prefix up to this
-   rank's last query, with this rank's ``q_idx`` at its positions and zero rows elsewhere (only
-   this rank's rows are kept);
+2. select with global positions: the library's selection of this rank's queries at their
+   positions over each sequence's gathered index keys (see "Limits and costs");
 3. fetch only the K/V rows of the blocks this rank's queries selected: the per-owner lists of
    requested rows are exchanged first (all-to-all of int64 ids), then the rows (all-to-all);
 4. run ``msa::forward`` with a caller's ``block_idx`` on a *compact* packed call: per sequence,
@@ -51,11 +50,12 @@ Bytes moved: ``return_stats=True`` adds a dict of the bytes this rank received p
 
 Limits and costs (measured against the single-process call):
 
-* The selection of step 2 is exact (the library's ``select_blocks``), but the library has no
-  selection for queries at an offset (queries at positions ``a..b-1`` against keys ``0..b-1``):
-  the call also scores the zero rows of the prefix, so each rank pays the selection of its whole
-  prefix, not only of its queries. A ``select_blocks`` with a query offset (what the serving
-  API's chunked prefill needs too) would make step 2 cost only this rank's share.
+* The selection of step 2 is exact and scores only this rank's queries: it is the serving
+  API's selection at given positions (``paged_select_blocks``, on a GPU the training selection
+  kernel reading the keys through a page table), over the gathered index keys laid out in pages
+  of ``Bk`` rows (one copy of them). Beyond that call's limits (more than 32 index heads per
+  index key head, ``top_k`` > 256) it falls back to ``select_blocks`` over each sequence's
+  prefix up to this rank's last query, with zero rows at the other positions.
 * The compact call holds one query row per fetched key row (zero queries), so ``q``, ``out``,
   ``dout`` and ``dq`` of the call are as large as the call, not as the shard.
 * Everything is host-orchestrated (block lists and split sizes are read on the host): not
@@ -373,7 +373,55 @@ def _layout_call(p: _Plan, bi_local: Optional[Tensor], allgather: bool):
                 s_loc=s_loc, t_loc=t_loc, tmax=tmax, blocks=int(ublocks.numel()))
 
 
+# The paged selection's limits (serving kernels): index heads per index key head, and top_k.
+_PAGED_MAX_GK, _PAGED_MAX_K = 32, 256
+
+
 def _select(p: _Plan, q_idx: Tensor, k_idx_full: Tensor, opts) -> Tensor:
+    """This rank's selection (global block ids of each sequence), scoring only this rank's
+    queries: the library's selection at given positions (``paged_select_blocks``, what a
+    serving prefill runs). The gathered index keys are laid out in pages of ``Bk`` rows, each
+    sequence's keys from a page boundary; every run of consecutive positions of one sequence
+    is one sequence of that call, its new tokens the run and its keys the sequence's prefix up
+    to the run's end (the page table names the sequence's pages). Outside the paged kernels'
+    limits, the prefix call of ``_select_prefix``."""
+    Hi, k = q_idx.shape[1], opts["top_k"]
+    if p.positions[p.r].numel() == 0:
+        return torch.empty((0, Hi, k), dtype=torch.int32, device=q_idx.device)
+    if Hi // max(p.Hik, 1) > _PAGED_MAX_GK or k > _PAGED_MAX_K:
+        return _select_prefix(p, q_idx, k_idx_full, opts)
+    dev, Bk = q_idx.device, p.Bk
+    pos, cu = p.positions[p.r], p.cu
+    s_loc = torch.searchsorted(cu, pos, right=True) - 1
+    t_loc = pos - cu[s_loc]
+    # runs of consecutive positions of one sequence, in this rank's row order
+    first = torch.ones(pos.numel(), dtype=torch.bool)
+    first[1:] = (s_loc[1:] != s_loc[:-1]) | (t_loc[1:] != t_loc[:-1] + 1)
+    run_seq = s_loc[first]
+    run_len = torch.bincount(torch.cumsum(first.long(), 0) - 1)
+    run_end = t_loc[first] + run_len  # keys of the run's call sequence
+    # every sequence's index keys in pages of Bk rows
+    seq_len = cu[1:] - cu[:-1]
+    npages = (seq_len + Bk - 1) // Bk
+    pstart = torch.cumsum(npages, 0) - npages
+    tokens = int(cu[-1])
+    s_tok = torch.repeat_interleave(torch.arange(seq_len.numel()), seq_len)
+    dst = pstart[s_tok] * Bk + torch.arange(tokens) - cu[s_tok]
+    pages = torch.zeros((max(int(npages.sum()), 1), Bk) + tuple(k_idx_full.shape[1:]),
+                        dtype=k_idx_full.dtype, device=dev)
+    pages.view(-1, *k_idx_full.shape[1:])[dst.to(dev)] = k_idx_full[:tokens]
+    max_pages = max(int(npages.max()), 1)
+    col = torch.arange(max_pages)[None, :]
+    page_table = torch.where(col < npages[run_seq][:, None], pstart[run_seq][:, None] + col,
+                             torch.zeros_like(col))
+    cu_q = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(run_len, 0)])
+    i32 = lambda t: t.to(torch.int32).to(dev)  # noqa: E731
+    return torch.ops.msa.paged_select_blocks(
+        q_idx, i32(cu_q), pages, i32(page_table), i32(run_end), 0, k, Bk,
+        opts["sink_blocks"], opts["local_blocks"], opts["scale_idx"])
+
+
+def _select_prefix(p: _Plan, q_idx: Tensor, k_idx_full: Tensor, opts) -> Tensor:
     """This rank's selection (global block ids of each sequence), from the library's
     select_blocks over the prefix of every sequence up to this rank's last query; the other
     rows of the prefix are zero queries whose selections are dropped."""

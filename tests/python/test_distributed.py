@@ -224,6 +224,32 @@ def test_shard_positions_cover_each_token_once():
     assert z.tolist() == list(range(0, 10)) + list(range(30, 40))
 
 
+@pytest.mark.parametrize("layout,rank,world", [("contiguous", 1, 3), ("balanced", 0, 2),
+                                               ("balanced", 2, 3)])
+def test_selection_at_positions_matches_the_prefix_call(layout, rank, world):
+    # A rank's selection scores only its queries (the paged selection at their positions); the
+    # fallback selects over each sequence's prefix with zero rows elsewhere. Both must give the
+    # single-process selection's rows, bit for bit.
+    cu = [0, 150, 170, 170, 333, 400]
+    T, Hi, Hik, Di = cu[-1], 4, 2, 8
+    g = torch.Generator().manual_seed(7)
+    q_idx = torch.randn(T, Hi, Di, generator=g, dtype=torch.float64)
+    k_idx = torch.randn(T, Hik, Di, generator=g, dtype=torch.float64)
+    opts = dict(top_k=4, sink_blocks=1, local_blocks=2, scale_idx=Di ** -0.5)
+    p = msad._Plan()
+    p.r, p.Bk, p.Hik = 0, 16, Hik
+    p.cu = torch.tensor(cu, dtype=torch.int64)
+    pos = msad.shard_positions(layout, rank, world, T, cu)
+    p.positions = [pos]
+    want = msa.select_blocks(q_idx, k_idx, opts["top_k"], p.Bk,
+                             cu_seqlens=torch.tensor(cu, dtype=torch.int32),
+                             sink_blocks=1, local_blocks=2)[pos]
+    at_positions = msad._select(p, q_idx[pos], k_idx, opts)
+    prefix = msad._select_prefix(p, q_idx[pos], k_idx, opts)
+    assert torch.equal(at_positions, want)
+    assert torch.equal(prefix, want)
+
+
 def test_multicast_stays_off():
     assert os.environ["NCCL_NVLS_ENABLE"] == "0"
     assert os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
