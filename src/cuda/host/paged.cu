@@ -221,6 +221,19 @@ Status can_paged_attn(const char* fn, const Problem& prob, const PagedForwardPar
   return Status::Ok();
 }
 
+// The call's outputs, named alike in PagedAttnArgs and FwdArgs (lse only when the call has one).
+template <class Args>
+void set_outputs(Args* a, const PagedForwardParams& p) {
+  a->out = p.out.data;
+  a->o_s0 = p.out.stride[0];
+  a->o_s1 = p.out.stride[1];
+  if (p.lse.defined()) {
+    a->lse = static_cast<float*>(p.lse.data);
+    a->lse_s0 = p.lse.stride[0];
+    a->lse_s1 = p.lse.stride[1];
+  }
+}
+
 AttnPlan attn_plan(const Problem& prob, const PagedForwardParams& p) {
   AttnPlan ap;
   PagedAttnArgs& a = ap.attn;
@@ -259,14 +272,7 @@ AttnPlan attn_plan(const Problem& prob, const PagedForwardParams& p) {
     a.idx_per_kv = 1;
   }
   a.scale_log2 = prob.opts.scale * 1.4426950408889634f;
-  a.out = p.out.data;
-  a.o_s0 = p.out.stride[0];
-  a.o_s1 = p.out.stride[1];
-  if (p.lse.defined()) {
-    a.lse = static_cast<float*>(p.lse.data);
-    a.lse_s0 = p.lse.stride[0];
-    a.lse_s1 = p.lse.stride[1];
-  }
+  set_outputs(&a, p);
   // Split the block union when the tiles alone would leave SMs idle (decode's small batches).
   const int64_t ctas = std::max<int64_t>(1, busy_tiles(a, p.max_q_len) * prob.Hkv);
   a.splits = static_cast<int32_t>(std::clamp<int64_t>(ceil_div(2 * int64_t(num_sms()), ctas), 1, kMaxSplits));
@@ -330,14 +336,8 @@ PrefillPlan prefill_plan(const Problem& prob, const PagedForwardParams& p) {
   a.v = p.cache.v.data;
   a.v_s0 = p.cache.v.stride[1];
   a.v_s1 = p.cache.v.stride[2];
-  a.out = p.out.data;
-  a.o_s0 = p.out.stride[0];
-  a.o_s1 = p.out.stride[1];
-  if (p.lse.defined()) {
-    a.lse = static_cast<float*>(p.lse.data);
-    a.lse_s0 = p.lse.stride[0];
-    a.lse_s1 = p.lse.stride[1];
-  } else {
+  set_outputs(&a, p);
+  if (!p.lse.defined()) {
     pp.bytes = (size_t(prob.T) * prob.Hq * sizeof(float) + 255) / 256 * 256;
     a.lse_s0 = prob.Hq;
     a.lse_s1 = 1;
