@@ -142,6 +142,15 @@ def bench_case(msa, msad, T: int, level: str, h: Dict, args, timer: Timer, devic
         return out, kl, torch.autograd.grad(loss, full)
 
     t1 = timer.ms(lambda: single(), args.reps)
+    if args.phases:  # the one-GPU step's parts: selection, forward (with it), the rest
+        def fwd_only():
+            with torch.no_grad():
+                msa.sparse_attention(*full, cu_seqlens=cu, kl_value=False, **opts)
+        t_sel = timer.ms(lambda: msa.select_blocks(full[3], full[4], cu_seqlens=cu, **opts),
+                         args.reps)
+        t_fwd = timer.ms(fwd_only, args.reps)
+        log(f"    1 GPU parts (ms): select {t_sel:.1f}, forward with select {t_fwd:.1f}, "
+            f"backward (step - forward) {t1 - t_fwd:.1f}; step {t1:.1f}")
     rows = []
     ref = None
     if check:
@@ -155,10 +164,10 @@ def bench_case(msa, msad, T: int, level: str, h: Dict, args, timer: Timer, devic
         for exchange in EXCHANGES:
             stats_box = []
 
-            def cp(kl_value=False):
+            def cp(kl_value=False, phase_times=False):
                 out, kl, stats = msad.sparse_attention(
                     *shard, cu_seqlens=cu, layout=layout, exchange=exchange, kl_value=kl_value,
-                    return_stats=True, **opts)
+                    return_stats=True, phase_times=phase_times, **opts)
                 loss = (out * g_shard).float().sum() + kl
                 grads = torch.autograd.grad(loss, shard)
                 stats_box[:] = [stats]
@@ -169,6 +178,17 @@ def bench_case(msa, msad, T: int, level: str, h: Dict, args, timer: Timer, devic
             fwd_b = _all_reduce(msad.moved_bytes(stats, "forward"), dist.ReduceOp.SUM)
             bwd_b = _all_reduce(msad.moved_bytes(stats, "backward"), dist.ReduceOp.SUM)
             fetched = _all_reduce(stats["fetched_tokens"], dist.ReduceOp.SUM)
+            phases = {}
+            if args.phases:  # one more step, the device synchronised between phases
+                cp(phase_times=True)
+                mine = {k[3:]: v for k, v in stats_box[0].items() if k.startswith("ms_")}
+                every = [None] * W
+                dist.all_gather_object(every, mine)
+                for o, ph in enumerate(every):
+                    log(f"    rank {o} phases (ms, synchronised): " + ", ".join(
+                        f"{k} {v:.1f}" for k, v in ph.items()) + f"; sum {sum(ph.values()):.1f}")
+                phases = {f"ph_{k}": round(max(ph.get(k, 0.0) for ph in every), 2)
+                          for k in every[0]}
             errs = {}
             if ref is not None:
                 out, kl, g = cp(kl_value=True)
@@ -188,12 +208,80 @@ def bench_case(msa, msad, T: int, level: str, h: Dict, args, timer: Timer, devic
                 ms_cp=round(tcp, 3), speedup=round(t1 / tcp, 3) if tcp else float("nan"),
                 mb_forward=round(fwd_b / 2**20, 3), mb_backward=round(bwd_b / 2**20, 3),
                 mb_total=round((fwd_b + bwd_b) / 2**20, 3), fetched_tokens=int(fetched),
+                **phases,
                 **{f"err_{n}": f"{e:.2e}" for n, e in errs.items()}))
             log(f"  {fmt_tokens(T)} {level} {layout} {exchange}: 1 GPU {t1:.1f} ms, "
                 f"{W} ranks {tcp:.1f} ms, {(fwd_b + bwd_b) / 2**20:.1f} MiB moved"
                 + (f", errors {errs}" if errs else ""))
         del shard
     del full, q, k, v, gout, q_idx, k_idx, ref
+    return rows
+
+
+def fit_case(msa, msad, T: int, level: str, alpha, h: Dict, args, timer: Timer, device):
+    """One CP training step at T tokens (balanced layout, selected exchange) with only this
+    rank's shard of q, k, v drawn: its time and the largest peak of device memory over the
+    ranks. No one-GPU reference (it would not fit)."""
+    W, rank = dist.get_world_size(), dist.get_rank()
+    dtype = torch.bfloat16
+    cu = torch.tensor([0, T], dtype=torch.int32, device=device)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(args.seed)
+    q_idx, k_idx, _, st = sp.make_level(level, cu, h["Hi"], h["Hik"], h["Di"], h["Bk"], h["k"],
+                                        dtype=dtype, device=device, generator=gen, alpha=alpha)
+    pos = msad.shard_positions("balanced", rank, W, T, cu).to(device)
+    n = pos.numel()
+    shard = [torch.randn(n, h["Hq"], h["D"], device=device, generator=gen, dtype=dtype)]
+    shard += [torch.randn(n, h["Hkv"], h["D"], device=device, generator=gen, dtype=dtype)
+              for _ in range(2)]
+    shard += [q_idx[pos].clone(), k_idx[pos].clone()]
+    del q_idx, k_idx
+    shard = [t.requires_grad_(True) for t in shard]
+    g_shard = torch.randn(n, h["Hq"], h["D"], device=device, generator=gen, dtype=dtype)
+    opts = dict(top_k=h["k"], block_size=h["Bk"], sink_blocks=sp.SINK_BLOCKS,
+                local_blocks=sp.LOCAL_BLOCKS)
+
+    def cp():
+        out, kl = msad.sparse_attention(*shard, cu_seqlens=cu, layout="balanced",
+                                        exchange="selected", kl_value=False, **opts)
+        loss = (out * g_shard).float().sum() + kl
+        return torch.autograd.grad(loss, shard)
+
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    ms = timer.ms(cp, 1)
+    peak = _all_reduce(torch.cuda.max_memory_allocated(device), dist.ReduceOp.MAX)
+    del shard, g_shard
+    torch.cuda.empty_cache()
+    return dict(T=T, level=level, overlap=round(st["overlap"], 3), union=round(st["union"], 3),
+                world=W, layout="balanced", exchange="selected", ms_cp=round(ms, 1),
+                peak_gib=round(peak / 2**30, 2))
+
+
+def run_fit(msa, msad, h, args, timer: Timer, device) -> List[Dict]:
+    """The longest sequence whose CP training step fits: the --fit lengths in order, each
+    tried only if the peak memory per token of the last one predicts that it fits (92% of
+    the device), so that no rank runs out of memory inside a collective."""
+    cap = torch.cuda.get_device_properties(device).total_memory
+    _, _, _, st = sp.make_level(args.fit_level, torch.tensor([0, 1 << 17], dtype=torch.int32,
+                                                            device=device),
+                                h["Hi"], h["Hik"], h["Di"], h["Bk"], h["k"], device=device)
+    alpha = st.get("alpha")
+    rows, per_token = [], None
+    for T in sorted(parse_tokens(args.fit)):
+        if per_token is not None and per_token * T > 0.92 * cap:
+            log(f"  fit {fmt_tokens(T)}: skipped (predicted peak {per_token * T / 2**30:.0f} GiB "
+                f"of {cap / 2**30:.0f} GiB)")
+            rows.append(dict(T=T, level=args.fit_level, world=dist.get_world_size(),
+                             layout="balanced", exchange="selected",
+                             peak_gib=round(per_token * T / 2**30, 1), fits="predicted no"))
+            continue
+        r = fit_case(msa, msad, T, args.fit_level, alpha, h, args, timer, device)
+        r["fits"] = "yes"
+        per_token = r["peak_gib"] * 2**30 / T
+        log(f"  fit {fmt_tokens(T)} {args.fit_level} (overlap {r['overlap']:.2f}): "
+            f"{r['ms_cp']:.0f} ms per step, peak {r['peak_gib']:.1f} GiB per GPU")
+        rows.append(r)
     return rows
 
 
@@ -252,6 +340,23 @@ def run(args) -> int:
         f"levels {levels}, reps {args.reps}")
     rows = []
     first = True
+    if args.fit:
+        fit_rows = run_fit(msa, msad, h, args, timer, device)
+        if dist.get_rank() == 0:
+            print(f"\n## Longest CP training step on {dist.get_world_size()} GPUs\n")
+            print("| T | level (overlap / union) | step ms | peak GiB per GPU | fits |")
+            print("|---|---|---|---|---|")
+            for r in fit_rows:
+                print(f"| {fmt_tokens(r['T'])} | {r['level']} ({r.get('overlap', '-')} / "
+                      f"{r.get('union', '-')}) | {r.get('ms_cp', '-')} | {r['peak_gib']} | "
+                      f"{r['fits']} |")
+            if args.out:
+                with open(args.out + "-fit.csv", "w", newline="") as f:
+                    w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(
+                        k for r in fit_rows for k in r)))
+                    w.writeheader()
+                    w.writerows(fit_rows)
+        return 0
     for T in lengths:
         for level in levels:
             rows += bench_case(msa, msad, T, level, h, args, timer, device,
@@ -299,6 +404,14 @@ def parse_args(argv=None):
                     help="start this many local processes (instead of torchrun)")
     ap.add_argument("--timeout", type=int, default=600, help="collective timeout, seconds")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--phases", action="store_true",
+                    help="after timing, one step with the device synchronised between phases: "
+                         "every rank's time per phase (select, exchanges, forward, backward...)")
+    ap.add_argument("--fit", default="",
+                    help="instead of the comparison: one CP step at each of these lengths "
+                         "(e.g. 1M,1536K,2M; balanced, selected, shards drawn on their ranks), "
+                         "its time and peak memory: the longest sequence that fits")
+    ap.add_argument("--fit-level", default="mixed", help="overlap level of the --fit inputs")
     ap.add_argument("--out", default=None, help="write PREFIX.csv (rank 0)")
     args = ap.parse_args(argv)
     if args.tiny:

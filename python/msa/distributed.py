@@ -71,7 +71,9 @@ warning). NCCL reads them when a communicator is created, so import ``msa.distri
 
 import hashlib
 import os
+from collections import OrderedDict
 import struct
+import time
 import warnings
 from typing import Dict, List, Optional, Sequence
 
@@ -188,6 +190,31 @@ class _Comm:
         return recv.to(send.device)
 
 
+class _Phases:
+    """Wall time per phase of a call, for profiling (``phase_times=True``): ``mark(name)``
+    synchronises the device and adds the milliseconds since the previous mark to
+    ``stats["ms_" + name]``. Off, it does nothing (no synchronisation)."""
+
+    def __init__(self, on: bool, stats: Dict, device: torch.device):
+        self.on, self.stats, self.device = on, stats, device
+        if on:
+            self._sync()
+            self.t = time.perf_counter()
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def mark(self, name: str) -> None:
+        if not self.on:
+            return
+        self._sync()
+        now = time.perf_counter()
+        key = "ms_" + name
+        self.stats[key] = self.stats.get(key, 0.0) + 1e3 * (now - self.t)
+        self.t = now
+
+
 def _nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -300,30 +327,87 @@ def _plan(comm: _Comm, q, k, v, q_idx, k_idx, block_idx, cu_seqlens, opts) -> _P
     p.Hik, p.Di = (k_idx.shape[1], k_idx.shape[2]) if has_idx else (0, 0)
     p.Bk = opts["block_size"]
     p.cu = torch.tensor(cu, dtype=torch.int64)
-    p.owner = torch.empty(total, dtype=torch.int64)
-    p.lidx = torch.empty(total, dtype=torch.int64)
-    for o in range(W):
-        p.owner[positions[o]] = o
-        p.lidx[positions[o]] = torch.arange(sizes[o], dtype=torch.int64)
+    p.layout = layout
+    p.geo = _geometry(p, q.device)
     return p
 
 
-def _layout_call(p: _Plan, bi_local: Optional[Tensor], allgather: bool):
-    """The compact call: which global rows it holds (ascending), where this rank's queries sit,
-    and this rank's block ids remapped to the call's blocks."""
-    Bk, cu = p.Bk, p.cu
-    pos = p.positions[p.r]
+class _Geometry:
+    """What a call's token placement alone determines (shards, sequences, block size, device),
+    computed once and reused by the calls with the same placement (every layer of a model):
+    the owner of every row, this rank's rows' sequences and blocks, and the page layout and
+    runs of its selection. Arrays as large as the batch or the shard live on the device."""
+
+
+_GEOMETRY_CACHE: "OrderedDict[tuple, _Geometry]" = OrderedDict()
+_GEOMETRY_CACHE_SIZE = 8
+
+
+def _geometry(p: _Plan, dev: torch.device) -> _Geometry:
+    key = (p.layout, p.W, p.r, tuple(p.sizes), tuple(p.cu.tolist()), p.Bk, str(dev))
+    g = _GEOMETRY_CACHE.get(key)
+    if g is not None:
+        _GEOMETRY_CACHE.move_to_end(key)
+        return g
+    g = _Geometry()
+    W, r, Bk, cu, total = p.W, p.r, p.Bk, p.cu, p.N
+    owner = torch.empty(total, dtype=torch.int64)
+    lidx = torch.empty(total, dtype=torch.int64)
+    for o in range(W):
+        owner[p.positions[o]] = o
+        lidx[p.positions[o]] = torch.arange(p.sizes[o], dtype=torch.int64)
+    g.owner, g.lidx = owner.to(dev), lidx.to(dev)
+    g.positions = [x.to(dev) for x in p.positions]
+    # this rank's rows: sequence, position in it, last position per sequence, blocks
+    pos = p.positions[r]
     nseq = cu.numel() - 1
     lens = cu[1:] - cu[:-1]
     nblk = (lens + Bk - 1) // Bk
-    blkbase = torch.cumsum(nblk, 0) - nblk  # global block id of each sequence's block 0
-    nblocks = int(nblk.sum())
-    s_loc = torch.searchsorted(cu, pos, right=True) - 1
-    t_loc = pos - cu[s_loc]
-    tmax = torch.full((max(nseq, 1),), -1, dtype=torch.int64)
+    g.blkbase = torch.cumsum(nblk, 0) - nblk  # global block id of each sequence's block 0
+    g.nblocks = int(nblk.sum())
+    g.s_loc = torch.searchsorted(cu, pos, right=True) - 1
+    g.t_loc = pos - cu[g.s_loc]
+    g.tmax = torch.full((max(nseq, 1),), -1, dtype=torch.int64)
     if pos.numel():
-        tmax = tmax.scatter_reduce(0, s_loc, t_loc, reduce="amax")
-    own_gb = blkbase[s_loc] + t_loc // Bk
+        g.tmax = g.tmax.scatter_reduce(0, g.s_loc, g.t_loc, reduce="amax")
+    g.base = g.blkbase[g.s_loc].to(dev)  # global block id of each row's sequence's block 0
+    g.own_gb = g.base + (g.t_loc // Bk).to(dev)
+    g.t_in_blk = (g.t_loc % Bk).to(dev)
+    # the selection's page layout: every sequence's index keys from a page boundary, and the
+    # runs of consecutive positions of one sequence in this rank's row order
+    npages = (lens + Bk - 1) // Bk
+    pstart = torch.cumsum(npages, 0) - npages
+    g.npages = max(int(npages.sum()), 1)
+    off = (pstart * Bk - cu[:-1]).to(dev)
+    s_tok = torch.repeat_interleave(torch.arange(nseq, device=dev), lens.to(dev),
+                                    output_size=total)
+    g.page_row = off[s_tok] + torch.arange(total, device=dev)  # row of every token in the pages
+    if pos.numel():
+        first = torch.ones(pos.numel(), dtype=torch.bool)
+        first[1:] = (g.s_loc[1:] != g.s_loc[:-1]) | (g.t_loc[1:] != g.t_loc[:-1] + 1)
+        run_seq = g.s_loc[first]
+        run_len = torch.bincount(torch.cumsum(first.long(), 0) - 1)
+        run_end = g.t_loc[first] + run_len  # keys of the run's call sequence
+        max_pages = max(int(npages.max()), 1)
+        col = torch.arange(max_pages)[None, :]
+        page_table = torch.where(col < npages[run_seq][:, None],
+                                 pstart[run_seq][:, None] + col, torch.zeros_like(col))
+        cu_q = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(run_len, 0)])
+        i32 = lambda t: t.to(torch.int32).to(dev)  # noqa: E731
+        g.sel_cu_q, g.sel_page_table, g.sel_seq_lens = i32(cu_q), i32(page_table), i32(run_end)
+    _GEOMETRY_CACHE[key] = g
+    while len(_GEOMETRY_CACHE) > _GEOMETRY_CACHE_SIZE:
+        _GEOMETRY_CACHE.popitem(last=False)
+    return g
+
+
+def _layout_call(p: _Plan, bi_local: Optional[Tensor], allgather: bool, dev: torch.device):
+    """The compact call: which global rows it holds (ascending, on ``dev``), where this rank's
+    queries sit (``qrow``), and this rank's block ids remapped to the call's blocks. Arrays of
+    the call's or the selection's size stay on ``dev``; the host sees per-block arrays only
+    (the used blocks come from a bitmap over the batch's blocks: one small copy to the host)."""
+    Bk, cu, g = p.Bk, p.cu, p.geo
+    blkbase, nblocks, tmax, own_gb = g.blkbase, g.nblocks, g.tmax, g.own_gb
     if allgather:
         present = torch.nonzero(tmax >= 0).flatten()
         nb_need = torch.where(tmax >= 0, tmax // Bk + 1, torch.zeros_like(tmax))[present]
@@ -332,11 +416,14 @@ def _layout_call(p: _Plan, bi_local: Optional[Tensor], allgather: bool):
         b_in = torch.arange(int(nb_need.sum())) - torch.repeat_interleave(first, nb_need)
         ublocks = blkbase[seq_of] + b_in
     else:
-        # the union of the selected blocks, on the selection's device (it can be large)
-        dev = bi_local.device
-        base = blkbase[s_loc].to(dev)
-        gb = (base[:, None, None] + bi_local.long())[bi_local >= 0]
-        ublocks = torch.unique(torch.cat([gb, own_gb.to(dev)])).cpu()  # sorted
+        # the union of the selected blocks (own blocks included): a bitmap over the blocks
+        b = bi_local.long()
+        gb = torch.where(b >= 0, g.base[:, None, None] + b, own_gb[:, None, None])
+        used = torch.zeros(max(nblocks, 1), dtype=torch.bool, device=dev)
+        used[gb.flatten()] = True
+        used[own_gb] = True
+        ublocks = torch.nonzero(used).flatten().cpu()  # sorted
+        del gb
     useq = torch.searchsorted(blkbase, ublocks, right=True) - 1
     # sequences with no block (empty) share blkbase with the next one: searchsorted(right)
     # picks the last of them, which is the one whose blocks start there.
@@ -352,25 +439,26 @@ def _layout_call(p: _Plan, bi_local: Optional[Tensor], allgather: bool):
     grp = torch.cumsum(new_seq.long(), 0) - 1
     cblk = torch.arange(ublocks.numel()) - seq_first[grp]
     cu_call = torch.cat([call_start[seq_first], torch.tensor([T_call])]).to(torch.int32)
-    # global rows of the call
-    rep = torch.repeat_interleave(torch.arange(ublocks.numel()), nrows)
-    within = torch.arange(T_call) - call_start[rep]
-    rows = cu[useq[rep]] + ub[rep] * Bk + within
+    # global rows of the call (on the device: as many as the call's rows)
+    nub = int(ublocks.numel())
+    rep = torch.repeat_interleave(torch.arange(nub, device=dev), nrows.to(dev),
+                                  output_size=T_call)
+    row0 = (cu[useq] + ub * Bk - call_start).to(dev)  # global row of call row 0's offset
+    rows = row0[rep] + torch.arange(T_call, device=dev)
     # maps global block -> call block / call row of its first key
     cblk_of = torch.full((max(nblocks, 1),), -1, dtype=torch.int64)
     cblk_of[ublocks] = cblk
     crow_of = torch.full((max(nblocks, 1),), -1, dtype=torch.int64)
     crow_of[ublocks] = call_start
-    qrow = crow_of[own_gb] + t_loc % Bk
+    qrow = crow_of.to(dev)[own_gb] + g.t_in_blk
     bi_call = None
     if bi_local is not None:
-        dev = bi_local.device
         b = bi_local.long()
-        g = blkbase[s_loc].to(dev)[:, None, None] + b.clamp(min=0)
-        bi_call = torch.where(b >= 0, cblk_of.to(dev)[g], torch.full_like(b, -1))
+        gbl = g.base[:, None, None] + b.clamp(min=0)
+        bi_call = torch.where(b >= 0, cblk_of.to(dev)[gbl], torch.full_like(b, -1))
         bi_call = bi_call.to(torch.int32)
     return dict(rows=rows, qrow=qrow, cu_call=cu_call, bi_call=bi_call, T_call=T_call,
-                s_loc=s_loc, t_loc=t_loc, tmax=tmax, blocks=int(ublocks.numel()))
+                blocks=nub)
 
 
 # The paged selection's limits (serving kernels): index heads per index key head, and top_k.
@@ -390,34 +478,13 @@ def _select(p: _Plan, q_idx: Tensor, k_idx_full: Tensor, opts) -> Tensor:
         return torch.empty((0, Hi, k), dtype=torch.int32, device=q_idx.device)
     if Hi // max(p.Hik, 1) > _PAGED_MAX_GK or k > _PAGED_MAX_K:
         return _select_prefix(p, q_idx, k_idx_full, opts)
-    dev, Bk = q_idx.device, p.Bk
-    pos, cu = p.positions[p.r], p.cu
-    s_loc = torch.searchsorted(cu, pos, right=True) - 1
-    t_loc = pos - cu[s_loc]
-    # runs of consecutive positions of one sequence, in this rank's row order
-    first = torch.ones(pos.numel(), dtype=torch.bool)
-    first[1:] = (s_loc[1:] != s_loc[:-1]) | (t_loc[1:] != t_loc[:-1] + 1)
-    run_seq = s_loc[first]
-    run_len = torch.bincount(torch.cumsum(first.long(), 0) - 1)
-    run_end = t_loc[first] + run_len  # keys of the run's call sequence
-    # every sequence's index keys in pages of Bk rows
-    seq_len = cu[1:] - cu[:-1]
-    npages = (seq_len + Bk - 1) // Bk
-    pstart = torch.cumsum(npages, 0) - npages
-    tokens = int(cu[-1])
-    s_tok = torch.repeat_interleave(torch.arange(seq_len.numel()), seq_len)
-    dst = pstart[s_tok] * Bk + torch.arange(tokens) - cu[s_tok]
-    pages = torch.zeros((max(int(npages.sum()), 1), Bk) + tuple(k_idx_full.shape[1:]),
-                        dtype=k_idx_full.dtype, device=dev)
-    pages.view(-1, *k_idx_full.shape[1:])[dst.to(dev)] = k_idx_full[:tokens]
-    max_pages = max(int(npages.max()), 1)
-    col = torch.arange(max_pages)[None, :]
-    page_table = torch.where(col < npages[run_seq][:, None], pstart[run_seq][:, None] + col,
-                             torch.zeros_like(col))
-    cu_q = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(run_len, 0)])
-    i32 = lambda t: t.to(torch.int32).to(dev)  # noqa: E731
+    dev, Bk, g = q_idx.device, p.Bk, p.geo
+    # every sequence's index keys in pages of Bk rows (the page layout of the geometry)
+    pages = torch.zeros((g.npages, Bk) + tuple(k_idx_full.shape[1:]), dtype=k_idx_full.dtype,
+                        device=dev)
+    pages.view(-1, *k_idx_full.shape[1:])[g.page_row] = k_idx_full
     return torch.ops.msa.paged_select_blocks(
-        q_idx, i32(cu_q), pages, i32(page_table), i32(run_end), 0, k, Bk,
+        q_idx, g.sel_cu_q, pages, g.sel_page_table, g.sel_seq_lens, 0, k, Bk,
         opts["sink_blocks"], opts["local_blocks"], opts["scale_idx"])
 
 
@@ -462,6 +529,7 @@ class _CPAttention(torch.autograd.Function):
         W, r = p.W, p.r
         allgather = opts["exchange"] == "allgather"
         has_idx = p.has_idx
+        ph = _Phases(opts["phase_times"], stats, dev)
 
         # 1. index keys of every rank
         k_idx_full = None
@@ -469,10 +537,11 @@ class _CPAttention(torch.autograd.Function):
             parts = comm.all_gather_rows(k_idx.detach(), p.sizes)
             k_idx_full = torch.empty((p.N, p.Hik, p.Di), dtype=dtype, device=dev)
             for o in range(W):
-                k_idx_full[p.positions[o].to(dev)] = parts[o]
+                k_idx_full[p.geo.positions[o]] = parts[o]
                 if o != r:
                     stats["k_idx_allgather"] += _nbytes(parts[o])
             del parts
+        ph.mark("k_idx_gather")
 
         # 2. selection with global positions
         if block_idx is None:
@@ -480,19 +549,21 @@ class _CPAttention(torch.autograd.Function):
         else:
             bi_local = block_idx.to(device=dev, dtype=torch.int32)
         kk = bi_local.shape[2]
+        ph.mark("select")
 
         # 3. the compact call and the rows it needs from every owner
-        lay = _layout_call(p, bi_local, allgather)
+        lay = _layout_call(p, bi_local, allgather, dev)
         rows, T_call = lay["rows"], lay["T_call"]
-        owner = p.owner[rows]
-        lid = p.lidx[rows]
+        owner = p.geo.owner[rows]
+        lid = p.geo.lidx[rows]
         req_rows = [torch.nonzero(owner == o).flatten() for o in range(W)]  # call rows by owner
         req_ids = [lid[x] for x in req_rows]  # their indices in the owner's shard
+        ph.mark("layout")
         F = p.Hkv * p.D
         kv_local = torch.cat([k.detach().reshape(-1, F), v.detach().reshape(-1, F)], 1)
         kv_call = torch.empty((T_call, 2 * F), dtype=dtype, device=dev)
         mine = req_rows[r].to(dev)
-        kv_call[mine] = kv_local[req_ids[r].to(dev)]
+        kv_call.index_copy_(0, mine, kv_local.index_select(0, req_ids[r].to(dev)))
         send_counts = [int(x.numel()) if o != r else 0 for o, x in enumerate(req_ids)]
         if allgather:
             parts = comm.all_gather_rows(kv_local, p.sizes)
@@ -511,27 +582,29 @@ class _CPAttention(torch.autograd.Function):
             for o in range(W):
                 c = send_counts[o]
                 if c:
-                    kv_call[req_rows[o].to(dev)] = recv[off: off + c]
+                    kv_call.index_copy_(0, req_rows[o].to(dev), recv[off: off + c])
                 off += c
             del send, recv
+        ph.mark("kv_exchange")
         k_call = kv_call[:, :F].reshape(T_call, p.Hkv, p.D)
         v_call = kv_call[:, F:].reshape(T_call, p.Hkv, p.D)
 
         qrow = lay["qrow"].to(dev)
         q_call = torch.zeros((T_call, p.Hq, p.D), dtype=dtype, device=dev)
-        q_call[qrow] = q.detach()
+        q_call.index_copy_(0, qrow, q.detach())
         bi_call = torch.full((T_call, p.Hi, kk), -1, dtype=torch.int32, device=dev)
         bi_call[qrow] = lay["bi_call"].to(dev)
         cu_call = lay["cu_call"].to(dev)
         q_idx_call = k_idx_call = None
         if has_idx:
             q_idx_call = torch.zeros((T_call, p.Hi, p.Di), dtype=dtype, device=dev)
-            q_idx_call[qrow] = q_idx.detach()
+            q_idx_call.index_copy_(0, qrow, q_idx.detach())
             k_idx_call = k_idx_full[rows.to(dev)]
         del k_idx_full
         stats["call_tokens"] += T_call
         stats["fetched_tokens"] += T_call - int(req_rows[r].numel())
         stats["call_blocks"] += lay["blocks"]
+        ph.mark("call_build")
 
         # 4. the forward over the call
         want_kl = bool(opts["kl_value"]) and has_idx
@@ -545,6 +618,7 @@ class _CPAttention(torch.autograd.Function):
             out_c = q_call.new_zeros(q_call.shape)
             lse_c = torch.zeros((0, p.Hq), dtype=torch.float32, device=dev)
             kl_c = torch.zeros((), dtype=torch.float32, device=dev)
+        ph.mark("forward")
         kl = torch.zeros((), dtype=torch.float32, device=dev)
         if want_kl:
             # this rank's term renormalised from 1/(T_call*Hi) to 1/(N*Hi); ranks summed in order
@@ -562,8 +636,9 @@ class _CPAttention(torch.autograd.Function):
         ctx.T_call = T_call
         ctx.save_for_backward(q_call, k_call, v_call, q_idx_call, k_idx_call, bi_call, cu_call,
                               out_c, lse_c, qrow)
-        out = out_c[qrow]
-        lse = lse_c[qrow]
+        out = out_c.index_select(0, qrow)
+        lse = lse_c.index_select(0, qrow)
+        ph.mark("kl_and_outputs")
         ctx.mark_non_differentiable(lse, bi_local)
         ctx.set_materialize_grads(False)
         return out, kl, lse, bi_local
@@ -578,10 +653,11 @@ class _CPAttention(torch.autograd.Function):
         F = p.Hkv * p.D
         Fi = p.Hik * p.Di if has_idx else 0
         want_idx = has_idx and grad_kl is not None
+        ph = _Phases(opts["phase_times"], stats, dev)
         if T_call:
             dout = torch.zeros_like(out_c)
             if grad_out is not None:
-                dout[qrow] = grad_out.to(dtype)
+                dout.index_copy_(0, qrow, grad_out.to(dtype).contiguous())
             kl_grad = None
             if want_idx:
                 kl_grad = (grad_kl.detach().double().reshape(1) * (T_call / p.N)).float()
@@ -603,6 +679,7 @@ class _CPAttention(torch.autograd.Function):
             parts.append(dki_c.reshape(T_call, Fi))
         g_call = torch.cat(parts, 1)
         del parts
+        ph.mark("backward")
 
         served = ctx.served
         if served is None:
@@ -612,27 +689,28 @@ class _CPAttention(torch.autograd.Function):
         recv_counts = [int(x.numel()) for x in served]
         recv = comm.all_to_all(send, ctx.send_counts, recv_counts)
         stats["grad_return"] += _nbytes(recv)
+        ph.mark("grad_exchange")
         # every owner sums the contributions in rank order 0 .. W-1 (bitwise repeatable)
         acc_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         n = p.sizes[r]
         acc = torch.zeros((n, 2 * F + Fi), dtype=acc_dtype, device=dev)
         off = 0
-        for o in range(W):
+        for o in range(W):  # the rows of one source are distinct: one add per element
             if o == r:
-                ids = ctx.req_ids[r].to(dev)
-                acc[ids] += g_call[ctx.req_rows[r].to(dev)].to(acc_dtype)
+                acc.index_add_(0, ctx.req_ids[r].to(dev),
+                               g_call[ctx.req_rows[r].to(dev)].to(acc_dtype))
             else:
                 c = recv_counts[o]
                 if c:
-                    ids = served[o].to(dev)
-                    acc[ids] += recv[off: off + c].to(acc_dtype)
+                    acc.index_add_(0, served[o].to(dev), recv[off: off + c].to(acc_dtype))
                 off += c
         acc = acc.to(dtype)
         dk = acc[:, :F].reshape(n, p.Hkv, p.D)
         dv = acc[:, F: 2 * F].reshape(n, p.Hkv, p.D)
-        dq = dq_c[qrow]
-        dq_idx = dqi_c[qrow] if want_idx else None
+        dq = dq_c.index_select(0, qrow)
+        dq_idx = dqi_c.index_select(0, qrow) if want_idx else None
         dk_idx = acc[:, 2 * F:].reshape(n, p.Hik, p.Di) if want_idx else None
+        ph.mark("grad_sum")
         return None, None, None, None, None, dq, dk, dv, dq_idx, dk_idx
 
 
@@ -688,6 +766,7 @@ def sparse_attention(
     deterministic: bool = False,
     kl_pass: str = "auto",
     fwd_pass: str = "auto",
+    phase_times: bool = False,
 ):
     """Context-parallel :func:`msa.sparse_attention` over the process group ``group``.
 
@@ -705,7 +784,11 @@ def sparse_attention(
 
     Returns ``(out, kl)`` — ``out`` [n, Hq, D] this rank's rows, ``kl`` the global KL value (the
     same on every rank) — then ``lse`` [n, Hq], ``block_idx`` [n, Hi, k] and a stats dict of the
-    bytes this rank received per phase, when asked for. Each rank's loss must include ``kl``
+    bytes this rank received per phase, when asked for. ``phase_times=True`` (profiling only:
+    it synchronises the device between phases) adds this rank's wall time per phase to that
+    dict as ``ms_<phase>`` (``plan``, ``k_idx_gather``, ``select``, ``layout``, ``kv_exchange``,
+    ``call_build``, ``forward``, ``kl_and_outputs``; the backward adds ``backward``,
+    ``grad_exchange``, ``grad_sum``). Each rank's loss must include ``kl``
     with the same weight and every rank must run the backward (its collectives pair up across
     ranks); the global KL's gradient is then the single-process one, like every other gradient.
     """
@@ -740,9 +823,13 @@ def sparse_attention(
                 layout=layout, exchange=exchange, deterministic=bool(deterministic),
                 kl_pass=kl_pass, fwd_pass=fwd_pass,
                 kl_pass_code=_ops._KL_PASSES.index(kl_pass),
-                fwd_pass_code=_ops._FWD_PASSES.index(fwd_pass))
-    p = _plan(comm, q, k, v, q_idx, k_idx, block_idx, cu, opts)
+                fwd_pass_code=_ops._FWD_PASSES.index(fwd_pass),
+                phase_times=bool(phase_times))
     stats: Dict[str, int] = {key: 0 for key in _STAT_KEYS}
+    ph = _Phases(opts["phase_times"], stats,
+                 q.device if isinstance(q, Tensor) else torch.device("cpu"))
+    p = _plan(comm, q, k, v, q_idx, k_idx, block_idx, cu, opts)
+    ph.mark("plan")
     out, kl, lse, bi = _CPAttention.apply(comm, p, opts, stats, block_idx, q, k, v, q_idx,
                                           k_idx)
     result = (out, kl)

@@ -237,10 +237,12 @@ def test_selection_at_positions_matches_the_prefix_call(layout, rank, world):
     k_idx = torch.randn(T, Hik, Di, generator=g, dtype=torch.float64)
     opts = dict(top_k=4, sink_blocks=1, local_blocks=2, scale_idx=Di ** -0.5)
     p = msad._Plan()
-    p.r, p.Bk, p.Hik = 0, 16, Hik
+    p.W, p.r, p.N, p.Bk, p.Hik, p.layout = world, rank, T, 16, Hik, layout
     p.cu = torch.tensor(cu, dtype=torch.int64)
-    pos = msad.shard_positions(layout, rank, world, T, cu)
-    p.positions = [pos]
+    p.positions = [msad.shard_positions(layout, o, world, T, cu) for o in range(world)]
+    p.sizes = [x.numel() for x in p.positions]
+    p.geo = msad._geometry(p, torch.device("cpu"))
+    pos = p.positions[rank]
     want = msa.select_blocks(q_idx, k_idx, opts["top_k"], p.Bk,
                              cu_seqlens=torch.tensor(cu, dtype=torch.int32),
                              sink_blocks=1, local_blocks=2)[pos]
