@@ -20,7 +20,9 @@ Layouts (:func:`shard_positions`):
 
 How a step runs (``exchange="selected"``):
 
-1. all-gather the index keys ``k_idx`` (``Hik*Di`` per token: at the paper's heads 1/8 of ``K+V``);
+1. exchange the index keys ``k_idx`` (``Hik*Di`` per token: at the paper's heads 1/8 of ``K+V``):
+   a rank reads only the keys of each sequence up to its last query there, so every owner sends
+   it just those rows (one all-to-all; a contiguous layout's first rank receives none);
 2. select with global positions: the library's selection of this rank's queries at their
    positions over each sequence's gathered index keys (see "Limits and costs");
 3. fetch only the K/V rows of the blocks this rank's queries selected: the per-owner lists of
@@ -36,8 +38,9 @@ How a step runs (``exchange="selected"``):
    sums the contributions in rank order ``0 .. W-1`` (in float32, float64 for float64 inputs),
    so the gradients are bitwise repeatable run to run.
 
-``exchange="allgather"`` is the baseline and fallback: all of ``K`` and ``V`` are all-gathered
-and every block of the prefix is in the call (the gradients still go back by all-to-all).
+``exchange="allgather"`` is the baseline and fallback: all of ``k_idx``, ``K`` and ``V`` are
+all-gathered and every block of the prefix is in the call (the gradients still go back by
+all-to-all).
 
 KL: the op normalises by the call's row count; this module rescales every rank's term to the
 global count (contract §4: ``1/(N*Hi)`` with ``N`` the batch's tokens) and sums the ranks' terms
@@ -358,18 +361,36 @@ def _geometry(p: _Plan, dev: torch.device) -> _Geometry:
         lidx[p.positions[o]] = torch.arange(p.sizes[o], dtype=torch.int64)
     g.owner, g.lidx = owner.to(dev), lidx.to(dev)
     g.positions = [x.to(dev) for x in p.positions]
+    # every rank's rows: sequence, position in it, last position per sequence
+    nseq = cu.numel() - 1
+    seq, tin, tmaxs = [], [], []
+    for o in range(W):
+        s_o = torch.searchsorted(cu, p.positions[o], right=True) - 1
+        t_o = p.positions[o] - cu[s_o]
+        tm = torch.full((max(nseq, 1),), -1, dtype=torch.int64)
+        if t_o.numel():
+            tm = tm.scatter_reduce(0, s_o, t_o, reduce="amax")
+        seq.append(s_o)
+        tin.append(t_o)
+        tmaxs.append(tm)
+    # the prefix exchange of the index keys (exchange="selected"): a rank reads index keys only
+    # at t <= its tmax of their sequence, so owner o sends rank d its rows there, nothing more
+    # (send lists: this rank's shard rows per peer; receive: global rows, by source rank)
+    send = [torch.nonzero(tin[r] <= tmaxs[d][seq[r]]).flatten() if d != r
+            else torch.zeros(0, dtype=torch.int64) for d in range(W)]
+    recv = [p.positions[o][tin[o] <= tmaxs[r][seq[o]]] if o != r
+            else torch.zeros(0, dtype=torch.int64) for o in range(W)]
+    g.kidx_send_counts = [int(x.numel()) for x in send]
+    g.kidx_recv_counts = [int(x.numel()) for x in recv]
+    g.kidx_send = torch.cat(send).to(dev)
+    g.kidx_recv_rows = torch.cat(recv).to(dev)
     # this rank's rows: sequence, position in it, last position per sequence, blocks
     pos = p.positions[r]
-    nseq = cu.numel() - 1
     lens = cu[1:] - cu[:-1]
     nblk = (lens + Bk - 1) // Bk
     g.blkbase = torch.cumsum(nblk, 0) - nblk  # global block id of each sequence's block 0
     g.nblocks = int(nblk.sum())
-    g.s_loc = torch.searchsorted(cu, pos, right=True) - 1
-    g.t_loc = pos - cu[g.s_loc]
-    g.tmax = torch.full((max(nseq, 1),), -1, dtype=torch.int64)
-    if pos.numel():
-        g.tmax = g.tmax.scatter_reduce(0, g.s_loc, g.t_loc, reduce="amax")
+    g.s_loc, g.t_loc, g.tmax = seq[r], tin[r], tmaxs[r]
     g.base = g.blkbase[g.s_loc].to(dev)  # global block id of each row's sequence's block 0
     g.own_gb = g.base + (g.t_loc // Bk).to(dev)
     g.t_in_blk = (g.t_loc % Bk).to(dev)
@@ -531,9 +552,10 @@ class _CPAttention(torch.autograd.Function):
         has_idx = p.has_idx
         ph = _Phases(opts["phase_times"], stats, dev)
 
-        # 1. index keys of every rank
+        # 1. index keys: those of the prefix this rank reads (selected), or all (allgather).
+        # stats["k_idx_allgather"] counts the index key bytes received in either mode.
         k_idx_full = None
-        if has_idx:
+        if has_idx and allgather:
             parts = comm.all_gather_rows(k_idx.detach(), p.sizes)
             k_idx_full = torch.empty((p.N, p.Hik, p.Di), dtype=dtype, device=dev)
             for o in range(W):
@@ -541,6 +563,17 @@ class _CPAttention(torch.autograd.Function):
                 if o != r:
                     stats["k_idx_allgather"] += _nbytes(parts[o])
             del parts
+        elif has_idx:
+            g = p.geo
+            Fi = p.Hik * p.Di
+            send = k_idx.detach().reshape(-1, Fi).index_select(0, g.kidx_send)
+            recv = comm.all_to_all(send, g.kidx_send_counts, g.kidx_recv_counts)
+            stats["k_idx_allgather"] += _nbytes(recv)
+            # rows nobody sent are never read (beyond every run's end); zero keeps them defined
+            k_idx_full = torch.zeros((p.N, p.Hik, p.Di), dtype=dtype, device=dev)
+            k_idx_full[g.positions[r]] = k_idx.detach()
+            k_idx_full[g.kidx_recv_rows] = recv.reshape(-1, p.Hik, p.Di)
+            del send, recv
         ph.mark("k_idx_gather")
 
         # 2. selection with global positions

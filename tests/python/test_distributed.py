@@ -201,6 +201,41 @@ def test_selected_exchange_moves_fewer_bytes(world):
             assert sum(s["kv_fetch"] for s in ag) == 0
 
 
+def _readable_rows(cu, positions, r):
+    """The other ranks' rows that rank r reads: those up to its last row of their sequence."""
+    seq_of = torch.repeat_interleave(torch.arange(len(cu) - 1), torch.tensor(cu).diff())
+    last = {}
+    for x in positions[r].tolist():  # ascending: the last one per sequence wins
+        last[int(seq_of[x])] = x
+    return sum(1 for o in range(len(positions)) if o != r for x in positions[o].tolist()
+               if x <= last.get(int(seq_of[x]), -1))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_selected_exchange_sends_only_the_readable_index_keys(world):
+    # exchange="selected" sends a rank only the index keys of the prefix it reads (the stats key
+    # keeps its name, k_idx_allgather); the baseline all-gathers every other rank's rows.
+    res = _results(world)
+    for name, cu, dtype, _ in CASES:
+        row = HEADS["Hik"] * HEADS["Di"] * torch.empty((), dtype=dtype).element_size()
+        for layout in LAYOUTS:
+            positions = [res[r][(name, layout, "selected")]["pos"] for r in range(world)]
+            for r in range(world):
+                sel = res[r][(name, layout, "selected")]["stats"]["k_idx_allgather"]
+                ag = res[r][(name, layout, "allgather")]["stats"]["k_idx_allgather"]
+                assert sel == _readable_rows(cu, positions, r) * row, (name, layout, r)
+                assert ag == (cu[-1] - positions[r].numel()) * row, (name, layout, r)
+                if layout == "contiguous" and r == 0:
+                    assert sel == 0, name  # nothing before the first rank's rows
+                if layout == "contiguous" and len(cu) == 2:
+                    # one sequence: every earlier rank's rows, none of the later ones
+                    assert sel == sum(x.numel() for x in positions[:r]) * row, (name, r)
+            if layout == "balanced":
+                # zigzag: rank 0 holds each sequence's last chunk and reads all the others' rows
+                assert res[0][(name, layout, "selected")]["stats"]["k_idx_allgather"] == (
+                    cu[-1] - positions[0].numel()) * row, name
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_bad_shard_raises_on_every_rank(world):
     res = _results(world)
