@@ -147,16 +147,20 @@ class Model(nn.Module):
 
 
 @torch.no_grad()
-def recall(model: Model, x: Tensor, ans_pos: Tensor, value_pos: Tensor):
+def recall(model: Model, x: Tensor, ans_pos: Tensor, value_pos: Tensor, max_rows: int = 8192,
+           chunk: int = 1024):
     """(teacher mass in the selected blocks, the same mass for a uniform teacher (chance: the
     selected share of each row's causal keys), share of (layer, answer) where the ANS token's
     selection holds the block of the answer's value), over the layers of `model` on (at most two
-    of) sequences x [B, L]."""
+    of) sequences x [B, L]. The masses are means over query rows: every row when L <= max_rows,
+    else an evenly strided sample of max_rows rows (an unbiased estimate of the mean); the dense
+    teacher of those rows is computed `chunk` rows at a time, so long sequences fit."""
     x, value_pos = x[:2], value_pos[:2]
     B, L = x.shape
     h = model.emb(x)
     mass, chance, hit = [], [], []
     cu = torch.arange(B + 1, device=x.device, dtype=torch.int32) * L
+    rows = torch.arange(0, L, max(1, L // max_rows), device=x.device)
     for b in model.blocks:
         a = b.attn
         hn = b.n1(h).reshape(B * L, -1)
@@ -166,19 +170,26 @@ def recall(model: Model, x: Tensor, ans_pos: Tensor, value_pos: Tensor):
         G, Gi = a.n_heads // a.n_kv_heads, a.n_heads // a.n_idx_heads
         qf = q.view(B, L, a.n_heads, -1).transpose(1, 2).float()
         kf = k.view(B, L, a.n_kv_heads, -1).transpose(1, 2).float().repeat_interleave(G, 1)
-        s = qf @ kf.transpose(-1, -2) / math.sqrt(a.head_dim)
-        s = s.masked_fill(torch.ones(L, L, dtype=torch.bool, device=x.device).triu(1), -math.inf)
-        pi = s.softmax(-1).view(B, a.n_idx_heads, Gi, L, L).mean(2)  # [B, Hi, L, L]
-        nblk = -(-L // a.block_size)
-        pi = F.pad(pi, (0, nblk * a.block_size - L)).view(B, a.n_idx_heads, L, nblk, -1).sum(-1)
         sel = bi.view(B, L, a.n_idx_heads, -1).long().permute(0, 2, 1, 3)  # [B, Hi, L, k]
-        kept = pi.gather(-1, sel.clamp(min=0)) * (sel >= 0)
-        mass.append(float(kept.sum(-1).mean()))
-        pos = torch.arange(L, device=x.device)
-        keys = ((sel >= 0) * (torch.clamp((pos[:, None] + 1) - sel.clamp(min=0) * a.block_size, 0,
-                                          a.block_size))).sum(-1)  # selected causal keys per row
-        chance.append(float((keys / (pos + 1)).mean()))
-        del s, pi
+        nblk = -(-L // a.block_size)
+        kept_sum, keys_sum = 0.0, 0.0
+        for r0 in range(0, rows.numel(), chunk):
+            rr = rows[r0: r0 + chunk]
+            s = qf[:, :, rr] @ kf.transpose(-1, -2) / math.sqrt(a.head_dim)  # [B, H, R, L]
+            s = s.masked_fill(torch.arange(L, device=x.device)[None, :] > rr[:, None], -math.inf)
+            pi = s.softmax(-1).view(B, a.n_idx_heads, Gi, rr.numel(), L).mean(2)
+            del s
+            pi = F.pad(pi, (0, nblk * a.block_size - L)).view(B, a.n_idx_heads, rr.numel(), nblk,
+                                                              -1).sum(-1)
+            sr = sel[:, :, rr]
+            kept_sum += float((pi.gather(-1, sr.clamp(min=0)) * (sr >= 0)).sum(-1).sum())
+            keys = ((sr >= 0) * torch.clamp((rr[:, None] + 1) - sr.clamp(min=0) * a.block_size,
+                                            0, a.block_size)).sum(-1)  # selected causal keys
+            keys_sum += float((keys / (rr + 1)).sum())
+            del pi
+        n = B * a.n_idx_heads * rows.numel()
+        mass.append(kept_sum / n)
+        chance.append(keys_sum / n)
         qsel = sel[:, :, ans_pos, :]  # the answering tokens' selections [B, Hi, queries, k]
         vb = (value_pos // a.block_size)[:, None, :, None]
         hit.append(float((qsel == vb).any(3).any(1).float().mean()))
@@ -214,6 +225,13 @@ def length_at(args, step: int) -> int:
         if step <= done:
             return length
     return args.seq_len
+
+
+def batch_at(args, length: int) -> int:
+    """The training batch at `length`: --batch, capped at --max-tokens tokens per step."""
+    if args.max_tokens <= 0:
+        return args.batch
+    return max(1, min(args.batch, args.max_tokens // length))
 
 
 def parse_curriculum(text: str):
@@ -252,12 +270,14 @@ def run(args) -> Dict:
                 model.set_mode("msa", "warmup" if step <= args.warmup_steps else "sparse")
             else:
                 model.set_mode("msa", "sparse")
-            x, target, ans_pos, _ = make_batch(args, args.batch, length_at(args, step), gen, device)
+            L = length_at(args, step)
+            x, target, ans_pos, _ = make_batch(args, batch_at(args, L), L, gen, device)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
             for g in opt.param_groups:  # linear learning-rate warmup
-                g["lr"] = args.lr * min(1.0, step / max(1, args.lr_warmup))
+                g["lr"] = args.lr * min(1.0, step / max(1, args.lr_warmup)) * (
+                    batch_at(args, L) / args.batch if args.scale_lr else 1.0)
             with amp():
                 logits, aux = model(x, ans_pos)
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
@@ -267,12 +287,14 @@ def run(args) -> Dict:
             opt.step()
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
+            times.append((time.perf_counter() - t0, L))
             if step % args.eval_every == 0 or step == args.steps:
-                recent = sorted(times[-args.eval_every:])
+                # the median step of the window at this step's length (a stage may start inside it)
+                recent = sorted(t for t, n in times[-args.eval_every:] if n == L)
                 mode = model.blocks[0].attn.mode  # evaluated as trained at this step
                 row = dict(model=name, step=step, mode="dense" if name == "dense" else mode,
-                           train_loss=float(loss.detach()), step_ms=1e3 * recent[len(recent) // 2])
+                           train_loss=float(loss.detach()), train_len=L, batch=batch_at(args, L),
+                           step_ms=1e3 * recent[len(recent) // 2])
                 with amp():
                     row.update(evaluate(model, evals, "dense" if name == "dense" else "msa", mode))
                 rows.append(row)
@@ -351,6 +373,11 @@ def main(argv=None) -> int:
                    help="shorter training lengths first, LEN:STEPS,... (then --seq-len); "
                         "evaluation is always at --seq-len")
     p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=0,
+                   help="cap the batch at this many tokens per step (0: no cap; long stages)")
+    p.add_argument("--scale-lr", action="store_true",
+                   help="scale the learning rate with the batch of each length (linear scaling: "
+                        "a batch capped by --max-tokens takes proportionally smaller steps)")
     p.add_argument("--eval-batch", type=int, default=8)
     p.add_argument("--vocab", type=int, default=64)
     p.add_argument("--task", choices=["needle", "mqar"], default="needle",
