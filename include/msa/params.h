@@ -144,12 +144,23 @@ struct KlParams {
 // physical page page_table[s, b]; block_idx always holds logical block ids. Pages are
 // token-major ([pages, Bk, H, D]): a page of one head is Bk rows of D contiguous elements, the
 // same layout a contiguous [T, H, D] sequence has, so the training kernels' tile loads apply.
+//
+// FP8 caches: k and v (together) and k_idx may each be DType::kFloat8E4M3 with a float32 scale
+// tensor of shape [1] (per tensor) or [pages] (per page), every value finite and positive. The
+// calls then compute exactly as if the cache held the dequantised values
+// float32(e4m3 value * scale[page]) (one fp32 rounding), with queries and outputs in their own
+// dtype; paged_append stores e4m3(float32(x / scale[page])) rounded to nearest even and
+// saturated to +-448 (contract §6). Scales are given only for E4M3 tensors. (The CUDA backend
+// does not implement E4M3 caches yet: kNotSupported.)
 struct PagedCache {
   TensorRef k;           // [pages, Bk, Hkv, D]
   TensorRef v;           // [pages, Bk, Hkv, D], dtype of k
   TensorRef k_idx;       // [pages, Bk, Hik, Di]
   TensorRef page_table;  // [nseq, max_pages] int32: physical page of each logical block
   TensorRef seq_lens;    // [nseq] int32: tokens cached per sequence, this call's new ones included
+  TensorRef k_scale;     // [1] or [pages] fp32, iff k is E4M3
+  TensorRef v_scale;     // [1] or [pages] fp32, iff v is E4M3
+  TensorRef k_idx_scale; // [1] or [pages] fp32, iff k_idx is E4M3
 };
 
 // The new tokens of a call: `cu_seqlens_q` [nseq+1] int32 packs them per sequence; sequence s has
@@ -161,7 +172,7 @@ struct PagedCache {
 
 // Selection for the new tokens (docs/contract.md §2 at their positions): reads cache.k_idx.
 struct PagedSelectParams {
-  TensorRef q_idx;         // in  [Tq, Hi, Di], dtype of cache.k_idx
+  TensorRef q_idx;         // in  [Tq, Hi, Di], dtype of cache.k_idx (any float dtype for E4M3)
   TensorRef cu_seqlens_q;  // in  [nseq+1] int32
   PagedCache cache;        // k_idx, page_table, seq_lens (k and v unused)
   TensorRef block_idx;     // out [Tq, Hi, k] int32: ascending logical block ids, then -1
@@ -173,7 +184,7 @@ struct PagedSelectParams {
 // Attention of the new tokens over the cache (docs/contract.md §3 at their positions; kDense: over
 // every causal key, the dense baseline). With `select`, block_idx is written first from q_idx.
 struct PagedForwardParams {
-  TensorRef q;             // in  [Tq, Hq, D], dtype of cache.k
+  TensorRef q;             // in  [Tq, Hq, D], dtype of cache.k (any float dtype for E4M3)
   TensorRef cu_seqlens_q;  // in  [nseq+1] int32
   PagedCache cache;
   TensorRef block_idx;     // [Tq, Hi, k] int32 (kSparse): in, or out when `select`
@@ -189,9 +200,9 @@ struct PagedForwardParams {
 // Writes the new tokens' k, v and k_idx into their pages (positions as above). Any of the three
 // may be absent (its cache tensor is then not touched either).
 struct PagedAppendParams {
-  TensorRef k;             // in  [Tq, Hkv, D], dtype of cache.k
+  TensorRef k;             // in  [Tq, Hkv, D], dtype of cache.k (a float dtype for E4M3: quantised)
   TensorRef v;             // in  [Tq, Hkv, D]
-  TensorRef k_idx;         // in  [Tq, Hik, Di], dtype of cache.k_idx
+  TensorRef k_idx;         // in  [Tq, Hik, Di], dtype of cache.k_idx (as k)
   TensorRef cu_seqlens_q;  // in  [nseq+1] int32
   PagedCache cache;        // written: k, v, k_idx at the new tokens' rows
   int32_t block_size = 128;

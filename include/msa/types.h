@@ -15,6 +15,10 @@ enum class DType : int32_t {
   kFloat32 = 2,
   kFloat64 = 3,  // CPU backend only (finite-difference tests, references)
   kInt32 = 4,
+  // OCP float8 E4M3 ("e4m3fn": 1 sign, 4 exponent bits of bias 7, 3 mantissa bits; no
+  // infinities, NaN = all ones; largest finite 448). A storage type: paged KV caches and index
+  // key caches with their scales (params.h, PagedCache), never queries or outputs.
+  kFloat8E4M3 = 5,
 };
 
 const char* dtype_name(DType dtype);

@@ -11,12 +11,14 @@ const char* dtype_name(DType dtype) {
     case DType::kFloat32: return "float32";
     case DType::kFloat64: return "float64";
     case DType::kInt32: return "int32";
+    case DType::kFloat8E4M3: return "float8_e4m3";
   }
   return "unknown";
 }
 
 size_t dtype_size(DType dtype) {
   switch (dtype) {
+    case DType::kFloat8E4M3: return 1;
     case DType::kFloat16:
     case DType::kBFloat16: return 2;
     case DType::kFloat32:

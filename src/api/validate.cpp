@@ -523,14 +523,58 @@ Status page_tensor(Check& c, const char* arg, const TensorRef& t, DType dt, int6
   return check_head_dim(c, arg, t.shape[2], "the head count (dim 2)");
 }
 
-// The index side of a serving call: q_idx [Tq, Hi, Di] and cache.k_idx [pages, Bk, Hik, Di].
-// Fills Hi, Hik, Di (and T, dtype when `standalone`: paged_select_blocks has no q).
-Status paged_index(Check& c, const TensorRef& qi, const TensorRef& kc, bool standalone, int64_t* pages,
+// The scale of a cache tensor (PagedCache): float32 [1] or [pages], given iff the tensor `t` is
+// float8_e4m3. Its values are checked by scale_values.
+Status cache_scale(Check& c, const char* arg, const TensorRef& scale, const char* tensor_arg,
+                   const TensorRef& t, int64_t pages) {
+  if (t.dtype != DType::kFloat8E4M3) {
+    if (scale.defined())
+      return c.fail(arg, std::string("given for '") + tensor_arg + "' of dtype " + dtype_name(t.dtype) +
+                             ": scales apply to float8_e4m3 cache tensors only");
+    return Status::Ok();
+  }
+  if (!scale.defined())
+    return c.fail(arg, std::string("required: '") + tensor_arg +
+                           "' is float8_e4m3 (expected float32 [1] per tensor or [pages] per page)");
+  MSA_TRY(c.tensor(arg, scale, 1, false));
+  MSA_TRY(c.dtype(arg, scale, DType::kFloat32));
+  if (scale.shape[0] != 1 && scale.shape[0] != pages)
+    return c.fail(arg, "expected shape [1] (per tensor) or [pages] = [" + std::to_string(pages) +
+                           "] (per page), got " + shape_str(scale));
+  return Status::Ok();
+}
+
+// A given scale's values on the CPU: finite and positive (for CUDA tensors the CUDA backend
+// checks the same values).
+Status scale_values(const Check& c, const char* arg, const TensorRef& scale) {
+  if (!scale.defined() || scale.device.type != DeviceType::kCpu) return Status::Ok();
+  const float* v = static_cast<const float*>(scale.data);
+  for (int64_t i = 0; i < scale.shape[0]; ++i) {
+    const float x = v[i * scale.stride[0]];
+    if (!(std::isfinite(x) && x > 0.f))
+      return c.fail(arg, "scale[" + std::to_string(i) + "] = " + std::to_string(x) +
+                             " is not a finite positive number");
+  }
+  return Status::Ok();
+}
+
+// The dtype a cache tensor must have next to inputs of dtype `like`: its own when it is
+// float8_e4m3 (dequantised through its scale), else `like`.
+DType cache_dtype(const TensorRef& t, DType like) {
+  return t.defined() && t.dtype == DType::kFloat8E4M3 ? DType::kFloat8E4M3 : like;
+}
+
+// The index side of a serving call: q_idx [Tq, Hi, Di] and cache.k_idx [pages, Bk, Hik, Di]
+// (with cache.k_idx_scale when it is float8_e4m3). Fills Hi, Hik, Di (and T, dtype when
+// `standalone`: paged_select_blocks has no q).
+Status paged_index(Check& c, const TensorRef& qi, const PagedCache& cache, bool standalone, int64_t* pages,
                    Problem* prob) {
+  const TensorRef& kc = cache.k_idx;
   MSA_TRY(index_queries(c, qi, standalone, "[Tq, Hi, Di]", prob));
-  MSA_TRY(page_tensor(c, "cache.k_idx", kc, qi.dtype, *pages, prob->opts.block_size, -1, prob->Di,
-                      "[pages, Bk, Hik, Di]", false));
+  MSA_TRY(page_tensor(c, "cache.k_idx", kc, cache_dtype(kc, qi.dtype), *pages, prob->opts.block_size, -1,
+                      prob->Di, "[pages, Bk, Hik, Di]", false));
   *pages = kc.shape[0];
+  MSA_TRY(cache_scale(c, "cache.k_idx_scale", cache.k_idx_scale, "cache.k_idx", kc, *pages));
   prob->Hik = static_cast<int32_t>(kc.shape[2]);
   if (prob->Hi % prob->Hik != 0)
     return c.fail("cache.k_idx", "Hik = " + std::to_string(prob->Hik) + " must divide Hi = " +
@@ -716,19 +760,21 @@ Status validate(const PagedSelectParams& p, Problem* prob) {
   const PagedCache& cache = p.cache;
   MSA_TRY(c.ranks({{"q_idx", &p.q_idx}, {"cu_seqlens_q", &p.cu_seqlens_q}, {"cache.k", &cache.k},
                    {"cache.v", &cache.v}, {"cache.k_idx", &cache.k_idx}, {"cache.page_table", &cache.page_table},
-                   {"cache.seq_lens", &cache.seq_lens}, {"block_idx", &p.block_idx}}));
+                   {"cache.seq_lens", &cache.seq_lens}, {"block_idx", &p.block_idx},
+                   {"cache.k_idx_scale", &cache.k_idx_scale}}));
   MSA_TRY(option_ranges(c, p.opts));
   MSA_TRY(c.option("mode", p.opts.mode == Mode::kSparse, "paged_select_blocks needs kSparse mode"));
   MSA_TRY(selection_options(c, p.opts));
   MSA_TRY(max_q_len_range(c, p.max_q_len));
   prob->opts.block_size = p.opts.block_size;
   int64_t pages = -1;
-  MSA_TRY(paged_index(c, p.q_idx, cache.k_idx, /*standalone=*/true, &pages, prob));
+  MSA_TRY(paged_index(c, p.q_idx, cache, /*standalone=*/true, &pages, prob));
   resolve_options(p.opts, prob);
   prob->k = p.opts.top_k;
   MSA_TRY(out_tensor(c, "block_idx", p.block_idx, DType::kInt32, {prob->T, prob->Hi, prob->k}, "[Tq, Hi, top_k]"));
   MSA_TRY(paged_batch_shape(c, cache, p.cu_seqlens_q));
   MSA_TRY(c.no_aliasing());  // the layout is all checked: the values of inputs come last
+  MSA_TRY(scale_values(c, "cache.k_idx_scale", cache.k_idx_scale));
   return paged_values(c, cache, p.cu_seqlens_q, pages, p.opts.block_size, p.max_q_len, prob, nullptr);
 }
 
@@ -739,7 +785,8 @@ Status validate(const PagedForwardParams& p, Problem* prob) {
   MSA_TRY(c.ranks({{"q", &p.q}, {"cu_seqlens_q", &p.cu_seqlens_q}, {"cache.k", &cache.k},
                    {"cache.v", &cache.v}, {"cache.k_idx", &cache.k_idx}, {"cache.page_table", &cache.page_table},
                    {"cache.seq_lens", &cache.seq_lens}, {"block_idx", &p.block_idx}, {"q_idx", &p.q_idx},
-                   {"out", &p.out}, {"lse", &p.lse}}));
+                   {"out", &p.out}, {"lse", &p.lse}, {"cache.k_scale", &cache.k_scale},
+                   {"cache.v_scale", &cache.v_scale}, {"cache.k_idx_scale", &cache.k_idx_scale}}));
   MSA_TRY(option_ranges(c, p.opts));
   const bool sparse = p.opts.mode == Mode::kSparse;
   const bool select = sparse && p.select;
@@ -755,15 +802,19 @@ Status validate(const PagedForwardParams& p, Problem* prob) {
   prob->Hq = static_cast<int32_t>(p.q.shape[1]);
   prob->D = static_cast<int32_t>(p.q.shape[2]);
   prob->dtype = p.q.dtype;
-  MSA_TRY(page_tensor(c, "cache.k", cache.k, prob->dtype, -1, Bk, -1, prob->D, "[pages, Bk, Hkv, D]", false));
+  MSA_TRY(page_tensor(c, "cache.k", cache.k, cache_dtype(cache.k, prob->dtype), -1, Bk, -1, prob->D,
+                      "[pages, Bk, Hkv, D]", false));
   int64_t pages = cache.k.shape[0];
   prob->Hkv = static_cast<int32_t>(cache.k.shape[2]);
   if (prob->Hq % prob->Hkv != 0)
     return c.fail("cache.k", "Hkv = " + std::to_string(prob->Hkv) + " must divide Hq = " + std::to_string(prob->Hq));
-  MSA_TRY(page_tensor(c, "cache.v", cache.v, prob->dtype, pages, Bk, prob->Hkv, prob->D, "[pages, Bk, Hkv, D]", false));
+  MSA_TRY(page_tensor(c, "cache.v", cache.v, cache.k.dtype, pages, Bk, prob->Hkv, prob->D, "[pages, Bk, Hkv, D]",
+                      false));
+  MSA_TRY(cache_scale(c, "cache.k_scale", cache.k_scale, "cache.k", cache.k, pages));
+  MSA_TRY(cache_scale(c, "cache.v_scale", cache.v_scale, "cache.v", cache.v, pages));
   if (sparse) MSA_TRY(block_idx_shape(c, p.block_idx, /*output=*/select, prob));
   if (select) {
-    MSA_TRY(paged_index(c, p.q_idx, cache.k_idx, /*standalone=*/false, &pages, prob));
+    MSA_TRY(paged_index(c, p.q_idx, cache, /*standalone=*/false, &pages, prob));
     MSA_TRY(index_vs_main(c, "q_idx", *prob));
   } else if (sparse) {
     MSA_TRY(index_vs_main(c, "block_idx", *prob));
@@ -776,6 +827,9 @@ Status validate(const PagedForwardParams& p, Problem* prob) {
   if (p.lse.defined()) MSA_TRY(out_tensor(c, "lse", p.lse, DType::kFloat32, {prob->T, prob->Hq}, "[Tq, Hq]"));
   MSA_TRY(paged_batch_shape(c, cache, p.cu_seqlens_q));
   MSA_TRY(c.no_aliasing());  // the layout is all checked: the values of inputs come last
+  MSA_TRY(scale_values(c, "cache.k_scale", cache.k_scale));
+  MSA_TRY(scale_values(c, "cache.v_scale", cache.v_scale));
+  if (select) MSA_TRY(scale_values(c, "cache.k_idx_scale", cache.k_idx_scale));
   std::vector<int64_t> start;
   MSA_TRY(paged_values(c, cache, p.cu_seqlens_q, pages, Bk, p.max_q_len, prob, &start));
   if (sparse && !select) MSA_TRY(block_idx_values(c, p.block_idx, *prob, &start));
@@ -788,7 +842,9 @@ Status validate(const PagedAppendParams& p, Problem* prob) {
   const PagedCache& cache = p.cache;
   MSA_TRY(c.ranks({{"k", &p.k}, {"v", &p.v}, {"k_idx", &p.k_idx}, {"cu_seqlens_q", &p.cu_seqlens_q},
                    {"cache.k", &cache.k}, {"cache.v", &cache.v}, {"cache.k_idx", &cache.k_idx},
-                   {"cache.page_table", &cache.page_table}, {"cache.seq_lens", &cache.seq_lens}}));
+                   {"cache.page_table", &cache.page_table}, {"cache.seq_lens", &cache.seq_lens},
+                   {"cache.k_scale", &cache.k_scale}, {"cache.v_scale", &cache.v_scale},
+                   {"cache.k_idx_scale", &cache.k_idx_scale}}));
   const int32_t Bk = p.block_size;
   MSA_TRY(c.option("block_size", Bk >= 1 && (Bk & (Bk - 1)) == 0,
                    "must be a power of two (1, 2, 4, ..., 2^30), got " + std::to_string(Bk)));
@@ -799,6 +855,7 @@ Status validate(const PagedAppendParams& p, Problem* prob) {
   // heads, dim and dtype it must have; the v cache matches the k cache when both are written.
   int64_t pages = -1;
   prob->T = -1;
+  // A float8_e4m3 cache tensor takes inputs of any float dtype (quantised with its scale).
   auto one = [&](const char* arg, const TensorRef& in, const char* cache_arg, const TensorRef& out,
                  const char* names, const char* cache_names, const TensorRef* like) -> Status {
     if (!in.defined()) return Status::Ok();
@@ -807,14 +864,17 @@ Status validate(const PagedAppendParams& p, Problem* prob) {
       MSA_TRY(c.dtype(cache_arg, out, like->dtype));
       MSA_TRY(c.shape(cache_arg, out, {pages, Bk, like->shape[2], like->shape[3]}, cache_names));
     } else {
-      MSA_TRY(c.float_dtype(cache_arg, out));
+      if (out.dtype != DType::kFloat8E4M3) MSA_TRY(c.float_dtype(cache_arg, out));
       MSA_TRY(c.shape(cache_arg, out, {pages, Bk, -1, -1}, cache_names));
       MSA_TRY(check_head_dim(c, cache_arg, out.shape[2], "the head count (dim 2)"));
       MSA_TRY(check_head_dim(c, cache_arg, out.shape[3], "the head dim (dim 3)"));
     }
     pages = out.shape[0];
     MSA_TRY(c.tensor(arg, in, 3, false));
-    MSA_TRY(c.dtype(arg, in, out.dtype));
+    if (out.dtype == DType::kFloat8E4M3)
+      MSA_TRY(c.float_dtype(arg, in));
+    else
+      MSA_TRY(c.dtype(arg, in, out.dtype));
     MSA_TRY(c.shape(arg, in, {prob->T, out.shape[2], out.shape[3]}, names));
     prob->T = in.shape[0];
     return Status::Ok();
@@ -822,8 +882,22 @@ Status validate(const PagedAppendParams& p, Problem* prob) {
   MSA_TRY(one("k", p.k, "cache.k", cache.k, "[Tq, Hkv, D]", "[pages, Bk, Hkv, D]", nullptr));
   MSA_TRY(one("v", p.v, "cache.v", cache.v, "[Tq, Hkv, D]", "[pages, Bk, Hkv, D]", p.k.defined() ? &cache.k : nullptr));
   MSA_TRY(one("k_idx", p.k_idx, "cache.k_idx", cache.k_idx, "[Tq, Hik, Di]", "[pages, Bk, Hik, Di]", nullptr));
+  // The scales of the tensors written (pages: those of the cache tensors, all equal).
+  const struct {
+    const char* arg;
+    const TensorRef* scale;
+    const char* tensor_arg;
+    const TensorRef* in;
+    const TensorRef* t;
+  } scales[] = {{"cache.k_scale", &cache.k_scale, "cache.k", &p.k, &cache.k},
+                {"cache.v_scale", &cache.v_scale, "cache.v", &p.v, &cache.v},
+                {"cache.k_idx_scale", &cache.k_idx_scale, "cache.k_idx", &p.k_idx, &cache.k_idx}};
+  for (const auto& x : scales)
+    if (x.in->defined()) MSA_TRY(cache_scale(c, x.arg, *x.scale, x.tensor_arg, *x.t, pages));
   MSA_TRY(paged_batch_shape(c, cache, p.cu_seqlens_q));
   MSA_TRY(c.no_aliasing());  // the layout is all checked: the values of inputs come last
+  for (const auto& x : scales)
+    if (x.in->defined()) MSA_TRY(scale_values(c, x.arg, *x.scale));
   return paged_values(c, cache, p.cu_seqlens_q, pages, Bk, /*max_q_len=*/0, prob, nullptr);
 }
 

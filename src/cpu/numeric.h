@@ -84,4 +84,41 @@ inline Half from_double<Half>(double x) {
   return {static_cast<uint16_t>(sign | (exp << 10) | (man - 1024))};
 }
 
+// float8 E4M3 (OCP "e4m3fn"): value = (-1)^s * 2^(e-7) * (1 + m/8) for e in 1..15 (e = 15 with
+// m = 7 is NaN), 2^-6 * m/8 for e = 0. No infinities; the largest finite value is 448.
+struct E4M3 {
+  uint8_t bits;
+};
+
+inline double to_double(E4M3 x) {
+  const int e = (x.bits >> 3) & 0xf, m = x.bits & 7;
+  if (e == 0xf && m == 7) return std::nan("");
+  const double v = e == 0 ? std::ldexp(static_cast<double>(m), -9) : std::ldexp(8.0 + m, e - 10);
+  return (x.bits & 0x80) ? -v : v;
+}
+
+// The E4M3 code nearest to x (ties to even), saturating: |x| beyond 448 gives +-448 (also for
+// infinities); NaN gives NaN. The cache append's conversion (docs/contract.md §6).
+inline E4M3 e4m3_from_double(double x) {
+  const uint8_t sign = std::signbit(x) ? 0x80 : 0;
+  if (std::isnan(x)) return {static_cast<uint8_t>(sign | 0x7f)};
+  const double a = std::fabs(x);
+  if (a >= 448.0) return {static_cast<uint8_t>(sign | 0x7e)};  // 448 = e 15, m 6
+  if (a < std::ldexp(1.0, -6)) {                               // subnormal range: step 2^-9
+    const double m = std::nearbyint(std::ldexp(a, 9));        // ties to even (default mode)
+    return {static_cast<uint8_t>(sign | static_cast<uint8_t>(m))};  // m = 8 is 2^-6 itself
+  }
+  int e;
+  std::frexp(a, &e);  // a = f * 2^e, f in [0.5, 1)
+  const double m = std::nearbyint(std::ldexp(a, 4 - e));  // 4 significant bits, in [8, 16]
+  uint32_t man = static_cast<uint32_t>(m);
+  int exp = e - 1 + 7;
+  if (man == 16) {
+    man = 8;
+    ++exp;
+  }
+  if (exp > 15 || (exp == 15 && man - 8 == 7)) return {static_cast<uint8_t>(sign | 0x7e)};
+  return {static_cast<uint8_t>(sign | (exp << 3) | (man - 8))};
+}
+
 }  // namespace msa::cpu

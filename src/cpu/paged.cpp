@@ -3,7 +3,9 @@
 // would (§2, §3). The rows themselves are the training code's (select_row, attend_row in
 // common.h); only the key access differs: logical position x of sequence s is row x % Bk of
 // page page_table[s, x / Bk].
+#include <cmath>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #include "backend.h"
@@ -53,20 +55,50 @@ struct PagedRows {
   }
 };
 
+// A float8_e4m3 cache tensor [pages, Bk, H, n] with its scale ([1] or [pages]), read by logical
+// position as dequantised rows: float32(value * scale[page]), one fp32 rounding (contract §6).
+struct E4M3Rows {
+  PagedRows<const E4M3> codes;
+  const float* scale = nullptr;
+  int64_t scale_stride = 0;  // 0: one scale for the tensor
+  int64_t n = 0;
+  E4M3Rows(const TensorRef& t, const TensorRef& sc, const PageTable& pt)
+      : codes(t, pt), scale(static_cast<const float*>(sc.data)),
+        scale_stride(sc.shape[0] == 1 ? 0 : sc.stride[0]), n(t.shape[3]) {}
+  // Row h of position x of sequence s, dequantised into buf (n floats).
+  const float* row(int64_t s, int64_t x, int64_t h, std::vector<float>* buf) const {
+    const float sc = scale[codes.table->page(s, x) * scale_stride];
+    const E4M3* src = codes.row(s, x, h);
+    buf->resize(n);
+    for (int64_t d = 0; d < n; ++d) (*buf)[d] = static_cast<float>(to_double(src[d])) * sc;
+    return buf->data();
+  }
+};
+
+bool is_e4m3(const TensorRef& t) { return t.defined() && t.dtype == DType::kFloat8E4M3; }
+
 template <class E>
 void select_impl(const Problem& prob, const NewTokens& tok, const TensorRef& q_idx_t, const PagedCache& cache,
                  const TensorRef& bi_t) {
   const PageTable pt(cache.page_table, prob.opts.block_size);
   const Rows<const E> q_idx = rows<const E>(q_idx_t);
+  const bool fp8 = is_e4m3(cache.k_idx);
   const PagedRows<const E> k_idx(cache.k_idx, pt);
+  std::optional<E4M3Rows> k_idx8;
+  if (fp8) k_idx8.emplace(cache.k_idx, cache.k_idx_scale, pt);
   int32_t* bi = static_cast<int32_t*>(bi_t.data);
   parallel_for(prob.T, [&](int64_t g, int) {
+    thread_local std::vector<float> buf;
     const int64_t s = tok.seq[g];
     for (int32_t i = 0; i < prob.Hi; ++i) {
       const int32_t ik = i / prob.idx_per_key();
-      select_row(prob.opts, prob.k, prob.Di, prob.opts.scale_idx, q_idx.row(g, i), tok.pos[g],
-                 [&](int64_t j) { return k_idx.row(s, j, ik); }, bi + g * bi_t.stride[0] + i * bi_t.stride[1],
-                 bi_t.stride[2], nullptr);
+      int32_t* out = bi + g * bi_t.stride[0] + i * bi_t.stride[1];
+      if (fp8)
+        select_row(prob.opts, prob.k, prob.Di, prob.opts.scale_idx, q_idx.row(g, i), tok.pos[g],
+                   [&](int64_t j) { return k_idx8->row(s, j, ik, &buf); }, out, bi_t.stride[2], nullptr);
+      else
+        select_row(prob.opts, prob.k, prob.Di, prob.opts.scale_idx, q_idx.row(g, i), tok.pos[g],
+                   [&](int64_t j) { return k_idx.row(s, j, ik); }, out, bi_t.stride[2], nullptr);
     }
   });
 }
@@ -76,6 +108,12 @@ void forward_impl(const Problem& prob, const NewTokens& tok, const PagedForwardP
   const PageTable pt(p.cache.page_table, prob.opts.block_size);
   const Rows<const E> q = rows<const E>(p.q);
   const PagedRows<const E> k(p.cache.k, pt), v(p.cache.v, pt);
+  const bool fp8 = is_e4m3(p.cache.k);
+  std::optional<E4M3Rows> k8, v8;
+  if (fp8) {
+    k8.emplace(p.cache.k, p.cache.k_scale, pt);
+    v8.emplace(p.cache.v, p.cache.v_scale, pt);
+  }
   const Rows<E> out = rows<E>(p.out);
   const Mat lse = p.lse.defined() ? mat(p.lse) : Mat{};
   const bool dense = prob.opts.mode == Mode::kDense;
@@ -85,6 +123,7 @@ void forward_impl(const Problem& prob, const NewTokens& tok, const PagedForwardP
   parallel_for(prob.T, [&](int64_t g, int) {
     thread_local std::vector<int32_t> blocks;
     thread_local std::vector<int64_t> keys;
+    thread_local std::vector<float> kbuf, vbuf;
     const int64_t s = tok.seq[g], t = tok.pos[g];
     for (int32_t i = 0; i < Hl; ++i) {
       blocks.clear();
@@ -100,8 +139,13 @@ void forward_impl(const Problem& prob, const NewTokens& tok, const PagedForwardP
       keys_of_blocks(blocks, t, Bk, &keys);
       for (int32_t h = i * hpi; h < (i + 1) * hpi; ++h) {
         const int32_t r = h / G;
-        attend_row(prob.D, prob.opts.scale, q.row(g, h), keys, [&](int64_t j) { return k.row(s, j, r); },
-                   [&](int64_t j) { return v.row(s, j, r); }, out.row(g, h), lse.base ? &lse.at(g, h) : nullptr);
+        float* row_lse = lse.base ? &lse.at(g, h) : nullptr;
+        if (fp8)
+          attend_row(prob.D, prob.opts.scale, q.row(g, h), keys, [&](int64_t j) { return k8->row(s, j, r, &kbuf); },
+                     [&](int64_t j) { return v8->row(s, j, r, &vbuf); }, out.row(g, h), row_lse);
+        else
+          attend_row(prob.D, prob.opts.scale, q.row(g, h), keys, [&](int64_t j) { return k.row(s, j, r); },
+                     [&](int64_t j) { return v.row(s, j, r); }, out.row(g, h), row_lse);
       }
     }
   });
@@ -121,10 +165,37 @@ struct ForwardFn {
   }
 };
 
-// Copies the rows [Tq, H, n] of `in` to their cache rows (any dtype: bytes).
+// Element i of a float tensor's storage, as a double (exact).
+double element(const void* base, DType dt, int64_t i) {
+  switch (dt) {
+    case DType::kFloat16: return to_double(static_cast<const Half*>(base)[i]);
+    case DType::kBFloat16: return to_double(static_cast<const BFloat16*>(base)[i]);
+    case DType::kFloat32: return static_cast<const float*>(base)[i];
+    case DType::kFloat64: return static_cast<const double*>(base)[i];
+    default: return std::nan("");
+  }
+}
+
+// Copies the rows [Tq, H, n] of `in` to their cache rows (any dtype: bytes); into a float8_e4m3
+// cache tensor, quantised: e4m3(float32(x) / scale[page]) to nearest even, saturated to +-448.
 void append_rows(const Problem& prob, const NewTokens& tok, const PageTable& pt, const TensorRef& in,
-                 const TensorRef& cache) {
+                 const TensorRef& cache, const TensorRef& scale) {
   if (!in.defined()) return;
+  if (is_e4m3(cache)) {
+    const float* sc = static_cast<const float*>(scale.data);
+    const int64_t ss = scale.shape[0] == 1 ? 0 : scale.stride[0];
+    E4M3* dst = static_cast<E4M3*>(cache.data);
+    parallel_for(prob.T, [&](int64_t g, int) {
+      const int64_t page = pt.page(tok.seq[g], tok.pos[g]), row = tok.pos[g] % pt.Bk;
+      const float s = sc[page * ss];
+      for (int64_t h = 0; h < in.shape[1]; ++h)
+        for (int64_t d = 0; d < in.shape[2]; ++d) {
+          const float x = static_cast<float>(element(in.data, in.dtype, g * in.stride[0] + h * in.stride[1] + d));
+          dst[page * cache.stride[0] + row * cache.stride[1] + h * cache.stride[2] + d] = e4m3_from_double(x / s);
+        }
+    });
+    return;
+  }
   const size_t e = dtype_size(in.dtype), bytes = static_cast<size_t>(in.shape[2]) * e;
   const uint8_t* src = static_cast<const uint8_t*>(in.data);
   uint8_t* dst = static_cast<uint8_t*>(cache.data);
@@ -153,9 +224,9 @@ Status paged_forward(const Problem& prob, const PagedForwardParams& p) {
 Status paged_append(const Problem& prob, const PagedAppendParams& p) {
   const NewTokens tok(prob, p.cache);
   const PageTable pt(p.cache.page_table, p.block_size);
-  append_rows(prob, tok, pt, p.k, p.cache.k);
-  append_rows(prob, tok, pt, p.v, p.cache.v);
-  append_rows(prob, tok, pt, p.k_idx, p.cache.k_idx);
+  append_rows(prob, tok, pt, p.k, p.cache.k, p.cache.k_scale);
+  append_rows(prob, tok, pt, p.v, p.cache.v, p.cache.v_scale);
+  append_rows(prob, tok, pt, p.k_idx, p.cache.k_idx, p.cache.k_idx_scale);
   return Status::Ok();
 }
 

@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -20,8 +21,34 @@ namespace msatest {
 using msa::DType;
 using msa::Mode;
 
+// float8 E4M3 ("e4m3fn") from the format's definition, independently of the library: code
+// s eeee mmm is (-1)^s * 2^(e - 7) * (1 + m / 8) for e > 0, (-1)^s * 2^-6 * m / 8 for e = 0, and
+// NaN for eeee mmm = 1111 111.
+inline double e4m3_value(uint8_t code) {
+  const int e = (code >> 3) & 15, m = code & 7;
+  if (e == 15 && m == 7) return NAN;
+  const double mag = e > 0 ? std::pow(2.0, e - 7) * (1.0 + m / 8.0) : std::pow(2.0, -6) * (m / 8.0);
+  return (code & 0x80) ? -mag : mag;
+}
+
+// The E4M3 code nearest to x by exhaustive search (ties: the even code), saturated to +-448;
+// NaN gives 0x7f. The contract's conversion, written as a search rather than bit arithmetic.
+inline uint8_t e4m3_code(double x) {
+  if (std::isnan(x)) return 0x7f;
+  const uint8_t sign = std::signbit(x) ? 0x80 : 0;
+  const double a = std::min(std::fabs(x), 448.0);
+  uint8_t best = 0;
+  for (int c = 1; c < 0x7f; ++c) {
+    const double d = std::fabs(e4m3_value(static_cast<uint8_t>(c)) - a);
+    const double db = std::fabs(e4m3_value(best) - a);
+    if (d < db || (d == db && (c & 1) == 0)) best = static_cast<uint8_t>(c);
+  }
+  return static_cast<uint8_t>(sign | best);
+}
+
 inline double bits_to_double(DType dt, const void* p) {
   switch (dt) {
+    case DType::kFloat8E4M3: return e4m3_value(*static_cast<const uint8_t*>(p));
     case DType::kFloat16: {
       _Float16 h;
       std::memcpy(&h, p, 2);
@@ -44,6 +71,7 @@ inline double bits_to_double(DType dt, const void* p) {
 
 inline void double_to_bits(DType dt, double x, void* p) {
   switch (dt) {
+    case DType::kFloat8E4M3: *static_cast<uint8_t*>(p) = e4m3_code(x); return;
     case DType::kFloat16: {
       _Float16 h = static_cast<_Float16>(static_cast<float>(x));
       std::memcpy(p, &h, 2);
