@@ -43,6 +43,9 @@ void check(const msa::Status& s) {
   raise(PyExc_ValueError, std::string("msa: argument '") + name + "': " + what);
 }
 
+// DLPack's type code of float8 e4m3fn (torch.float8_e4m3fn), newer than nanobind's enum.
+constexpr uint8_t kDLFloat8E4M3FN = 10;
+
 msa::DType to_dtype(const char* name, nb::dlpack::dtype dt) {
   using nb::dlpack::dtype_code;
   if (dt.lanes == 1) {
@@ -54,11 +57,13 @@ msa::DType to_dtype(const char* name, nb::dlpack::dtype dt) {
       return msa::DType::kBFloat16;
     } else if (dt.code == static_cast<uint8_t>(dtype_code::Int) && dt.bits == 32) {
       return msa::DType::kInt32;
+    } else if (dt.code == kDLFloat8E4M3FN && dt.bits == 8) {
+      return msa::DType::kFloat8E4M3;
     }
   }
   bad_arg(name, "unsupported dtype (DLPack code " + std::to_string(dt.code) + ", " +
                     std::to_string(dt.bits) + " bits, " + std::to_string(dt.lanes) +
-                    " lanes); expected float16, bfloat16, float32, float64 or int32");
+                    " lanes); expected float16, bfloat16, float32, float64, int32 or float8_e4m3fn");
 }
 
 msa::TensorRef to_ref(const char* name, const Array& a) {
@@ -175,14 +180,22 @@ msa::DeviceType parse_device(const std::string& d) {
   bad_arg("device_type", "expected 'cpu' or 'cuda', got '" + d + "'");
 }
 
+// The scales of float8_e4m3 cache tensors (each optional).
+struct Scales {
+  OptArray k, v, k_idx;
+};
+
 msa::PagedCache paged_cache(const OptArray& k, const OptArray& v, const OptArray& k_idx, const Array& page_table,
-                            const Array& seq_lens) {
+                            const Array& seq_lens, const Scales& scales = {}) {
   msa::PagedCache c;
   c.k = to_ref("cache.k", k);
   c.v = to_ref("cache.v", v);
   c.k_idx = to_ref("cache.k_idx", k_idx);
   c.page_table = to_ref("cache.page_table", page_table);
   c.seq_lens = to_ref("cache.seq_lens", seq_lens);
+  c.k_scale = to_ref("cache.k_scale", scales.k);
+  c.v_scale = to_ref("cache.v_scale", scales.v);
+  c.k_idx_scale = to_ref("cache.k_idx_scale", scales.k_idx);
   return c;
 }
 
@@ -190,11 +203,13 @@ msa::PagedSelectParams paged_select_params(const Array& q_idx, const Array& cu_s
                                            const Array& page_table, const Array& seq_lens, const Array& block_idx,
                                            const nb::int_& max_q_len, const nb::int_& block_size,
                                            const nb::int_& top_k, const nb::int_& sink_blocks,
-                                           const nb::int_& local_blocks, float scale_idx) {
+                                           const nb::int_& local_blocks, float scale_idx,
+                                           const OptArray& k_idx_scale) {
   msa::PagedSelectParams p;
   p.q_idx = to_ref("q_idx", q_idx);
   p.cu_seqlens_q = to_ref("cu_seqlens_q", cu_seqlens_q);
-  p.cache = paged_cache(std::nullopt, std::nullopt, k_idx_cache, page_table, seq_lens);
+  p.cache = paged_cache(std::nullopt, std::nullopt, k_idx_cache, page_table, seq_lens,
+                        {std::nullopt, std::nullopt, k_idx_scale});
   p.block_idx = to_ref("block_idx", block_idx);
   p.max_q_len = int32_arg("max_q_len", max_q_len);
   p.opts = options(nb::int_(0), block_size, top_k, sink_blocks, local_blocks, 0.f, scale_idx, false);
@@ -208,11 +223,12 @@ msa::PagedForwardParams paged_forward_params(const Array& q, const Array& cu_seq
                                              const Array& out, const OptArray& lse, const nb::int_& max_q_len,
                                              const nb::int_& mode, const nb::int_& block_size,
                                              const nb::int_& top_k, const nb::int_& sink_blocks,
-                                             const nb::int_& local_blocks, float scale, float scale_idx) {
+                                             const nb::int_& local_blocks, float scale, float scale_idx,
+                                             const Scales& scales) {
   msa::PagedForwardParams p;
   p.q = to_ref("q", q);
   p.cu_seqlens_q = to_ref("cu_seqlens_q", cu_seqlens_q);
-  p.cache = paged_cache(k_cache, v_cache, k_idx_cache, page_table, seq_lens);
+  p.cache = paged_cache(k_cache, v_cache, k_idx_cache, page_table, seq_lens, scales);
   p.block_idx = to_ref("block_idx", block_idx);
   p.select = select;
   p.q_idx = to_ref("q_idx", q_idx);
@@ -360,10 +376,11 @@ NB_MODULE(_C, m) {
       [](const Array& q_idx, const Array& cu_seqlens_q, const Array& k_idx_cache, const Array& page_table,
          const Array& seq_lens, const Array& block_idx, const nb::int_& max_q_len, const nb::int_& block_size,
          const nb::int_& top_k, const nb::int_& sink_blocks, const nb::int_& local_blocks, float scale_idx,
-         uintptr_t stream, bool check_values, const nb::object& workspace_alloc, const OptArray& workspace) {
+         uintptr_t stream, bool check_values, const nb::object& workspace_alloc, const OptArray& workspace,
+         const OptArray& k_idx_scale) {
         msa::PagedSelectParams p = paged_select_params(q_idx, cu_seqlens_q, k_idx_cache, page_table, seq_lens,
                                                        block_idx, max_q_len, block_size, top_k, sink_blocks,
-                                                       local_blocks, scale_idx);
+                                                       local_blocks, scale_idx, k_idx_scale);
         run(p, stream, check_values, workspace_alloc,
             [](const msa::PagedSelectParams& x) { return msa::paged_select_blocks(x); }, workspace);
       },
@@ -371,22 +388,24 @@ NB_MODULE(_C, m) {
       nb::arg("seq_lens"), nb::arg("block_idx"), nb::arg("max_q_len") = 0, nb::arg("block_size") = 128,
       nb::arg("top_k") = 16, nb::arg("sink_blocks") = 0, nb::arg("local_blocks") = 1,
       nb::arg("scale_idx") = 0.f, nb::arg("stream") = 0, nb::arg("check_values") = true,
-      nb::arg("workspace_alloc") = nb::none(), nb::arg("workspace").none() = nb::none());
+      nb::arg("workspace_alloc") = nb::none(), nb::arg("workspace").none() = nb::none(),
+      nb::arg("k_idx_scale").none() = nb::none());
 
   m.def(
       "paged_select_workspace_size",
       [](const Array& q_idx, const Array& cu_seqlens_q, const Array& k_idx_cache, const Array& page_table,
          const Array& seq_lens, const Array& block_idx, const nb::int_& max_q_len, const nb::int_& block_size,
-         const nb::int_& top_k, const nb::int_& sink_blocks, const nb::int_& local_blocks, float scale_idx) {
+         const nb::int_& top_k, const nb::int_& sink_blocks, const nb::int_& local_blocks, float scale_idx,
+         const OptArray& k_idx_scale) {
         const msa::PagedSelectParams p = paged_select_params(q_idx, cu_seqlens_q, k_idx_cache, page_table,
                                                              seq_lens, block_idx, max_q_len, block_size, top_k,
-                                                             sink_blocks, local_blocks, scale_idx);
+                                                             sink_blocks, local_blocks, scale_idx, k_idx_scale);
         return msa::workspace_size(p);
       },
       nb::arg("q_idx"), nb::arg("cu_seqlens_q"), nb::arg("k_idx_cache"), nb::arg("page_table"),
       nb::arg("seq_lens"), nb::arg("block_idx"), nb::arg("max_q_len") = 0, nb::arg("block_size") = 128,
       nb::arg("top_k") = 16, nb::arg("sink_blocks") = 0, nb::arg("local_blocks") = 1,
-      nb::arg("scale_idx") = 0.f);
+      nb::arg("scale_idx") = 0.f, nb::arg("k_idx_scale").none() = nb::none());
 
   m.def(
       "paged_forward",
@@ -395,10 +414,12 @@ NB_MODULE(_C, m) {
          bool select, const OptArray& q_idx, const Array& out, const OptArray& lse, const nb::int_& max_q_len,
          const nb::int_& mode, const nb::int_& block_size, const nb::int_& top_k, const nb::int_& sink_blocks,
          const nb::int_& local_blocks, float scale, float scale_idx, uintptr_t stream, bool check_values,
-         const nb::object& workspace_alloc, const OptArray& workspace) {
+         const nb::object& workspace_alloc, const OptArray& workspace, const OptArray& k_scale,
+         const OptArray& v_scale, const OptArray& k_idx_scale) {
         msa::PagedForwardParams p = paged_forward_params(
             q, cu_seqlens_q, k_cache, v_cache, k_idx_cache, page_table, seq_lens, block_idx, select, q_idx, out,
-            lse, max_q_len, mode, block_size, top_k, sink_blocks, local_blocks, scale, scale_idx);
+            lse, max_q_len, mode, block_size, top_k, sink_blocks, local_blocks, scale, scale_idx,
+            {k_scale, v_scale, k_idx_scale});
         run(p, stream, check_values, workspace_alloc,
             [](const msa::PagedForwardParams& x) { return msa::paged_forward(x); }, workspace);
       },
@@ -408,7 +429,9 @@ NB_MODULE(_C, m) {
       nb::arg("max_q_len") = 0, nb::arg("mode") = 0, nb::arg("block_size") = 128, nb::arg("top_k") = 16,
       nb::arg("sink_blocks") = 0, nb::arg("local_blocks") = 1, nb::arg("scale") = 0.f,
       nb::arg("scale_idx") = 0.f, nb::arg("stream") = 0, nb::arg("check_values") = true,
-      nb::arg("workspace_alloc") = nb::none(), nb::arg("workspace").none() = nb::none());
+      nb::arg("workspace_alloc") = nb::none(), nb::arg("workspace").none() = nb::none(),
+      nb::arg("k_scale").none() = nb::none(), nb::arg("v_scale").none() = nb::none(),
+      nb::arg("k_idx_scale").none() = nb::none());
 
   m.def(
       "paged_forward_workspace_size",
@@ -416,10 +439,12 @@ NB_MODULE(_C, m) {
          const OptArray& k_idx_cache, const Array& page_table, const Array& seq_lens, const OptArray& block_idx,
          bool select, const OptArray& q_idx, const Array& out, const OptArray& lse, const nb::int_& max_q_len,
          const nb::int_& mode, const nb::int_& block_size, const nb::int_& top_k, const nb::int_& sink_blocks,
-         const nb::int_& local_blocks, float scale, float scale_idx) {
+         const nb::int_& local_blocks, float scale, float scale_idx, const OptArray& k_scale,
+         const OptArray& v_scale, const OptArray& k_idx_scale) {
         const msa::PagedForwardParams p = paged_forward_params(
             q, cu_seqlens_q, k_cache, v_cache, k_idx_cache, page_table, seq_lens, block_idx, select, q_idx, out,
-            lse, max_q_len, mode, block_size, top_k, sink_blocks, local_blocks, scale, scale_idx);
+            lse, max_q_len, mode, block_size, top_k, sink_blocks, local_blocks, scale, scale_idx,
+            {k_scale, v_scale, k_idx_scale});
         return msa::workspace_size(p);
       },
       nb::arg("q"), nb::arg("cu_seqlens_q"), nb::arg("k_cache"), nb::arg("v_cache"),
@@ -427,19 +452,21 @@ NB_MODULE(_C, m) {
       nb::arg("select"), nb::arg("q_idx").none(), nb::arg("out"), nb::arg("lse").none(),
       nb::arg("max_q_len") = 0, nb::arg("mode") = 0, nb::arg("block_size") = 128, nb::arg("top_k") = 16,
       nb::arg("sink_blocks") = 0, nb::arg("local_blocks") = 1, nb::arg("scale") = 0.f,
-      nb::arg("scale_idx") = 0.f);
+      nb::arg("scale_idx") = 0.f, nb::arg("k_scale").none() = nb::none(),
+      nb::arg("v_scale").none() = nb::none(), nb::arg("k_idx_scale").none() = nb::none());
 
   m.def(
       "paged_append",
       [](const OptArray& k, const OptArray& v, const OptArray& k_idx, const Array& cu_seqlens_q,
          const OptArray& k_cache, const OptArray& v_cache, const OptArray& k_idx_cache, const Array& page_table,
-         const Array& seq_lens, const nb::int_& block_size, uintptr_t stream, bool check_values) {
+         const Array& seq_lens, const nb::int_& block_size, uintptr_t stream, bool check_values,
+         const OptArray& k_scale, const OptArray& v_scale, const OptArray& k_idx_scale) {
         msa::PagedAppendParams p;
         p.k = to_ref("k", k);
         p.v = to_ref("v", v);
         p.k_idx = to_ref("k_idx", k_idx);
         p.cu_seqlens_q = to_ref("cu_seqlens_q", cu_seqlens_q);
-        p.cache = paged_cache(k_cache, v_cache, k_idx_cache, page_table, seq_lens);
+        p.cache = paged_cache(k_cache, v_cache, k_idx_cache, page_table, seq_lens, {k_scale, v_scale, k_idx_scale});
         p.block_size = int32_arg("block_size", block_size);
         p.launch.stream = reinterpret_cast<void*>(stream);
         p.launch.check_values = check_values;
@@ -453,5 +480,6 @@ NB_MODULE(_C, m) {
       nb::arg("k").none(), nb::arg("v").none(), nb::arg("k_idx").none(), nb::arg("cu_seqlens_q"),
       nb::arg("k_cache").none(), nb::arg("v_cache").none(), nb::arg("k_idx_cache").none(),
       nb::arg("page_table"), nb::arg("seq_lens"), nb::arg("block_size") = 128, nb::arg("stream") = 0,
-      nb::arg("check_values") = true);
+      nb::arg("check_values") = true, nb::arg("k_scale").none() = nb::none(),
+      nb::arg("v_scale").none() = nb::none(), nb::arg("k_idx_scale").none() = nb::none());
 }

@@ -65,8 +65,10 @@ def _paged_select_blocks_op(
     sink_blocks: int,
     local_blocks: int,
     scale_idx: float,
+    k_idx_scale: Optional[Tensor] = None,
 ) -> Tensor:
-    """block_idx [Tq, Hi, top_k] int32: ascending logical block ids, then -1."""
+    """block_idx [Tq, Hi, top_k] int32: ascending logical block ids, then -1. ``k_idx_scale``:
+    the scale of a float8_e4m3fn ``k_idx_cache`` ([1] or [pages] float32)."""
     _ops._need_rank("q_idx", q_idx, 3, "[Tq, Hi, Di]")
     _ops._need_int("top_k", top_k, 1, _ops._MAX_TOP_K)
     block_idx = torch.empty((q_idx.shape[0], q_idx.shape[1], top_k), dtype=torch.int32,
@@ -74,19 +76,20 @@ def _paged_select_blocks_op(
     _launch(_C.paged_select_blocks, q_idx.device, _lc(q_idx), _lc(cu_seqlens_q),
             _lc(k_idx_cache), _lc(page_table), _lc(seq_lens), block_idx, max_q_len=max_q_len,
             block_size=block_size, top_k=top_k, sink_blocks=sink_blocks,
-            local_blocks=local_blocks, scale_idx=scale_idx)
+            local_blocks=local_blocks, scale_idx=scale_idx, k_idx_scale=_lc(k_idx_scale))
     return block_idx
 
 
 @_paged_select_blocks_op.register_fake
 def _(q_idx, cu_seqlens_q, k_idx_cache, page_table, seq_lens, max_q_len, top_k, block_size,
-      sink_blocks, local_blocks, scale_idx):
+      sink_blocks, local_blocks, scale_idx, k_idx_scale=None):
     return q_idx.new_empty((q_idx.shape[0], q_idx.shape[1], top_k), dtype=torch.int32)
 
 
 def _run_paged_forward(q, cu_seqlens_q, k_cache, v_cache, k_idx_cache, page_table, seq_lens,
                        q_idx, block_idx, out, lse, max_q_len, dense, sel, block_size, top_k,
-                       sink_blocks, local_blocks, scale, scale_idx, **launch):
+                       sink_blocks, local_blocks, scale, scale_idx, k_scale=None, v_scale=None,
+                       k_idx_scale=None, **launch):
     """The binding's paged_forward into out / lse (and block_idx when ``sel``); ``launch``:
     msa._ops._launch's check_values and workspace."""
     _launch(_C.paged_forward, q.device, _lc(q), _lc(cu_seqlens_q), _lc(k_cache), _lc(v_cache),
@@ -94,7 +97,8 @@ def _run_paged_forward(q, cu_seqlens_q, k_cache, v_cache, k_idx_cache, page_tabl
             _lc(q_idx) if sel else None, out, lse, max_q_len=max_q_len,
             mode=_ops._MODE_DENSE if dense else _ops._MODE_SPARSE, block_size=block_size,
             top_k=top_k, sink_blocks=sink_blocks, local_blocks=local_blocks, scale=scale,
-            scale_idx=scale_idx, **launch)
+            scale_idx=scale_idx, k_scale=_lc(k_scale), v_scale=_lc(v_scale),
+            k_idx_scale=_lc(k_idx_scale) if sel else None, **launch)
 
 
 @torch.library.custom_op("msa::paged_forward", mutates_args=())
@@ -117,6 +121,9 @@ def _paged_forward_op(
     local_blocks: int,
     scale: float,
     scale_idx: float,
+    k_scale: Optional[Tensor] = None,
+    v_scale: Optional[Tensor] = None,
+    k_idx_scale: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """(out [Tq, Hq, D] dtype of q, lse [Tq, Hq] fp32, block_idx).
 
@@ -142,13 +149,14 @@ def _paged_forward_op(
     lse = torch.empty((Tq, Hq), dtype=torch.float32, device=dev)
     _run_paged_forward(q, cu_seqlens_q, k_cache, v_cache, k_idx_cache, page_table, seq_lens,
                        q_idx, bi, out, lse, max_q_len, dense, sel, block_size, top_k,
-                       sink_blocks, local_blocks, scale, scale_idx)
+                       sink_blocks, local_blocks, scale, scale_idx, k_scale, v_scale, k_idx_scale)
     return out, lse, bi_out
 
 
 @_paged_forward_op.register_fake
 def _(q, cu_seqlens_q, k_cache, v_cache, k_idx_cache, page_table, seq_lens, q_idx, block_idx,
-      max_q_len, dense, select, block_size, top_k, sink_blocks, local_blocks, scale, scale_idx):
+      max_q_len, dense, select, block_size, top_k, sink_blocks, local_blocks, scale, scale_idx,
+      k_scale=None, v_scale=None, k_idx_scale=None):
     Tq, Hq, D = q.shape
     out = q.new_empty((Tq, Hq, D))
     lse = q.new_empty((Tq, Hq), dtype=torch.float32)
@@ -184,6 +192,9 @@ def _paged_forward_into_op(
     scale: float,
     scale_idx: float,
     check_values: bool,
+    k_scale: Optional[Tensor] = None,
+    v_scale: Optional[Tensor] = None,
+    k_idx_scale: Optional[Tensor] = None,
 ) -> None:
     """paged_forward into caller buffers (PagedMSAWrapper.run): ``out``, ``lse`` and, with
     ``select``, ``block_idx`` are written; ``workspace`` (uint8, at least the planned size) is
@@ -192,13 +203,15 @@ def _paged_forward_into_op(
     _run_paged_forward(q, cu_seqlens_q, k_cache, v_cache, k_idx_cache, page_table, seq_lens,
                        q_idx, None if dense else block_idx, out, lse, max_q_len, dense, sel,
                        block_size, top_k, sink_blocks, local_blocks, scale, scale_idx,
-                       check_values=check_values, workspace=workspace)
+                       k_scale, v_scale, k_idx_scale, check_values=check_values,
+                       workspace=workspace)
 
 
 @_paged_forward_into_op.register_fake
 def _(q, cu_seqlens_q, k_cache, v_cache, k_idx_cache, page_table, seq_lens, q_idx, block_idx,
       out, lse, workspace, max_q_len, dense, select, block_size, top_k, sink_blocks,
-      local_blocks, scale, scale_idx, check_values):
+      local_blocks, scale, scale_idx, check_values, k_scale=None, v_scale=None,
+      k_idx_scale=None):
     return None
 
 
@@ -214,16 +227,21 @@ def _paged_append_op(
     page_table: Tensor,
     seq_lens: Tensor,
     block_size: int,
+    k_scale: Optional[Tensor] = None,
+    v_scale: Optional[Tensor] = None,
+    k_idx_scale: Optional[Tensor] = None,
 ) -> None:
-    """Writes the new tokens' k, v, k_idx rows into their pages (each optional)."""
+    """Writes the new tokens' k, v, k_idx rows into their pages (each optional); into a
+    float8_e4m3fn cache tensor quantised with its scale (contract §6)."""
     _launch(_C.paged_append, cu_seqlens_q.device, _lc(k), _lc(v), _lc(k_idx), _lc(cu_seqlens_q),
             k_cache, v_cache, k_idx_cache, _lc(page_table), _lc(seq_lens), allocates=False,
-            block_size=block_size)
+            block_size=block_size, k_scale=_lc(k_scale), v_scale=_lc(v_scale),
+            k_idx_scale=_lc(k_idx_scale))
 
 
 @_paged_append_op.register_fake
 def _(k, v, k_idx, cu_seqlens_q, k_cache, v_cache, k_idx_cache, page_table, seq_lens,
-      block_size):
+      block_size, k_scale=None, v_scale=None, k_idx_scale=None):
     return None
 
 
@@ -278,10 +296,12 @@ def paged_select_blocks(
     sink_blocks: int = 0,
     local_blocks: int = 1,
     scale_idx: Optional[float] = None,
+    k_idx_scale: Optional[Tensor] = None,
 ) -> Tensor:
     """Selection for the new tokens (contract §2 at their positions) over the paged index keys
     ``k_idx_cache [pages, Bk, Hik, Di]`` (``Bk`` = its dim 1). Returns ``block_idx``
-    [Tq, Hi, top_k] int32: ascending logical block ids, then -1."""
+    [Tq, Hi, top_k] int32: ascending logical block ids, then -1. A ``torch.float8_e4m3fn``
+    cache needs ``k_idx_scale`` (float32 [1] or [pages]; see :class:`PagedKVCache`)."""
     from . import _scale, _tensor
     _tensor("q_idx", q_idx, 3, "[Tq, Hi, Di]")
     _tensor("cache.k_idx", k_idx_cache, 4, "[pages, Bk, Hik, Di]")
@@ -289,7 +309,7 @@ def paged_select_blocks(
     pt, sl, cu = _batch(page_table, seq_lens, cu_seqlens_q)
     return torch.ops.msa.paged_select_blocks(q_idx, cu, k_idx_cache, pt, sl, max_q_len, top_k,
                                              k_idx_cache.shape[1], sink_blocks, local_blocks,
-                                             _scale("scale_idx", scale_idx))
+                                             _scale("scale_idx", scale_idx), k_idx_scale)
 
 
 def paged_forward(
@@ -312,9 +332,14 @@ def paged_forward(
     scale_idx: Optional[float] = None,
     return_lse: bool = False,
     return_block_idx: bool = False,
+    k_scale: Optional[Tensor] = None,
+    v_scale: Optional[Tensor] = None,
+    k_idx_scale: Optional[Tensor] = None,
 ):
     """Attention of the new tokens ``q [Tq, Hq, D]`` over the cache (contract §3 at their
-    positions). Sparse (default): over ``block_idx`` [Tq, Hi, k] when given, else over the
+    positions). ``torch.float8_e4m3fn`` cache tensors need their scales (float32 [1] or
+    [pages]): the call computes as over the dequantised cache ``float32(value * scale[page])``,
+    with ``q`` and ``out`` in q's float dtype. Sparse (default): over ``block_idx`` [Tq, Hi, k] when given, else over the
     selection computed first from ``q_idx`` and ``k_idx_cache``. ``dense=True``: dense causal
     attention over every cached key up to each token's position (the baseline). ``Bk`` is the
     cache's dim 1. Not differentiable.
@@ -339,7 +364,8 @@ def paged_forward(
         q, cu, k_cache, v_cache, k_idx_cache if select else None, pt, sl,
         q_idx if select else None, None if (select or dense) else block_idx, max_q_len,
         bool(dense), select, k_cache.shape[1], top_k, sink_blocks, local_blocks,
-        _scale("scale", scale), _scale("scale_idx", scale_idx))
+        _scale("scale", scale), _scale("scale_idx", scale_idx), k_scale, v_scale,
+        k_idx_scale if select else None)
     result = (out,)
     if return_lse:
         result += (lse,)
@@ -358,10 +384,16 @@ def paged_append(
     k: Optional[Tensor] = None,
     v: Optional[Tensor] = None,
     k_idx: Optional[Tensor] = None,
+    *,
+    k_scale: Optional[Tensor] = None,
+    v_scale: Optional[Tensor] = None,
+    k_idx_scale: Optional[Tensor] = None,
 ) -> None:
     """Writes the new tokens' rows ``k, v [Tq, Hkv, D]`` and ``k_idx [Tq, Hik, Di]`` (each
     optional; a cache whose input is None is not touched) into their pages: new token j of
-    sequence s goes to position ``seq_lens[s] - n_s + j``."""
+    sequence s goes to position ``seq_lens[s] - n_s + j``. Into a ``torch.float8_e4m3fn`` cache
+    tensor (inputs of any float dtype) the stored code is ``e4m3(float32(x) / scale[page])``,
+    rounded to nearest even and saturated to +-448; its scale is required."""
     from . import _tensor
     for name, t in (("k", k), ("v", v), ("k_idx", k_idx)):
         _tensor(name, t, 3, "[Tq, H, D]", optional=True)
@@ -374,12 +406,19 @@ def paged_append(
     torch.ops.msa.paged_append(k, v, k_idx, cu, k_cache if k is not None else None,
                                v_cache if v is not None else None,
                                k_idx_cache if k_idx is not None else None, pt, sl,
-                               caches[0].shape[1])
+                               caches[0].shape[1], k_scale if k is not None else None,
+                               v_scale if v is not None else None,
+                               k_idx_scale if k_idx is not None else None)
 
 
 # --------------------------------------------------------------------------------------------
 # the cache and the plan/run wrapper
 # --------------------------------------------------------------------------------------------
+
+
+def _scale_of(cache, name: str) -> Optional[Tensor]:
+    """A cache's scale tensor (None for float caches, and for views built without scales)."""
+    return getattr(cache, name, None)
 
 
 class PagedKVCache:
@@ -391,11 +430,20 @@ class PagedKVCache:
     batch description ``(page_table, seq_lens, cu_seqlens_q)`` of those new tokens, which the
     attention call of the same tokens takes. Pages are allocated on the host (the allocator is
     host bookkeeping); the tensors live on ``device``.
+
+    FP8: ``dtype=torch.float8_e4m3fn`` stores K and V as E4M3 codes (``idx_dtype``, default
+    ``dtype``, does the same for the index keys) with float32 scales ``k_scale``, ``v_scale``,
+    ``k_idx_scale`` of shape [num_pages] (``scales="page"``) or [1] (``"tensor"``), all 1.0 at
+    first: set them before the rows they scale are appended (a per-tensor scale is typically a
+    calibrated amax / 448). Queries and outputs then use ``query_dtype`` (default bfloat16).
+    The CPU backend implements E4M3 caches; the CUDA backend does not yet.
     """
 
     def __init__(self, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
                  num_idx_heads: int = 1, idx_head_dim: Optional[int] = None,
-                 dtype: torch.dtype = torch.bfloat16, device="cpu"):
+                 dtype: torch.dtype = torch.bfloat16, device="cpu", *,
+                 idx_dtype: Optional[torch.dtype] = None, scales: str = "page",
+                 query_dtype: Optional[torch.dtype] = None):
         from . import _int
         _int("num_pages", num_pages, 1)
         _int("page_size", page_size, 1)
@@ -404,11 +452,22 @@ class PagedKVCache:
         self.page_size = page_size
         self.device = torch.device(device)
         Di = head_dim if idx_head_dim is None else idx_head_dim
+        if scales not in ("page", "tensor"):
+            raise ValueError(f"msa: argument 'scales': expected 'page' or 'tensor', got {scales!r}")
+        idx_dtype = dtype if idx_dtype is None else idx_dtype
+        fp8 = torch.float8_e4m3fn
+        self.query_dtype = (query_dtype if query_dtype is not None else
+                            torch.bfloat16 if dtype == fp8 else dtype)
         self.k = torch.zeros((num_pages, page_size, num_kv_heads, head_dim), dtype=dtype,
                              device=self.device)
         self.v = torch.zeros_like(self.k)
-        self.k_idx = torch.zeros((num_pages, page_size, num_idx_heads, Di), dtype=dtype,
+        self.k_idx = torch.zeros((num_pages, page_size, num_idx_heads, Di), dtype=idx_dtype,
                                  device=self.device)
+        n = num_pages if scales == "page" else 1
+        one = lambda: torch.ones((n,), dtype=torch.float32, device=self.device)  # noqa: E731
+        self.k_scale = one() if dtype == fp8 else None
+        self.v_scale = one() if dtype == fp8 else None
+        self.k_idx_scale = one() if idx_dtype == fp8 else None
         self._free: List[int] = list(range(num_pages - 1, -1, -1))  # pop() gives page 0 first
         self._pages: Dict[int, List[int]] = {}
         self._lens: Dict[int, int] = {}
@@ -490,7 +549,9 @@ class PagedKVCache:
             self.reserve(s, int(n))
         table, lens, cu = self.batch(seq_ids, new_lens, max_pages)
         if k is not None or v is not None or k_idx is not None:
-            paged_append(self.k, self.v, self.k_idx, table, lens, cu, k=k, v=v, k_idx=k_idx)
+            paged_append(self.k, self.v, self.k_idx, table, lens, cu, k=k, v=v, k_idx=k_idx,
+                         k_scale=self.k_scale, v_scale=self.v_scale,
+                         k_idx_scale=self.k_idx_scale)
         return table, lens, cu
 
 
@@ -524,7 +585,7 @@ class PagedMSAWrapper:
         Hkv, D = c.k.shape[2], c.k.shape[3]
         Hi = Hkv if num_idx_heads is None else _int("num_idx_heads", num_idx_heads, 1)
         Di = c.k_idx.shape[3]
-        dev, dt = c.device, c.k.dtype
+        dev, dt = c.device, getattr(c, "query_dtype", c.k.dtype)
         self.out = torch.empty((num_tokens, num_qo_heads, D), dtype=dt, device=dev)
         self.lse = torch.empty((num_tokens, num_qo_heads), dtype=torch.float32, device=dev)
         self.block_idx = (None if dense else
@@ -541,7 +602,8 @@ class PagedMSAWrapper:
             None if dense else qi, self.out, self.lse, max_q_len=max_q_len,
             mode=_ops._MODE_DENSE if dense else _ops._MODE_SPARSE, block_size=c.page_size,
             top_k=top_k, sink_blocks=sink_blocks, local_blocks=local_blocks, scale=scale_v,
-            scale_idx=scale_idx_v)
+            scale_idx=scale_idx_v, k_scale=_scale_of(c, "k_scale"), v_scale=_scale_of(c, "v_scale"),
+            k_idx_scale=None if dense else _scale_of(c, "k_idx_scale"))
         self.workspace = torch.empty((int(need),), dtype=torch.uint8, device=dev)
         self._plan = dict(nseq=nseq, num_tokens=num_tokens, num_qo_heads=num_qo_heads,
                           max_pages=max_pages, max_q_len=max_q_len, Hi=Hi, top_k=top_k,
@@ -572,5 +634,7 @@ class PagedMSAWrapper:
             q, cu_seqlens_q, c.k, c.v, None if p["dense"] else c.k_idx, page_table, seq_lens,
             None if p["dense"] else q_idx, self.block_idx, self.out, self.lse, self.workspace,
             p["max_q_len"], p["dense"], not p["dense"], c.page_size, p["top_k"],
-            p["sink_blocks"], p["local_blocks"], p["scale"], p["scale_idx"], False)
+            p["sink_blocks"], p["local_blocks"], p["scale"], p["scale_idx"], False,
+            _scale_of(c, "k_scale"), _scale_of(c, "v_scale"),
+            None if p["dense"] else _scale_of(c, "k_idx_scale"))
         return self.out, self.lse, self.block_idx
