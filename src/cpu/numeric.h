@@ -60,28 +60,29 @@ inline BFloat16 from_double<BFloat16>(double x) {
   const uint32_t rounded = u + 0x7fffu + ((u >> 16) & 1u);
   return {static_cast<uint16_t>(rounded >> 16)};
 }
+
+// The magnitude bits (exponent field, then mantissa field) of a finite a >= 0 rounded to nearest
+// even in a binary format of p significant bits and exponent bias `bias`, subnormals included
+// (a carry into the next binade comes out right). Overflow past the format's range is the
+// caller's to handle.
+inline uint32_t round_magnitude(double a, int p, int bias) {
+  const int emin = 1 - bias;
+  if (a < std::ldexp(1.0, emin))  // subnormal range: step 2^(emin - p + 1), ties to even
+    return static_cast<uint32_t>(std::nearbyint(std::ldexp(a, p - 1 - emin)));
+  int e;
+  std::frexp(a, &e);  // a = f * 2^e, f in [0.5, 1)
+  const uint32_t m = static_cast<uint32_t>(std::nearbyint(std::ldexp(a, p - e)));  // [2^(p-1), 2^p]
+  return (static_cast<uint32_t>(e - 1 + bias) << (p - 1)) + m - (1u << (p - 1));
+}
+
 template <>
 inline Half from_double<Half>(double x) {
   // Round the double directly to the nearest float16 (no double rounding through float).
   const uint16_t sign = std::signbit(x) ? 0x8000 : 0;
-  const double a = std::fabs(x);
   if (std::isnan(x)) return {static_cast<uint16_t>(sign | 0x7e00)};
+  const double a = std::fabs(x);
   if (a >= 65520.0) return {static_cast<uint16_t>(sign | 0x7c00)};  // rounds to inf
-  if (a < std::ldexp(1.0, -14)) {                                   // subnormal range: step 2^-24
-    const double m = std::nearbyint(std::ldexp(a, 24));             // ties to even (default mode)
-    return {static_cast<uint16_t>(sign | static_cast<uint16_t>(m))};
-  }
-  int e;
-  std::frexp(a, &e);  // a = f * 2^e, f in [0.5, 1)
-  const double m = std::nearbyint(std::ldexp(a, 11 - e));  // 11 significant bits, in [1024, 2048]
-  uint32_t man = static_cast<uint32_t>(m);
-  int exp = e - 1 + 15;
-  if (man == 2048) {
-    man = 1024;
-    ++exp;
-  }
-  if (exp >= 31) return {static_cast<uint16_t>(sign | 0x7c00)};
-  return {static_cast<uint16_t>(sign | (exp << 10) | (man - 1024))};
+  return {static_cast<uint16_t>(sign | round_magnitude(a, 11, 15))};
 }
 
 // float8 E4M3 (OCP "e4m3fn"): value = (-1)^s * 2^(e-7) * (1 + m/8) for e in 1..15 (e = 15 with
@@ -104,21 +105,7 @@ inline E4M3 e4m3_from_double(double x) {
   if (std::isnan(x)) return {static_cast<uint8_t>(sign | 0x7f)};
   const double a = std::fabs(x);
   if (a >= 448.0) return {static_cast<uint8_t>(sign | 0x7e)};  // 448 = e 15, m 6
-  if (a < std::ldexp(1.0, -6)) {                               // subnormal range: step 2^-9
-    const double m = std::nearbyint(std::ldexp(a, 9));        // ties to even (default mode)
-    return {static_cast<uint8_t>(sign | static_cast<uint8_t>(m))};  // m = 8 is 2^-6 itself
-  }
-  int e;
-  std::frexp(a, &e);  // a = f * 2^e, f in [0.5, 1)
-  const double m = std::nearbyint(std::ldexp(a, 4 - e));  // 4 significant bits, in [8, 16]
-  uint32_t man = static_cast<uint32_t>(m);
-  int exp = e - 1 + 7;
-  if (man == 16) {
-    man = 8;
-    ++exp;
-  }
-  if (exp > 15 || (exp == 15 && man - 8 == 7)) return {static_cast<uint8_t>(sign | 0x7e)};
-  return {static_cast<uint8_t>(sign | (exp << 3) | (man - 8))};
+  return {static_cast<uint8_t>(sign | round_magnitude(a, 4, 7))};
 }
 
 }  // namespace msa::cpu

@@ -203,6 +203,19 @@ inline msa::PagedForwardParams paged_forward_params(const PagedCase& cs, const P
   return p;
 }
 
+// paged_append of the new rows k, v, k_idx (any may be undefined) into the caches of `r`.
+inline msa::PagedAppendParams paged_append_params(const msa::TensorRef& k, const msa::TensorRef& v,
+                                                  const msa::TensorRef& k_idx, const PagedRefs& r, int Bk) {
+  msa::PagedAppendParams a;
+  a.k = k;
+  a.v = v;
+  a.k_idx = k_idx;
+  a.cu_seqlens_q = r.cu_q;
+  a.cache = cache_of(r);
+  a.block_size = Bk;
+  return a;
+}
+
 // The contiguous oracle: the training API over the full sequences, rows of the new tokens.
 struct PagedOracle {
   HostTensor block_idx;  // [Tq, Hi, k]: msa::select_blocks

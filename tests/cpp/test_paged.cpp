@@ -299,16 +299,7 @@ struct ValidPaged {
   msa::PagedForwardParams forward(bool sel = true) {
     return paged_forward_params(cs, r, Mode::kSparse, sel, sel ? o.block_idx.ref() : bi.ref(), o.out.ref(), o.lse.ref());
   }
-  msa::PagedAppendParams append() {
-    msa::PagedAppendParams a;
-    a.k = k.ref();
-    a.v = v.ref();
-    a.k_idx = ki.ref();
-    a.cu_seqlens_q = r.cu_q;
-    a.cache = cache_of(r);
-    a.block_size = cs.Bk;
-    return a;
-  }
+  msa::PagedAppendParams append() { return paged_append_params(k.ref(), v.ref(), ki.ref(), r, cs.Bk); }
 };
 
 template <class P>

@@ -168,20 +168,14 @@ TEST(PagedE4M3, AppendQuantises) {
       vs.set(p, 0.3 / (1 + p));
     }
     kis.set(0, 0.125);
-    msa::PagedAppendParams a;
-    a.k = k.ref();
-    a.v = v.ref();
-    a.k_idx = ki.ref();
-    a.cu_seqlens_q = b.cu_q.ref();
-    a.cache.k = kc.ref();
-    a.cache.v = vc.ref();
-    a.cache.k_idx = kic.ref();
-    a.cache.page_table = b.page_table.ref();
-    a.cache.seq_lens = b.seq_lens.ref();
+    PagedRefs r = host_refs(b);
+    r.k = kc.ref();
+    r.v = vc.ref();
+    r.k_idx = kic.ref();
+    msa::PagedAppendParams a = paged_append_params(k.ref(), v.ref(), ki.ref(), r, cs.Bk);
     a.cache.k_scale = ks.ref();
     a.cache.v_scale = vs.ref();
     a.cache.k_idx_scale = kis.ref();
-    a.block_size = cs.Bk;
     expect_ok(msa::paged_append(a));
     auto check = [&](const HostTensor& in, const HostTensor& cache, const HostTensor& scale, const char* what) {
       const int64_t row = in.numel() / b.Tq;
