@@ -51,6 +51,24 @@ struct QueryTileTraits {
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   static constexpr uint32_t kTmaBytes = kBlockN * kHeadDim * sizeof(Element);
 
+  // The tile's two GEMMs, split over the two consumer warpgroups (64 rows each): rows x keys
+  // over D, both operands K-major (S = Q K^T, dP = dO V^T), and rows x D over the keys, the
+  // first operand from registers and the keys' block as the MN-major B operand (O += P V,
+  // dQ += dS K).
+  using TileRowsKeys = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;
+  using TileRowsDim = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;
+  using MmaRowsKeys = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, TileRowsKeys>(), Layout<Shape<_2, _1, _1>>{}));
+  using MmaRowsDim = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, TileRowsDim, GMMA::Major::K, GMMA::Major::MN>(),
+      Layout<Shape<_2, _1, _1>>{}));
+
+  // Where the block-union arrays start after a kernel's shared storage (16-byte aligned).
+  template <class Storage>
+  static constexpr size_t union_offset() {
+    return (sizeof(Storage) + 15) / 16 * 16;
+  }
+
   // Shared memory: Q, the K and V stages, the pipelines and the list length; the block-union
   // arrays (UnionLayout) follow at kUnionOffset. The backward's tile also holds dO.
   struct StorageQ {

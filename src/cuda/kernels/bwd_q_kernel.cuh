@@ -38,18 +38,10 @@ struct BwdQTraits : QueryTileTraits<Element_, kHeadDim_, kBlockN_> {
   using typename Base::SmemLayoutKV;
   using typename Base::SmemLayoutQ;
   using SmemLayoutKt = typename Base::SmemLayoutKVt;
-
-  // S = Q K^T and dP = dO V^T (both SS, K-major); dQ += dS K (RS, K as the MN-major B operand).
-  using TileS = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;
-  using TileDQ = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;
-  using MmaS = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, TileS>(),
-                                       Layout<Shape<_2, _1, _1>>{}));
-  using MmaDQ = decltype(make_tiled_mma(
-      GMMA::rs_op_selector<Element, Element, float, TileDQ, GMMA::Major::K, GMMA::Major::MN>(),
-      Layout<Shape<_2, _1, _1>>{}));
-
+  using MmaS = typename Base::MmaRowsKeys;  // S = Q K^T and dP = dO V^T
+  using MmaDQ = typename Base::MmaRowsDim;  // dQ += dS K
   using SharedStorage = typename Base::StorageQdO;
-  static constexpr size_t kUnionOffset = (sizeof(SharedStorage) + 15) / 16 * 16;
+  static constexpr size_t kUnionOffset = Base::template union_offset<SharedStorage>();
 };
 
 template <class Traits>

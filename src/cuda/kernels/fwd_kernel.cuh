@@ -39,17 +39,10 @@ struct FwdTraits : QueryTileTraits<Element_, kHeadDim_, kBlockN_> {
   using typename Base::SmemLayoutKV;
   using typename Base::SmemLayoutQ;
   using SmemLayoutVt = typename Base::SmemLayoutKVt;
-
-  using TileQK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;
-  using TilePV = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;
-  using MmaQK = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, TileQK>(),
-                                        Layout<Shape<_2, _1, _1>>{}));
-  using MmaPV = decltype(make_tiled_mma(
-      GMMA::rs_op_selector<Element, Element, float, TilePV, GMMA::Major::K, GMMA::Major::MN>(),
-      Layout<Shape<_2, _1, _1>>{}));
-
+  using MmaQK = typename Base::MmaRowsKeys;  // S = Q K^T
+  using MmaPV = typename Base::MmaRowsDim;   // O += P V
   using SharedStorage = typename Base::StorageQ;
-  static constexpr size_t kUnionOffset = (sizeof(SharedStorage) + 15) / 16 * 16;
+  static constexpr size_t kUnionOffset = Base::template union_offset<SharedStorage>();
 };
 
 template <class Traits>
