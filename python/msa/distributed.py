@@ -513,16 +513,9 @@ def _select_prefix(p: _Plan, q_idx: Tensor, k_idx_full: Tensor, opts) -> Tensor:
     """This rank's selection (global block ids of each sequence), from the library's
     select_blocks over the prefix of every sequence up to this rank's last query; the other
     rows of the prefix are zero queries whose selections are dropped."""
-    dev = q_idx.device
-    pos = p.positions[p.r]
-    cu = p.cu
-    s_loc = torch.searchsorted(cu, pos, right=True) - 1
-    t_loc = pos - cu[s_loc]
-    nseq = cu.numel() - 1
-    tmax = torch.full((max(nseq, 1),), -1, dtype=torch.int64)
-    if pos.numel():
-        tmax = tmax.scatter_reduce(0, s_loc, t_loc, reduce="amax")
-    ln = tmax + 1
+    dev, cu, g = q_idx.device, p.cu, p.geo
+    s_loc, t_loc = g.s_loc, g.t_loc
+    ln = g.tmax + 1
     start = torch.cumsum(ln, 0) - ln
     T_sel = int(ln.sum())
     rep = torch.repeat_interleave(torch.arange(ln.numel()), ln)
