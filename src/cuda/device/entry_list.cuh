@@ -114,6 +114,24 @@ struct EntryList {
                  reinterpret_cast<const char*>(p.records + lo + e) + 16 * tid, true);
     }
   }
+
+  // A producer warpgroup's copy of entry e's record into shared memory, with plain stores by
+  // threads 0..kRecordWriters-1 (which then arrive on the stage's mbarrier): record_chunk reads
+  // 16-byte chunk c of a sparse record from global memory (thread c < kEntryChunks), and
+  // write_record stores it into dst, or works the record out (dense).
+  static constexpr int kRecordWriters = kEntryTokens;
+  __device__ uint4 record_chunk(const EntryListParams& p, int64_t e, int c) const {
+    if (p.dense || c >= kEntryChunks) return make_uint4(0, 0, 0, 0);
+    return __ldg(reinterpret_cast<const uint4*>(p.records + lo + e) + c);
+  }
+  __device__ void write_record(const EntryListParams& p, int64_t e, EntryRecord* dst, int tid,
+                               uint4 chunk) const {
+    if (p.dense) {
+      issue_record(p, e, dst, tid);  // plain stores in dense mode
+    } else if (tid < kEntryChunks) {
+      reinterpret_cast<uint4*>(dst)[tid] = chunk;
+    }
+  }
 };
 
 // Group size of the KV side: tokens per entry.

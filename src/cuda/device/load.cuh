@@ -110,6 +110,25 @@ struct ColumnLoader {
       advance(tok, head);
     }
   }
+
+  // The rows of an entry into two tiles at once (Q and dO), for a producer with few registers:
+  // each row's token is read from `toks` (shared memory) when its copies are issued, and the
+  // rows are walked one at a time. srcA/srcB point at the entry's first head of packed token 0.
+  template <class Element>
+  __device__ void load_two(Element* dstA, const Element* srcA, int64_t a0, int64_t a1,
+                           Element* dstB, const Element* srcB, int64_t b0, int64_t b1,
+                           const int32_t* toks, int32_t count) const {
+    int32_t tok = tok0, head = head0;
+#pragma unroll 1
+    for (int j = 0; j < kIters; ++j) {
+      const bool ok = tok < count;
+      const int64_t t = ok ? toks[tok] : 0;
+      const int32_t off = soff0 + j * dsoff;
+      cp_async16(dstA + off, srcA + t * a0 + head * a1 + chunk * 8, ok);
+      cp_async16(dstB + off, srcB + t * b0 + head * b1 + chunk * 8, ok);
+      advance(tok, head);
+    }
+  }
 };
 
 // The rows of a block of keys: rows [0, count) of a swizzled [kRowsTile, kDim] tile by cp.async

@@ -28,6 +28,8 @@ enum class Barrier : uint32_t {
   kQReady = 1,     // consumers: Q is in shared memory
   kVTail = 2,      // one consumer warpgroup (2 + its index): a stage's tail rows were zeroed
   kWarpGroup = 2,  // the same ids in kernels with no V tail: a sync of one consumer warpgroup
+  kConsumers = 4,  // every consumer warpgroup of a kernel with a producer warpgroup
+  kProducer = 5,   // the producer warpgroup's own threads
 };
 
 // Row/column view of a wgmma accumulator: ((2, 2, N/8), M, N) -> ((2, M), (2, N/8, N)).

@@ -8,8 +8,15 @@
 //
 // The scores are computed transposed, with the keys as MMA rows: S^T = K Q^T and dP^T = V dO^T (SS wgmma, 64 keys per consumer warpgroup, 64 columns per entry),
 // which leaves P^T and dS^T in registers as the A operands of dV += P^T dO and dK += dS^T Q
-// (RS wgmma). Entries' Q, dO, LSE and Delta stream through kStages shared-memory stages with
-// cp.async, kStages - 1 entries ahead of the one computing.
+// (RS wgmma).
+//
+// Warp roles: kBlockN / 64 consumer warpgroups (64 keys each, dK and dV in registers) and one
+// producer warpgroup (few registers) that loads the block's K and V, then each entry's record,
+// Q and dO columns, LSE and Delta (and q_idx, LSE_idx) into kStages shared-memory stages with
+// cp.async. Pipelines: full[stage] (the producer's cp.async arrivals and the record's writers)
+// and empty[stage] (every consumer thread, once its GEMMs and reads of the stage are done). The
+// consumer warpgroups share no per-entry barrier, so one's elementwise work runs under the
+// other's GEMMs; they meet only where the KL branch's shared tiles need it (below).
 //
 // With kKl the same pass also computes the KL gradient of the index branch (docs/contract.md §4) from the P^T
 // it already holds:
@@ -18,11 +25,15 @@
 //   student  sigma(t, j) = exp(scale_idx * k_idx[j] . q_idx[t] - LSE_idx(t, i)) (S_idx^T, one
 //                          more SS wgmma of 16 token columns),
 //   dS_idx(t, j) = sigma - pi (gamma / (N Hi) is applied when the sums are finalised),
-//   dq_idx[t] += k_idx^T dS_idx^T over the block's keys, per entry (SS wgmma),
-//   dk_idx[j] += dS_idx^T q_idx, over batches of up to kBatch tokens kept in shared memory.
-// The dK and dV accumulators fill the register file, so dk_idx has no register home: a batch's
-// product goes straight to the sums. Sums that cross CTAs are 64-bit fixed point (2^-32 units)
-// added with integer atomics, so every run gives the same bits.
+//   dq_idx[t] += k_idx^T dS_idx^T over the block's keys, per entry (SS wgmma; the warpgroups take
+//                          turns, one entry late, through the ds_full / ds_empty barriers of the
+//                          two dS_idx buffers),
+//   dk_idx[j] += dS_idx^T q_idx, over batches of up to kBatch tokens kept in shared memory (the
+//                          consumer warpgroups sync on Barrier::kConsumers around each flush).
+// Each warpgroup loads its own 64 rows of k_idx. The dK and dV accumulators fill the register
+// file, so dk_idx has no register home: a batch's product goes straight to the sums. Sums that
+// cross CTAs are 64-bit fixed point (2^-32 units) added with integer atomics, so every run gives
+// the same bits.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -52,7 +63,14 @@ struct BwdKVTraits : KvSideTraits<Element_, kHeadDim_, kBlockN_, kKl_ ? 2 : 4> {
   static constexpr bool kKl = kKl_;
   static constexpr int kBatch = 64;  // tokens of a dk_idx batch
   static constexpr int kBlockC = Base::kBlockC, kTok = Base::kTok, kStages = Base::kStages;
-  static constexpr int kWarpGroups = Base::kWarpGroups;
+  static constexpr int kWarpGroups = Base::kWarpGroups;  // consumers
+  static constexpr int kConsumerThreads = Base::kThreads;
+  static constexpr int kThreads = kConsumerThreads + 128;  // and the producer warpgroup
+  // Registers per thread after setmaxnreg with two consumer warpgroups: a 384-thread CTA holds
+  // 168 x 384 of them, and 24 x 128 + 240 x 256 is exactly that (ask for more and the consumers'
+  // setmaxnreg.inc waits forever). One consumer warpgroup (Bk 64) needs no setmaxnreg.
+  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  static constexpr int kRing = 2 * kStages;  // entry records in shared memory
   using typename Base::SmemLayoutK;
   using typename Base::SmemLayoutQ;
   using typename Base::SmemLayoutQi;
@@ -84,6 +102,11 @@ struct BwdKVTraits : KvSideTraits<Element_, kHeadDim_, kBlockN_, kKl_ ? 2 : 4> {
   // dS_idx of the last two entries (dq_idx runs one entry late).
   using SmemLayoutDS = decltype(tile_to_shape(typename Base::SmemAtomDS{}, Shape<Int<kTok>, Int<kBlockN>, _2>{}));
   static constexpr int kTeacherStride = kTok + 4;
+  // dq_idx^T = k_idx^T dS_idx^T over the block's keys, by one warpgroup, 64 rows of D at a time.
+  using TileDQ = Shape<_64, Int<kTok>, Int<kBlockN>>;
+  using MmaDQ = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, TileDQ, GMMA::Major::MN, GMMA::Major::K>(),
+      Layout<Shape<_1, _1, _1>>{}));
 
   // The KL branch's tiles; one element each without kKl (never touched then).
   static constexpr int kl_size(int n) { return kKl ? n : 1; }
@@ -105,22 +128,27 @@ struct BwdKVTraits : KvSideTraits<Element_, kHeadDim_, kBlockN_, kKl_ ? 2 : 4> {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> dout;
     float lse[kStages][kBlockC];   // LSE (natural log) per column
     float delta[kStages][kBlockC];  // rowsum(dO * O) per column
-    EntryRecord ring[EntryStream<kStages>::kRing];
+    EntryRecord ring[kRing];
+    uint64_t full[kStages], empty[kStages];  // the entry stages
+    uint64_t kv_full;                        // K and V of the block
+    uint64_t ds_full[2], ds_empty[2];        // kKl: the two dS_idx tiles of dq_idx
   };
 };
 
 template <class Traits>
 struct BwdKVParams : BwdKvArgs {};
 
-// Warp roles: kBlockN / 64 warpgroups, all consumers (64 keys each); every thread also issues its
-// share of the cp.async loads of the entries. Pipeline: the entry stream (EntryStream, kStages
-// stages), CTA barriers between entries. Work: one chunk of one (KV block, KV head) entry list.
+// Warp roles, pipelines and work: see the top of the file. Consumer warpgroups are 0 ..
+// kWarpGroups - 1 (thread index = MMA thread index), the producer is the last warpgroup.
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     bwd_kv_kernel(const __grid_constant__ BwdKVParams<Traits> p) {
   using Element = typename Traits::Element;
+  using Bar = cutlass::arch::ClusterBarrier;
   constexpr int kBlockN = Traits::kBlockN, kBlockC = Traits::kBlockC, kHeadDim = Traits::kHeadDim;
-  constexpr int kThreads = Traits::kThreads;
+  constexpr int kConsumerThreads = Traits::kConsumerThreads, kStages = Traits::kStages;
+  constexpr int kRing = Traits::kRing;
+  constexpr int kTok = Traits::kTok;
   using SharedStorage = typename Traits::SharedStorage;
 
   extern __shared__ __align__(1024) char smem_raw[];
@@ -136,19 +164,94 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int64_t key_base = tile.seq_start + tile.first;  // packed index of the block's first key
   const int tid = threadIdx.x;
   const int32_t Gi = p.heads_per_idx, m = p.group_tokens, ipk = p.idx_per_kv;
-  // The records of the first entries; their rows are issued after the block's keys.
-  EntryStream<Traits::kStages> stream(list, p.list, e_begin, e_end, ss.ring);
+
+  constexpr uint32_t kFullArrivals = 128 + EntryList::kRecordWriters;
+  if (tid == 0) {
+    for (int st = 0; st < kStages; ++st) {
+      Bar::init(&ss.full[st], kFullArrivals);
+      Bar::init(&ss.empty[st], kConsumerThreads);
+    }
+    Bar::init(&ss.kv_full, 128);
+    for (int b = 0; b < 2; ++b) {
+      Bar::init(&ss.ds_full[b], kConsumerThreads);
+      Bar::init(&ss.ds_empty[b], 128);
+    }
+  }
+  cutlass::arch::fence_barrier_init();
+  __syncthreads();
 
   Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutK{});
   Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutK{});
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQ{});
+  Tensor sQi = make_tensor(make_smem_ptr(ss.kl.q_idx.data()), typename Traits::SmemLayoutQi{});
+
+  // ---- Producer warpgroup: the block's K and V, then every entry's record and rows. ----------
+  if (tid >= kConsumerThreads) {
+    if constexpr (Traits::kWarpGroups > 1) cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
+    const int pt = tid - kConsumerThreads;
+    // K and V of the block; keys past the sequence end are zero rows.
+    load_block_rows_async<kBlockN, kHeadDim>(
+        sK, as<Element>(p.k) + key_base * p.k_s0 + r * p.k_s1, p.k_s0, tile.count, pt, 128);
+    load_block_rows_async<kBlockN, kHeadDim>(
+        sV, as<Element>(p.v) + key_base * p.v_s0 + r * p.v_s1, p.v_s0, tile.count, pt, 128);
+    cutlass::arch::cpasync_barrier_arrive_noinc(&ss.kv_full);
+
+    constexpr int kStageElems = kBlockC * kHeadDim;
+#pragma unroll 1
+    for (int64_t e = e_begin; e < e_end; ++e) {
+      const int32_t i = static_cast<int32_t>(e - e_begin);
+      const int st = i % kStages;
+      if (i >= kStages) Bar::wait(&ss.empty[st], static_cast<uint32_t>((i / kStages - 1) & 1));
+      EntryRecord& en = ss.ring[i % kRing];
+      list.write_record(p.list, e, &en, pt, list.record_chunk(p.list, e, pt));
+      cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(Barrier::kProducer));
+      const int32_t count = en.count;
+      const int32_t head0 = (r * ipk + en.seg - list.seg0) * Gi;
+      const ColumnLoader<kHeadDim, 128> cols(sQ(_, _, 0), Gi, pt);
+      cols.load_two(ss.q.data() + st * kStageElems, as<Element>(p.q) + head0 * p.q_s1, p.q_s0, p.q_s1,
+                    ss.dout.data() + st * kStageElems, as<Element>(p.dout) + head0 * p.do_s1,
+                    p.do_s0, p.do_s1, en.tok, count);
+      if (pt < kBlockC) {
+        const int c = pt;
+        const int32_t tok = c / Gi;
+        const bool ok = tok < count && c < m * Gi;
+        const int64_t tk = ok ? en.tok[tok] : 0;
+        const int32_t h = head0 + (ok ? c - tok * Gi : 0);
+        cp_async4(&ss.lse[st][c], p.lse + tk * p.lse_s0 + h * p.lse_s1, ok);
+        cp_async4(&ss.delta[st][c], p.delta + tk * p.Hq + h, ok);
+      }
+      if constexpr (Traits::kKl) {
+        const int32_t ih = head0 / Gi;
+        const Element* qi = as<Element>(p.q_idx) + ih * p.qi_s1;
+        load_rows_async<kTok, kHeadDim>(
+            sQi(_, _, st),
+            [&](int row) { return row < count ? qi + int64_t(en.tok[row]) * p.qi_s0 : nullptr; },
+            pt, 128);
+        if (pt >= kBlockC && pt < kBlockC + kTok) {
+          const int c = pt - kBlockC;
+          const bool ok = c < count;
+          cp_async4(&ss.kl.lidx[st][c], p.lse_idx + int64_t(ok ? en.tok[c] : 0) * p.Hi + ih, ok);
+        }
+      }
+      cutlass::arch::cpasync_barrier_arrive_noinc(&ss.full[st]);
+      if (pt < EntryList::kRecordWriters) Bar::arrive(&ss.full[st]);
+    }
+    cp_async_wait_all();
+    return;
+  }
+
+  // ---- Consumer warpgroups. -------------------------------------------------------------------
+  if constexpr (Traits::kWarpGroups > 1) cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
+  const int wg = tid / 128;
+  auto sync_consumers = [] {
+    cutlass::arch::NamedBarrier::sync(kConsumerThreads, static_cast<uint32_t>(Barrier::kConsumers));
+  };
   Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename Traits::SmemLayoutQ{});
   Tensor sQt = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQt{});
   Tensor sdOt = make_tensor(make_smem_ptr(ss.dout.data()), typename Traits::SmemLayoutQt{});
   // The KL branch's tiles (unused without kKl).
   Tensor sKi = make_tensor(make_smem_ptr(ss.kl.k_idx.data()), typename Traits::SmemLayoutK{});
   Tensor sKit = make_tensor(make_smem_ptr(ss.kl.k_idx.data()), typename Traits::SmemLayoutKt{});
-  Tensor sQi = make_tensor(make_smem_ptr(ss.kl.q_idx.data()), typename Traits::SmemLayoutQi{});
   Tensor sQb = make_tensor(make_smem_ptr(ss.kl.q_batch.data()), typename Traits::SmemLayoutQb{});
   Tensor sQbt = make_tensor(make_smem_ptr(ss.kl.q_batch.data()), typename Traits::SmemLayoutQbt{});
   Tensor sDSb = make_tensor(make_smem_ptr(ss.kl.ds_batch.data()), typename Traits::SmemLayoutDSb{});
@@ -160,66 +263,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor sDSbE = as_position_independent_swizzle_tensor(sDSb);
   Tensor sDSE = as_position_independent_swizzle_tensor(sDS);
 
-  // K and V of the block; keys past the sequence end are zero rows.
-  load_block_rows_async<kBlockN, kHeadDim>(
-      sK, as<Element>(p.k) + key_base * p.k_s0 + r * p.k_s1, p.k_s0, tile.count,
-      tid, kThreads);
-  load_block_rows_async<kBlockN, kHeadDim>(
-      sV, as<Element>(p.v) + key_base * p.v_s0 + r * p.v_s1, p.v_s0, tile.count,
-      tid, kThreads);
   if constexpr (Traits::kKl) {
     // The batch tiles start (and after each flush, dS_idx restarts) at zero: columns past the
     // batch's tokens then add nothing.
     const uint4 zero = make_uint4(0, 0, 0, 0);
-    for (int e = tid; e < cosize_v<typename Traits::SmemLayoutQb> / 8; e += kThreads)
+    for (int e = tid; e < cosize_v<typename Traits::SmemLayoutQb> / 8; e += kConsumerThreads)
       reinterpret_cast<uint4*>(ss.kl.q_batch.data())[e] = zero;
-    for (int e = tid; e < cosize_v<typename Traits::SmemLayoutDSb> / 8; e += kThreads)
+    for (int e = tid; e < cosize_v<typename Traits::SmemLayoutDSb> / 8; e += kConsumerThreads)
       reinterpret_cast<uint4*>(ss.kl.ds_batch.data())[e] = zero;
+    sync_consumers();
   }
-
-  // An entry's columns into stage st (everything by cp.async: nothing here waits for memory).
-  constexpr bool kRebuildLoader = Traits::kKl || ColumnLoader<kHeadDim, kThreads>::kIters > 4;
-  const ColumnLoader<kHeadDim, kThreads> cols_in(sQ(_, _, 0), Gi, tid);
-  constexpr int kStageElems = kBlockC * kHeadDim;
-  constexpr int kTok = Traits::kTok;
-  auto issue = [&](const EntryRecord& en, int st) {
-    const int32_t count = en.count;
-    const int32_t head0 = (r * ipk + en.seg - list.seg0) * Gi;
-    auto load_columns = [&](const ColumnLoader<kHeadDim, kThreads>& cl) {
-      int32_t t[ColumnLoader<kHeadDim, kThreads>::kIters];
-      cl.tokens(en.tok, count, t);
-      cl.load(ss.q.data() + st * kStageElems, as<Element>(p.q) + head0 * p.q_s1, p.q_s0, p.q_s1, t);
-      cl.load(ss.dout.data() + st * kStageElems, as<Element>(p.dout) + head0 * p.do_s1, p.do_s0,
-              p.do_s1, t);
-    };
-    // With the KL branch, or one warpgroup (twice the rows per thread), the loader's addressing
-    // is rebuilt per entry: registers are scarcer than its few integer operations.
-    if constexpr (kRebuildLoader) load_columns(ColumnLoader<kHeadDim, kThreads>(sQ(_, _, 0), Gi, fresh_thread_index()));
-    else load_columns(cols_in);
-    if (tid < kBlockC) {
-      const int c = tid;
-      const int32_t tok = c / Gi;
-      const bool ok = tok < count && c < m * Gi;
-      const int64_t t = ok ? en.tok[tok] : 0;
-      const int32_t h = head0 + (ok ? c - tok * Gi : 0);
-      cp_async4(&ss.lse[st][c], p.lse + t * p.lse_s0 + h * p.lse_s1, ok);
-      cp_async4(&ss.delta[st][c], p.delta + t * p.Hq + h, ok);
-    }
-    if constexpr (Traits::kKl) {
-      const int32_t i = head0 / Gi;
-      const int ltid = fresh_thread_index();
-      const Element* qi = as<Element>(p.q_idx) + i * p.qi_s1;
-      load_rows_async<kTok, kHeadDim>(
-          sQi(_, _, st),
-          [&](int row) { return row < count ? qi + int64_t(en.tok[row]) * p.qi_s0 : nullptr; },
-          ltid, kThreads);
-      if (ltid >= kBlockC && ltid < kBlockC + kTok) {
-        const int c = ltid - kBlockC;
-        const bool ok = c < count;
-        cp_async4(&ss.kl.lidx[st][c], p.lse_idx + int64_t(ok ? en.tok[c] : 0) * p.Hi + i, ok);
-      }
-    }
-  };
 
   typename Traits::MmaS mma_s;
   typename Traits::MmaKV mma_kv;
@@ -261,7 +314,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   typename Traits::MmaDQ mma_dq;
   typename Traits::MmaDKi mma_dki;
   auto thr_si = mma_si.get_thread_slice(tid);
-  const bool dq_thread = tid < 128 * Traits::kDqWarpGroups;
   Tensor tSrKi = thr_si.partition_fragment_A(sKi);
   Tensor tSrQi = thr_si.partition_fragment_B(sQi);
   Tensor tSrSi = partition_fragment_C(mma_si, Shape<Int<kBlockN>, Int<kTok>>{});
@@ -270,12 +322,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const float inv_gi = 1.f / static_cast<float>(Gi);
   int32_t loaded_ik = -1;  // index key head in sKi
   int32_t nb = 0;          // tokens in the dk_idx batch
+  int32_t uses = 0;        // entries whose dS_idx went to a dS_idx tile (tile uses & 1)
 
   // dk_idx += dS_idx^T q_idx over the batch (this warpgroup's keys), to the fixed-point sums;
-  // then the batch restarts. Ends with a CTA barrier: the batch tiles may be written again.
+  // then the batch restarts. Every consumer thread calls it at the same entry; it starts and
+  // ends with a sync of the consumers (the batch tiles are complete; then free to write again).
   auto flush_batch = [&]() {
     if constexpr (Traits::kKl) {
       if (nb == 0) return;
+      cutlass::arch::fence_view_async_shared();
+      sync_consumers();
       const int ltid = fresh_thread_index();
       auto thr_dki = mma_dki.get_thread_slice(ltid);
       constexpr int kDkCols = Traits::kDkCols;
@@ -303,62 +359,77 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         *reinterpret_cast<uint4*>(&sDSbE(row, c * 8)) = make_uint4(0, 0, 0, 0);
       }
       nb = 0;
-      __syncthreads();
+      sync_consumers();
     }
   };
 
-  // dq_idx^T = k_idx^T dS_idx^T of the entry at position n (its dS_idx tile must be complete: a
-  // CTA barrier since it was written), to the fixed-point sums. It runs one entry late, after
-  // the next entry's GEMMs, so that it needs no barrier of its own.
-  int32_t dq_due = -1;  // position in the chunk of the entry whose dq_idx is pending
+  // dq_idx^T = k_idx^T dS_idx^T of a finished entry (its dS_idx tile complete: ds_full), to
+  // the fixed-point sums, by one warpgroup: the warpgroups take the entries in turn, each one
+  // entry late (after its next entry's GEMMs), and free the tile (ds_empty).
+  int32_t dq_use = -1;  // the pending entry's use of a dS_idx tile (-1: none)
+  int32_t dq_entry = 0;  // its position in the chunk
   auto run_dq = [&]() {
     if constexpr (Traits::kKl) {
-      if (dq_due < 0) return;
-      const int buf = static_cast<int>(dq_due & 1);
-      const EntryRecord& pe = stream.record(e_begin + dq_due);
-      dq_due = -1;
-      if (Traits::kDqWarpGroups == Traits::kWarpGroups || dq_thread) {
-        auto thr_dq = mma_dq.get_thread_slice(fresh_thread_index());
-        Tensor tDQrKit = thr_dq.partition_fragment_A(sKit);
+      if (dq_use < 0) return;
+      const int buf = dq_use & 1;
+      if (Traits::kWarpGroups == 1 || buf == wg) {
+        const EntryRecord& pe = ss.ring[dq_entry % kRing];
+        Bar::wait(&ss.ds_full[buf], static_cast<uint32_t>((dq_use >> 1) & 1));
+        auto thr_dq = mma_dq.get_thread_slice(fresh_thread_index() % 128);
         Tensor tDQrDS = thr_dq.partition_fragment_B(sDS(_, _, buf));
-        Tensor acc = partition_fragment_C(mma_dq, Shape<Int<kHeadDim>, Int<kTok>>{});
-        wg_gemm<true>(mma_dq, tDQrKit, tDQrDS, acc);
-        warpgroup_wait<0>();
-        Tensor cDQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kHeadDim>, Int<kTok>>{}));
         const int32_t ih = r * ipk + pe.seg - list.seg0;  // index head
+        // 64 of the D rows at a time (a transient accumulator of 8 registers).
+#pragma unroll 1
+        for (int h = 0; h < kHeadDim / 64; ++h) {
+          Tensor tDQrKit = thr_dq.partition_fragment_A(
+              local_tile(sKit, Shape<_64, Int<kBlockN>>{}, make_coord(h, 0)));
+          Tensor acc = partition_fragment_C(mma_dq, Shape<_64, Int<kTok>>{});
+          wg_gemm<true>(mma_dq, tDQrKit, tDQrDS, acc);
+          warpgroup_wait<0>();
+          if (h == kHeadDim / 64 - 1) Bar::arrive(&ss.ds_empty[buf]);
+          Tensor cDQ = thr_dq.partition_C(make_identity_tensor(Shape<_64, Int<kTok>>{}));
 #pragma unroll
-        for (int v = 0; v < size(acc); ++v) {
-          const int d = get<0>(cDQ(v)), t = get<1>(cDQ(v));
-          if (entry_selects(pe, t))
-            add_fixed(p.dq_idx + (int64_t(pe.tok[t]) * p.Hi + ih) * kHeadDim + d, acc(v));
+          for (int v = 0; v < size(acc); ++v) {
+            const int d = h * 64 + get<0>(cDQ(v)), t = get<1>(cDQ(v));
+            if (entry_selects(pe, t))
+              add_fixed(p.dq_idx + (int64_t(pe.tok[t]) * p.Hi + ih) * kHeadDim + d, acc(v));
+          }
         }
       }
+      dq_use = -1;
     }
   };
 
-  // The first kStages - 1 entries in flight (the block's own rows ride with the first).
-  stream.start(list, p.list, issue);
-  for (int64_t e = e_begin; e < e_end; ++e) {
-    const int st = stream.stage(e);
-    stream.wait();
-    const EntryRecord& en = stream.record(e);
+  Bar::wait(&ss.kv_full, 0);
+  const int32_t entries = static_cast<int32_t>(e_end - e_begin);
+  for (int32_t i = 0; i < entries; ++i) {
+    const int st = i % kStages;
+    Bar::wait(&ss.full[st], static_cast<uint32_t>((i / kStages) & 1));
+    const EntryRecord& en = ss.ring[i % kRing];
     if constexpr (Traits::kKl) {
       const int32_t ik = (r * ipk + en.seg - list.seg0) / p.idx_per_key;
-      if (ik != loaded_ik) {  // another index key head: (re)load the block's index keys
+      if (ik != loaded_ik) {  // another index key head: (re)load this warpgroup's index keys
         run_dq();  // the pending entry and the batch use the old ones
         flush_batch();
-        __syncthreads();
+        // Every GEMM that read them has been waited for (dq_idx's reads both warpgroups' rows;
+        // the other warpgroup sees the new rows through ds_full).
+        sync_consumers();
         loaded_ik = ik;
-        load_block_rows_now<kBlockN, kHeadDim>(
-            sKi, as<Element>(p.k_idx) + key_base * p.ki_s0 + ik * p.ki_s1, p.ki_s0, tile.count,
-            tid, kThreads);
+        load_block_rows_async<64, kHeadDim>(
+            local_tile(sKi, Shape<_64, Int<kHeadDim>>{}, make_coord(wg, 0)),
+            as<Element>(p.k_idx) + (key_base + 64 * wg) * p.ki_s0 + ik * p.ki_s1, p.ki_s0,
+            tile.count - 64 * wg, tid % 128, 128);
+        cp_async_commit();
+        cp_async_wait_all();
+        cutlass::arch::fence_view_async_shared();
+        cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(Barrier::kWarpGroup) + wg);
       } else if (nb + en.count > Traits::kBatch) {
         flush_batch();
       }
     }
-    stream.issue_next(list, p.list, issue);
     if (en.count == 0) {
-      if constexpr (Traits::kKl) run_dq();  // its tiles are rewritten by the next entry
+      if constexpr (Traits::kKl) run_dq();
+      Bar::arrive(&ss.empty[st]);
       continue;
     }
 
@@ -368,11 +439,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       // would serialise the wgmma pipeline to allow it).
       clear(tSrS);
       clear(tSrdP);
-      clear(tSrSi);
     }
     wg_gemm<true>(mma_s, tSrK, tSrQ(_, _, _, st), tSrS);
     wg_gemm<true>(mma_s, tSrV, tSrdO(_, _, _, st), tSrdP);
-    if constexpr (Traits::kKl) wg_gemm<true>(mma_si, tSrKi, tSrQi(_, _, _, st), tSrSi);
     warpgroup_wait<0>();
     // Column c's token: precomputed, or a shift when Gi is a power of two (kKl: fewer live
     // registers).
@@ -380,26 +449,21 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       if constexpr (Traits::kKl) return get<1>(cSrc(0, c)) >> gi_shift;
       else return col_tok[c];
     };
-    // Column c sees the block's rows up to col_lim[c] (its token's position in the block; -1:
-    // no token).
-    int32_t col_lim[kCols];
+    // Column c (its token's position in the block: lim; -1: no token) sees the block's rows up
+    // to lim. Columns outer: a column's limit, LSE and Delta are read once for its rows.
 #pragma unroll
     for (int c = 0; c < kCols; ++c) {
+      const int col = get<1>(cSrc(0, c));
       const int32_t t = col_token(c);
-      col_lim[c] = entry_selects(en, t) ? static_cast<int32_t>(en.tok[t] - key_base) : -1;
-    }
+      const int32_t lim = entry_selects(en, t) ? static_cast<int32_t>(en.tok[t] - key_base) : -1;
+      const float lse2 = ss.lse[st][col] * static_cast<float>(M_LOG2E);
+      const float delta = ss.delta[st][col];
 #pragma unroll
-    for (int a = 0; a < kRows; ++a) {
-      const int32_t row = get<0>(cSrc(a, 0));
-#pragma unroll
-      for (int c = 0; c < kCols; ++c) {
-        const int col = get<1>(cSrc(a, c));
-        const bool ok = row <= col_lim[c];
-        const float prob =
-            ok ? fast_exp2(S(a, c) * p.scale_log2 - ss.lse[st][col] * static_cast<float>(M_LOG2E))
-               : 0.f;
+      for (int a = 0; a < kRows; ++a) {
+        const bool ok = get<0>(cSrc(a, 0)) <= lim;
+        const float prob = ok ? fast_exp2(S(a, c) * p.scale_log2 - lse2) : 0.f;
         S(a, c) = prob;
-        dP(a, c) = ok ? prob * (dP(a, c) - ss.delta[st][col]) : 0.f;
+        dP(a, c) = ok ? prob * (dP(a, c) - delta) : 0.f;
       }
     }
     if constexpr (Traits::kKl) {
@@ -451,7 +515,21 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
     convert_into(tSrS, rP);
     convert_into(tSrdP, rdS);
+    // Every read of the score accumulators happens before the GEMMs are issued (ptxas
+    // serialises the wgmma pipeline if one is scheduled inside it). With kKl the index scores
+    // S_idx^T go first, so that the student below runs under dV and dK.
+    warpgroup_fence_operand(tSrS);
+    warpgroup_fence_operand(tSrdP);
     if constexpr (Traits::kKl) {
+      clear(tSrSi);
+      wg_gemm<true>(mma_si, tSrKi, tSrQi(_, _, _, st), tSrSi);
+    }
+    wg_gemm<false, true>(mma_kv, tKVrP, tKVrdOt(_, _, _, st), tdVrdV);
+    wg_gemm<false, true>(mma_kv, tKVrdS, tKVrQt(_, _, _, st), tdKrdK);
+    if constexpr (Traits::kKl) {
+      // The index scores' GEMM has completed (dV and dK may still run).
+      warpgroup_wait<2>();
+      warpgroup_fence_operand(tSrSi);
       // The thread's coordinates are re-derived here from a fresh read of the thread index, so
       // that their address arithmetic stays in this block instead of holding registers across
       // the loop.
@@ -473,8 +551,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           Si(a, c) = ok ? fast_exp2(lsig2) - pi : 0.f;
         }
       }
-      // dS_idx to the entry tile (dq_idx) and to the batch (dk_idx); the entry's q_idx rows to
-      // the batch.
+      // dS_idx to the entry tile (dq_idx; once the warpgroup that read its last use is done)
+      // and to the batch (dk_idx); the entry's q_idx rows to the batch.
+      const int buf = uses & 1;
+      if (uses >= 2) Bar::wait(&ss.ds_empty[buf], static_cast<uint32_t>(((uses >> 1) - 1) & 1));
 #pragma unroll
       for (int a = 0; a < kRows; ++a) {
         const int row = get<0>(cIrc(a, 0));
@@ -482,38 +562,32 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         for (int c = 0; c < kColsI; ++c) {
           const int t = get<1>(cIrc(a, c));
           const Element v = static_cast<Element>(Si(a, c));
-          sDSE(t, row, (e - e_begin) & 1) = v;
+          sDSE(t, row, buf) = v;
           if (t < en.count) sDSbE(row, nb + t) = v;
         }
       }
+      cutlass::arch::fence_view_async_shared();
+      Bar::arrive(&ss.ds_full[buf]);
       constexpr int kChunks = kHeadDim / 8;
-      for (int e = ltid; e < en.count * kChunks; e += kThreads) {
+      for (int e = ltid; e < en.count * kChunks; e += kConsumerThreads) {
         const int t = e / kChunks, c = e % kChunks;
         *reinterpret_cast<uint4*>(&sQbE(nb + t, c * 8)) =
             *reinterpret_cast<const uint4*>(&sQiE(t, c * 8, st));
       }
     }
-    // Every read of the score accumulators happens before the two GEMMs are issued (ptxas
-    // serialises the wgmma pipeline if one is scheduled inside it).
-    warpgroup_fence_operand(tSrS);
-    warpgroup_fence_operand(tSrdP);
-    if constexpr (Traits::kKl) warpgroup_fence_operand(tSrSi);
-    wg_gemm<false, true>(mma_kv, tKVrP, tKVrdOt(_, _, _, st), tdVrdV);
-    wg_gemm<false, true>(mma_kv, tKVrdS, tKVrQt(_, _, _, st), tdKrdK);
     warpgroup_wait<0>();
     if constexpr (Traits::kKl) {
-      run_dq();
-      dq_due = static_cast<int32_t>(e - e_begin);
+      run_dq();  // the entry before (its record stays in the ring until the stage is released)
+      dq_use = uses++;
+      dq_entry = i;
       nb += en.count;
     }
+    Bar::arrive(&ss.empty[st]);
   }
   if constexpr (Traits::kKl) {
-    cutlass::arch::fence_view_async_shared();
-    __syncthreads();
     run_dq();
     flush_batch();
   }
-  cp_async_wait_all();
 
   Tensor cKV = thr_kv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   Tensor cKVrc = make_tensor(cKV.data(), acc_rowcol(cKV.layout()));
@@ -557,12 +631,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
   }
   __threadfence();
-  __syncthreads();
+  sync_consumers();
   if (tid == 0) last_chunk = atomicAdd(p.work.arrivals + it.item, 1) == it.chunks - 1;
-  __syncthreads();
+  sync_consumers();
   if (!last_chunk) return;
   __threadfence();
-  for (int e = tid * 2; e < tile.count * kHeadDim; e += kThreads * 2) {
+  for (int e = tid * 2; e < tile.count * kHeadDim; e += kConsumerThreads * 2) {
     float2 sk = make_float2(0.f, 0.f), sv = make_float2(0.f, 0.f);
     for (int c = 0; c < it.chunks; ++c) {
       const float2 a = __ldcg(reinterpret_cast<const float2*>(slots + int64_t(c) * kSlot + e));
