@@ -70,6 +70,10 @@ struct BwdKVTraits : KvSideTraits<Element_, kHeadDim_, kBlockN_, kKl_ ? 2 : 4> {
   // 168 x 384 of them, and 24 x 128 + 240 x 256 is exactly that (ask for more and the consumers'
   // setmaxnreg.inc waits forever). One consumer warpgroup (Bk 64) needs no setmaxnreg.
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;  // what the launch bounds grant
+  static_assert(kWarpGroups == 1 ||
+                    kProducerRegs * 128 + kConsumerRegs * kConsumerThreads <= kLaunchRegs * kThreads,
+                "setmaxnreg asks for more registers than the CTA holds");
   static constexpr int kRing = 2 * kStages;  // entry records in shared memory
   using typename Base::SmemLayoutK;
   using typename Base::SmemLayoutQ;
