@@ -15,8 +15,9 @@
 // Q and dO columns, LSE and Delta (and q_idx, LSE_idx) into kStages shared-memory stages with
 // cp.async. Pipelines: full[stage] (the producer's cp.async arrivals and the record's writers)
 // and empty[stage] (every consumer thread, once its GEMMs and reads of the stage are done). The
-// consumer warpgroups share no per-entry barrier, so one's elementwise work runs under the
-// other's GEMMs; they meet only where the KL branch's shared tiles need it (below).
+// consumer warpgroups share no per-entry barrier and meet only where the KL branch's shared
+// tiles need it (below). (Measured against the lockstep kernel before, with every thread
+// loading: the same time; docs/perf.md, 2026-12-01.)
 //
 // With kKl the same pass also computes the KL gradient of the index branch (docs/contract.md §4) from the P^T
 // it already holds:
