@@ -14,6 +14,10 @@ timed with CUDA events, value checks off (as PagedMSAWrapper.run):
   dense     the same call with dense=True (every cached key), and torch SDPA (cuDNN or flash) on
             contiguous K/V of the same heads where it applies (q_len 1: no mask needed).
 
+--fp8: the MSA side of every decode row reads float8 E4M3 copies of the caches (k, v and k_idx,
+a scale per page: the page's largest magnitude / 448), while dense and SDPA keep the bf16
+cache; bytes count one byte per E4M3 element.
+
 Prefill: chunks of new tokens against a cached prefix, index inputs of mixed overlap
 (bench/selection_patterns.index_inputs); effective TFLOP/s count the selected work only
 (4 * D * Hq * the support size of every row).
@@ -78,9 +82,20 @@ class Cache:
         self.v = torch.randn(shape, generator=g, device=dev, dtype=torch.bfloat16)
         self.k_idx = torch.randn((pages, BK, HIK, DI), generator=g, device=dev, dtype=torch.bfloat16)
         self.pages = pages
+        self.fp8 = None
+
+    def quantise(self):
+        """E4M3 copies of k, v and k_idx with a scale per page (its largest magnitude / 448);
+        torch's conversion rounds to the nearest code as paged_append does."""
+        def q(x):
+            s = x.abs().amax(dim=(1, 2, 3)).float().clamp(min=1e-12) / 448.0
+            return (x.float() / s.view(-1, 1, 1, 1)).to(torch.float8_e4m3fn), s
+        (k8, ks), (v8, vs), (ki8, kis) = q(self.k), q(self.v), q(self.k_idx)
+        self.fp8 = dict(k=k8, v=v8, k_idx=ki8, k_scale=ks, v_scale=vs, k_idx_scale=kis)
 
 
-def decode_case(cache: Cache, ctx: int, batch: int, q_len: int, bw: float, graphs: bool, dev):
+def decode_case(cache: Cache, ctx: int, batch: int, q_len: int, bw: float, graphs: bool, dev,
+                fp8: bool = False):
     g = torch.Generator(device=dev).manual_seed(ctx + batch + q_len)
     per = -(-ctx // BK)
     perm = torch.randperm(cache.pages, generator=g, device=dev)[: batch * per].to(torch.int32)
@@ -91,15 +106,24 @@ def decode_case(cache: Cache, ctx: int, batch: int, q_len: int, bw: float, graph
     q = torch.randn((Tq, HQ, D), generator=g, device=dev, dtype=torch.bfloat16)
     q_idx = torch.randn((Tq, HI, DI), generator=g, device=dev, dtype=torch.bfloat16)
     kw = dict(max_q_len=q_len, sink_blocks=SINK, local_blocks=LOCAL)
+    # The MSA side's cache: bf16, or (fp8) the E4M3 copies and their scales.
+    m = cache.fp8 if fp8 else dict(k=cache.k, v=cache.v, k_idx=cache.k_idx, k_scale=None, v_scale=None,
+                                   k_idx_scale=None)
     with msa.value_checks(False):
-        bi = serving.paged_select_blocks(q_idx, cache.k_idx, page_table, seq_lens, cu, K, **kw)
-        t_index = timed(lambda: serving.paged_select_blocks(q_idx, cache.k_idx, page_table, seq_lens,
-                                                            cu, K, **kw))
-        t_attend = timed(lambda: serving.paged_forward(q, cache.k, cache.v, page_table, seq_lens, cu,
-                                                       block_idx=bi, **kw))
-    pc = serving.PagedKVCache.__new__(serving.PagedKVCache)  # a view of the benchmark's tensors
+        bi = serving.paged_select_blocks(q_idx, m["k_idx"], page_table, seq_lens, cu, K,
+                                         k_idx_scale=m["k_idx_scale"], **kw)
+        t_index = timed(lambda: serving.paged_select_blocks(q_idx, m["k_idx"], page_table, seq_lens,
+                                                            cu, K, k_idx_scale=m["k_idx_scale"], **kw))
+        t_attend = timed(lambda: serving.paged_forward(q, m["k"], m["v"], page_table, seq_lens, cu,
+                                                       block_idx=bi, k_scale=m["k_scale"],
+                                                       v_scale=m["v_scale"], **kw))
+    pm = serving.PagedKVCache.__new__(serving.PagedKVCache)  # views of the benchmark's tensors
+    pm.k, pm.v, pm.k_idx, pm.page_size, pm.device = m["k"], m["v"], m["k_idx"], BK, dev
+    pm.k_scale, pm.v_scale, pm.k_idx_scale = m["k_scale"], m["v_scale"], m["k_idx_scale"]
+    pm.query_dtype = torch.bfloat16
+    pc = serving.PagedKVCache.__new__(serving.PagedKVCache)
     pc.k, pc.v, pc.k_idx, pc.page_size, pc.device = cache.k, cache.v, cache.k_idx, BK, dev
-    w = serving.PagedMSAWrapper(pc)
+    w = serving.PagedMSAWrapper(pm)
     w.plan(batch, Tq, HQ, max_pages=per, max_q_len=q_len, num_idx_heads=HI, top_k=K,
            sink_blocks=SINK, local_blocks=LOCAL)
     t_step = timed(lambda: w.run(q, page_table, seq_lens, cu, q_idx))
@@ -126,12 +150,14 @@ def decode_case(cache: Cache, ctx: int, batch: int, q_len: int, bw: float, graph
         del kc, vc
     # Bytes: the index keys of every context; the K and V of the distinct blocks each (sequence,
     # KV head) attends (its tokens' union); dense reads every K and V.
-    idx_bytes = batch * ctx * HIK * DI * 2
+    elem = 1 if fp8 else 2  # bytes per element of the MSA side's cache
+    idx_bytes = batch * ctx * HIK * DI * elem
     sel = bi.view(batch, q_len, HKV, HI // HKV, K).permute(0, 2, 1, 3, 4).reshape(batch * HKV, -1)
     union = sum(int(torch.unique(r[r >= 0]).numel()) for r in sel[: min(len(sel), 64)]) / min(len(sel), 64)
-    kv_bytes = batch * HKV * union * BK * D * 2 * 2
+    kv_bytes = batch * HKV * union * BK * D * 2 * elem
     dense_bytes = batch * ctx * HKV * D * 2 * 2
-    return dict(kind="decode", ctx=ctx, batch=batch, q_len=q_len, union_blocks=round(union, 1),
+    return dict(kind="decode", cache="e4m3" if fp8 else "bf16", ctx=ctx, batch=batch, q_len=q_len,
+                union_blocks=round(union, 1),
                 indexer_ms=t_index, attend_ms=t_attend, step_ms=t_step, graph_ms=t_graph,
                 dense_ms=t_dense, sdpa_ms=t_sdpa,
                 indexer_bw=idx_bytes / (t_index * 1e-3) / bw,
@@ -188,6 +214,8 @@ def main(argv=None) -> int:
     p.add_argument("--ctx", type=int, nargs="*", help="decode context lengths (default: a grid)")
     p.add_argument("--batch", type=int, nargs="*", help="decode batches")
     p.add_argument("--q-len", type=int, nargs="*", help="decode new tokens per sequence")
+    p.add_argument("--fp8", choices=["off", "on", "both"], default="off",
+                   help="decode with E4M3 caches on the MSA side (both: a bf16 and an E4M3 row per shape)")
     args = p.parse_args(argv)
     dev = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -201,16 +229,20 @@ def main(argv=None) -> int:
     ctxs, batches, qlens = args.ctx or ctxs, args.batch or batches, args.q_len or qlens
     max_tokens = 8 << 20
     cache = Cache(max_tokens // BK + 64, dev)
+    fp8s = {"off": [False], "on": [True], "both": [False, True]}[args.fp8]
+    if True in fp8s:
+        cache.quantise()
     rows = []
     for ctx in ([] if args.no_decode else ctxs):
         for batch in batches:
             if batch * ctx > max_tokens:
                 continue
             for q_len in qlens:
-                r = decode_case(cache, ctx, batch, q_len, bw, graphs=True, dev=dev)
-                rows.append(r)
-                print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}),
-                      flush=True)
+                for fp8 in fp8s:
+                    r = decode_case(cache, ctx, batch, q_len, bw, graphs=True, dev=dev, fp8=fp8)
+                    rows.append(r)
+                    print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}),
+                          flush=True)
     if not args.no_prefill:
         for prefix, chunk in ([(131072, 8192), (1 << 20, 8192)] if args.quick else
                               [(131072, 8192), (131072, 32768), (1 << 20, 8192), (1 << 20, 32768)]):
@@ -231,12 +263,12 @@ def main(argv=None) -> int:
             json.dump(dict(hbm_bandwidth=bw, rows=rows), f, indent=1)
     print(f"\n## MSA serving on {torch.cuda.get_device_name()}, heads {HQ}/{HKV}/{HI}/{HIK}, D {D}, k {K}, bf16;"
           f" HBM copy {bw / 1e12:.2f} TB/s; decode times in ms (graph: one CUDA-graph replay of the step)")
-    print(f"{'ctx':>8} {'B':>3} {'q':>3} {'index ms':>9} {'%HBM':>5} {'attend':>7} {'step':>7} {'graph':>7}"
+    print(f"{'cache':>5} {'ctx':>8} {'B':>3} {'q':>3} {'index ms':>9} {'%HBM':>5} {'attend':>7} {'step':>7} {'graph':>7}"
           f" {'dense':>7} {'sdpa':>7} {'x dense':>7} {'x sdpa':>6}")
     for r in rows:
         if r["kind"] != "decode":
             continue
-        print(f"{r['ctx']:>8} {r['batch']:>3} {r['q_len']:>3} {r['indexer_ms']:>9.3f} {100 * r['indexer_bw']:>5.0f}"
+        print(f"{r['cache']:>5} {r['ctx']:>8} {r['batch']:>3} {r['q_len']:>3} {r['indexer_ms']:>9.3f} {100 * r['indexer_bw']:>5.0f}"
               f" {r['attend_ms']:>7.3f} {r['step_ms']:>7.3f} {r['graph_ms']:>7.3f} {r['dense_ms']:>7.3f}"
               f" {r['sdpa_ms']:>7.3f} {r['speedup_dense']:>7.2f} {r['speedup_sdpa']:>6.2f}")
     for r in rows:

@@ -150,8 +150,10 @@ struct KlParams {
 // calls then compute exactly as if the cache held the dequantised values
 // float32(e4m3 value * scale[page]) (one fp32 rounding), with queries and outputs in their own
 // dtype; paged_append stores e4m3(float32(x / scale[page])) rounded to nearest even and
-// saturated to +-448 (contract §6). Scales are given only for E4M3 tensors. (The CUDA backend
-// does not implement E4M3 caches yet: kNotSupported.)
+// saturated to +-448 (contract §6). Scales are given only for E4M3 tensors. The CUDA backend
+// reads the codes (converted exactly to the queries' 16-bit type) and applies the page scales to
+// the fp32 scores and probabilities, so its results equal the dequantised cache's up to the
+// order of fp32 roundings; it appends float32, bfloat16 or float16 rows into E4M3 caches.
 struct PagedCache {
   TensorRef k;           // [pages, Bk, Hkv, D]
   TensorRef v;           // [pages, Bk, Hkv, D], dtype of k

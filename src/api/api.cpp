@@ -131,16 +131,6 @@ Status kl_divergence(const KlParams& p) {
   });
 }
 
-namespace {
-// float8_e4m3 cache tensors (the CPU backend implements them; the CUDA kernels do not yet).
-[[maybe_unused]] bool e4m3(const TensorRef& t) { return t.defined() && t.dtype == DType::kFloat8E4M3; }
-[[maybe_unused]] Status no_cuda_e4m3(const char* fn, const char* arg) {
-  return Status::NotSupported(std::string("msa::") + fn + ": argument '" + arg +
-                              "': float8_e4m3 caches are implemented by the CPU backend only; the CUDA "
-                              "backend reads float16 and bfloat16 caches");
-}
-}  // namespace
-
 Status paged_select_blocks(const PagedSelectParams& p) {
   return guarded("paged_select_blocks", [&]() -> Status {
     Problem prob;
@@ -148,7 +138,6 @@ Status paged_select_blocks(const PagedSelectParams& p) {
     if (p.q_idx.device.type != DeviceType::kCpu) {
 #ifdef MSA_WITH_CUDA
       if (p.q_idx.device.type == DeviceType::kCuda) {
-        if (e4m3(p.cache.k_idx)) return no_cuda_e4m3("paged_select_blocks", "cache.k_idx");
         MSA_TRY(cuda_ready("paged_select_blocks", "q_idx", prob));
         return cuda::paged_select_blocks(prob, p);
       }
@@ -166,8 +155,6 @@ Status paged_forward(const PagedForwardParams& p) {
     if (p.q.device.type != DeviceType::kCpu) {
 #ifdef MSA_WITH_CUDA
       if (p.q.device.type == DeviceType::kCuda) {
-        if (e4m3(p.cache.k)) return no_cuda_e4m3("paged_forward", "cache.k");
-        if (p.select && e4m3(p.cache.k_idx)) return no_cuda_e4m3("paged_forward", "cache.k_idx");
         MSA_TRY(cuda_ready("paged_forward", "q", prob));
         return cuda::paged_forward(prob, p);
       }
@@ -186,10 +173,7 @@ Status paged_append(const PagedAppendParams& p) {
     if (device.type != DeviceType::kCpu) {
 #ifdef MSA_WITH_CUDA
       if (device.type == DeviceType::kCuda) {
-        for (const auto& [t, arg] : {std::pair{&p.cache.k, "cache.k"}, std::pair{&p.cache.v, "cache.v"},
-                                     std::pair{&p.cache.k_idx, "cache.k_idx"}})
-          if (e4m3(*t)) return no_cuda_e4m3("paged_append", arg);
-        // Any floating dtype of the new rows: the append only copies them.
+        // 16-bit rows are copied; rows into an E4M3 cache (float32, bfloat16 or float16) quantised.
         if (!cuda_usable())
           return Status::NotSupported("msa::paged_append: no GPU of compute capability 9.0 is visible; the CUDA "
                                       "kernels of this library are built for sm_90a (Hopper)");

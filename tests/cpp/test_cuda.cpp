@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <memory>
 #include <ostream>
 #include <random>
@@ -1834,6 +1835,342 @@ TEST(CudaPaged, PrefillGraphReplayWithNewLengthsAndPages) {
   c2.nq = {70, 200, 55};
   c2.seed = 34;
   graph_replay_with_new_lengths_and_pages(c1, c2);
+}
+
+// ---- float8 E4M3 caches on the GPU (docs/contract.md §6) ----------------------------------------
+//
+// A call over E4M3 caches must compute what it computes over the dequantised caches
+// float32(value * scale[page]), up to the order of fp32 roundings: the oracle is the CPU backend
+// over a float64 twin of the batch whose caches (and contiguous problem) hold the dequantised
+// values, with the 16-bit queries' values. The unused page rows stay NaN codes.
+
+constexpr DType kE4M3 = DType::kFloat8E4M3;
+
+void copy_values(const HostTensor& src, HostTensor& dst) {
+  for (int64_t x = 0; x < src.numel(); ++x) dst.set(x, src.get(x));
+}
+
+struct E4M3Caches {
+  HostTensor k, v, k_idx;  // codes [pages, Bk, H, n]
+  HostTensor ks, vs, kis;  // float32 scales [pages] or [1]
+};
+
+// b's caches as the E4M3 codes nearest to value / scale (scales drawn in [0.004, 0.02], so the
+// codes span the format, saturation included), per page or one per tensor; w (b's float64
+// twin) gets the dequantised caches and contiguous K, V, k_idx, and b's 16-bit queries.
+// The values of the 256 codes (harness.h: the format's definition), and the nearest code of x
+// (ties to the even code, saturated to +-448, NaN to 0x7f) by a binary search over the positive
+// codes' increasing values: harness.h's exhaustive e4m3_code, fast enough for whole caches.
+const std::vector<double>& e4m3_values() {
+  static const std::vector<double> v = [] {
+    std::vector<double> t(256);
+    for (int c = 0; c < 256; ++c) t[c] = e4m3_value(static_cast<uint8_t>(c));
+    return t;
+  }();
+  return v;
+}
+uint8_t nearest_e4m3(double x) {
+  if (std::isnan(x)) return 0x7f;
+  const std::vector<double>& v = e4m3_values();
+  const double a = std::min(std::fabs(x), 448.0);
+  int c = static_cast<int>(std::lower_bound(v.begin(), v.begin() + 127, a) - v.begin());  // v[c] >= a
+  if (c > 0) {
+    const double below = a - v[c - 1], above = v[c] - a;
+    if (below < above || (below == above && (c - 1) % 2 == 0)) --c;
+  }
+  return static_cast<uint8_t>((std::signbit(x) ? 0x80 : 0) | c);
+}
+
+E4M3Caches quantise(const PagedBatch& b, PagedBatch& w, bool per_page, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> u(0.004, 0.02);
+  auto one = [&](const HostTensor& src, HostTensor& deq, HostTensor& codes, HostTensor& scale) {
+    const int64_t pages = src.shape()[0], per = src.numel() / pages;
+    codes = HostTensor(kE4M3, src.shape());
+    scale = HostTensor(DType::kFloat32, {per_page ? pages : 1});
+    for (int64_t p = 0; p < scale.numel(); ++p) scale.set(p, u(rng));
+    uint8_t* out = static_cast<uint8_t*>(codes.ref().data);
+    for (int64_t x = 0; x < src.numel(); ++x) {
+      const float sc = static_cast<float>(scale.get(per_page ? x / per : 0));
+      out[x] = nearest_e4m3(src.get(x) / sc);
+      deq.set(x, static_cast<double>(static_cast<float>(e4m3_values()[out[x]]) * sc));
+    }
+  };
+  E4M3Caches c;
+  one(b.kc, w.kc, c.k, c.ks);
+  one(b.vc, w.vc, c.v, c.vs);
+  one(b.kic, w.kic, c.k_idx, c.kis);
+  const PagedCase& cs = b.cs;
+  const int64_t row = int64_t{cs.Hkv} * cs.D, irow = int64_t{cs.Hik} * cs.Di;
+  for (int64_t s = 0; s < w.nseq; ++s)
+    for (int64_t x = 0; x < cs.lens[s]; ++x) {
+      const int64_t g = w.full.offsets[s] + x, cr = w.cache_row(s, x);
+      for (int64_t e = 0; e < row; ++e) {
+        w.full.k.set(g * row + e, w.kc.get(cr * row + e));
+        w.full.v.set(g * row + e, w.vc.get(cr * row + e));
+      }
+      for (int64_t e = 0; e < irow; ++e) w.full.k_idx.set(g * irow + e, w.kic.get(cr * irow + e));
+    }
+  copy_values(b.q, w.q);
+  copy_values(b.q_idx, w.q_idx);
+  copy_values(b.full.q, w.full.q);
+  copy_values(b.full.q_idx, w.full.q_idx);
+  return c;
+}
+
+PagedCase wide_case(PagedCase c) {
+  c.dtype = DType::kFloat64;
+  return c;
+}
+
+// The device copies of a batch with E4M3 caches.
+struct DeviceE4M3 {
+  DeviceTensor q, q_idx, k, v, k_idx, page_table, seq_lens, cu_q, ks, vs, kis;
+  DeviceE4M3(PagedBatch& b, E4M3Caches& c, cudaStream_t s)
+      : q(DeviceTensor::upload(b.q, s)), q_idx(DeviceTensor::upload(b.q_idx, s)), k(DeviceTensor::upload(c.k, s)),
+        v(DeviceTensor::upload(c.v, s)), k_idx(DeviceTensor::upload(c.k_idx, s)),
+        page_table(DeviceTensor::upload(b.page_table, s)), seq_lens(DeviceTensor::upload(b.seq_lens, s)),
+        cu_q(DeviceTensor::upload(b.cu_q, s)), ks(DeviceTensor::upload(c.ks, s)), vs(DeviceTensor::upload(c.vs, s)),
+        kis(DeviceTensor::upload(c.kis, s)) {}
+  PagedRefs refs() const {
+    return {q.ref(), q_idx.ref(), k.ref(), v.ref(), k_idx.ref(), page_table.ref(), seq_lens.ref(), cu_q.ref()};
+  }
+  msa::PagedCache with_scales(msa::PagedCache cache) const {
+    cache.k_scale = ks.ref();
+    cache.v_scale = vs.ref();
+    cache.k_idx_scale = kis.ref();
+    return cache;
+  }
+};
+
+// The CPU backend's paged forward over the dequantised twin w (float64).
+FwdResult cpu_forward_over(const PagedCase& cs, PagedBatch& w, HostTensor* bi, Mode mode) {
+  FwdResult r{HostTensor(DType::kFloat64, {w.Tq, cs.Hq, cs.D}), HostTensor(DType::kFloat32, {w.Tq, cs.Hq}), {}};
+  const PagedRefs refs = host_refs(w);
+  expect_ok(msa::paged_forward(paged_forward_params(wide_case(cs), refs, mode, false, bi ? bi->ref() : msa::TensorRef{},
+                                                    r.out.ref(), r.lse.ref())));
+  return r;
+}
+
+const PagedCase kE4M3Cases[] = {
+    // decode, paper-like heads, block edges, an empty request (odd seeds: a scale per page)
+    paged_gpu_case({1, 127, 128, 129, 4000, 0}, {1, 1, 8, 16, 3, 0}, 32, 2, 2, 1, 128, 128, 4, kBf16, 16, 51),
+    // one long sequence: many score chunks, the union split over CTAs; one scale per tensor
+    paged_gpu_case({40000}, {1}, 64, 4, 4, 1, 128, 128, 16, kBf16, 1, 52),
+    // prefill chunks (E4M3 caches take the paged kernels), sinks and local blocks
+    with_forced(paged_gpu_case({3000, 700, 1}, {600, 200, 1}, 16, 2, 2, 1, 128, 128, 6, kBf16, 0, 53), 1, 2),
+    // 16-row score tiles
+    paged_gpu_case({2100, 90, 1}, {2, 1, 1}, 8, 2, 2, 1, 128, 128, 5, kBf16, 2, 55),
+    paged_gpu_case({900, 65}, {5, 65}, 4, 1, 4, 4, 128, 128, 3, kBf16, 0, 58),
+    // other variants (skipped when not built)
+    paged_gpu_case({2100, 90}, {16, 16}, 8, 2, 2, 1, 64, 64, 5, kFp16, 16, 57),
+    paged_gpu_case({900, 65}, {5, 65}, 4, 1, 4, 4, 128, 64, 3, kBf16, 0, 59),
+};
+
+class PagedE4M3CudaVsCpu : public ::testing::TestWithParam<PagedCase> {};
+
+TEST_P(PagedE4M3CudaVsCpu, SelectAndForward) {
+  SKIP_WITHOUT_CUDA();
+  const PagedCase cs = GetParam();
+  SCOPED_TRACE(cs.str());
+  SKIP_UNLESS_BUILT(cs.config(), true, true);
+  Stream st(true);
+  PagedBatch b(cs), w(wide_case(cs));
+  E4M3Caches c = quantise(b, w, cs.seed % 2 == 1, cs.seed + 5);
+  DeviceE4M3 d(b, c, st.get());
+  const PagedRefs r = d.refs();
+
+  // The selection: the contract's rule over the dequantised index keys.
+  DeviceTensor bi = DeviceTensor::poisoned(DType::kInt32, {b.Tq, cs.Hi, cs.k}, st.get());
+  msa::PagedSelectParams sp = paged_select_params(cs, r, bi.ref());
+  sp.cache = d.with_scales(sp.cache);
+  Workspace ws_sel(msa::workspace_size(sp));
+  ws_sel.attach(sp);
+  sp.launch.stream = st.get();
+  require_ok(msa::paged_select_blocks(sp));
+  HostTensor sel = bi.download(st.get());
+  const Failures fs = check_selection(w.full, IndexScores(w.full), to_full_rows(sel, b, -1), nullptr, b.new_rows);
+  EXPECT_EQ(fs.count, 0) << "paged_select_blocks over E4M3 index keys:" << fs.first;
+
+  // Attention over that selection, and dense, against the CPU over the dequantised caches.
+  auto forward = [&](Mode mode, bool select, const msa::TensorRef& block_idx, DeviceTensor& out, DeviceTensor& lse) {
+    msa::PagedForwardParams fp = paged_forward_params(cs, r, mode, select, block_idx, out.ref(), lse.ref());
+    fp.cache = d.with_scales(fp.cache);
+    Workspace ws(msa::workspace_size(fp));
+    ws.attach(fp);
+    fp.launch.stream = st.get();
+    require_ok(msa::paged_forward(fp));
+    (void)out.download(st.get());
+  };
+  const FwdResult want = cpu_forward_over(cs, w, &sel, Mode::kSparse);
+  DeviceTensor out = DeviceTensor::poisoned(cs.dtype, {b.Tq, cs.Hq, cs.D}, st.get());
+  DeviceTensor lse = DeviceTensor::poisoned(DType::kFloat32, {b.Tq, cs.Hq}, st.get());
+  forward(Mode::kSparse, false, bi.ref(), out, lse);
+  expect_forward_close(out.download(st.get()), lse.download(st.get()), want, cs.dtype, "paged_forward(block_idx), E4M3");
+
+  // The selection inside the call chooses as paged_select_blocks did.
+  DeviceTensor bi2 = DeviceTensor::poisoned(DType::kInt32, {b.Tq, cs.Hi, cs.k}, st.get());
+  DeviceTensor out2 = DeviceTensor::poisoned(cs.dtype, {b.Tq, cs.Hq, cs.D}, st.get());
+  DeviceTensor lse2 = DeviceTensor::poisoned(DType::kFloat32, {b.Tq, cs.Hq}, st.get());
+  forward(Mode::kSparse, true, bi2.ref(), out2, lse2);
+  EXPECT_EQ(first_difference(bi2.download(st.get()), sel), "") << "paged_forward(select) chose differently";
+  expect_forward_close(out2.download(st.get()), lse2.download(st.get()), want, cs.dtype, "paged_forward(select), E4M3");
+
+  const FwdResult dense = cpu_forward_over(cs, w, nullptr, Mode::kDense);
+  DeviceTensor out3 = DeviceTensor::poisoned(cs.dtype, {b.Tq, cs.Hq, cs.D}, st.get());
+  DeviceTensor lse3 = DeviceTensor::poisoned(DType::kFloat32, {b.Tq, cs.Hq}, st.get());
+  forward(Mode::kDense, false, {}, out3, lse3);
+  expect_forward_close(out3.download(st.get()), lse3.download(st.get()), dense, cs.dtype, "paged_forward(kDense), E4M3");
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, PagedE4M3CudaVsCpu, ::testing::ValuesIn(kE4M3Cases),
+                         [](const ::testing::TestParamInfo<PagedCase>& i) { return "case" + std::to_string(i.index); });
+
+// Every code's value through the attention kernel: one cached token per sequence (a softmax over
+// one key is exactly 1), so each output row is that token's v row; bfloat16 holds every E4M3
+// value, so the outputs equal the codes' values exactly (NaN for the two NaN codes).
+TEST(CudaPagedE4M3, EveryCodeDequantises) {
+  SKIP_WITHOUT_CUDA();
+  PagedCase cs = paged_gpu_case({1, 1}, {1, 1}, 1, 1, 1, 1, 128, 128, 1, kBf16, 1, 61);
+  SKIP_UNLESS_BUILT(cs.config(), true, false);
+  Stream st(true);
+  PagedBatch b(cs), w(wide_case(cs));
+  E4M3Caches c = quantise(b, w, false, 1);
+  c.ks.set(0, 1.0);
+  c.vs.set(0, 1.0);
+  std::memset(c.k.ref().data, 0, static_cast<size_t>(c.k.numel()));  // every score 0
+  std::vector<uint8_t> raw(static_cast<size_t>(c.v.numel()), 0);
+  for (int64_t s = 0; s < 2; ++s)
+    for (int64_t e = 0; e < 128; ++e) raw[static_cast<size_t>(b.cache_row(s, 0) * 128 + e)] = static_cast<uint8_t>(s * 128 + e);
+  std::memcpy(c.v.ref().data, raw.data(), raw.size());
+  DeviceE4M3 d(b, c, st.get());
+  DeviceTensor out = DeviceTensor::poisoned(kBf16, {2, 1, 128}, st.get());
+  msa::PagedForwardParams fp = paged_forward_params(cs, d.refs(), Mode::kDense, false, {}, out.ref(), {});
+  fp.cache = d.with_scales(fp.cache);
+  fp.cache.k_idx = {};
+  fp.cache.k_idx_scale = {};
+  fp.launch.stream = st.get();
+  Workspace ws(msa::workspace_size(fp));
+  ws.attach(fp);
+  require_ok(msa::paged_forward(fp));
+  const HostTensor got = out.download(st.get());
+  int bad = 0;
+  for (int code = 0; code < 256; ++code) {
+    const double want = e4m3_value(static_cast<uint8_t>(code)), g = got.get(code);
+    const bool ok = std::isnan(want) ? std::isnan(g) : g == want;
+    if (!ok && bad++ < 5) ADD_FAILURE() << "code " << code << ": got " << g << ", want " << want;
+  }
+  EXPECT_EQ(bad, 0);
+}
+
+// paged_append into E4M3 caches from bfloat16, float16 and float32 rows: the codes the CPU
+// backend writes (the nearest code of float32(x) / scale[page], ties to even, saturated, NaN kept),
+// scales per page (k, v) and per tensor (k_idx).
+TEST(CudaPagedE4M3, AppendMatchesCpu) {
+  SKIP_WITHOUT_CUDA();
+  const PagedCase cs = paged_gpu_case({300, 5, 129}, {17, 5, 1}, 16, 2, 2, 1, 128, 128, 4, kBf16, 0, 21);
+  for (DType in : {kBf16, kFp16, DType::kFloat32}) {
+    SCOPED_TRACE(msa::dtype_name(in));
+    Stream st(true);
+    PagedBatch b(cs);
+    std::mt19937_64 rng(7);
+    std::uniform_real_distribution<double> u(-60.0, 60.0);
+    HostTensor kn(in, {b.Tq, cs.Hkv, cs.D}), vn(in, {b.Tq, cs.Hkv, cs.D}), kin(in, {b.Tq, cs.Hik, cs.Di});
+    for (HostTensor* t : {&kn, &vn, &kin})
+      for (int64_t x = 0; x < t->numel(); ++x) t->set(x, u(rng));
+    kn.set(0, 3e4);    // saturates
+    kn.set(1, -3e4);
+    vn.set(2, NAN);    // stays NaN
+    kin.set(0, 0.125 * 1.0625);                     // a tie under scale 1/8: to the even code 1
+    kin.set(1, 0.125 * 1.1875);                     // a tie: 1.25
+    kin.set(2, 0.125 * std::ldexp(1.0, -10));       // a tie between 0 and the least subnormal: 0
+    kin.set(3, -0.125 * 3.0 * std::ldexp(1.0, -10));  // -2^-8
+    HostTensor kc(kE4M3, b.kc.shape()), vc(kE4M3, b.vc.shape()), kic(kE4M3, b.kic.shape());
+    HostTensor ks(DType::kFloat32, {b.pages}), vs(DType::kFloat32, {b.pages}), kis(DType::kFloat32, {1});
+    for (int64_t p = 0; p < b.pages; ++p) {
+      ks.set(p, 0.05 + 0.01 * p);
+      vs.set(p, 0.3 / (1 + p));
+    }
+    kis.set(0, 0.125);
+    DevicePaged d(b, st.get());
+    DeviceTensor dkc = DeviceTensor::upload(kc, st.get()), dvc = DeviceTensor::upload(vc, st.get()),
+                 dkic = DeviceTensor::upload(kic, st.get()), dks = DeviceTensor::upload(ks, st.get()),
+                 dvs = DeviceTensor::upload(vs, st.get()), dkis = DeviceTensor::upload(kis, st.get()),
+                 dk = DeviceTensor::upload(kn, st.get()), dv = DeviceTensor::upload(vn, st.get()),
+                 dki = DeviceTensor::upload(kin, st.get());
+    msa::PagedAppendParams ap;
+    ap.k = dk.ref();
+    ap.v = dv.ref();
+    ap.k_idx = dki.ref();
+    ap.cu_seqlens_q = d.cu_q.ref();
+    ap.cache = cache_of(d.refs());
+    ap.cache.k = dkc.ref();
+    ap.cache.v = dvc.ref();
+    ap.cache.k_idx = dkic.ref();
+    ap.cache.k_scale = dks.ref();
+    ap.cache.v_scale = dvs.ref();
+    ap.cache.k_idx_scale = dkis.ref();
+    ap.block_size = cs.Bk;
+    ap.launch.stream = st.get();
+    require_ok(msa::paged_append(ap));
+    msa::PagedAppendParams hp = ap;
+    const PagedRefs h = host_refs(b);
+    hp.k = kn.ref();
+    hp.v = vn.ref();
+    hp.k_idx = kin.ref();
+    hp.cu_seqlens_q = h.cu_q;
+    hp.cache = cache_of(h);
+    hp.cache.k = kc.ref();
+    hp.cache.v = vc.ref();
+    hp.cache.k_idx = kic.ref();
+    hp.cache.k_scale = ks.ref();
+    hp.cache.v_scale = vs.ref();
+    hp.cache.k_idx_scale = kis.ref();
+    hp.launch = {};
+    expect_ok(msa::paged_append(hp));
+    auto same = [&](const HostTensor& got, const HostTensor& want, const char* what) {
+      int64_t bad = 0;
+      for (int64_t x = 0; x < want.numel(); ++x) {
+        const double g = got.get(x), e = want.get(x);
+        if (!(g == e || (std::isnan(g) && std::isnan(e))) && bad++ < 5)
+          ADD_FAILURE() << what << " element " << x << ": got " << g << ", want " << e;
+      }
+      EXPECT_EQ(bad, 0) << what;
+    };
+    same(dkc.download(st.get()), kc, "k cache");
+    same(dvc.download(st.get()), vc, "v cache");
+    same(dkic.download(st.get()), kic, "k_idx cache");
+    const int64_t first = b.cache_row(0, cs.lens[0] - cs.nq[0]);
+    EXPECT_EQ(kc.get(first * cs.Hkv * cs.D), 448.0);  // the CPU side of the comparison saturates
+    EXPECT_EQ(kic.get(first * cs.Di + 1), 1.25);
+  }
+}
+
+// Scales that are zero, negative, infinite or NaN on the device are reported naming the scale.
+TEST(CudaPagedE4M3, BadScalesNameTheArgument) {
+  SKIP_WITHOUT_CUDA();
+  const PagedCase cs = paged_gpu_case({300, 130}, {3, 2}, 16, 2, 2, 1, 128, 128, 4, kBf16, 4, 22);
+  SKIP_UNLESS_BUILT(cs.config(), true, true);
+  Stream st(false);
+  PagedBatch b(cs), w(wide_case(cs));
+  E4M3Caches c = quantise(b, w, true, 3);
+  for (double bad : {0.0, -1.0, static_cast<double>(NAN), static_cast<double>(INFINITY)}) {
+    for (int which = 0; which < 3; ++which) {
+      E4M3Caches e = c;
+      HostTensor& scale = which == 0 ? e.ks : (which == 1 ? e.vs : e.kis);
+      scale.set(scale.numel() - 1, bad);
+      DeviceE4M3 d(b, e, st.get());
+      DeviceTensor out = DeviceTensor::poisoned(cs.dtype, {b.Tq, cs.Hq, cs.D}, st.get());
+      DeviceTensor bi = DeviceTensor::poisoned(DType::kInt32, {b.Tq, cs.Hi, cs.k}, st.get());
+      msa::PagedForwardParams fp = paged_forward_params(cs, d.refs(), Mode::kSparse, true, bi.ref(), out.ref(), {});
+      fp.cache = d.with_scales(fp.cache);
+      Workspace ws(msa::workspace_size(fp));
+      ws.attach(fp);
+      const char* arg = which == 0 ? "argument 'cache.k_scale'" : (which == 1 ? "argument 'cache.v_scale'"
+                                                                              : "argument 'cache.k_idx_scale'");
+      expect_error(msa::paged_forward(fp), StatusCode::kInvalidArgument, arg, std::string(arg) + " " + std::to_string(bad));
+    }
+  }
 }
 
 }  // namespace

@@ -1,4 +1,5 @@
-"""float8 E4M3 caches (docs/contract.md §6) through msa.serving, on the CPU backend.
+"""float8 E4M3 caches (docs/contract.md §6) through msa.serving, on the CPU backend (and the
+CUDA backend against it where a GPU is present).
 
 The codes' values and the append's quantisation are compared with torch's own float8_e4m3fn
 conversions (an implementation independent of the library's); the calls over an E4M3 cache
@@ -168,12 +169,55 @@ def test_bad_scales_name_the_argument():
 
 
 @pytest.mark.skipif(not CUDA, reason="the library has no usable CUDA backend")
-def test_cuda_reports_e4m3_caches_unsupported():
-    kc = torch.zeros((2, 16, 1, 64), dtype=FP8, device="cuda")
-    one = torch.ones(1, device="cuda")
-    table = torch.zeros((1, 1), dtype=torch.int32, device="cuda")
-    lens = torch.ones(1, dtype=torch.int32, device="cuda")
-    cu = torch.tensor([0, 1], dtype=torch.int32, device="cuda")
-    q = torch.zeros((1, 1, 64), dtype=torch.bfloat16, device="cuda")
-    with pytest.raises(NotImplementedError, match="cache.k"):
-        serving.paged_forward(q, kc, kc, table, lens, cu, dense=True, k_scale=one, v_scale=one)
+@pytest.mark.parametrize("max_q_len", [4, 0])
+def test_cuda_equals_the_cpu_on_e4m3_caches(max_q_len):
+    """The CUDA kernels over E4M3 caches (decode tiles; a prefill chunk, which takes the same
+    paged kernels) against the CPU backend over the same codes and scales: the same selection
+    (random scores have no near ties), out and lse within bfloat16 rounding; and the CUDA append
+    writes the CPU's codes."""
+    gen = torch.Generator().manual_seed(13)
+    pages, Bk, Hkv, Hq, D, Hi, Di = 40, 128, 2, 16, 128, 2, 128
+    lens = torch.tensor([1500, 129, 700], dtype=torch.int32)
+    nq = [4, 1, 3] if max_q_len else [300, 129, 64]
+    table = _table(3, 12, pages, gen)
+    cu = torch.tensor([0, nq[0], nq[0] + nq[1], sum(nq)], dtype=torch.int32)
+
+    def codes(H, n):
+        return (torch.randn(pages, Bk, H, n, generator=gen) * 100).clamp(-448, 448).to(FP8)
+
+    kc, vc, kic = codes(Hkv, D), codes(Hkv, D), codes(1, Di)
+    ks, vs = (torch.rand(pages, generator=gen) * 0.05 + 0.001 for _ in range(2))
+    kis = torch.rand(1, generator=gen) * 0.05 + 0.001
+    q = torch.randn(sum(nq), Hq, D, generator=gen).bfloat16()
+    qi = torch.randn(sum(nq), Hi, Di, generator=gen).bfloat16()
+    kw = dict(top_k=4, sink_blocks=1, local_blocks=2, max_q_len=max_q_len)
+    cpu = dict(k_scale=ks, v_scale=vs, k_idx_scale=kis)
+    dev = {n: t.cuda() for n, t in cpu.items()}
+    args = (table, lens, cu)
+    want, want_lse = serving.paged_forward(q, kc, vc, *args, q_idx=qi, k_idx_cache=kic,
+                                           return_lse=True, **cpu, **kw)
+    want_bi = serving.paged_select_blocks(qi, kic, *args, k_idx_scale=kis, **kw)
+    got, got_lse = serving.paged_forward(q.cuda(), kc.cuda(), vc.cuda(), *(t.cuda() for t in args),
+                                         q_idx=qi.cuda(), k_idx_cache=kic.cuda(), return_lse=True,
+                                         **dev, **kw)
+    got_bi = serving.paged_select_blocks(qi.cuda(), kic.cuda(), *(t.cuda() for t in args),
+                                         k_idx_scale=dev["k_idx_scale"], **kw)
+    assert torch.equal(got_bi.cpu(), want_bi)
+    err = (got.float().cpu() - want.float()).norm() / want.float().norm()
+    assert err < 1e-2, err
+    assert (got_lse.cpu() - want_lse).abs().max() < 1e-3
+
+    # The append: bfloat16 rows quantised into copies of the caches, on both devices.
+    k_new = (torch.randn(sum(nq), Hkv, D, generator=gen) * 3).bfloat16()
+    k_new[0, 0, :3] = torch.tensor([1e6, -1e6, float("nan")]).bfloat16()
+    ki_new = (torch.randn(sum(nq), 1, Di, generator=gen) * 0.1).float()
+    c_cpu, ci_cpu = kc.clone(), kic.clone()
+    c_gpu, ci_gpu = kc.cuda(), kic.cuda()
+    serving.paged_append(c_cpu, None, ci_cpu, *args, k=k_new, k_idx=ki_new, k_scale=ks,
+                         k_idx_scale=kis)
+    serving.paged_append(c_gpu, None, ci_gpu, *(t.cuda() for t in args), k=k_new.cuda(),
+                         k_idx=ki_new.cuda(), k_scale=dev["k_scale"], k_idx_scale=dev["k_idx_scale"])
+    for a, b in ((c_gpu, c_cpu), (ci_gpu, ci_cpu)):
+        a8, b8 = a.cpu().view(torch.uint8), b.view(torch.uint8)
+        nan = (b8 & 0x7F) == 0x7F
+        assert torch.equal(a8[~nan], b8[~nan]) and bool(((a8[nan] & 0x7F) == 0x7F).all())

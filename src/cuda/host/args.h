@@ -23,9 +23,10 @@ constexpr int kPagedScoreRowsDecode = 16;  // a decode call whose max_q_len x Gk
 constexpr int kPagedAttnRows = 64;
 constexpr int kPagedScoreStages = 3;
 // Shared memory of a score CTA (Q rows, the k_idx stages, the per-warp maxima), for sizing a grid
-// to whole waves on the host.
-constexpr size_t paged_score_smem(int Di, int Bk, int rows = kPagedScoreRows) {
-  return size_t(rows + kPagedScoreStages * Bk) * Di * 2 + 4 * rows * 4;
+// to whole waves on the host. E4M3 keys: stages of codes (one byte per element).
+constexpr size_t paged_score_smem(int Di, int Bk, int rows = kPagedScoreRows, bool e4m3 = false) {
+  const size_t keys = size_t(kPagedScoreStages) * Bk * Di * (e4m3 ? 1 : 2);
+  return size_t(rows) * Di * 2 + keys + 4 * rows * 4;
 }
 
 // Packed sequences: cu_seqlens (null: one sequence of T tokens).
@@ -188,6 +189,8 @@ struct PagedScoreArgs : PagedArgs {
   int64_t q_s0 = 0, q_s1 = 0;
   const void* k_idx = nullptr;  // cache [pages, Bk, Hik, Di]
   int64_t k_s0 = 0, k_s1 = 0, k_s2 = 0;
+  const float* k_scale = nullptr;  // E4M3 k_idx: its scale (null: a 16-bit cache)
+  int64_t k_scale_step = 0;        // the scale of page p is k_scale[p * step]
   int32_t Hi = 0, Hik = 0, idx_per_key = 0;  // Gk = Hi / Hik <= kPagedScoreRows
   int32_t rows = kPagedScoreRows;            // index rows of a tile (the kernel's instance)
   float scale = 0.f;                         // signed scale_idx
@@ -205,6 +208,8 @@ struct PagedAttnArgs : PagedArgs {
   int64_t q_s0 = 0, q_s1 = 0;
   const void *k = nullptr, *v = nullptr;  // cache [pages, Bk, Hkv, D]
   int64_t k_s0 = 0, k_s1 = 0, k_s2 = 0, v_s0 = 0, v_s1 = 0, v_s2 = 0;
+  const float *k_scale = nullptr, *v_scale = nullptr;  // E4M3 k and v: their scales (null: 16-bit)
+  int64_t k_scale_step = 0, v_scale_step = 0;          // the scale of page p: scale[p * step]
   int32_t Hq = 0, Hkv = 0, Hi = 0;
   int32_t group = 0;          // G = Hq / Hkv
   int32_t heads_per_idx = 0;  // Hq / Hi

@@ -28,6 +28,7 @@ enum Kind : unsigned long long {
   kLenLong = 6,     // index: s, seq_lens[s] > max_pages * Bk
   kQLen = 7,        // index: s, n_s > max_q_len
   kPage = 8,        // index: s * max_pages + b, a used page id outside [0, pages)
+  kScale = 9,       // kScale + w (k, v, k_idx), index: i, scale[i] not finite and positive
 };
 
 __device__ void report(unsigned long long* verdict, Kind kind, long long index) {
@@ -86,6 +87,9 @@ struct PagedCheck {
   const int32_t* bi = nullptr;
   int64_t bi_s0 = 0, bi_s1 = 0;
   int32_t Hi = 0, k = 0;
+  // The scales of E4M3 cache tensors (k, v, k_idx; null: none).
+  const float* scale[3] = {nullptr, nullptr, nullptr};
+  int64_t scale_n[3] = {0, 0, 0}, scale_s[3] = {0, 0, 0};
 };
 
 __global__ void paged_check_kernel(const PagedCheck c, unsigned long long* verdict) {
@@ -101,6 +105,13 @@ __global__ void paged_check_kernel(const PagedCheck c, unsigned long long* verdi
     if (c.lens[s] > cap) report(verdict, kLenLong, s);
     else if (c.lens[s] < n || c.lens[s] < 0) report(verdict, kLenShort, s);
     if (c.max_q_len > 0 && n > c.max_q_len) report(verdict, kQLen, s);
+  }
+  for (int w = 0; w < 3; ++w) {
+    if (c.scale[w] == nullptr) continue;
+    for (int64_t i = first; i < c.scale_n[w]; i += stride) {
+      const float x = c.scale[w][i * c.scale_s[w]];
+      if (!(isfinite(x) && x > 0.f)) report(verdict, static_cast<Kind>(kScale + w), i);
+    }
   }
   const int64_t np = int64_t(c.nseq) * c.max_pages;
   for (int64_t e = first; e < np; e += stride) {
@@ -255,9 +266,17 @@ Status check_paged_values(const char* fn, const Problem& prob, const TensorRef& 
     c.Hi = prob.Hi;
     c.k = prob.k;
   }
+  const TensorRef* scales[3] = {&cache.k_scale, &cache.v_scale, &cache.k_idx_scale};
+  for (int w = 0; w < 3; ++w) {
+    if (!scales[w]->defined()) continue;
+    c.scale[w] = static_cast<const float*>(scales[w]->data);
+    c.scale_n[w] = scales[w]->shape[0];
+    c.scale_s[w] = scales[w]->stride[0];
+  }
   unsigned long long v = 0;
-  MSA_TRY(run_check(fn, stream, "cu_seqlens_q, the cache's seq_lens and page_table and block_idx",
-                    std::max<int64_t>({int64_t(c.Tq) * c.Hi * c.k, int64_t(c.nseq) * c.max_pages, c.nseq + 1}),
+  MSA_TRY(run_check(fn, stream, "cu_seqlens_q, the cache's seq_lens, page_table and scales and block_idx",
+                    std::max<int64_t>({int64_t(c.Tq) * c.Hi * c.k, int64_t(c.nseq) * c.max_pages, c.nseq + 1,
+                                       c.scale_n[0], c.scale_n[1], c.scale_n[2]}),
                     [&](int blocks, unsigned long long* verdict) {
                       paged_check_kernel<<<blocks, 256, 0, stream>>>(c, verdict);
                     },
@@ -283,6 +302,14 @@ Status check_paged_values(const char* fn, const Problem& prob, const TensorRef& 
                                        std::to_string(c.max_pages) + " pages x block_size " + std::to_string(c.Bk));
     return bad("cache.seq_lens", "seq_lens[" + s + "] = " + std::to_string(len) + " is less than the sequence's " +
                                      std::to_string(n) + " new tokens (cu_seqlens_q)");
+  }
+  if (kind >= kScale && kind < kScale + 3) {
+    const int w = static_cast<int>(kind - kScale);
+    const char* names[3] = {"cache.k_scale", "cache.v_scale", "cache.k_idx_scale"};
+    float x = 0.f;
+    MSA_TRY(read(fn, &x, c.scale[w] + index * c.scale_s[w], 1, stream));
+    return bad(names[w], "scale[" + std::to_string(index) + "] = " + std::to_string(x) +
+                             " is not a finite positive number");
   }
   if (kind == kPage) {
     const int64_t s = index / c.max_pages, b = index % c.max_pages;

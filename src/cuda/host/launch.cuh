@@ -162,25 +162,32 @@ template <class Element, int kDim, int kBlockN>
 Status launch_paged_score(const PagedScoreArgs& a, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(a.num_tiles), static_cast<unsigned>(a.Hik),
                   static_cast<unsigned>(a.num_chunks));
-  auto launch = [&](auto rows) {
-    using Traits = kern::PagedScoreTraits<Element, kDim, kBlockN, decltype(rows)::value>;
+  auto launch = [&](auto rows, auto e4m3) {
+    using Traits = kern::PagedScoreTraits<Element, kDim, kBlockN, decltype(rows)::value, decltype(e4m3)::value>;
     return detail::launch_kernel("paged_select_blocks", kern::paged_score_kernel<Traits>, grid,
                                  Traits::kThreads, sizeof(typename Traits::SharedStorage), stream, a);
   };
-  if (a.rows == kPagedScoreRowsDecode) return launch(cute::Int<kPagedScoreRowsDecode>{});
-  return launch(cute::Int<kPagedScoreRows>{});
+  // E4M3 index keys: the kernel that converts their codes.
+  auto with_keys = [&](auto rows) {
+    return a.k_scale != nullptr ? launch(rows, cute::true_type{}) : launch(rows, cute::false_type{});
+  };
+  if (a.rows == kPagedScoreRowsDecode) return with_keys(cute::Int<kPagedScoreRowsDecode>{});
+  return with_keys(cute::Int<kPagedScoreRows>{});
 }
 
 template <class Element, int kHeadDim, int kBlockN>
 Status launch_paged_attn(const PagedAttnArgs& a, cudaStream_t stream) {
-  using Traits = kern::PagedAttnTraits<Element, kHeadDim, kBlockN>;
   const dim3 grid(static_cast<unsigned>(a.num_tiles), static_cast<unsigned>(a.Hkv),
                   static_cast<unsigned>(a.splits));
-  MSA_TRY(detail::launch_kernel("paged_forward", kern::paged_attn_kernel<Traits>, grid, Traits::kThreads,
-                                Traits::smem_bytes(a.dense ? 0 : a.union_cap), stream, a,
-                                "argument 'block_idx': the union of a tile's selections (" +
-                                    std::to_string(a.tile_tokens) + " tokens x k = " + std::to_string(a.top_k) +
-                                    " blocks)"));
+  auto launch = [&](auto e4m3) {  // E4M3 k and v: the kernel that converts their codes
+    using Traits = kern::PagedAttnTraits<Element, kHeadDim, kBlockN, decltype(e4m3)::value>;
+    return detail::launch_kernel("paged_forward", kern::paged_attn_kernel<Traits>, grid, Traits::kThreads,
+                                 Traits::smem_bytes(a.dense ? 0 : a.union_cap), stream, a,
+                                 "argument 'block_idx': the union of a tile's selections (" +
+                                     std::to_string(a.tile_tokens) + " tokens x k = " + std::to_string(a.top_k) +
+                                     " blocks)");
+  };
+  MSA_TRY(a.k_scale != nullptr ? launch(cute::true_type{}) : launch(cute::false_type{}));
   if (a.splits == 1) return Status::Ok();
   const int64_t blocks = (int64_t(a.Tq) * a.Hq * 32 + 255) / 256;
   kern::paged_combine_kernel<Element, kHeadDim><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(a);

@@ -12,7 +12,11 @@
 //                        query-tile kernel (fwd_kernel) with the page table as its block
 //                        iterator; decode: paged_attn_kernel (split over the tile's block union
 //                        when the grid would not fill the GPU) -> [paged_combine_kernel]
-//   paged_append         one copy kernel for k, v and k_idx
+//   paged_append         one copy kernel for k, v and k_idx (quantising into E4M3 caches)
+//
+// E4M3 caches (docs/contract.md §6): the score and attention kernels' E4M3 instances read the
+// codes and apply the page scales (device/e4m3.cuh). A prefill over E4M3 caches takes them too
+// (the training kernels read 16-bit K, V and k_idx by TMA).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -21,6 +25,7 @@
 #include <string>
 
 #include "../backend.h"
+#include "../device/e4m3.cuh"
 #include "../kernels/paged_topk_kernel.cuh"
 #include "check_values.h"
 #include "common.h"
@@ -53,11 +58,16 @@ kern::PagedKeys paged_keys(const PagedCache& c, const TensorRef& keys, int32_t b
   return k;
 }
 
-// A cache tensor [pages, Bk, H, D]: 16-byte rows for cp.async.
+bool is_e4m3(const TensorRef& t) { return t.defined() && t.dtype == DType::kFloat8E4M3; }
+
+// A cache tensor [pages, Bk, H, D] of 16-bit values or E4M3 codes: 16-byte rows for cp.async.
 Status check_cache(const char* fn, const char* arg, const TensorRef& t) {
-  MSA_TRY(check_half(fn, arg, t));
+  if (!is_e4m3(t)) MSA_TRY(check_half(fn, arg, t));
   return check_aligned(fn, arg, t);
 }
+
+// The scale of an E4M3 cache tensor as the kernels read it: scale[page * step].
+int64_t scale_step(const TensorRef& scale) { return scale.shape[0] == 1 ? 0 : scale.stride[0]; }
 
 PagedArgs paged_args(const Problem& prob, const TensorRef& cu_q, const PagedCache& c,
                      int32_t tile_tokens) {
@@ -123,6 +133,11 @@ SelectPlan select_plan(const Problem& prob, const PagedSelectParams& p) {
   a.k_s0 = p.cache.k_idx.stride[0];
   a.k_s1 = p.cache.k_idx.stride[1];
   a.k_s2 = p.cache.k_idx.stride[2];
+  const bool e4m3 = is_e4m3(p.cache.k_idx);
+  if (e4m3) {
+    a.k_scale = static_cast<const float*>(p.cache.k_idx_scale.data);
+    a.k_scale_step = scale_step(p.cache.k_idx_scale);
+  }
   a.num_pages = num_pages_of(p.cache.k_idx);
   a.Hi = prob.Hi;
   a.Hik = prob.Hik;
@@ -132,7 +147,7 @@ SelectPlan select_plan(const Problem& prob, const PagedSelectParams& p) {
   // second, partial wave would double a short call's time), from shapes only. The chunk count
   // rounds down: rounding up (5 chunks of 64 tiles for 264 slots) made a second wave.
   const int64_t per_sm = std::clamp<int64_t>(
-      int64_t(227 * 1024) / int64_t(paged_score_smem(prob.Di, prob.opts.block_size, a.rows) + 1024), 1, 8);
+      int64_t(227 * 1024) / int64_t(paged_score_smem(prob.Di, prob.opts.block_size, a.rows, e4m3) + 1024), 1, 8);
   const int64_t want = per_sm * int64_t(num_sms());
   const int64_t ctas = std::max<int64_t>(1, busy_tiles(a, p.max_q_len) * a.Hik);
   const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(a.max_pages, want / ctas));
@@ -161,7 +176,7 @@ SelectPlan select_plan(const Problem& prob, const PagedSelectParams& p) {
   // A prefill chunk (max_q_len = 0) scores every block of its sequences once per 256 index rows
   // with wgmma: the training selection kernel, its block b read from page page_table[s, b].
   const int32_t bk = prob.opts.block_size;
-  if (p.max_q_len == 0 && prob.k <= kTileSelectMaxK && prob.idx_per_key() <= 128 &&
+  if (p.max_q_len == 0 && !e4m3 && prob.k <= kTileSelectMaxK && prob.idx_per_key() <= 128 &&
       pages_are_rows(p.cache.k_idx, bk)) {
     sp.query_tile = true;
     sp.bytes = 0;
@@ -251,6 +266,12 @@ AttnPlan attn_plan(const Problem& prob, const PagedForwardParams& p) {
   a.v_s0 = p.cache.v.stride[0];
   a.v_s1 = p.cache.v.stride[1];
   a.v_s2 = p.cache.v.stride[2];
+  if (is_e4m3(p.cache.k)) {  // k and v are E4M3 together (validated)
+    a.k_scale = static_cast<const float*>(p.cache.k_scale.data);
+    a.k_scale_step = scale_step(p.cache.k_scale);
+    a.v_scale = static_cast<const float*>(p.cache.v_scale.data);
+    a.v_scale_step = scale_step(p.cache.v_scale);
+  }
   a.Hq = prob.Hq;
   a.Hkv = prob.Hkv;
   a.group = G;
@@ -304,7 +325,7 @@ PrefillPlan prefill_plan(const Problem& prob, const PagedForwardParams& p) {
   const int32_t groups = dense ? prob.Hkv : prob.Hi;
   if (p.max_q_len != 0 || groups <= 0 || groups % prob.Hkv != 0 || prob.Hq % groups != 0 ||
       prob.Hq / groups > kQueryTileRows || !pages_are_rows(p.cache.k, bk) ||
-      !pages_are_rows(p.cache.v, bk))
+      !pages_are_rows(p.cache.v, bk) || is_e4m3(p.cache.k))
     return pp;
   pp.use = true;
   FwdArgs& a = pp.fwd;
@@ -369,7 +390,10 @@ PagedSelectParams select_part(const PagedForwardParams& p) {
   return s;
 }
 
-// ---- append: one thread per 16-bit element of the new rows, k, v, k_idx in turn.
+// ---- append: one thread per element of the new rows, k, v, k_idx in turn: a 16-bit copy, or
+// into an E4M3 cache the code nearest to float32(x) / scale[page] (the division rounded once).
+enum AppendSource : int32_t { kCopy16 = 0, kFromBf16 = 1, kFromFp16 = 2, kFromFp32 = 3 };
+
 struct AppendArgs {
   const int32_t* cu_q = nullptr;
   int32_t nseq = 0, Tq = 0, block_size = 0, max_pages = 0, cap = 0;
@@ -377,13 +401,22 @@ struct AppendArgs {
   const int32_t* page_table = nullptr;
   int64_t pt_s0 = 0;
   struct Part {
-    const uint16_t* src = nullptr;
+    const void* src = nullptr;
     int64_t s0 = 0, s1 = 0;
-    uint16_t* dst = nullptr;
+    void* dst = nullptr;
     int64_t d0 = 0, d1 = 0, d2 = 0;
     int32_t H = 0, D = 0, pages = 0;
+    int32_t source = kCopy16;      // how the rows are read (E4M3 caches: any of the float types)
+    const float* scale = nullptr;  // E4M3 cache: scale[page * scale_step]
+    int64_t scale_step = 0;
   } part[3];
 };
+
+__device__ float append_source(const AppendArgs::Part& p, int64_t off) {
+  if (p.source == kFromBf16) return __bfloat162float(static_cast<const __nv_bfloat16*>(p.src)[off]);
+  if (p.source == kFromFp16) return __half2float(static_cast<const __half*>(p.src)[off]);
+  return static_cast<const float*>(p.src)[off];
+}
 
 __global__ void paged_append_kernel(const __grid_constant__ AppendArgs a) {
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
@@ -399,7 +432,13 @@ __global__ void paged_append_kernel(const __grid_constant__ AppendArgs a) {
       const int32_t b = min(pos / a.block_size, a.max_pages - 1);
       int32_t page = a.page_table[s * a.pt_s0 + b];
       page = page < 0 ? 0 : (page >= p.pages ? p.pages - 1 : page);
-      p.dst[page * p.d0 + (pos % a.block_size) * p.d1 + h * p.d2 + d] = p.src[t * p.s0 + h * p.s1 + d];
+      const int64_t src = t * p.s0 + h * p.s1 + d, dst = page * p.d0 + (pos % a.block_size) * p.d1 + h * p.d2 + d;
+      if (p.source == kCopy16) {
+        static_cast<uint16_t*>(p.dst)[dst] = static_cast<const uint16_t*>(p.src)[src];
+      } else {
+        const float x = __fdiv_rn(append_source(p, src), kern::page_scale(p.scale, p.scale_step, page));
+        static_cast<uint8_t*>(p.dst)[dst] = kern::e4m3_from_float(x);
+      }
     }
   }
 }
@@ -460,6 +499,7 @@ Status paged_append(const PagedAppendParams& p) {
   const char* fn = "paged_append";
   const TensorRef* srcs[3] = {&p.k, &p.v, &p.k_idx};
   const TensorRef* dsts[3] = {&p.cache.k, &p.cache.v, &p.cache.k_idx};
+  const TensorRef* scales[3] = {&p.cache.k_scale, &p.cache.v_scale, &p.cache.k_idx_scale};
   const char* names[3] = {"k", "v", "k_idx"};
   AppendArgs a;
   a.cu_q = static_cast<const int32_t*>(p.cu_seqlens_q.data);
@@ -474,13 +514,27 @@ Status paged_append(const PagedAppendParams& p) {
   for (int w = 0; w < 3; ++w) {
     const TensorRef& s = *srcs[w];
     if (!s.defined()) continue;
-    MSA_TRY(check_half(fn, names[w], s));
+    const TensorRef& d = *dsts[w];
+    int32_t source = kCopy16;
+    if (is_e4m3(d)) {
+      if (s.dtype == DType::kBFloat16) source = kFromBf16;
+      else if (s.dtype == DType::kFloat16) source = kFromFp16;
+      else if (s.dtype == DType::kFloat32) source = kFromFp32;
+      else
+        return fail(fn, names[w], std::string("the CUDA backend quantises float32, bfloat16 or float16 rows, got ") +
+                                      dtype_name(s.dtype));
+    } else {
+      MSA_TRY(check_half(fn, names[w], s));
+    }
     a.Tq = static_cast<int32_t>(s.shape[0]);
     device = s.device.index;
-    const TensorRef& d = *dsts[w];
-    a.part[w] = {static_cast<const uint16_t*>(s.data), s.stride[0], s.stride[1], static_cast<uint16_t*>(d.data),
-                 d.stride[0], d.stride[1], d.stride[2], static_cast<int32_t>(s.shape[1]),
-                 static_cast<int32_t>(s.shape[2]), static_cast<int32_t>(d.shape[0])};
+    a.part[w] = {s.data, s.stride[0], s.stride[1], d.data, d.stride[0], d.stride[1], d.stride[2],
+                 static_cast<int32_t>(s.shape[1]), static_cast<int32_t>(s.shape[2]), static_cast<int32_t>(d.shape[0]),
+                 source};
+    if (source != kCopy16) {
+      a.part[w].scale = static_cast<const float*>(scales[w]->data);
+      a.part[w].scale_step = scale_step(*scales[w]);
+    }
   }
   if (device < 0 || a.Tq == 0) return Status::Ok();
   DeviceGuard guard(device);

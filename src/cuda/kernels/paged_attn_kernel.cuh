@@ -13,20 +13,27 @@
 // Warp roles: none; four warps own 16 rows each (mma.sync m16n8k16, fp32 accumulation).
 // Pipeline: cp.async groups K(u), V(u); K(u + 1) is loaded while P V runs, V(u + 1) while the
 // next S = Q K^T runs. Online softmax in registers (exp2, signed scale folded into the scores).
+// E4M3 caches (kE4M3): K(u) and V(u) are copied as codes and converted, when they land, into one
+// 16-bit tile that holds K(u) for S and then V(u) for P V (device/e4m3.cuh: every warp reads the
+// whole tile, so converting it once in shared memory beats converting in each warp's
+// registers); the page's K scale goes into the block's score scale and its V scale into P
+// (after the row sums). Shared memory stays that of the 16-bit kernel.
 #pragma once
 
 #include <cub/block/block_scan.cuh>
 
+#include "../device/e4m3.cuh"
 #include "../device/paged.cuh"
 #include "../device/utils.cuh"
 
 namespace msa::cuda::kern {
 
-template <class Element_, int kHeadDim_, int kBlockN_>
+template <class Element_, int kHeadDim_, int kBlockN_, bool kE4M3_ = false>
 struct PagedAttnTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockN = kBlockN_;
+  static constexpr bool kE4M3 = kE4M3_;
   static constexpr int kRows = cuda::kPagedAttnRows;
   static constexpr int kWarps = kRows / 16;
   static constexpr int kThreads = 32 * kWarps;
@@ -36,10 +43,15 @@ struct PagedAttnTraits {
   using SmemLayoutKV = Sm80SmemLayout<Element, kBlockN, kHeadDim>;
   using SmemLayoutVt = decltype(composition(
       SmemLayoutKV{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, GenRowMajor{})));
+  using SmemLayoutRaw = E4M3SmemLayout<kBlockN, kHeadDim>;
+  static constexpr int kRawWords = kE4M3 ? cosize_v<SmemLayoutRaw> : 8;
+  static constexpr int kVWords = kE4M3 ? 8 : cosize_v<SmemLayoutKV>;  // E4M3: V(u) goes into k
   struct SharedStorage {
     alignas(128) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
     alignas(128) cute::array_aligned<Element, cosize_v<SmemLayoutKV>> k;
-    alignas(128) cute::array_aligned<Element, cosize_v<SmemLayoutKV>> v;
+    alignas(128) cute::array_aligned<Element, kVWords> v;
+    alignas(128) cute::array_aligned<uint16_t, kRawWords> k_raw;  // E4M3 codes of K(u) and V(u)
+    alignas(128) cute::array_aligned<uint16_t, kRawWords> v_raw;
     int32_t num_union;
   };
   // Followed by the union arrays: uint64 mask[cap], uint32 key[cap], int32 block[cap].
@@ -90,8 +102,9 @@ __global__ void __launch_bounds__(Traits::kThreads)
   // ---- Q and the block list
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutKV{});
-  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutKV{});
-  Tensor sVt = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutVt{});
+  Element* v_tile = Traits::kE4M3 ? ss.k.data() : ss.v.data();
+  Tensor sV = make_tensor(make_smem_ptr(v_tile), typename Traits::SmemLayoutKV{});
+  Tensor sVt = make_tensor(make_smem_ptr(v_tile), typename Traits::SmemLayoutVt{});
   const Element* q_base = as<Element>(a.q) + t0 * a.q_s0 + int64_t(kv) * G * a.q_s1;
   load_rows_async<kRows, kHeadDim>(
       sQ,
@@ -147,18 +160,35 @@ __global__ void __launch_bounds__(Traits::kThreads)
   const int32_t u_end = static_cast<int32_t>(int64_t(num_union) * (split + 1) / a.splits);
 
   auto block_of = [&](int32_t u) { return a.dense ? u : u_block[u]; };
-  const Element* k_head = as<Element>(a.k) + int64_t(kv) * a.k_s2;
-  const Element* v_head = as<Element>(a.v) + int64_t(kv) * a.v_s2;
-  auto load_kv = [&](auto& s, const Element* head, int64_t s0, int64_t s1, int32_t b) {
-    const Element* src = head + int64_t(page_of(a, pt.pages, b)) * s0;
+  using KvElement = std::conditional_t<Traits::kE4M3, uint8_t, Element>;
+  const KvElement* k_head = as<KvElement>(a.k) + int64_t(kv) * a.k_s2;
+  const KvElement* v_head = as<KvElement>(a.v) + int64_t(kv) * a.v_s2;
+  Tensor sKraw = make_tensor(make_smem_ptr(ss.k_raw.data()), typename Traits::SmemLayoutRaw{});
+  Tensor sVraw = make_tensor(make_smem_ptr(ss.v_raw.data()), typename Traits::SmemLayoutRaw{});
+  // Block b's K or V rows into s (the 16-bit tile, or the codes' tile s_raw).
+  auto load_kv = [&](auto& s, auto& s_raw, const KvElement* head, int64_t s0, int64_t s1, int32_t b) {
+    const KvElement* src = head + int64_t(page_of(a, pt.pages, b)) * s0;
     const int32_t valid = min(kBlockN, pt.len - b * kBlockN);  // rows past the sequence: zeros
-    load_rows_async<kBlockN, kHeadDim>(
-        s, [&](int r) { return r < valid ? src + r * s1 : nullptr; }, tid, kThreads);
+    if constexpr (Traits::kE4M3)
+      load_rows_async<kBlockN, kHeadDim / 2>(
+          s_raw, [&](int r) { return r < valid ? reinterpret_cast<const uint16_t*>(src + r * s1) : nullptr; },
+          tid, kThreads);
+    else
+      load_rows_async<kBlockN, kHeadDim>(
+          s, [&](int r) { return r < valid ? src + r * s1 : nullptr; }, tid, kThreads);
+  };
+  // After the wait and barrier that land a K or V tile: E4M3 codes become the 16-bit tile
+  // (free: the barrier after S = Q K^T and the one after P V end its reads).
+  auto convert = [&](auto& s, auto& s_raw) {
+    if constexpr (Traits::kE4M3) {
+      convert_e4m3_tile<Element, kBlockN, kHeadDim>(s_raw, s, tid, kThreads);
+      __syncthreads();
+    }
   };
   if (u_begin < u_end) {
-    load_kv(sK, k_head, a.k_s0, a.k_s1, block_of(u_begin));
+    load_kv(sK, sKraw, k_head, a.k_s0, a.k_s1, block_of(u_begin));
     cp_async_commit();
-    load_kv(sV, v_head, a.v_s0, a.v_s1, block_of(u_begin));
+    load_kv(sV, sVraw, v_head, a.v_s0, a.v_s1, block_of(u_begin));
     cp_async_commit();
   }
 
@@ -208,6 +238,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
     const uint64_t mask = a.dense ? ~0ull : u_mask[u];
     cp_async_wait<1>();  // Q and K(u)
     __syncthreads();
+    convert(sK, sKraw);
     clear(accS);
 #pragma unroll
     for (int kk = 0; kk < size<2>(tSrK); ++kk) {  // Q slices from shared memory: registers go to S and O
@@ -218,12 +249,14 @@ __global__ void __launch_bounds__(Traits::kThreads)
     __syncthreads();  // every warp is done with K(u)
     const bool more = u + 1 < u_end;
     if (more) {
-      load_kv(sK, k_head, a.k_s0, a.k_s1, block_of(u + 1));
+      load_kv(sK, sKraw, k_head, a.k_s0, a.k_s1, block_of(u + 1));
       cp_async_commit();
     }
 
     // Mask (the row's pair selected b; causal keys), scale, online softmax.
     const int32_t key0 = b * kBlockN;
+    float scale_log2 = a.scale_log2;
+    if constexpr (Traits::kE4M3) scale_log2 *= page_scale(a.k_scale, a.k_scale_step, page_of(a, pt.pages, b));
 #pragma unroll
     for (int r = 0; r < kRowsPerThread; ++r) {
       const bool sel = row_pos[r] >= 0 && ((mask >> row_pair[r]) & 1);
@@ -231,7 +264,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
 #pragma unroll
       for (int c = 0; c < size<1>(S); ++c) {
         const bool ok = sel && key0 + get<1>(cSrc(r, c)) <= row_pos[r];
-        S(r, c) = ok ? S(r, c) * a.scale_log2 : -INFINITY;
+        S(r, c) = ok ? S(r, c) * scale_log2 : -INFINITY;
         mx = fmaxf(mx, S(r, c));
       }
       mx = quad_max(mx);
@@ -249,12 +282,18 @@ __global__ void __launch_bounds__(Traits::kThreads)
 #pragma unroll
       for (int c = 0; c < size<1>(O); ++c) O(r, c) *= alpha;
     }
+    if constexpr (Traits::kE4M3) {  // V(u)'s scale, after the row sums
+      const float vs = page_scale(a.v_scale, a.v_scale_step, page_of(a, pt.pages, b));
+#pragma unroll
+      for (int i = 0; i < size(accS); ++i) accS(i) *= vs;
+    }
     Tensor rP = make_tensor_like<Element>(accS);
     convert_into(accS, rP);
     Tensor tOrP = make_tensor(rP.data(), sm80_acc_as_a(rP.layout()));
 
     if (more) cp_async_wait<1>(); else cp_async_wait<0>();  // V(u)
     __syncthreads();
+    convert(sV, sVraw);
 #pragma unroll
     for (int kk = 0; kk < size<2>(tOrVt); ++kk) {
       copy(s2r_v, tVsV(_, _, kk), tVrV(_, _, kk));
@@ -262,7 +301,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
     }
     __syncthreads();  // every warp is done with V(u)
     if (more) {
-      load_kv(sV, v_head, a.v_s0, a.v_s1, block_of(u + 1));
+      load_kv(sV, sVraw, v_head, a.v_s0, a.v_s1, block_of(u + 1));
       cp_async_commit();
     }
   }

@@ -15,19 +15,27 @@
 // of k_idx blocks; blocks b + 1 .. b + kStages - 1 are in flight while block b is scored.
 // Work loop: the chunk's blocks up to the tile's last causal block; each block's per-row max
 // goes to scores[(t - tok_lo) * Hi + i][b].
+// E4M3 index keys (kE4M3): the stages hold the codes (half the bytes). Each warp converts its
+// own keys in registers, straight into the A fragments: ldmatrix of 16-byte code rows gives a
+// thread codes 4c .. 4c + 3 of a 16-dim group, which become the MMA's dims {2c, 2c + 1} and
+// {2c + 8, 2c + 9}; the Q rows are permuted once in shared memory to the same dim order
+// (permute_e4m3_dims), and a dot product does not depend on the order of its dims. A block's
+// maxima are multiplied by its page's scale (positive, so the max commutes with it).
 #pragma once
 
+#include "../device/e4m3.cuh"
 #include "../device/paged.cuh"
 #include "../device/utils.cuh"
 
 namespace msa::cuda::kern {
 
-template <class Element_, int kDim_, int kBlockN_, int kRows_ = cuda::kPagedScoreRows>
+template <class Element_, int kDim_, int kBlockN_, int kRows_ = cuda::kPagedScoreRows, bool kE4M3_ = false>
 struct PagedScoreTraits {
   using Element = Element_;
   static constexpr int kDim = kDim_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kRows = kRows_;
+  static constexpr bool kE4M3 = kE4M3_;
   static constexpr int kWarps = 4;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kStages = cuda::kPagedScoreStages;
@@ -35,9 +43,14 @@ struct PagedScoreTraits {
                             Tile<Int<16 * kWarps>, _16, _16>>;
   using SmemLayoutQ = Sm80SmemLayout<Element, kRows, kDim>;
   using SmemLayoutK = Sm80SmemLayout<Element, kBlockN, kDim>;
+  using SmemLayoutRaw = E4M3SmemLayout<kBlockN, kDim>;
+  // The stages: 16-bit key tiles, or (E4M3) tiles of codes.
+  static constexpr int kKeyWords = kE4M3 ? 8 : cosize_v<SmemLayoutK>;
+  static constexpr int kRawWords = kE4M3 ? kStages * cosize_v<SmemLayoutRaw> : 8;
   struct SharedStorage {
     alignas(128) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
-    alignas(128) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k[kStages];
+    alignas(128) cute::array_aligned<Element, kKeyWords> k[kStages];
+    alignas(128) cute::array_aligned<uint16_t, kRawWords> raw;
     float warp_max[kWarps][kRows];
   };
 };
@@ -65,14 +78,26 @@ __global__ void __launch_bounds__(Traits::kThreads)
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
 
   const Element* q_base = as<Element>(a.q_idx) + t0 * a.q_s0 + int64_t(ik) * Gk * a.q_s1;
-  const Element* k_base = as<Element>(a.k_idx) + int64_t(ik) * a.k_s2;
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQ{});
+  auto raw_stage = [&](int stage) {
+    return make_tensor(make_smem_ptr(ss.raw.data() + stage * cosize_v<typename Traits::SmemLayoutRaw>),
+                       typename Traits::SmemLayoutRaw{});
+  };
   auto load_k = [&](int32_t b, int stage) {
-    Tensor sK = make_tensor(make_smem_ptr(ss.k[stage].data()), typename Traits::SmemLayoutK{});
-    const Element* src = k_base + int64_t(page_of(a, pt.pages, b)) * a.k_s0;
     const int32_t valid = min(kBlockN, pt.len - b * kBlockN);  // rows past the sequence: zeros
-    load_rows_async<kBlockN, kDim>(
-        sK, [&](int r) { return r < valid ? src + r * a.k_s1 : nullptr; }, tid, kThreads);
+    const int64_t page = page_of(a, pt.pages, b);
+    if constexpr (Traits::kE4M3) {
+      const uint8_t* src = as<uint8_t>(a.k_idx) + int64_t(ik) * a.k_s2 + page * a.k_s0;
+      load_rows_async<kBlockN, kDim / 2>(
+          raw_stage(stage),
+          [&](int r) { return r < valid ? reinterpret_cast<const uint16_t*>(src + r * a.k_s1) : nullptr; }, tid,
+          kThreads);
+    } else {
+      Tensor sK = make_tensor(make_smem_ptr(ss.k[stage].data()), typename Traits::SmemLayoutK{});
+      const Element* src = as<Element>(a.k_idx) + int64_t(ik) * a.k_s2 + page * a.k_s0;
+      load_rows_async<kBlockN, kDim>(
+          sK, [&](int r) { return r < valid ? src + r * a.k_s1 : nullptr; }, tid, kThreads);
+    }
   };
   // Q rows (token r / Gk, head r % Gk) of the pass; the others are zeros.
   load_rows_async<kRows, kDim>(
@@ -104,6 +129,11 @@ __global__ void __launch_bounds__(Traits::kThreads)
   Tensor cS = thr.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kRows>>{}));
   Tensor cSrc = make_tensor(cS.data(), sm80_rowcol(cS.layout()));
   constexpr int kCols = decltype(size<1>(S))::value;
+  // E4M3: the first key row of each of this warp's 16-row MMA tiles.
+  constexpr int kTilesM = decltype(size<1>(tSrK))::value;
+  int32_t key_base[kTilesM];
+#pragma unroll
+  for (int m = 0; m < kTilesM; ++m) key_base[m] = get<0>(cS(0, m, 0)) - (tid % 32) / 4;
 
   // Each column's last causal key position (-1: inactive row).
   int32_t col_last[kCols];
@@ -121,14 +151,26 @@ __global__ void __launch_bounds__(Traits::kThreads)
     cp_async_commit();
     cp_async_wait<kStages - 1>();
     __syncthreads();
-    if (b == b0) copy(s2r_q, thr_q.partition_S(sQ), tQrQ);
-    Tensor sK = make_tensor(make_smem_ptr(ss.k[stage].data()), typename Traits::SmemLayoutK{});
-    Tensor tKsK = thr_k.partition_S(sK);
+    if (b == b0) {
+      if constexpr (Traits::kE4M3) {
+        permute_e4m3_dims<kRows, kDim>(sQ, tid, kThreads);
+        __syncthreads();
+      }
+      copy(s2r_q, thr_q.partition_S(sQ), tQrQ);
+    }
     clear(acc);
+    if constexpr (Traits::kE4M3) {
+      load_e4m3_a<Element>(raw_stage(stage), key_base, tSrK, [&](int kk) {
+        cute::gemm(mma, tSrK(_, _, kk), tSrQ(_, _, kk), acc);
+      });
+    } else {
+      Tensor sK = make_tensor(make_smem_ptr(ss.k[stage].data()), typename Traits::SmemLayoutK{});
+      Tensor tKsK = thr_k.partition_S(sK);
 #pragma unroll
-    for (int kk = 0; kk < size<2>(tSrK); ++kk) {
-      copy(s2r_k, tKsK(_, _, kk), tKrK(_, _, kk));
-      cute::gemm(mma, tSrK(_, _, kk), tSrQ(_, _, kk), acc);
+      for (int kk = 0; kk < size<2>(tSrK); ++kk) {
+        copy(s2r_k, tKsK(_, _, kk), tKrK(_, _, kk));
+        cute::gemm(mma, tSrK(_, _, kk), tSrQ(_, _, kk), acc);
+      }
     }
     // Column max over this thread's causal keys, then over the lanes and warps holding the
     // column's other keys. fmaxf drops NaN scores (the contract counts them as -inf).
@@ -157,6 +199,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
         float v = ss.warp_max[0][tid];
 #pragma unroll
         for (int w = 1; w < Traits::kWarps; ++w) v = fmaxf(v, ss.warp_max[w][tid]);
+        if constexpr (Traits::kE4M3) v *= page_scale(a.k_scale, a.k_scale_step, page_of(a, pt.pages, b));
         const int64_t row = (t0 + j - a.tok_lo) * a.Hi + ik * Gk + tid % Gk;
         a.scores[row * a.max_pages + b] = v;
       }

@@ -1,0 +1,122 @@
+// float8 E4M3 cache tiles in the paged (serving) kernels (docs/contract.md §6).
+//
+// A tile of E4M3 codes is copied into shared memory as it is (half the bytes of a 16-bit
+// cache), then converted to the queries' 16-bit type: in shared memory into a 16-bit tile that
+// the kernel's MMAs read as they read a bfloat16 or float16 cache (convert_e4m3_tile: for tiles
+// every warp reads), or in registers straight into a warp's MMA fragments (load_e4m3_a: for
+// rows one warp reads alone). The conversion is exact: every E4M3 value (3 mantissa bits,
+// exponents -9 .. 8, NaN) is a bfloat16 and a float16 value. The scale of the tile's page is
+// applied to fp32 results: a block's scores (K, k_idx) or its probabilities (V), so a call
+// computes over the dequantised cache float32(value * scale[page]) up to the order of the fp32
+// roundings.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include "paged.cuh"
+
+namespace msa::cuda::kern {
+
+// A [kRows, kDim] tile of E4M3 codes viewed as [kRows, kDim / 2] 16-bit words, with the
+// 16-bit tiles' swizzle (16-byte chunks XOR-ed across 8-row groups): load_rows_async copies its
+// rows 16 bytes at a time.
+template <int kRows, int kDim>
+using E4M3SmemLayout = Sm80SmemLayout<uint16_t, kRows, kDim / 2>;
+
+// The scale of a page: scale[page * step] (step 0: one scale for the tensor).
+__device__ __forceinline__ float page_scale(const float* scale, int64_t step, int32_t page) {
+  return scale[page * step];
+}
+
+// Four E4M3 codes (byte i of w is code i) as two pairs of Element (codes 0, 1 and 2, 3).
+template <class Element>
+__device__ __forceinline__ uint2 e4m3x4_to(uint32_t w) {
+  const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xffffu), __NV_E4M3);
+  const __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w >> 16), __NV_E4M3);
+  if constexpr (std::is_same_v<Element, cutlass::half_t>) {
+    return make_uint2(uint32_t(lo.x) | (uint32_t(lo.y) << 16), uint32_t(hi.x) | (uint32_t(hi.y) << 16));
+  } else {
+    // float16 -> float32 -> bfloat16: both steps exact for E4M3 values.
+    const __nv_bfloat162 a = __float22bfloat162_rn(__half22float2(__half2(lo)));
+    const __nv_bfloat162 b = __float22bfloat162_rn(__half22float2(__half2(hi)));
+    return make_uint2(*reinterpret_cast<const uint32_t*>(&a), *reinterpret_cast<const uint32_t*>(&b));
+  }
+}
+
+// Converts the codes of `raw` (E4M3SmemLayout<kRows, kDim>) into `dst` (the 16-bit tile,
+// Sm80SmemLayout<Element, kRows, kDim>), 16 codes per step of each of nthreads threads.
+template <class Element, int kRows, int kDim, class Raw, class Dst>
+__device__ inline void convert_e4m3_tile(const Raw& raw, Dst& dst, int tid, int nthreads) {
+  constexpr int kChunks = kDim / 16;
+  for (int e = tid; e < kRows * kChunks; e += nthreads) {
+    const int row = e / kChunks, c = e % kChunks;
+    const uint4 w = *reinterpret_cast<const uint4*>(&raw(row, c * 8));
+    const uint2 a = e4m3x4_to<Element>(w.x), b = e4m3x4_to<Element>(w.y);
+    const uint2 x = e4m3x4_to<Element>(w.z), y = e4m3x4_to<Element>(w.w);
+    *reinterpret_cast<uint4*>(&dst(row, c * 16)) = make_uint4(a.x, a.y, b.x, b.y);
+    *reinterpret_cast<uint4*>(&dst(row, c * 16 + 8)) = make_uint4(x.x, x.y, y.x, y.y);
+  }
+}
+
+// The MMA dim order of E4M3 operands converted in registers (load_e4m3_a): within each group of
+// 16 dims, MMA dims {2c, 2c + 1} are dims {4c, 4c + 1} and MMA dims {2c + 8, 2c + 9} are dims
+// {4c + 2, 4c + 3} (c = 0 .. 3). Rewrites the 16-bit tile `s` ([kRows, kDim]) into that order,
+// so that its ldmatrix fragments meet the converted codes dim for dim. In 32-bit pairs of a
+// group, p0 .. p7 -> p0 p2 p4 p6 | p1 p3 p5 p7.
+template <int kRows, int kDim, class Tile>
+__device__ inline void permute_e4m3_dims(Tile& s, int tid, int nthreads) {
+  constexpr int kGroups = kDim / 16;
+  for (int e = tid; e < kRows * kGroups; e += nthreads) {
+    const int row = e / kGroups, g = e % kGroups;
+    uint4* lo = reinterpret_cast<uint4*>(&s(row, 16 * g));
+    uint4* hi = reinterpret_cast<uint4*>(&s(row, 16 * g + 8));
+    const uint4 x = *lo, y = *hi;
+    *lo = make_uint4(x.x, x.z, y.x, y.z);
+    *hi = make_uint4(x.y, x.w, y.y, y.w);
+  }
+}
+
+// The A fragments (SM80 m16n8k16, 16-bit) of this warp's key rows from a tile of E4M3 codes
+// `raw` (E4M3SmemLayout), in the dim order of permute_e4m3_dims: per 32-dim slice and 16-row
+// tile, one ldmatrix.x4 of code rows (matrices: rows 0-7 and 8-15 of the tile x the slice's two
+// 16-byte halves) gives each thread codes 4c .. 4c + 3 of rows g and g + 8 of both 16-dim groups;
+// converted, their low pairs are the fragment's dims {2c, 2c + 1}, their high pairs {2c + 8,
+// 2c + 9}. key_base[m]: the first row of the warp's m-th tile; tSrA: (MMA, MMA_M, MMA_K) as
+// from partition_fragment_A. mma(kk) runs as soon as k-step kk's fragments are complete.
+template <class Element, class Raw, class Frag, class Mma>
+__device__ __forceinline__ void load_e4m3_a(const Raw& raw, const int32_t* key_base, Frag& tSrA, Mma&& mma) {
+  constexpr int kTilesM = decltype(size<1>(tSrA))::value;
+  constexpr int kSteps = decltype(size<2>(tSrA))::value;  // k16 steps
+  Tensor a32 = recast<uint32_t>(tSrA);
+  static_assert(decltype(size<0>(a32))::value == 4, "an m16n8k16 A fragment is four 32-bit registers");
+  const int lane = threadIdx.x % 32;
+  const int row_in = (lane / 8 % 2) * 8 + lane % 8, half = lane / 16;  // this lane's ldmatrix row
+#pragma unroll
+  for (int j = 0; j < kSteps / 2; ++j) {
+#pragma unroll
+    for (int m = 0; m < kTilesM; ++m) {
+      uint32_t r[4];
+      SM75_U32x4_LDSM_N::copy(*reinterpret_cast<const uint128_t*>(&raw(key_base[m] + row_in, 16 * j + 8 * half)),
+                              r[0], r[1], r[2], r[3]);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {  // k-step 2j + h: matrices 2h (rows g) and 2h + 1 (rows g + 8)
+        const uint2 top = e4m3x4_to<Element>(r[2 * h]), bottom = e4m3x4_to<Element>(r[2 * h + 1]);
+        a32(0, m, 2 * j + h) = top.x;
+        a32(1, m, 2 * j + h) = bottom.x;
+        a32(2, m, 2 * j + h) = top.y;
+        a32(3, m, 2 * j + h) = bottom.y;
+      }
+    }
+    mma(2 * j);
+    mma(2 * j + 1);
+  }
+}
+
+// The E4M3 code nearest to x (ties to even), saturated to +-448; NaN stays NaN.
+__device__ __forceinline__ uint8_t e4m3_from_float(float x) {
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3));
+}
+
+}  // namespace msa::cuda::kern
