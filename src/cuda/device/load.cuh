@@ -140,6 +140,44 @@ __device__ inline void load_block_rows_async(SmemTensor&& s, const Element* base
       s, [&](int row) { return row < count ? base + row * s0 : nullptr; }, tid, nthreads);
 }
 
+// The rows of a block of keys into a swizzled [kRowsTile, kDim] tile of 16-bit words, as
+// load_block_rows_async, for a kernel that loads one such block after another: every thread
+// copies the same 16-byte chunk of rows row0, row0 + kRowStep, ... (kRowStep a multiple of the
+// swizzle atom's 8 rows, so those rows' shared offsets differ by a constant). The constructor
+// does the divisions and the swizzled addressing once; a block then costs each thread one
+// multiply-add and a compare per copy.
+template <int kRowsTile, int kDim, int kThreads>
+struct BlockRowLoader {
+  static constexpr int kChunks = kDim / 8;
+  static constexpr int kRowStep = kThreads / kChunks;
+  static constexpr int kIters = kRowsTile / kRowStep;
+  static_assert(kThreads % kChunks == 0 && kRowsTile % kRowStep == 0 && kRowStep % 8 == 0,
+                "a thread's rows must sit at the same place in their swizzle atoms");
+  int32_t row0, chunk, soff0, dsoff;
+
+  // smem: any tile of the layout (a CuTe tensor); offsets are in elements from its start.
+  template <class SmemTensor>
+  __device__ BlockRowLoader(const SmemTensor& smem, int tid) : row0(tid / kChunks), chunk(tid % kChunks) {
+    const auto* base = &smem(0, 0);
+    soff0 = static_cast<int32_t>(&smem(row0, chunk * 8) - base);
+    dsoff = kIters > 1 ? static_cast<int32_t>(&smem(row0 + kRowStep, chunk * 8) - base) - soff0 : 0;
+  }
+
+  // Rows [0, count) from src + row * stride (src: the block's first row) into the tile at dst;
+  // zeros in the rows past count.
+  template <class Element>
+  __device__ __forceinline__ void load(Element* dst, const Element* src, int64_t stride, int32_t count) const {
+    const Element* p = src + row0 * stride + chunk * 8;
+    const int64_t step = kRowStep * stride;
+#pragma unroll
+    for (int j = 0; j < kIters; ++j) {
+      const bool ok = row0 + j * kRowStep < count;
+      cp_async16(dst + soff0 + j * dsoff, ok ? p : src, ok);
+      p += step;
+    }
+  }
+};
+
 // load_block_rows_async, waited for: the rows are in shared memory and visible to every thread
 // of the CTA when this returns (all of the thread's earlier cp.async groups are waited for too).
 template <int kRowsTile, int kDim, class SmemTensor, class Element>

@@ -36,6 +36,7 @@ struct PagedScoreTraits {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kRows = kRows_;
   static constexpr bool kE4M3 = kE4M3_;
+  using KeyElement = std::conditional_t<kE4M3, uint8_t, Element>;  // of the k_idx cache
   static constexpr int kWarps = 4;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kStages = cuda::kPagedScoreStages;
@@ -83,21 +84,21 @@ __global__ void __launch_bounds__(Traits::kThreads)
     return make_tensor(make_smem_ptr(ss.raw.data() + stage * cosize_v<typename Traits::SmemLayoutRaw>),
                        typename Traits::SmemLayoutRaw{});
   };
+  // Block b's k_idx rows into a stage: 16-bit rows, or E4M3 rows as 16-bit words.
+  using KeyWord = std::conditional_t<Traits::kE4M3, uint16_t, Element>;
+  constexpr int kKeyWordsPerRow = Traits::kE4M3 ? kDim / 2 : kDim;
+  constexpr int kStageWords = Traits::kE4M3 ? cosize_v<typename Traits::SmemLayoutRaw> : Traits::kKeyWords;
+  KeyWord* stages = Traits::kE4M3 ? reinterpret_cast<KeyWord*>(ss.raw.data()) : reinterpret_cast<KeyWord*>(ss.k[0].data());
+  const BlockRowLoader<kBlockN, kKeyWordsPerRow, kThreads> key_loader(
+      make_tensor(make_smem_ptr(stages),
+                  std::conditional_t<Traits::kE4M3, typename Traits::SmemLayoutRaw, typename Traits::SmemLayoutK>{}),
+      tid);
+  const char* k_head = static_cast<const char*>(a.k_idx) + (int64_t(ik) * a.k_s2) * sizeof(typename Traits::KeyElement);
   auto load_k = [&](int32_t b, int stage) {
     const int32_t valid = min(kBlockN, pt.len - b * kBlockN);  // rows past the sequence: zeros
     const int64_t page = page_of(a, pt.pages, b);
-    if constexpr (Traits::kE4M3) {
-      const uint8_t* src = as<uint8_t>(a.k_idx) + int64_t(ik) * a.k_s2 + page * a.k_s0;
-      load_rows_async<kBlockN, kDim / 2>(
-          raw_stage(stage),
-          [&](int r) { return r < valid ? reinterpret_cast<const uint16_t*>(src + r * a.k_s1) : nullptr; }, tid,
-          kThreads);
-    } else {
-      Tensor sK = make_tensor(make_smem_ptr(ss.k[stage].data()), typename Traits::SmemLayoutK{});
-      const Element* src = as<Element>(a.k_idx) + int64_t(ik) * a.k_s2 + page * a.k_s0;
-      load_rows_async<kBlockN, kDim>(
-          sK, [&](int r) { return r < valid ? src + r * a.k_s1 : nullptr; }, tid, kThreads);
-    }
+    const KeyWord* src = reinterpret_cast<const KeyWord*>(k_head + page * a.k_s0 * sizeof(typename Traits::KeyElement));
+    key_loader.load(stages + stage * kStageWords, src, a.k_s1 * int64_t(sizeof(typename Traits::KeyElement)) / int64_t(sizeof(KeyWord)), valid);
   };
   // Q rows (token r / Gk, head r % Gk) of the pass; the others are zeros.
   load_rows_async<kRows, kDim>(
@@ -175,14 +176,22 @@ __global__ void __launch_bounds__(Traits::kThreads)
     // Column max over this thread's causal keys, then over the lanes and warps holding the
     // column's other keys. fmaxf drops NaN scores (the contract counts them as -inf).
     const int32_t key0 = b * kBlockN;
+    // Blocks below the first active row's position are whole for every active row: no mask
+    // (inactive rows' maxima are not written).
+    const bool whole = key0 + kBlockN - 1 <= pt.pos(j_lo);
     float m[kCols];
 #pragma unroll
     for (int c = 0; c < kCols; ++c) {
       m[c] = -INFINITY;
+      if (whole) {
 #pragma unroll
-      for (int r = 0; r < size<0>(S); ++r) {
-        const bool causal = key0 + get<0>(cSrc(r, c)) <= col_last[c];
-        m[c] = fmaxf(m[c], causal ? S(r, c) * a.scale : -INFINITY);
+        for (int r = 0; r < size<0>(S); ++r) m[c] = fmaxf(m[c], S(r, c) * a.scale);
+      } else {
+#pragma unroll
+        for (int r = 0; r < size<0>(S); ++r) {
+          const bool causal = key0 + get<0>(cSrc(r, c)) <= col_last[c];
+          m[c] = fmaxf(m[c], causal ? S(r, c) * a.scale : -INFINITY);
+        }
       }
       m[c] = fmaxf(m[c], __shfl_xor_sync(0xffffffff, m[c], 4));
       m[c] = fmaxf(m[c], __shfl_xor_sync(0xffffffff, m[c], 8));
