@@ -2146,6 +2146,49 @@ TEST(CudaPagedE4M3, AppendMatchesCpu) {
   }
 }
 
+// Equal block scores: the index keys of every cached row depend only on its logical block (three
+// levels), so whole groups of blocks score exactly alike and the k-th best is shared by several:
+// the GPU must take the lowest block ids among them as the CPU does (contract §2), over bf16 and
+// E4M3 index keys.
+TEST(CudaPaged, EqualScoresTakeTheLowestBlocks) {
+  SKIP_WITHOUT_CUDA();
+  const PagedCase cs =
+      with_forced(paged_gpu_case({3000, 1500, 700}, {1, 4, 2}, 16, 2, 2, 1, 128, 128, 8, kBf16, 4, 71), 1, 2);
+  SKIP_UNLESS_BUILT(cs.config(), true, true);
+  Stream st(true);
+  for (bool e4m3 : {false, true}) {
+    SCOPED_TRACE(e4m3 ? "E4M3 index keys" : "bf16 index keys");
+    PagedBatch b(cs);
+    const int64_t irow = int64_t{cs.Hik} * cs.Di;
+    for (int64_t s = 0; s < b.nseq; ++s)
+      for (int64_t x = 0; x < cs.lens[s]; ++x)
+        for (int64_t e = 0; e < irow; ++e) b.kic.set(b.cache_row(s, x) * irow + e, 0.25 * ((x / cs.Bk) % 3));
+    HostTensor codes(kE4M3, b.kic.shape()), scale(DType::kFloat32, {1});
+    scale.set(0, 1.0 / 32);
+    uint8_t* raw = static_cast<uint8_t*>(codes.ref().data);
+    for (int64_t x = 0; x < codes.numel(); ++x) raw[x] = nearest_e4m3(b.kic.get(x) * 32);  // exact: 0, 8, 16
+    // The CPU's choice over the same cache.
+    HostTensor want(DType::kInt32, {b.Tq, cs.Hi, cs.k});
+    PagedRefs h = host_refs(b);
+    if (e4m3) h.k_idx = codes.ref();
+    msa::PagedSelectParams hp = paged_select_params(cs, h, want.ref());
+    if (e4m3) hp.cache.k_idx_scale = scale.ref();
+    expect_ok(msa::paged_select_blocks(hp));
+    DevicePaged d(b, st.get());
+    DeviceTensor dcodes = DeviceTensor::upload(codes, st.get()), dscale = DeviceTensor::upload(scale, st.get());
+    PagedRefs r = d.refs();
+    if (e4m3) r.k_idx = dcodes.ref();
+    DeviceTensor bi = DeviceTensor::poisoned(DType::kInt32, {b.Tq, cs.Hi, cs.k}, st.get());
+    msa::PagedSelectParams sp = paged_select_params(cs, r, bi.ref());
+    if (e4m3) sp.cache.k_idx_scale = dscale.ref();
+    Workspace ws(msa::workspace_size(sp));
+    ws.attach(sp);
+    sp.launch.stream = st.get();
+    require_ok(msa::paged_select_blocks(sp));
+    EXPECT_EQ(first_difference(bi.download(st.get()), want), "");
+  }
+}
+
 // Scales that are zero, negative, infinite or NaN on the device are reported naming the scale.
 TEST(CudaPagedE4M3, BadScalesNameTheArgument) {
   SKIP_WITHOUT_CUDA();

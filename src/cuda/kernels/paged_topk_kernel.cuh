@@ -8,9 +8,11 @@
 // slots-th best key is found by a radix select: four 8-bit digits, each a shared histogram
 // (equal digits of a warp are added by one lane: neighbouring blocks' scores share their top
 // bits, and per-lane atomics on one bin would serialise) and a block scan. Every candidate above
-// it is taken, and of those equal to it the lowest block ids (the contract's tie rule), ranked by
-// a block scan over contiguous per-thread ranges. The row is written in ascending block order,
-// then -1 padding.
+// it is taken, and of those equal to it the lowest block ids (the contract's tie rule): all of
+// them when exactly as many are needed (the last digit's histogram counts them; the usual case),
+// in one pass strided over the candidates, else ranked by a block scan over contiguous per-thread
+// ranges (whose shared-memory reads conflict: only for equal scores). The row is written in
+// ascending block order, then -1 padding.
 #pragma once
 
 #include <cub/block/block_scan.cuh>
@@ -51,6 +53,7 @@ __global__ void __launch_bounds__(kTopkThreads) paged_topk_kernel(const __grid_c
   __shared__ int32_t n_chosen;
   __shared__ uint32_t s_prefix;
   __shared__ int32_t s_need;
+  __shared__ int32_t s_equal;  // candidates matching s_prefix (after the last digit: equal to it)
   __shared__ uint32_t keys[kTopkSmemKeys];
 
   const int64_t row = blockIdx.x;
@@ -104,26 +107,31 @@ __global__ void __launch_bounds__(kTopkThreads) paged_topk_kernel(const __grid_c
       if (above < need && need <= above_incl) {
         s_prefix = prefix | (uint32_t(255 - tid) << shift);
         s_need = need - above;
+        s_equal = count;
       }
       __syncthreads();
       prefix = s_prefix;
       need = s_need;
       mask |= 255u << shift;
     }
-    // Above the threshold key: taken. Equal to it: the `need` lowest block ids.
-    int32_t ties = 0;
-    for (int32_t c = lo; c < hi; ++c) {
+    // Above the threshold key: taken. Equal to it: all when `need` are equal, else the `need`
+    // lowest block ids.
+    const bool all_equal = s_equal == need;
+    for (int32_t c = tid; c < n; c += kTopkThreads) {
       const uint32_t key = key_at(c);
-      if (key > prefix) chosen[atomicAdd(&n_chosen, 1)] = sink_end + c;
-      ties += key == prefix;
+      if (key > prefix || (all_equal && key == prefix)) chosen[atomicAdd(&n_chosen, 1)] = sink_end + c;
     }
-    int32_t rank = 0;
-    Scan(scan_tmp).ExclusiveSum(ties, rank);
-    for (int32_t c = lo; c < hi && rank < need; ++c)
-      if (key_at(c) == prefix) {
-        chosen[atomicAdd(&n_chosen, 1)] = sink_end + c;
-        ++rank;
-      }
+    if (!all_equal) {
+      int32_t ties = 0;
+      for (int32_t c = lo; c < hi; ++c) ties += key_at(c) == prefix;
+      int32_t rank = 0;
+      Scan(scan_tmp).ExclusiveSum(ties, rank);
+      for (int32_t c = lo; c < hi && rank < need; ++c)
+        if (key_at(c) == prefix) {
+          chosen[atomicAdd(&n_chosen, 1)] = sink_end + c;
+          ++rank;
+        }
+    }
   }
   __syncthreads();
 
