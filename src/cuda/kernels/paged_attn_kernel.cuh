@@ -165,17 +165,19 @@ __global__ void __launch_bounds__(Traits::kThreads)
   const KvElement* v_head = as<KvElement>(a.v) + int64_t(kv) * a.v_s2;
   Tensor sKraw = make_tensor(make_smem_ptr(ss.k_raw.data()), typename Traits::SmemLayoutRaw{});
   Tensor sVraw = make_tensor(make_smem_ptr(ss.v_raw.data()), typename Traits::SmemLayoutRaw{});
-  // Block b's K or V rows into s (the 16-bit tile, or the codes' tile s_raw).
+  // Block b's K or V rows into s (the 16-bit tile, or the codes' tile s_raw), by a loader whose
+  // per-thread offsets are computed once (the same for K and V: one layout).
+  const auto kv_loader = [&] {
+    if constexpr (Traits::kE4M3) return BlockRowLoader<kBlockN, kHeadDim / 2, kThreads>(sKraw, tid);
+    else return BlockRowLoader<kBlockN, kHeadDim, kThreads>(sK, tid);
+  }();
   auto load_kv = [&](auto& s, auto& s_raw, const KvElement* head, int64_t s0, int64_t s1, int32_t b) {
     const KvElement* src = head + int64_t(page_of(a, pt.pages, b)) * s0;
     const int32_t valid = min(kBlockN, pt.len - b * kBlockN);  // rows past the sequence: zeros
-    if constexpr (Traits::kE4M3)
-      load_rows_async<kBlockN, kHeadDim / 2>(
-          s_raw, [&](int r) { return r < valid ? reinterpret_cast<const uint16_t*>(src + r * s1) : nullptr; },
-          tid, kThreads);
+    if constexpr (Traits::kE4M3)  // codes as 16-bit words: two per word
+      kv_loader.load(&s_raw(0, 0), reinterpret_cast<const uint16_t*>(src), s1 / 2, valid);
     else
-      load_rows_async<kBlockN, kHeadDim>(
-          s, [&](int r) { return r < valid ? src + r * s1 : nullptr; }, tid, kThreads);
+      kv_loader.load(&s(0, 0), src, s1, valid);
   };
   // After the wait and barrier that land a K or V tile: E4M3 codes become the 16-bit tile
   // (free: the barrier after S = Q K^T and the one after P V end its reads).
