@@ -436,7 +436,8 @@ class PagedKVCache:
     ``k_idx_scale`` of shape [num_pages] (``scales="page"``) or [1] (``"tensor"``), all 1.0 at
     first: set them before the rows they scale are appended (a per-tensor scale is typically a
     calibrated amax / 448). Queries and outputs then use ``query_dtype`` (default bfloat16).
-    The CPU backend implements E4M3 caches; the CUDA backend does not yet.
+    Both backends read E4M3 caches; on the GPU, queries are bfloat16 or float16 and appended
+    rows float32, bfloat16 or float16.
     """
 
     def __init__(self, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
