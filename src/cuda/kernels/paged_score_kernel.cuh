@@ -36,7 +36,6 @@ struct PagedScoreTraits {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kRows = kRows_;
   static constexpr bool kE4M3 = kE4M3_;
-  using KeyElement = std::conditional_t<kE4M3, uint8_t, Element>;  // of the k_idx cache
   static constexpr int kWarps = 4;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kStages = cuda::kPagedScoreStages;
@@ -44,14 +43,15 @@ struct PagedScoreTraits {
                             Tile<Int<16 * kWarps>, _16, _16>>;
   using SmemLayoutQ = Sm80SmemLayout<Element, kRows, kDim>;
   using SmemLayoutK = Sm80SmemLayout<Element, kBlockN, kDim>;
-  using SmemLayoutRaw = E4M3SmemLayout<kBlockN, kDim>;
-  // The stages: 16-bit key tiles, or (E4M3) tiles of codes.
-  static constexpr int kKeyWords = kE4M3 ? 8 : cosize_v<SmemLayoutK>;
-  static constexpr int kRawWords = kE4M3 ? kStages * cosize_v<SmemLayoutRaw> : 8;
+  // A stage holds one block's k_idx rows as they are in the cache: 16-bit values, or E4M3
+  // codes (KeyElement) viewed as 16-bit words (StageWord).
+  using KeyElement = std::conditional_t<kE4M3, uint8_t, Element>;
+  using StageWord = std::conditional_t<kE4M3, uint16_t, Element>;
+  using SmemLayoutStage = std::conditional_t<kE4M3, E4M3SmemLayout<kBlockN, kDim>, SmemLayoutK>;
+  static constexpr int kStageWords = cosize_v<SmemLayoutStage>;
   struct SharedStorage {
     alignas(128) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
-    alignas(128) cute::array_aligned<Element, kKeyWords> k[kStages];
-    alignas(128) cute::array_aligned<uint16_t, kRawWords> raw;
+    alignas(128) cute::array_aligned<StageWord, kStages * kStageWords> stages;
     float warp_max[kWarps][kRows];
   };
 };
@@ -80,25 +80,21 @@ __global__ void __launch_bounds__(Traits::kThreads)
 
   const Element* q_base = as<Element>(a.q_idx) + t0 * a.q_s0 + int64_t(ik) * Gk * a.q_s1;
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQ{});
-  auto raw_stage = [&](int stage) {
-    return make_tensor(make_smem_ptr(ss.raw.data() + stage * cosize_v<typename Traits::SmemLayoutRaw>),
-                       typename Traits::SmemLayoutRaw{});
+  using KeyElement = typename Traits::KeyElement;
+  using StageWord = typename Traits::StageWord;
+  auto stage_tile = [&](int stage) {
+    return make_tensor(make_smem_ptr(ss.stages.data() + stage * Traits::kStageWords),
+                       typename Traits::SmemLayoutStage{});
   };
-  // Block b's k_idx rows into a stage: 16-bit rows, or E4M3 rows as 16-bit words.
-  using KeyWord = std::conditional_t<Traits::kE4M3, uint16_t, Element>;
-  constexpr int kKeyWordsPerRow = Traits::kE4M3 ? kDim / 2 : kDim;
-  constexpr int kStageWords = Traits::kE4M3 ? cosize_v<typename Traits::SmemLayoutRaw> : Traits::kKeyWords;
-  KeyWord* stages = Traits::kE4M3 ? reinterpret_cast<KeyWord*>(ss.raw.data()) : reinterpret_cast<KeyWord*>(ss.k[0].data());
-  const BlockRowLoader<kBlockN, kKeyWordsPerRow, kThreads> key_loader(
-      make_tensor(make_smem_ptr(stages),
-                  std::conditional_t<Traits::kE4M3, typename Traits::SmemLayoutRaw, typename Traits::SmemLayoutK>{}),
-      tid);
-  const char* k_head = static_cast<const char*>(a.k_idx) + (int64_t(ik) * a.k_s2) * sizeof(typename Traits::KeyElement);
+  // Block b's k_idx rows into a stage, StageWord by StageWord (rows of the cache are 16-byte
+  // aligned, so an E4M3 row is whole 16-bit words).
+  const int64_t row_words = a.k_s1 * int64_t(sizeof(KeyElement)) / int64_t(sizeof(StageWord));
+  const BlockRowLoader<kBlockN, decltype(size<1>(stage_tile(0)))::value, kThreads> key_loader(stage_tile(0), tid);
+  const KeyElement* k_head = as<KeyElement>(a.k_idx) + int64_t(ik) * a.k_s2;
   auto load_k = [&](int32_t b, int stage) {
     const int32_t valid = min(kBlockN, pt.len - b * kBlockN);  // rows past the sequence: zeros
-    const int64_t page = page_of(a, pt.pages, b);
-    const KeyWord* src = reinterpret_cast<const KeyWord*>(k_head + page * a.k_s0 * sizeof(typename Traits::KeyElement));
-    key_loader.load(stages + stage * kStageWords, src, a.k_s1 * int64_t(sizeof(typename Traits::KeyElement)) / int64_t(sizeof(KeyWord)), valid);
+    const KeyElement* src = k_head + int64_t(page_of(a, pt.pages, b)) * a.k_s0;
+    key_loader.load(&stage_tile(stage)(0, 0), reinterpret_cast<const StageWord*>(src), row_words, valid);
   };
   // Q rows (token r / Gk, head r % Gk) of the pass; the others are zeros.
   load_rows_async<kRows, kDim>(
@@ -116,7 +112,8 @@ __global__ void __launch_bounds__(Traits::kThreads)
 
   typename Traits::TiledMma mma;
   auto thr = mma.get_thread_slice(tid);
-  Tensor sK0 = make_tensor(make_smem_ptr(ss.k[0].data()), typename Traits::SmemLayoutK{});
+  // (E4M3: the layout only; the fragments are filled from the codes by load_e4m3_a.)
+  Tensor sK0 = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(ss.stages.data())), typename Traits::SmemLayoutK{});
   Tensor tSrK = thr.partition_fragment_A(sK0);  // (MMA, MMA_M, MMA_K): keys x dim
   Tensor tSrQ = thr.partition_fragment_B(sQ);   // (MMA, MMA_N, MMA_K): rows x dim
   auto s2r_k = make_tiled_copy_A(Copy_Atom<SM75_U32x4_LDSM_N, Element>{}, mma);
@@ -161,12 +158,11 @@ __global__ void __launch_bounds__(Traits::kThreads)
     }
     clear(acc);
     if constexpr (Traits::kE4M3) {
-      load_e4m3_a<Element>(raw_stage(stage), key_base, tSrK, [&](int kk) {
+      load_e4m3_a<Element>(stage_tile(stage), key_base, tSrK, [&](int kk) {
         cute::gemm(mma, tSrK(_, _, kk), tSrQ(_, _, kk), acc);
       });
     } else {
-      Tensor sK = make_tensor(make_smem_ptr(ss.k[stage].data()), typename Traits::SmemLayoutK{});
-      Tensor tKsK = thr_k.partition_S(sK);
+      Tensor tKsK = thr_k.partition_S(stage_tile(stage));
 #pragma unroll
       for (int kk = 0; kk < size<2>(tSrK); ++kk) {
         copy(s2r_k, tKsK(_, _, kk), tKrK(_, _, kk));
