@@ -20,8 +20,8 @@
 namespace msa::cuda::kern {
 
 // A [kRows, kDim] tile of E4M3 codes viewed as [kRows, kDim / 2] 16-bit words, with the
-// 16-bit tiles' swizzle (16-byte chunks XOR-ed across 8-row groups): load_rows_async copies its
-// rows 16 bytes at a time.
+// 16-bit tiles' swizzle (16-byte chunks XOR-ed across 8-row groups), so that the 16-bit row
+// loaders (load.cuh) copy its rows 16 bytes at a time.
 template <int kRows, int kDim>
 using E4M3SmemLayout = Sm80SmemLayout<uint16_t, kRows, kDim / 2>;
 
