@@ -10,6 +10,9 @@ overlap the level's selections measured (its range over the lengths); x: sequenc
   attention's TFLOP/s dashed, for reference).
 * bench_backward.py CSV: training-step speedup over dense forward + backward; effective TFLOP/s
   of the sparse forward, the backward, the backward with the KL gradient and the whole step.
+* bench_serving.py CSV (its decode rows): per (context, batch, q_len), the graph-replayed decode
+  step of each cache dtype next to SDPA and dense paged attention (ms, log scale), and the step's
+  speedup over SDPA.
 
     python bench/plot_bench.py bench-out/forward.csv bench-out/backward.csv
 
@@ -103,11 +106,70 @@ def _label(name: str, points) -> str:
     return f"{name} (overlap {lo:.2f}–{hi:.2f})"
 
 
+def _save(fig, path: str, out: Optional[str]) -> str:
+    fig.tight_layout()
+    if out is None:
+        out = os.path.splitext(path)[0] + ".png"
+    d = os.path.dirname(out)
+    if d:
+        os.makedirs(d, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def plot_serving(rows: List[Dict[str, str]], path: str, out: Optional[str] = None) -> str:
+    """The decode rows of a bench_serving.py CSV: bars of the graph-replayed step per shape and
+    cache dtype, with SDPA and dense paged attention (the bf16 row's, measured in the same run);
+    below, the step's speedup over SDPA."""
+    dec = [r for r in rows if r.get("kind") == "decode"]
+    if not dec:
+        raise ValueError(f"{path}: no decode rows")
+    shapes = sorted({(int(r["ctx"]), int(r["batch"]), int(r["q_len"])) for r in dec})
+    caches = sorted({r.get("cache") or "bf16" for r in dec})
+    by = {((int(r["ctx"]), int(r["batch"]), int(r["q_len"])), r.get("cache") or "bf16"): r for r in dec}
+    base = {sh: by.get((sh, "bf16")) or next(by[k] for k in by if k[0] == sh) for sh in shapes}
+    bars = [(c, lambda sh, c=c: _num(by.get((sh, c), {}).get("graph_ms"))) for c in caches]
+    bars += [("SDPA (bf16)", lambda sh: _num(base[sh].get("sdpa_ms"))),
+             ("dense paged (bf16)", lambda sh: _num(base[sh].get("dense_ms")))]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(6.0, 1.1 * len(shapes) + 2), 6.4))
+    width = 0.8 / len(bars)
+    xs = list(range(len(shapes)))
+    for i, (name, value) in enumerate(bars):
+        pts = [(x, value(sh)) for x, sh in zip(xs, shapes)]
+        pts = [(x, y) for x, y in pts if y is not None]
+        if pts:
+            top.bar([x - 0.4 + (i + 0.5) * width for x, _ in pts], [y for _, y in pts], width, label=name)
+    w2 = 0.8 / len(caches)
+    for i, c in enumerate(caches):
+        pts = [(x, _num(base[sh].get("sdpa_ms")), _num(by.get((sh, c), {}).get("graph_ms")))
+               for x, sh in zip(xs, shapes)]
+        pts = [(x, a / b) for x, a, b in pts if a is not None and b]
+        if pts:
+            bottom.bar([x - 0.4 + (i + 0.5) * w2 for x, _ in pts], [y for _, y in pts], w2, label=c)
+    labels = [f"{_fmt_tokens(c)}\nB{b} q{q}" for c, b, q in shapes]
+    for ax in (top, bottom):
+        ax.set_xticks(xs)
+        ax.set_xticklabels(labels, fontsize=8)
+        ax.grid(True, alpha=0.3)
+    top.set_yscale("log")
+    top.set_ylabel("ms")
+    top.set_title("decode step (MSA: one CUDA-graph replay)", fontsize=10)
+    top.legend(fontsize=8)
+    bottom.set_ylabel("speedup over SDPA (x)")
+    bottom.set_title("MSA decode step vs SDPA, by cache dtype", fontsize=10)
+    if bottom.patches:
+        bottom.legend(fontsize=8)
+    return _save(fig, path, out)
+
+
 def plot_csv(path: str, out: Optional[str] = None) -> str:
     """Plots one benchmark CSV; returns the PNG's path (``out``, else the CSV's with .png)."""
     rows = read_rows(path)
     if not rows:
         raise ValueError(f"{path}: no rows")
+    if "kind" in rows[0] and "ctx" in rows[0]:
+        return plot_serving(rows, path, out)
     s = series(rows)
     panels = BACKWARD_PANELS if s["backward"] else FORWARD_PANELS
     configs = list(s["data"])
@@ -147,20 +209,13 @@ def plot_csv(path: str, out: Optional[str] = None) -> str:
                 ax.set_xlabel("sequence length")
             if ax.lines:
                 ax.legend(fontsize=8)
-    fig.tight_layout()
-    if out is None:
-        out = os.path.splitext(path)[0] + ".png"
-    d = os.path.dirname(out)
-    if d:
-        os.makedirs(d, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return _save(fig, path, out)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("csv", nargs="+", help="CSV files of bench_forward.py / bench_backward.py")
+    ap.add_argument("csv", nargs="+",
+                    help="CSV files of bench_forward.py / bench_backward.py / bench_serving.py")
     ap.add_argument("--out", default=None, help="the PNG's path (one CSV only)")
     args = ap.parse_args(argv)
     if args.out and len(args.csv) != 1:

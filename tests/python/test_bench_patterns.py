@@ -243,6 +243,18 @@ def test_plot_bench_writes_png(tmp_path):
     for name in ("fwd.png", "bwd.png"):
         data = (tmp_path / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    # bench_serving.py: decode rows of two cache dtypes (SDPA only at q_len 1), and a prefill row.
+    srv = [dict(kind="decode", cache=c, ctx=ctx, batch=b, q_len=q, graph_ms=g, dense_ms=5.0,
+                sdpa_ms=2.0 if q == 1 else float("nan"))
+           for ctx in (131072, 1 << 20) for b, q in ((8, 1), (8, 8))
+           for c, g in (("bf16", 0.5), ("e4m3", 0.4))]
+    srv.append(dict(kind="prefill", cache="", ctx=139264, batch=1, q_len=8192, graph_ms="",
+                    dense_ms="", sdpa_ms=""))
+    _write_csv(tmp_path / "srv.csv", srv)
+    assert plot_bench.main([str(tmp_path / "srv.csv")]) == 0
+    assert (tmp_path / "srv.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="no decode rows"):
+        plot_bench.plot_serving([srv[-1]], str(tmp_path / "srv.csv"))
     s = plot_bench.series(plot_bench.read_rows(str(tmp_path / "fwd.csv")))
     assert not s["backward"] and set(s["data"]) == {"paper", "flash-msa"}
     pts = s["data"]["paper"]["mixed"]
