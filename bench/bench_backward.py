@@ -241,7 +241,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dense-max-tokens", type=int, default=131072)
     ap.add_argument("--no-l2-flush", action="store_true")
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--kl-pass", choices=["auto", "fused", "separate"], default="auto",
+    ap.add_argument("--kl-pass", choices=["auto", "fused", "separate", "teacher"], default="auto",
                     help="how the backward computes the KL gradient (Options::kl_pass)")
     ap.add_argument("--device", default="cuda",
                     help="cuda, or cpu to exercise the script on the CPU backend (tiny shapes)")

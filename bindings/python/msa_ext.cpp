@@ -109,7 +109,8 @@ msa::KlPass kl_pass_arg(const std::string& s) {
   if (s == "auto") return msa::KlPass::kAuto;
   if (s == "fused") return msa::KlPass::kFused;
   if (s == "separate") return msa::KlPass::kSeparate;
-  bad_arg("kl_pass", "expected 'auto', 'fused' or 'separate', got '" + s + "'");
+  if (s == "teacher") return msa::KlPass::kTeacher;
+  bad_arg("kl_pass", "expected 'auto', 'fused', 'separate' or 'teacher', got '" + s + "'");
 }
 
 msa::FwdPass fwd_pass_arg(const std::string& s) {

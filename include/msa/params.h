@@ -19,11 +19,15 @@ namespace msa {
 enum class Mode : int32_t { kSparse = 0, kDense = 1 };
 
 // How a backend computes the KL gradient of the index branch (backward with dq_idx or dk_idx).
-// kAuto: the backend's choice (CUDA: inside the KV-side pass when Hq / Hi is a power of two,
-// else a separate pass). kFused: inside the KV-side pass, or kNotSupported naming 'kl_pass'
-// where that pass cannot carry it. kSeparate: a pass of its own (for comparison). The CPU
-// backend has one implementation and accepts every value. Results agree to rounding.
-enum class KlPass : int32_t { kAuto = 0, kFused = 1, kSeparate = 2 };
+// kAuto: the backend's choice (CUDA, when Hq / Hi is a power of two: kTeacher in sparse mode,
+// kFused in dense mode; else kSeparate). kFused: inside the KV-side pass, or kNotSupported
+// naming 'kl_pass' where that pass cannot carry it. kTeacher (sparse mode): the KV-side pass
+// computes only the teacher (the head mean of the attention probabilities), writes it to the
+// workspace (`kl_teacher_bytes` per pass), and a KV-side pass of the index branch alone turns it
+// into the gradient; kNotSupported naming 'kl_pass' where it cannot run. kSeparate: a pass of
+// its own that recomputes the attention scores (for comparison). The CPU backend has one
+// implementation and accepts every value. Results agree to rounding.
+enum class KlPass : int32_t { kAuto = 0, kFused = 1, kSeparate = 2, kTeacher = 3 };
 
 // How a backend walks the sparse forward's work (kSparse). kQueryTile: a tile of query rows
 // visits the union of its tokens' selections (fastest when neighbouring tokens select alike).
@@ -48,6 +52,9 @@ struct Options {
   FwdPass fwd_pass = FwdPass::kAuto;
   // kKvBlock: query tokens per pass (0: as many as keep the partial outputs near 4 GiB).
   int32_t fwd_chunk_tokens = 0;
+  // kl_pass = kTeacher: workspace bytes for the teacher of one pass (0: 6 GiB); the KV side of
+  // the backward runs in as many passes over its work as the selection's entries need.
+  int64_t kl_teacher_bytes = 0;
 };
 
 // Per-call execution context. `stream` is a cudaStream_t for CUDA tensors (nullptr: the legacy

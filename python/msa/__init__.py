@@ -91,8 +91,9 @@ def _int(name: str, value, lo: int, hi: int = _INT32_MAX) -> int:
 
 
 def _kl_pass(value) -> str:
-    if value not in ("auto", "fused", "separate"):
-        raise ValueError(f"msa: argument 'kl_pass': expected 'auto', 'fused' or 'separate', "
+    if value not in ("auto", "fused", "separate", "teacher"):
+        raise ValueError(f"msa: argument 'kl_pass': expected 'auto', 'fused', 'separate' or "
+                         f"'teacher', "
                          f"got {value!r}")
     return value
 
@@ -211,8 +212,10 @@ def sparse_attention(
             always give them: no floating-point atomics).
         kl_pass: how the backward computes the KL gradient: "auto" (the backend's choice),
             "fused" (inside the KV-side pass of the CUDA backward, or NotImplementedError where
-            it cannot be) or "separate" (a pass of its own). Results agree to rounding; the CPU
-            backend has one implementation.
+            it cannot be), "teacher" (that pass writes only the teacher, a pass of the index
+            branch alone turns it into the gradient; the CUDA default in sparse mode) or
+            "separate" (a pass of its own). Results agree to rounding; the CPU backend has one
+            implementation.
         fwd_pass: how the sparse forward walks its work: "auto" (the backend's choice; CUDA:
             the device picks one of the two below from the selection, no host sync),
             "query_tile" (a tile of query rows visits the union of its tokens' selections:

@@ -91,7 +91,7 @@ def _need_int(name: str, value: int, lo: int, hi: int = _INT32_MAX) -> None:
         raise ValueError(f"msa: argument '{name}': must be in [{lo}, {hi}], got {value}")
 
 
-_KL_PASSES = ("auto", "fused", "separate")
+_KL_PASSES = ("auto", "fused", "separate", "teacher")
 
 
 _FWD_PASSES = ("auto", "query_tile", "kv_block")
@@ -105,7 +105,8 @@ def _need_fwd_pass(fwd_pass: str) -> None:
 
 def _need_kl_pass(kl_pass: str) -> None:
     if kl_pass not in _KL_PASSES:
-        raise ValueError(f"msa: argument 'kl_pass': expected 'auto', 'fused' or 'separate', "
+        raise ValueError(f"msa: argument 'kl_pass': expected 'auto', 'fused', 'separate' or "
+                         f"'teacher', "
                          f"got {kl_pass!r}")
 
 
@@ -260,8 +261,8 @@ def backward(
     dq, dk, dv come from ``dout``; dq_idx, dk_idx ([T, Hi, Di], [T, Hik, Di], or empty [0]
     tensors when not wanted) come from the KL with gamma = kl_grad[0] (``kl_grad``: fp32 [1] on
     the tensors' device, so no host sync; None means gamma = 1). ``kl_pass``: how the KL
-    gradient is computed, "auto" | "fused" | "separate" (msa::KlPass; the CPU backend takes
-    all three alike). ``check_values``: whether the CUDA backend checks the values of
+    gradient is computed, "auto" | "fused" | "separate" | "teacher" (msa::KlPass; the CPU
+    backend takes them all alike). ``check_values``: whether the CUDA backend checks the values of
     ``cu_seqlens`` and ``block_idx`` first (a host wait; the CPU always checks).
     """
     _need_kl_pass(kl_pass)

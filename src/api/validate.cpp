@@ -375,8 +375,8 @@ Status option_ranges(const Check& c, const Options& o) {
   MSA_TRY(c.option("scale_idx", std::isfinite(o.scale_idx), "must be finite"));
   MSA_TRY(c.option("kl_pass",
                    o.kl_pass == KlPass::kAuto || o.kl_pass == KlPass::kFused ||
-                       o.kl_pass == KlPass::kSeparate,
-                   "must be kAuto, kFused or kSeparate, got " +
+                       o.kl_pass == KlPass::kSeparate || o.kl_pass == KlPass::kTeacher,
+                   "must be kAuto, kFused, kSeparate or kTeacher, got " +
                        std::to_string(static_cast<int32_t>(o.kl_pass))));
   MSA_TRY(c.option("fwd_pass",
                    o.fwd_pass == FwdPass::kAuto || o.fwd_pass == FwdPass::kQueryTile ||
@@ -385,6 +385,8 @@ Status option_ranges(const Check& c, const Options& o) {
                        std::to_string(static_cast<int32_t>(o.fwd_pass))));
   MSA_TRY(c.option("fwd_chunk_tokens", o.fwd_chunk_tokens >= 0,
                    "must be non-negative, got " + std::to_string(o.fwd_chunk_tokens)));
+  MSA_TRY(c.option("kl_teacher_bytes", o.kl_teacher_bytes >= 0,
+                   "must be non-negative, got " + std::to_string(o.kl_teacher_bytes)));
   return Status::Ok();
 }
 

@@ -469,6 +469,9 @@ const CudaCase kCases[] = {
     {"G32_D64_Bk128", shape({900}, 32, 1, 64, 1, 1, 64, 128, 3, kBf16, 8), false, true},
     {"G3_Hi4_D64_Bk64_fp16", shape({650, 131}, 12, 2, 64, 4, 2, 64, 64, 6, kFp16, 9), true, false},
     {"G64_D64_Bk64", shape({300}, 64, 1, 64, 1, 1, 64, 64, 3, kBf16, 10), false, false},
+    // The paper's heads (Gi = 16: 4 tokens per entry, 4 entries per step of the teacher route's
+    // gradient pass), varlen with an empty sequence, sink and local blocks.
+    {"Paper_G16_Hi4_D128_Bk128", shape({700, 0, 1300}, 64, 4, 128, 4, 1, 128, 128, 6, kBf16, 11, 1, 2), false, false},
 };
 
 class CudaVsCpu : public ::testing::TestWithParam<CudaCase> {
@@ -560,9 +563,10 @@ class CudaVsCpu : public ::testing::TestWithParam<CudaCase> {
   }
 
   // backward on the GPU, outputs poisoned first; the KL branch with gamma = kl_weight * kl_grad[0]
-  // (kl_grad on the device) when `kl`.
+  // (kl_grad on the device) when `kl`, by Options.kl_pass `pass` (kl_teacher_bytes: `teacher_bytes`).
   GpuGrads gpu_backward(Mode mode, HostTensor* bi, const BwdCase& b, bool kl, float kl_weight, float kl_grad,
-                        bool deterministic = false, msa::Status* status = nullptr) {
+                        bool deterministic = false, msa::Status* status = nullptr,
+                        msa::KlPass pass = msa::KlPass::kAuto, int64_t teacher_bytes = 0) {
     const Config& c = cfg();
     const int64_t T = p().T;
     HostTensor out_lo = b.out_lo, dout_lo = b.dout_lo, lse = b.fwd.lse;
@@ -600,6 +604,8 @@ class CudaVsCpu : public ::testing::TestWithParam<CudaCase> {
     }
     bp.opts = p().options(mode);
     bp.opts.deterministic = deterministic;
+    bp.opts.kl_pass = pass;
+    bp.opts.kl_teacher_bytes = teacher_bytes;
     bp.launch.stream = s();
     const size_t ws_bytes = msa::workspace_size(bp);
     DeviceTensor ws(DType::kInt32, {static_cast<int64_t>((ws_bytes + 3) / 4)});
@@ -745,6 +751,27 @@ TEST_P(CudaVsCpu, BackwardGivenBlockIdx) {
   if (kl) {
     expect_grad_close(g.dq_idx, ref.dq_idx, dt, what("backward dq_idx"), kl_grad_tolerance(dt));
     expect_grad_close(g.dk_idx, ref.dk_idx, dt, what("backward dk_idx"), kl_grad_tolerance(dt));
+    const int gi = cfg().Hq / cfg().Hi;
+    if ((gi & (gi - 1)) == 0) {
+      // The fused KL branch (kAuto takes kTeacher in sparse mode) against the reference too.
+      const GpuGrads f = gpu_backward(Mode::kSparse, &bi, b, true, 0.5f, 1.5f, false, nullptr, msa::KlPass::kFused);
+      expect_grad_close(f.dq, ref.dq, dt, what("fused backward dq"));
+      expect_grad_close(f.dk, ref.dk, dt, what("fused backward dk"));
+      expect_grad_close(f.dv, ref.dv, dt, what("fused backward dv"));
+      expect_grad_close(f.dq_idx, ref.dq_idx, dt, what("fused backward dq_idx"), kl_grad_tolerance(dt));
+      expect_grad_close(f.dk_idx, ref.dk_idx, dt, what("fused backward dk_idx"), kl_grad_tolerance(dt));
+      // kTeacher in passes of a few records (the least workspace: one chunk per pass) gives the
+      // bits of one pass: each CTA's work is the same, and the sums are integers.
+      const GpuGrads t = gpu_backward(Mode::kSparse, &bi, b, true, 0.5f, 1.5f, false, nullptr, msa::KlPass::kTeacher, 1);
+      const std::tuple<const HostTensor*, const HostTensor*, const char*> same[] = {
+          {&g.dq, &t.dq, "dq"}, {&g.dk, &t.dk, "dk"}, {&g.dv, &t.dv, "dv"},
+          {&g.dq_idx, &t.dq_idx, "dq_idx"}, {&g.dk_idx, &t.dk_idx, "dk_idx"}};
+      for (auto [x, y, name] : same) {
+        int64_t diff = 0;
+        for (int64_t e = 0; e < x->numel(); ++e) diff += !(x->get(e) == y->get(e));
+        EXPECT_EQ(diff, 0) << what(name) << ": kTeacher in many passes differs from one pass";
+      }
+    }
   } else {
     msa::Status st;
     gpu_backward(Mode::kSparse, &bi, b, true, 0.5f, 1.5f, false, &st);
@@ -768,6 +795,10 @@ TEST_P(CudaVsCpu, DenseWarmupBackward) {
   if (kl) {
     expect_grad_close(g.dq_idx, ref.dq_idx, dt, what("dense backward dq_idx"), kl_grad_tolerance(dt));
     expect_grad_close(g.dk_idx, ref.dk_idx, dt, what("dense backward dk_idx"), kl_grad_tolerance(dt));
+    msa::Status st;  // the teacher route is for sparse mode only
+    gpu_backward(Mode::kDense, nullptr, b, true, 2.0f, 1.0f, false, &st, msa::KlPass::kTeacher);
+    EXPECT_EQ(st.code, StatusCode::kNotSupported) << st.message;
+    EXPECT_NE(st.message.find("argument 'kl_pass'"), std::string::npos) << st.message;
   }
 }
 
@@ -1370,9 +1401,22 @@ TEST(Cuda, KlPassOption) {
     if (Hq / c.Hi == 3) {
       expect_error(run(msa::KlPass::kFused, &dq_auto, &dk_auto), StatusCode::kNotSupported, "argument 'kl_pass'",
                    "kFused with Hq / Hi = 3");
+      expect_error(run(msa::KlPass::kTeacher, &dq_auto, &dk_auto), StatusCode::kNotSupported, "argument 'kl_pass'",
+                   "kTeacher with Hq / Hi = 3");
       continue;
     }
+    HostTensor dq_t, dk_t;
+    require_ok(run(msa::KlPass::kTeacher, &dq_t, &dk_t));
     require_ok(run(msa::KlPass::kFused, &dq_auto, &dk_auto));
+    for (auto [a, b, name] : {std::tuple{&dq_sep, &dq_t, "dq_idx"}, std::tuple{&dk_sep, &dk_t, "dk_idx"}}) {
+      double num = 0, den = 0;
+      for (int64_t x = 0; x < a->numel(); ++x) {
+        ASSERT_TRUE(std::isfinite(a->get(x)) && std::isfinite(b->get(x))) << name << " entry " << x;
+        num += (a->get(x) - b->get(x)) * (a->get(x) - b->get(x));
+        den += a->get(x) * a->get(x);
+      }
+      EXPECT_LT(std::sqrt(num / den), 1e-2) << name << ": teacher and separate passes disagree";
+    }
     for (auto [a, b, name] : {std::tuple{&dq_sep, &dq_auto, "dq_idx"}, std::tuple{&dk_sep, &dk_auto, "dk_idx"}}) {
       double num = 0, den = 0;
       for (int64_t x = 0; x < a->numel(); ++x) {

@@ -359,8 +359,11 @@ TEST(Validation, OptionRangesAlwaysChecked) {
   b.opts.top_k = (1 << 20) + 1;
   expect_invalid(msa::backward(b), "top_k", "top_k 2^20 + 1 in backward");
   b = v.backward();
-  b.opts.kl_pass = static_cast<msa::KlPass>(3);
-  expect_invalid(msa::backward(b), "kl_pass", "kl_pass 3");
+  b.opts.kl_pass = static_cast<msa::KlPass>(4);
+  expect_invalid(msa::backward(b), "kl_pass", "kl_pass 4");
+  b = v.backward();
+  b.opts.kl_teacher_bytes = -1;
+  expect_invalid(msa::backward(b), "kl_teacher_bytes", "kl_teacher_bytes -1");
   f = v.forward();
   f.opts.fwd_pass = static_cast<msa::FwdPass>(3);
   expect_invalid(msa::forward(f), "fwd_pass", "fwd_pass 3");

@@ -209,10 +209,10 @@ def test_kl_pass(x):
     _raises("kl_pass", msa.sparse_attention, q, k, v, qi, ki, 2, Bk, kl_pass="fast")
     _raises("kl_pass", msa.warmup_attention, q, k, v, qi, ki, kl_pass="")
     grads = {}
-    for kp in ("auto", "fused", "separate"):
+    for kp in ("auto", "fused", "separate", "teacher"):
         out, kl = msa.sparse_attention(q, k, v, qi, ki, 2, Bk, kl_pass=kp)
         grads[kp] = torch.autograd.grad(out.square().sum() + 3 * kl, (q, k, v, qi, ki))
-    for kp in ("fused", "separate"):  # the CPU backend has one implementation
+    for kp in ("fused", "separate", "teacher"):  # the CPU backend has one implementation
         for a, b in zip(grads[kp], grads["auto"]):
             assert torch.equal(a, b)
     # the op and the binding

@@ -176,9 +176,11 @@ __device__ inline WorkItem decode_work(const WorkListParams& p, int32_t Hkv, int
 
 // The work of one KV-side CTA: chunk it.c of the entry list of (KV block it.x, KV head it.r), as
 // `tile` (the block's keys, a tile of kBlockN of its sequence), `list` and entries [begin, end).
-// False: nothing to do. Params: the KV-side kernel's parameters (work, list, cu_seqlens, nseq, T,
-// Hkv, idx_per_kv, group_tokens).
-template <int kBlockN, class Params>
+// False: nothing to do, or (kPasses, pass_end > 0) a chunk whose first record belongs to another
+// pass (kernels that never run in passes leave the test out of their code). Params: the KV-side
+// kernel's parameters (work, list, cu_seqlens, nseq, T, Hkv, idx_per_kv, group_tokens,
+// pass_first, pass_end).
+template <int kBlockN, bool kPasses = false, class Params>
 __device__ inline bool kv_chunk(const Params& p, WorkItem* it, QueryTile* tile, EntryList* list,
                                 int64_t* begin, int64_t* end) {
   *it = decode_work(p.work, p.Hkv, blockIdx.x);
@@ -188,6 +190,10 @@ __device__ inline bool kv_chunk(const Params& p, WorkItem* it, QueryTile* tile, 
   *list = EntryList(p.list, *tile, it->x, it->r, p.Hkv, p.idx_per_kv, p.group_tokens);
   *begin = min<int64_t>(int64_t(it->c) * p.work.chunk, list->n);
   *end = min<int64_t>(*begin + p.work.chunk, list->n);
+  if constexpr (kPasses) {
+    const int64_t first = list->lo + *begin;
+    if (p.pass_end > 0 && (first < p.pass_first || first >= p.pass_end)) return false;
+  }
   return true;
 }
 

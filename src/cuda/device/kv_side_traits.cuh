@@ -2,7 +2,8 @@
 // consumer warpgroups owns one block of kBlockN keys (64 per warpgroup); an entry brings
 // kBlockC = 64 main columns (token, head) and kTok = 16 index columns (tokens) through kStages
 // shared-memory stages. The scores are computed transposed, keys as MMA rows:
-//   S^T = K Q^T (MmaS), S_idx^T = k_idx q_idx^T (MmaSi), dq_idx^T = k_idx^T dS_idx^T (MmaDQ).
+//   S^T = K Q^T (MmaS), S_idx^T = k_idx q_idx^T (MmaSi), dq_idx^T = k_idx^T dS_idx^T (MmaDQ),
+//   dk_idx += dS_idx^T q_idx (MmaDK).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -53,6 +54,16 @@ struct KvSideTraits {
   // dS_idx of an entry as the (tokens, keys) B operand of dq_idx^T, keys contiguous.
   using SmemAtomDS = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
                               GMMA::Major::K, Element, Int<kTok>, Int<kBlockN>>());
+  using SmemLayoutDS1 = decltype(tile_to_shape(SmemAtomDS{}, Shape<Int<kTok>, Int<kBlockN>>{}));
+
+  // dk_idx += dS_idx^T q_idx with dS_idx^T in registers (RS, the block's keys as rows; the KL
+  // kernels, whose dk_idx stays in registers): q_idx transposed, (Di, tokens), as the B operand.
+  using TileDK = Shape<Int<kBlockN>, Int<kDim>, Int<kTok>>;
+  using MmaDK = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, TileDK, GMMA::Major::K, GMMA::Major::MN>(),
+      Layout<Shape<Int<kWarpGroups>, _1, _1>>{}));
+  using SmemLayoutQit = decltype(composition(
+      SmemLayoutQi{}, make_ordered_layout(Shape<Int<kDim>, Int<kTok>, Int<kStages>>{}, Step<_2, _1, _3>{})));
 };
 
 }  // namespace msa::cuda::kern

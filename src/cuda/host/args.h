@@ -116,6 +116,13 @@ struct KvSideArgs : SeqArgs {
   unsigned long long* dk_idx = nullptr;  // [T, Hik, Di] fixed point
   int32_t Hik = 1, idx_per_key = 1;
   float scale_idx = 0.f;  // signed
+  // Options.kl_pass = kTeacher: bwd_kv_kernel writes each entry's teacher (the mean of P^T over
+  // the index head's Gi query heads, [record][key][m] fp32) and kl_grad_kernel reads it. The
+  // records are taken in passes: with pass_end > 0 a launch does the CTAs whose first record is
+  // in [pass_first, pass_end), and `teacher` holds the records from pass_first on.
+  float* teacher = nullptr;
+  int64_t pass_first = 0, pass_end = 0;
+  int32_t step_records = 1;  // kl_grad_kernel: records per step (their tokens: the 16 index columns)
 };
 
 // Attention backward, KV side (kernels/bwd_kv_kernel.cuh), with the KL gradient when q_idx is set.

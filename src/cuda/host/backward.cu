@@ -8,7 +8,9 @@
 //              LSE_idx over the support                      (forward kernel, LSE-only mode)
 //            dk, dv; with the KL branch also the fixed-point sums of dq_idx, dk_idx
 //                                                            (bwd_kv_kernel, KV side)
-//              (Hq / Hi not a power of two: a separate pass  (kl_kernel))
+//              (sparse mode: bwd_kv_kernel writes the        (bwd_kv_kernel, kl_grad_kernel,
+//               teacher, a pass of its own takes the sums;    in passes over the records)
+//               Hq / Hi not a power of two: a separate pass  (kl_kernel))
 //              scale by gamma * scale_idx / (N Hi), convert  (finalize_grad_kernel)
 // kl value:  reverse index, LSE_idx, kl_kernel's per-row terms, then finalize_kl_kernel.
 //
@@ -202,22 +204,45 @@ Status attention_backward(const Problem& prob, const BackwardParams& p) {
   BwdKvArgs kv = bwd_kv_args(prob, p, delta);
   MSA_TRY(kv_lists(fn, pl, pl.kv, prob, p.block_idx, ws, stream, &kv, false));
   const KlInputs kl_in{p.q, p.k, p.lse, p.q_idx, p.k_idx, p.cu_seqlens, p.block_idx};
-  const bool fused = kv.q_idx != nullptr;  // bwd_kv_args set the index branch: fused_kl(prob)
-  if (fused) {
+  const bool fused = kv.q_idx != nullptr;  // bwd_kv_args set the index branch: KlRoute::kFused
+  KlArgs g;  // pl.teacher: the gradient pass over bwd_kv's work list
+  if (fused || pl.teacher) {
     MSA_TRY(index_lse(fn, pl, prob, kl_in, ws, stream));
     MSA_TRY(zero_kl_sums(fn, pl, prob, ws, stream));
+  }
+  if (fused) {
     kv.lse_idx = at<float>(ws, pl.lse_idx);
     kv.dq_idx = at<unsigned long long>(ws, pl.dq_acc);
     kv.dk_idx = at<unsigned long long>(ws, pl.dk_acc);
+  }
+  if (pl.teacher) {
+    g = kl_args(prob, kl_in);
+    g.list = kv.list;
+    g.work = kv.work;
+    g.grid = kv.grid;
+    g.lse_idx = at<float>(ws, pl.lse_idx);
+    g.dq_idx = at<unsigned long long>(ws, pl.dq_acc);
+    g.dk_idx = at<unsigned long long>(ws, pl.dk_acc);
+    kv.teacher = g.teacher = at<float>(ws, pl.teacher_buf);
+    g.step_records = pl.step_records;
   }
   const BwdQArgs q = bwd_q_args(prob, p, delta);
   MSA_TRY(dispatch(fn, "q", p.q.dtype, prob.D, prob.opts.block_size, [&](auto v) {
     using V = decltype(v);
     MSA_TRY((launch_bwd_q<typename V::Element, V::kDim, V::kBlockN>(q, stream)));
-    return launch_bwd_kv<typename V::Element, V::kDim, V::kBlockN>(kv, stream);
+    // kTeacher: each pass's teacher is written by bwd_kv and read by kl_grad before the next.
+    for (int32_t pass = 0; pass < pl.passes; ++pass) {
+      if (pl.teacher) {
+        kv.pass_first = g.pass_first = pass * pl.pass_records;
+        kv.pass_end = g.pass_end = (pass + 1) * pl.pass_records;
+      }
+      MSA_TRY((launch_bwd_kv<typename V::Element, V::kDim, V::kBlockN>(kv, stream)));
+      if (pl.teacher) MSA_TRY((launch_kl_grad<typename V::Element, V::kDim, V::kBlockN>(g, stream)));
+    }
+    return Status::Ok();
   }));
 
-  if (pl.kl && !fused) {
+  if (pl.kl && !fused && !pl.teacher) {
     KlArgs a = kl_args(prob, kl_in);
     a.list = kv.list;  // the same reverse index
     MSA_TRY(kv_lists(fn, pl, pl.kl_work, prob, p.block_idx, ws, stream, &a, true));

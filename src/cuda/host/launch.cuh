@@ -9,6 +9,7 @@
 #include "../kernels/bwd_q_kernel.cuh"
 #include "../kernels/fwd_kernel.cuh"
 #include "../kernels/fwd_kv_kernel.cuh"
+#include "../kernels/kl_grad_kernel.cuh"
 #include "../kernels/kl_kernel.cuh"
 #include "../kernels/paged_attn_kernel.cuh"
 #include "../kernels/paged_score_kernel.cuh"
@@ -121,16 +122,18 @@ Status launch_select(const SelectArgs& a, cudaStream_t stream) {
                                "argument 'top_k': " + std::to_string(a.k) + " candidates per row");
 }
 
+// The KL branch fused (q_idx set), its teacher only (teacher set), or none.
 template <class Element, int kHeadDim, int kBlockN>
 Status launch_bwd_kv(const BwdKvArgs& a, cudaStream_t stream) {
-  if (a.q_idx != nullptr) {
-    using Traits = kern::BwdKVTraits<Element, kHeadDim, kBlockN, true>;
+  auto launch = [&](auto mode) {
+    using Traits = kern::BwdKVTraits<Element, kHeadDim, kBlockN, decltype(mode)::value>;
     return detail::launch_kv_side<Traits, kern::BwdKVParams<Traits>>("backward", kern::bwd_kv_kernel<Traits>,
                                                                      a, stream);
-  }
-  using Traits = kern::BwdKVTraits<Element, kHeadDim, kBlockN, false>;
-  return detail::launch_kv_side<Traits, kern::BwdKVParams<Traits>>("backward", kern::bwd_kv_kernel<Traits>,
-                                                                   a, stream);
+  };
+  using kern::KvKl;
+  if (a.q_idx != nullptr) return launch(std::integral_constant<KvKl, KvKl::kFused>{});
+  if (a.teacher != nullptr) return launch(std::integral_constant<KvKl, KvKl::kTeacher>{});
+  return launch(std::integral_constant<KvKl, KvKl::kNone>{});
 }
 
 template <class Element, int kHeadDim, int kBlockN>
@@ -156,6 +159,13 @@ template <class Element, int kDim, int kBlockN>
 Status launch_kl(const KlArgs& a, cudaStream_t stream) {
   using Traits = kern::KlTraits<Element, kDim, kBlockN>;
   return detail::launch_kv_side<Traits, kern::KlParams<Traits>>("kl", kern::kl_kernel<Traits>, a, stream);
+}
+
+template <class Element, int kDim, int kBlockN>
+Status launch_kl_grad(const KlArgs& a, cudaStream_t stream) {
+  using Traits = kern::KlGradTraits<Element, kDim, kBlockN>;
+  return detail::launch_kv_side<Traits, kern::KlGradParams<Traits>>("backward", kern::kl_grad_kernel<Traits>,
+                                                                    a, stream);
 }
 
 template <class Element, int kDim, int kBlockN>

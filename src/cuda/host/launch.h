@@ -16,11 +16,15 @@ template <class Element, int kDim, int kBlockN>
 Status launch_select(const SelectArgs& a, cudaStream_t stream);
 template <class Element, int kHeadDim, int kBlockN>
 Status launch_bwd_q(const BwdQArgs& a, cudaStream_t stream);
-// With the KL gradient when a.q_idx is set (kDim: D == Di).
+// With the KL gradient when a.q_idx is set (kDim: D == Di), with the KL branch's teacher when
+// a.teacher is.
 template <class Element, int kHeadDim, int kBlockN>
 Status launch_bwd_kv(const BwdKvArgs& a, cudaStream_t stream);
 template <class Element, int kDim, int kBlockN>
 Status launch_kl(const KlArgs& a, cudaStream_t stream);
+// The KL gradient from the teacher bwd_kv wrote (one pass of records).
+template <class Element, int kDim, int kBlockN>
+Status launch_kl_grad(const KlArgs& a, cudaStream_t stream);
 // The KV-block-outer forward over one pass of tokens: partials, then their combine.
 template <class Element, int kHeadDim, int kBlockN>
 Status launch_fwd_kv(const FwdKvArgs& a, cudaStream_t stream);

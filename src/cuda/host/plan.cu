@@ -147,10 +147,16 @@ Status can_kl(const char* fn, const Problem& prob, const KlInputs& in) {
   return can_query_tile(fn, prob, /*dense=*/false);  // the index LSE: Hi tile head groups
 }
 
-bool fused_kl(const Problem& prob) {
+KlRoute kl_route(const Problem& prob) {
   const int32_t gi = prob.Hq / prob.Hi;
-  const bool can = gi >= 1 && gi <= 64 && (gi & (gi - 1)) == 0;
-  return can && prob.opts.kl_pass != KlPass::kSeparate;
+  const bool butterfly = gi >= 1 && gi <= 64 && (gi & (gi - 1)) == 0;
+  const bool sparse = prob.opts.mode == Mode::kSparse;
+  switch (prob.opts.kl_pass) {
+    case KlPass::kSeparate: return KlRoute::kSeparate;
+    case KlPass::kFused: return butterfly ? KlRoute::kFused : KlRoute::kSeparate;
+    case KlPass::kTeacher: return butterfly && sparse ? KlRoute::kTeacher : KlRoute::kSeparate;
+    default: return !butterfly ? KlRoute::kSeparate : sparse ? KlRoute::kTeacher : KlRoute::kFused;
+  }
 }
 
 Status can_backward(const Problem& prob, const BackwardParams& p) {
@@ -165,10 +171,17 @@ Status can_backward(const Problem& prob, const BackwardParams& p) {
   MSA_TRY(can_query_tile(fn, prob, !sparse));
   if (p.dq_idx.defined() || p.dk_idx.defined()) {
     MSA_TRY(can_kl(fn, prob, {p.q, p.k, p.lse, p.q_idx, p.k_idx, p.cu_seqlens, p.block_idx}));
-    if (prob.opts.kl_pass == KlPass::kFused && !fused_kl(prob))
+    if (prob.opts.kl_pass == KlPass::kFused && kl_route(prob) != KlRoute::kFused)
       return fail(fn, "kl_pass",
                   "kFused needs Hq / Hi a power of two up to 64 (the teacher's head mean is a "
                   "butterfly over accumulator columns), got " + std::to_string(prob.Hq / prob.Hi));
+    if (prob.opts.kl_pass == KlPass::kTeacher && kl_route(prob) != KlRoute::kTeacher)
+      return fail(fn, "kl_pass",
+                  sparse ? "kTeacher needs Hq / Hi a power of two up to 64 (the teacher's head mean "
+                           "is a butterfly over accumulator columns), got " +
+                               std::to_string(prob.Hq / prob.Hi)
+                         : std::string("kTeacher needs mode kSparse (the warmup's dense support has "
+                                       "no bounded teacher)"));
   }
   return Status::Ok();
 }
@@ -350,7 +363,7 @@ BwdKvArgs bwd_kv_args(const Problem& prob, const BackwardParams& p, const float*
   a.dv_s1 = p.dv.stride[1];
   a.scale = prob.opts.scale;
   a.scale_log2 = prob.opts.scale * static_cast<float>(M_LOG2E);
-  if (kl && fused_kl(prob)) set_index(&a, prob, p.q_idx, p.k_idx);
+  if (kl && kl_route(prob) == KlRoute::kFused) set_index(&a, prob, p.q_idx, p.k_idx);
   return a;
 }
 
@@ -467,6 +480,23 @@ Status make_plan(const char* fn, const Problem& prob, int32_t nseq, bool sparse,
   // at most 2 * 16 * SMs of them, 540 MB at Bk = D = 128 on 132 SMs); KL: chunks of 512 entries.
   if (main) MSA_TRY(work(&p.kv, std::max(256.0, std::ceil(e_bound / (16.0 * num_sms()))), true));
   if (kl) MSA_TRY(work(&p.kl_work, 512.0, false));
+  if (main && kl && grad && sparse && kl_route(prob) == KlRoute::kTeacher) {
+    // The teacher of one pass's records: passes of equal record counts within the budget, at
+    // least one chunk each (a pass's buffer also holds the chunk that starts at its end).
+    p.teacher = true;
+    const double rec_bytes = 4.0 * Bk * p.m;
+    const double budget = prob.opts.kl_teacher_bytes > 0 ? double(prob.opts.kl_teacher_bytes)
+                                                         : double(int64_t(6) << 30);
+    const int64_t entries = std::max<int64_t>(p.entries, 1);
+    const int64_t passes = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(entries * rec_bytes / budget)));
+    p.pass_records = std::max<int64_t>(p.kv.chunk, (entries + passes - 1) / passes);
+    p.passes = static_cast<int32_t>((entries + p.pass_records - 1) / p.pass_records);
+    p.teacher_buf = take(static_cast<size_t>(rec_bytes) * size_t(p.pass_records + p.kv.chunk));
+    // A step of the gradient pass takes 16 / m records when a work item's index heads share one
+    // index key head (Gk a multiple of Hi / Hkv), else one.
+    const int32_t Gk = prob.Hi / prob.Hik, ipk = prob.Hi / prob.Hkv;
+    p.step_records = Gk % ipk == 0 ? std::max(1, kern::kEntryTokens / p.m) : 1;
+  }
   if (fwd_tokens > 0) {
     // The KV-block forward: its work list (no partial sums across CTAs) and the partial outputs
     // of one pass of fwd_tokens tokens.

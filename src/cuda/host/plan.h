@@ -37,9 +37,12 @@ bool kv_block_forward(const Problem& prob);
 // the device (pass_choice_kernel) when the call's workspace holds the KV-block plan.
 bool auto_forward(const Problem& prob);
 Status can_fwd_kv(const char* fn, const Problem& prob);
-// Whether the backward computes the KL gradient inside the KV-side pass (Options.kl_pass; kAuto:
-// when the teacher's head mean is a butterfly over accumulator columns, Hq / Hi a power of two).
-bool fused_kl(const Problem& prob);
+// How the backward computes the KL gradient (Options.kl_pass): inside the KV-side pass (kFused),
+// from the teacher that pass writes (kTeacher: sparse mode), or by a pass of its own. The first
+// two need the teacher's head mean as a butterfly over accumulator columns (Hq / Hi a power of
+// two); kAuto takes kTeacher in sparse mode, kFused in dense mode.
+enum class KlRoute { kSeparate, kFused, kTeacher };
+KlRoute kl_route(const Problem& prob);
 
 // ---- the parameter chain
 SelectArgs select_args(const Problem& prob, const TensorRef& q_idx, const TensorRef& k_idx,
@@ -78,6 +81,13 @@ struct Plan {
   };
   int32_t items = 0;
   Work kv, kl_work;  // kv: bwd_kv's list, or the KV-block forward's
+  // KlRoute::kTeacher: bwd_kv and kl_grad run `passes` times over bwd_kv's work list, each over
+  // the CTAs whose first record is in [pass * pass_records, (pass + 1) * pass_records); the
+  // teacher buffer holds one pass's records (4 Bk m bytes each).
+  bool teacher = false;
+  int32_t passes = 1, step_records = 1;
+  int64_t pass_records = 0;
+  size_t teacher_buf = 0;
   int64_t fwd_tokens = 0;            // the KV-block forward: tokens per pass
   size_t part_o = 0, part_ml = 0;    // ... and its partial outputs of one pass
   size_t choice = 0;                 // ... and kAuto's two sums (pass_choice_kernel)

@@ -35,6 +35,12 @@
 // file, so dk_idx has no register home: a batch's product goes straight to the sums. Sums that
 // cross CTAs are 64-bit fixed point (2^-32 units) added with integer atomics, so every run gives
 // the same bits.
+//
+// With kTeacher (Options.kl_pass = kTeacher, sparse mode) the pass computes only the teacher of
+// the KL branch: pi of each entry (the butterfly sums above) goes from the warp's rows of the
+// teacher tile to global memory, [record][key][m] fp32 (KvSideArgs::teacher), and the index
+// branch's work is kernels/kl_grad_kernel.cuh's, a KV-side pass of its own that reads it. The
+// main pass then keeps the stages and registers of the kernel without the KL branch.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -53,15 +59,20 @@ namespace msa::cuda::kern {
 
 using cuda::BwdKvArgs;
 
-// With kKl, Di == kHeadDim. Entries in flight: 4, or 2 with the KL branch, whose tiles take the
-// shared memory of two stages.
-template <class Element_, int kHeadDim_, int kBlockN_, bool kKl_ = false>
-struct BwdKVTraits : KvSideTraits<Element_, kHeadDim_, kBlockN_, kKl_ ? 2 : 4> {
-  using Base = KvSideTraits<Element_, kHeadDim_, kBlockN_, kKl_ ? 2 : 4>;
+// What the pass computes of the KL branch: nothing, all of it (kFused), or its teacher (kTeacher).
+enum class KvKl { kNone, kFused, kTeacher };
+
+// With kFused, Di == kHeadDim. Entries in flight: 4, or 2 with the fused KL branch, whose tiles
+// take the shared memory of two stages.
+template <class Element_, int kHeadDim_, int kBlockN_, KvKl kMode_ = KvKl::kNone>
+struct BwdKVTraits : KvSideTraits<Element_, kHeadDim_, kBlockN_, kMode_ == KvKl::kFused ? 2 : 4> {
+  using Base = KvSideTraits<Element_, kHeadDim_, kBlockN_, kMode_ == KvKl::kFused ? 2 : 4>;
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockN = kBlockN_;
-  static constexpr bool kKl = kKl_;
+  static constexpr bool kKl = kMode_ == KvKl::kFused;
+  static constexpr bool kTeacher = kMode_ == KvKl::kTeacher;
+  static constexpr bool kHeadMean = kKl || kTeacher;  // the teacher tile and its butterfly sums
   static constexpr int kBatch = 64;  // tokens of a dk_idx batch
   static constexpr int kBlockC = Base::kBlockC, kTok = Base::kTok, kStages = Base::kStages;
   static constexpr int kWarpGroups = Base::kWarpGroups;  // consumers
@@ -113,15 +124,17 @@ struct BwdKVTraits : KvSideTraits<Element_, kHeadDim_, kBlockN_, kKl_ ? 2 : 4> {
       GMMA::ss_op_selector<Element, Element, float, TileDQ, GMMA::Major::MN, GMMA::Major::K>(),
       Layout<Shape<_1, _1, _1>>{}));
 
-  // The KL branch's tiles; one element each without kKl (never touched then).
+  // The KL branch's tiles; one element each without kKl (never touched then), but the teacher
+  // tile with kTeacher too.
   static constexpr int kl_size(int n) { return kKl ? n : 1; }
+  static constexpr int teacher_size(int n) { return kHeadMean ? n : 1; }
   struct KlStorage {
     alignas(1024) cute::array_aligned<Element, kl_size(cosize_v<SmemLayoutK>)> k_idx;
     alignas(1024) cute::array_aligned<Element, kl_size(cosize_v<SmemLayoutQi>)> q_idx;
     alignas(1024) cute::array_aligned<Element, kl_size(cosize_v<SmemLayoutQb>)> q_batch;
     alignas(1024) cute::array_aligned<Element, kl_size(cosize_v<SmemLayoutDSb>)> ds_batch;
     alignas(1024) cute::array_aligned<Element, kl_size(cosize_v<SmemLayoutDS>)> ds;
-    float teacher[kl_size(kBlockN * kTeacherStride)];
+    float teacher[teacher_size(kBlockN * kTeacherStride)];
     float lidx[kStages][kl_size(kTok)];  // LSE_idx per token
   };
 
@@ -164,7 +177,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   QueryTile tile;
   EntryList list;
   int64_t e_begin, e_end;
-  if (!kv_chunk<kBlockN>(p, &it, &tile, &list, &e_begin, &e_end)) return;
+  if (!kv_chunk<kBlockN, Traits::kTeacher>(p, &it, &tile, &list, &e_begin, &e_end)) return;
   const int32_t r = it.r;
   const int64_t key_base = tile.seq_start + tile.first;  // packed index of the block's first key
   const int tid = threadIdx.x;
@@ -303,11 +316,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr int kRows = decltype(size<0>(S))::value;
   constexpr int kCols = decltype(size<1>(S))::value;
   int32_t col_tok[kCols];
-  if constexpr (!Traits::kKl) {
+  if constexpr (!Traits::kHeadMean) {
 #pragma unroll
     for (int c = 0; c < kCols; ++c) col_tok[c] = get<1>(cSrc(0, c)) / Gi;
   }
-  const int gi_shift = __ffs(Gi) - 1;  // kKl: Gi is a power of two
+  const int gi_shift = __ffs(Gi) - 1;  // kHeadMean: Gi is a power of two
 
   Tensor rP = make_tensor<Element>(tSrS.layout());
   Tensor rdS = make_tensor<Element>(tSrS.layout());
@@ -448,10 +461,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     wg_gemm<true>(mma_s, tSrK, tSrQ(_, _, _, st), tSrS);
     wg_gemm<true>(mma_s, tSrV, tSrdO(_, _, _, st), tSrdP);
     warpgroup_wait<0>();
-    // Column c's token: precomputed, or a shift when Gi is a power of two (kKl: fewer live
-    // registers).
+    // Column c's token: precomputed, or a shift when Gi is a power of two (kHeadMean: fewer
+    // live registers).
     auto col_token = [&](int c) {
-      if constexpr (Traits::kKl) return get<1>(cSrc(0, c)) >> gi_shift;
+      if constexpr (Traits::kHeadMean) return get<1>(cSrc(0, c)) >> gi_shift;
       else return col_tok[c];
     };
     // Column c (its token's position in the block: lim; -1: no token) sees the block's rows up
@@ -471,7 +484,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         dP(a, c) = ok ? prob * (dP(a, c) - delta) : 0.f;
       }
     }
-    if constexpr (Traits::kKl) {
+    if constexpr (Traits::kHeadMean) {
       // Teacher: the mean of P over each token's Gi columns, by butterfly sums (a thread holds
       // columns 8j + 2q + {0, 1}, q = lane % 4), into this warp's rows of the teacher tile.
       Tensor cT = mma_s.get_thread_slice(fresh_thread_index())
@@ -517,6 +530,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         }
       }
       __syncwarp();
+      if constexpr (Traits::kTeacher) {
+        // The warp's 16 rows (keys 16 w .. 16 w + 15 of consumer warp w) of the entry's teacher
+        // to its record, m tokens per key, as whole 128-byte lines of the warp.
+        const int ltid = fresh_thread_index(), lane = ltid & 31, row0 = (ltid / 32) * 16;
+        const int m_shift = __ffs(m) - 1;  // m = 64 / Gi: a power of two
+        float* dst = p.teacher +
+                     ((list.lo + e_begin + i - p.pass_first) * kBlockN + row0) * m;
+        for (int e = lane; e < 16 * m; e += 32)
+          dst[e] = ss.kl.teacher[(row0 + (e >> m_shift)) * Traits::kTeacherStride + (e & (m - 1))];
+        __syncwarp();
+      }
     }
     convert_into(tSrS, rP);
     convert_into(tSrdP, rdS);

@@ -43,16 +43,9 @@ struct KlTraits : KvSideTraits<Element_, kDim_, kBlockN_, 4> {
   using typename Base::SmemLayoutK;
   using typename Base::SmemLayoutQ;
   using typename Base::SmemLayoutQi;
-
-  // dk_idx += dS^T q_idx (RS, the block's keys as rows, kept in registers).
-  using TileDK = Shape<Int<kBlockN>, Int<kDim>, Int<kTok>>;
-  using MmaDK = decltype(make_tiled_mma(
-      GMMA::rs_op_selector<Element, Element, float, TileDK, GMMA::Major::K, GMMA::Major::MN>(),
-      Layout<Shape<Int<kWarpGroups>, _1, _1>>{}));
-  using SmemLayoutQit = decltype(composition(
-      SmemLayoutQi{}, make_ordered_layout(Shape<Int<kDim>, Int<kTok>, Int<kStages>>{}, Step<_2, _1, _3>{})));
+  using typename Base::SmemLayoutQit;
   // dS^T as the B operand (tokens, keys) of dq_idx^T = k_idx^T dS^T.
-  using SmemLayoutDS = decltype(tile_to_shape(typename Base::SmemAtomDS{}, Shape<Int<kTok>, Int<kBlockN>>{}));
+  using SmemLayoutDS = typename Base::SmemLayoutDS1;
 
   struct SharedStorage {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k;

@@ -1,0 +1,267 @@
+// The KL gradient of the index branch (docs/contract.md §4) from the teacher that
+// bwd_kv_kernel.cuh wrote (Options.kl_pass = kTeacher, sparse mode): a KV-side pass of the index
+// branch alone, over bwd_kv's work list and pass, so that it reads exactly the records whose
+// teacher that pass wrote. For one KV block and one KV head, per entry (token t, index head i):
+//   student  sigma(t, j) = exp(scale_idx * k_idx[j] . q_idx[t, i] - LSE_idx(t, i)),
+//   dS(t, j) = sigma - pi (pi: the entry's teacher; gamma / (N Hi) is applied when the sums are
+//              finalised),
+//   dk_idx[j] += dS^T q_idx (RS wgmma, the block's keys as rows, in registers for the chunk),
+//   dq_idx[t] += k_idx^T dS (SS wgmma over the block's keys) to the token's row.
+// Sums that cross CTAs (dq_idx; dk_idx over the KV heads sharing an index key head and over a
+// block's chunks) are 64-bit fixed point (2^-32 units) added with integer atomics, so every run
+// gives the same bits.
+//
+// Work: a step is up to R = 16 / m consecutive records of the chunk (p.step_records; 1 where the
+// index key head may change inside a work item), whose tokens fill the 16 index columns of the
+// MMAs: column c = j * m + t is token t of the step's record j. Warp roles: none; the kBlockN / 64
+// warpgroups (64 keys each) load and compute together. Pipeline: kStages stages of a step's
+// q_idx rows, LSE_idx and teacher rows by cp.async, kStages - 1 steps in flight, the steps'
+// records one step further ahead through a ring (as EntryStream, device/entry_list.cuh); one CTA
+// barrier per step (and one around the dS tile that dq_idx reads).
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/gemm/collective/builders/sm90_common.inl>
+
+#include "../device/entry_list.cuh"
+#include "../device/kv_side_traits.cuh"
+#include "../device/load.cuh"
+#include "../device/utils.cuh"
+#include "../host/args.h"
+
+namespace msa::cuda::kern {
+
+using cuda::KlArgs;
+
+// kDim: Di (== D: the instantiation's head dim).
+template <class Element_, int kDim_, int kBlockN_>
+struct KlGradTraits : KvSideTraits<Element_, kDim_, kBlockN_, 4> {
+  using Base = KvSideTraits<Element_, kDim_, kBlockN_, 4>;
+  using Element = Element_;
+  static constexpr int kDim = kDim_, kBlockN = kBlockN_;
+  static constexpr int kTok = Base::kTok, kStages = Base::kStages, kThreads = Base::kThreads;
+  static constexpr int kLead = kStages - 1;   // steps in flight ahead of the one computed
+  static constexpr int kRing = 2 * kStages;   // steps whose records are in shared memory
+  static constexpr int kMaxRecords = kTok;    // records of a step (m = 1)
+  // CTAs per SM the registers are sized for: two (128 registers a thread; ptxas spills about
+  // 116 bytes) ran 1.13x faster than one (200 registers, no spill) at 128K, paper heads.
+  static constexpr int kMinBlocks = 2;
+  using typename Base::SmemLayoutK;
+  using typename Base::SmemLayoutQi;
+  using typename Base::SmemLayoutQit;
+  using SmemLayoutDS = typename Base::SmemLayoutDS1;
+
+  struct SharedStorage {
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k_idx;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQi>> q_idx;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutDS>> ds;
+    alignas(16) float pi[kStages][kTok * kBlockN];  // a step's teacher rows: [record][key][m]
+    float lidx[kStages][kTok];                      // LSE_idx per column
+    EntryRecord ring[kRing][kMaxRecords];
+  };
+};
+
+template <class Traits>
+struct KlGradParams : KlArgs {};
+
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
+    kl_grad_kernel(const __grid_constant__ KlGradParams<Traits> p) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockN = Traits::kBlockN, kDim = Traits::kDim, kTok = Traits::kTok;
+  constexpr int kThreads = Traits::kThreads, kStages = Traits::kStages, kLead = Traits::kLead;
+  constexpr int kRing = Traits::kRing;
+  using SharedStorage = typename Traits::SharedStorage;
+
+  extern __shared__ __align__(1024) char smem_raw[];
+  SharedStorage& ss = *reinterpret_cast<SharedStorage*>(smem_raw);
+
+  WorkItem it;
+  QueryTile tile;
+  EntryList list;
+  int64_t e_begin, e_end;
+  if (!kv_chunk<kBlockN, true>(p, &it, &tile, &list, &e_begin, &e_end)) return;
+  const int32_t r = it.r;
+  const int64_t key_base = tile.seq_start + tile.first;  // packed index of the block's first key
+  const int tid = threadIdx.x;
+  const int32_t m = p.group_tokens, R = p.step_records, ipk = p.idx_per_kv;
+  const int m_shift = __ffs(m) - 1;  // m is a power of two (kTeacher: Gi is)
+  const int64_t steps = (e_end - e_begin + R - 1) / R;
+  // The teacher index of the item's first record in this pass's buffer.
+  const float* pi_item = p.teacher + (list.lo - p.pass_first) * kBlockN * m;
+
+  Tensor sKi = make_tensor(make_smem_ptr(ss.k_idx.data()), typename Traits::SmemLayoutK{});
+  Tensor sKit = make_tensor(make_smem_ptr(ss.k_idx.data()), typename Traits::SmemLayoutKt{});
+  Tensor sQi = make_tensor(make_smem_ptr(ss.q_idx.data()), typename Traits::SmemLayoutQi{});
+  Tensor sDS = make_tensor(make_smem_ptr(ss.ds.data()), typename Traits::SmemLayoutDS{});
+
+  auto first_record = [&](int64_t s) { return e_begin + s * R; };
+  auto records_of = [&](int64_t s) { return static_cast<int>(min<int64_t>(R, e_end - first_record(s))); };
+  // The records of step s into its ring slot (16-byte cp.async copies; the caller commits).
+  auto issue_records = [&](int64_t s) {
+    if (s >= steps) return;
+    const char* src = reinterpret_cast<const char*>(p.list.records + list.lo + first_record(s));
+    char* dst = reinterpret_cast<char*>(ss.ring[s % kRing]);
+    for (int c = tid; c < records_of(s) * kEntryChunks; c += kThreads) cp_async16(dst + 16 * c, src + 16 * c, true);
+  };
+  // The rows of step s into its stage (its records have landed): q_idx and LSE_idx per column,
+  // and the records' teacher rows, which lie one after another.
+  auto issue_rows = [&](int64_t s) {
+    if (s >= steps) return;
+    const int st = static_cast<int>(s % kStages);
+    const int n = records_of(s);
+    const EntryRecord* recs = ss.ring[s % kRing];
+    auto column = [&](int c, int64_t* tok, int32_t* head) {
+      const int j = c >> m_shift, t = c & (m - 1);
+      if (j >= n || t >= recs[j].count) return false;
+      *tok = recs[j].tok[t];
+      *head = r * ipk + recs[j].seg - list.seg0;
+      return true;
+    };
+    load_rows_async<kTok, kDim>(
+        sQi(_, _, st),
+        [&](int c) -> const Element* {
+          int64_t tok;
+          int32_t i;
+          return column(c, &tok, &i) ? as<Element>(p.q_idx) + tok * p.qi_s0 + i * p.qi_s1 : nullptr;
+        },
+        tid, kThreads);
+    if (tid < kTok) {
+      int64_t tok = 0;
+      int32_t i = 0;
+      const bool ok = column(tid, &tok, &i);
+      cp_async4(&ss.lidx[st][tid], p.lse_idx + tok * p.Hi + i, ok);
+    }
+    const float* src = pi_item + first_record(s) * kBlockN * m;
+    for (int c = tid; c < n * kBlockN * m / 4; c += kThreads) cp_async16(&ss.pi[st][4 * c], src + 4 * c, true);
+  };
+
+  typename Traits::MmaSi mma_si;
+  typename Traits::MmaDK mma_dk;
+  typename Traits::MmaDQ mma_dq;
+  auto thr_si = mma_si.get_thread_slice(tid);
+  auto thr_dk = mma_dk.get_thread_slice(tid);
+  const bool dq_thread = tid < 128 * Traits::kDqWarpGroups;
+  auto thr_dq = mma_dq.get_thread_slice(dq_thread ? tid : 0);
+  Tensor tSrKi = thr_si.partition_fragment_A(sKi);
+  // A stage's q_idx operands are made where they are used, from the stage's address (descriptors
+  // of every stage made up front would stay live in registers across the loop).
+  auto stage_q_idx = [&](int st, auto layout) {
+    return make_tensor(make_smem_ptr(ss.q_idx.data() + st * kTok * kDim), take<0, 2>(layout));
+  };
+  Tensor tDQrKit = thr_dq.partition_fragment_A(sKit);
+  Tensor tDQrDS = thr_dq.partition_fragment_B(sDS);
+  Tensor tSrSi = partition_fragment_C(mma_si, Shape<Int<kBlockN>, Int<kTok>>{});
+  Tensor tDKrDK = partition_fragment_C(mma_dk, Shape<Int<kBlockN>, Int<kDim>>{});
+  Tensor tDQrDQ = partition_fragment_C(mma_dq, Shape<Int<kDim>, Int<kTok>>{});
+  clear(tDKrDK);
+  Tensor Si = make_tensor(tSrSi.data(), acc_rowcol(tSrSi.layout()));
+  Tensor cSi = thr_si.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kTok>>{}));
+  Tensor cSirc = make_tensor(cSi.data(), acc_rowcol(cSi.layout()));
+  constexpr int kRows = decltype(size<0>(Si))::value;
+  constexpr int kCols = decltype(size<1>(Si))::value;
+  Tensor rDS = make_tensor<Element>(tSrSi.layout());
+  Tensor tDKrDS = make_tensor(rDS.data(), acc_as_a_operand(rDS.layout()));
+  Tensor cDQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kDim>, Int<kTok>>{}));
+
+  // dk_idx of the keys so far (index key head loaded_ik) -> the fixed-point sums; then zero.
+  int32_t loaded_ik = -1;
+  auto flush_dk = [&]() {
+    if (loaded_ik < 0) return;
+    Tensor cDK = thr_dk.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kDim>>{}));
+#pragma unroll
+    for (int v = 0; v < size(tDKrDK); ++v) {
+      const int row = get<0>(cDK(v)), col = get<1>(cDK(v));
+      if (row < tile.count) add_fixed(p.dk_idx + ((key_base + row) * p.Hik + loaded_ik) * kDim + col, tDKrDK(v));
+    }
+    clear(tDKrDK);
+  };
+
+  // The records of the first kLead steps, then their rows (each step one commit group, with the
+  // records of the step kLead after it).
+  for (int64_t s = 0; s < kLead; ++s) issue_records(s);
+  cp_async_commit();
+  cp_async_wait_all();
+  cutlass::arch::fence_view_async_shared();
+  __syncthreads();
+  for (int64_t s = 0; s < kLead; ++s) {
+    issue_rows(s);
+    issue_records(s + kLead);
+    cp_async_commit();
+  }
+
+  for (int64_t s = 0; s < steps; ++s) {
+    // Step s's rows and the records of step s + kLead have landed; every thread is done with
+    // step s - 1, whose stage the next issue refills.
+    cp_async_wait<kStages - 2>();
+    cutlass::arch::fence_view_async_shared();
+    __syncthreads();
+    issue_rows(s + kLead);
+    issue_records(s + 2 * kLead);
+    cp_async_commit();
+
+    const int st = static_cast<int>(s % kStages);
+    const EntryRecord* recs = ss.ring[s % kRing];
+    const int n = records_of(s);
+    // Every record of a step has the same index key head (step_records is 1 otherwise).
+    const int32_t ik = (r * ipk + recs[0].seg - list.seg0) / p.idx_per_key;
+    if (ik != loaded_ik) {  // the same for every thread: (re)load the block's index keys
+      flush_dk();
+      loaded_ik = ik;
+      load_block_rows_now<kBlockN, kDim>(
+          sKi, as<Element>(p.k_idx) + key_base * p.ki_s0 + ik * p.ki_s1, p.ki_s0, tile.count, tid,
+          kThreads);
+    }
+
+    clear(tSrSi);
+    wg_gemm<true>(mma_si, tSrKi, thr_si.partition_fragment_B(stage_q_idx(st, typename Traits::SmemLayoutQi{})), tSrSi);
+    warpgroup_wait<0>();
+    // Student and dS = sigma - pi, in the index-score accumulator (columns: the step's tokens).
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+      const int col = get<1>(cSirc(0, c));
+      const int j = col >> m_shift, t = col & (m - 1);
+      const bool real = j < n && t < recs[j].count;
+      const int64_t tok = real ? recs[j].tok[t] : -1;
+      const float lidx = ss.lidx[st][col];
+      const float* pi_col = ss.pi[st] + j * kBlockN * m + t;
+#pragma unroll
+      for (int a = 0; a < kRows; ++a) {
+        const int row = get<0>(cSirc(a, 0));
+        const bool ok = key_base + row <= tok;  // tok < 0: no token
+        const float lsig2 = (Si(a, c) * p.scale_idx - lidx) * static_cast<float>(M_LOG2E);
+        Si(a, c) = ok ? fast_exp2(lsig2) - pi_col[row * m] : 0.f;
+      }
+    }
+    convert_into(tSrSi, rDS);
+    wg_gemm<false, true>(mma_dk, tDKrDS, thr_dk.partition_fragment_B(stage_q_idx(st, typename Traits::SmemLayoutQit{})), tDKrDK);
+    // dS^T (tokens, keys) to shared memory for dq_idx^T = k_idx^T dS^T over all the block's keys.
+#pragma unroll
+    for (int a = 0; a < kRows; ++a) {
+      const int row = get<0>(cSirc(a, 0));
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) sDS(get<1>(cSirc(a, c)), row) = static_cast<Element>(Si(a, c));
+    }
+    cutlass::arch::fence_view_async_shared();
+    __syncthreads();
+    if (dq_thread) {
+      clear(tDQrDQ);
+      wg_gemm<true>(mma_dq, tDQrKit, tDQrDS, tDQrDQ);
+      warpgroup_wait<0>();
+#pragma unroll
+      for (int v = 0; v < size(tDQrDQ); ++v) {
+        const int d = get<0>(cDQ(v)), col = get<1>(cDQ(v));
+        const int j = col >> m_shift, t = col & (m - 1);
+        if (j < n && t < recs[j].count) {
+          const int32_t i = r * ipk + recs[j].seg - list.seg0;
+          add_fixed(p.dq_idx + (int64_t(recs[j].tok[t]) * p.Hi + i) * kDim + d, tDQrDQ(v));
+        }
+      }
+    }
+    warpgroup_wait<0>();
+  }
+  cp_async_wait_all();
+  flush_dk();
+}
+
+}  // namespace msa::cuda::kern
