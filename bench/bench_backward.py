@@ -108,7 +108,9 @@ class Timer:
         return statistics.median(times)
 
 
-def profile_kernels(fn) -> List[tuple]:
+def profile_kernels(fn, templates: bool = False) -> List[tuple]:
+    """(kernel, ms) of one call of fn, longest first; templates: keep the end of each kernel's
+    template arguments in its name (to tell a kernel's instantiations apart)."""
     from torch.profiler import ProfilerActivity, profile
     fn()
     torch.cuda.synchronize()
@@ -118,7 +120,8 @@ def profile_kernels(fn) -> List[tuple]:
     out = {}
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
-            name = ev.name.split("<")[0].split("(")[0][-60:]
+            name = ev.name.split("(")[0] if templates else ev.name.split("<")[0].split("(")[0]
+            name = name[-60:]
             out[name] = out.get(name, 0.0) + ev.device_time_total / 1e3
     return sorted(out.items(), key=lambda x: -x[1])
 

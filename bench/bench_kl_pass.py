@@ -77,7 +77,7 @@ def main(argv=None) -> int:
                 times.append(ms)
                 grads[kp] = bwd(True, kp)()
                 print(f"{what} bwd+KL {kp}: {ms:.2f} ms (KL adds {100 * (ms / base - 1):.0f}%)")
-                for kname, kms in profile_kernels(bwd(True, kp))[:args.kernels]:
+                for kname, kms in profile_kernels(bwd(True, kp), templates=True)[:args.kernels]:
                     print(f"    {kms:9.3f} ms  {kname}")
                 g0 = grads[passes[0]]
                 print("    vs " + passes[0] + ": " + ", ".join(

@@ -123,6 +123,10 @@ struct KvSideArgs : SeqArgs {
   float* teacher = nullptr;
   int64_t pass_first = 0, pass_end = 0;
   int32_t step_records = 1;  // kl_grad_kernel: records per step (their tokens: the 16 index columns)
+  // kl_grad_kernel's LSE pass (set: that pass): [T, Hi, top_k] (max in log2 units, sum) of each
+  // selected block's index logits, at the block's column of block_idx (zeroed first).
+  float* lse_part = nullptr;
+  int32_t top_k = 0;  // block_idx width (k)
 };
 
 // Attention backward, KV side (kernels/bwd_kv_kernel.cuh), with the KL gradient when q_idx is set.
@@ -151,7 +155,7 @@ struct FwdKvArgs : KvSideArgs {
   float* lse = nullptr;
   int64_t lse_s0 = 0, lse_s1 = 0;
   int64_t tok_lo = 0, tok_hi = 0;
-  int32_t top_k = 0, block_size = 0;
+  int32_t block_size = 0;  // (top_k: KvSideArgs's)
   float scale_log2 = 0.f;  // signed
   // kAuto: pass_choice_kernel's sums; the KV-block kernels do nothing unless they choose it.
   const unsigned long long* choice = nullptr;

@@ -8,8 +8,9 @@
 //              LSE_idx over the support                      (forward kernel, LSE-only mode)
 //            dk, dv; with the KL branch also the fixed-point sums of dq_idx, dk_idx
 //                                                            (bwd_kv_kernel, KV side)
-//              (sparse mode: bwd_kv_kernel writes the        (bwd_kv_kernel, kl_grad_kernel,
-//               teacher, a pass of its own takes the sums;    in passes over the records)
+//              (sparse mode: LSE_idx by kl_grad_kernel's     (kl_grad_kernel, lse_combine_kernel)
+//               LSE pass; bwd_kv_kernel writes the teacher,  (bwd_kv_kernel, kl_grad_kernel,
+//               a pass of its own takes the sums;             in passes over the records)
 //               Hq / Hi not a power of two: a separate pass  (kl_kernel))
 //              scale by gamma * scale_idx / (N Hi), convert  (finalize_grad_kernel)
 // kl value:  reverse index, LSE_idx, kl_kernel's per-row terms, then finalize_kl_kernel.
@@ -72,6 +73,22 @@ __global__ void finalize_grad_kernel(const unsigned long long* acc, int64_t rows
     const int32_t h = static_cast<int32_t>(row - t * H);
     const double v = static_cast<double>(static_cast<long long>(acc[e])) * coef;
     out[t * s0 + h * s1 + d] = static_cast<Element>(static_cast<float>(v));
+  }
+}
+
+// LSE_idx[row] (natural log) from kl_grad_kernel's per-slot (max in log2 units, sum) partials,
+// added in block_idx column order (sum 0: no partial there).
+__global__ void lse_combine_kernel(const float2* part, int64_t rows, int32_t k, float* lse_idx) {
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; row < rows;
+       row += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float2* pr = part + row * k;
+    float mx = -INFINITY;
+    for (int32_t s = 0; s < k; ++s)
+      if (pr[s].y > 0.f) mx = fmaxf(mx, pr[s].x);
+    float sum = 0.f;
+    for (int32_t s = 0; s < k; ++s)
+      if (pr[s].y > 0.f) sum += pr[s].y * exp2f(pr[s].x - mx);
+    lse_idx[row] = sum > 0.f ? (mx + log2f(sum)) * 0.69314718055994531f : -INFINITY;
   }
 }
 
@@ -206,10 +223,8 @@ Status attention_backward(const Problem& prob, const BackwardParams& p) {
   const KlInputs kl_in{p.q, p.k, p.lse, p.q_idx, p.k_idx, p.cu_seqlens, p.block_idx};
   const bool fused = kv.q_idx != nullptr;  // bwd_kv_args set the index branch: KlRoute::kFused
   KlArgs g;  // pl.teacher: the gradient pass over bwd_kv's work list
-  if (fused || pl.teacher) {
-    MSA_TRY(index_lse(fn, pl, prob, kl_in, ws, stream));
-    MSA_TRY(zero_kl_sums(fn, pl, prob, ws, stream));
-  }
+  if (fused) MSA_TRY(index_lse(fn, pl, prob, kl_in, ws, stream));
+  if (fused || pl.teacher) MSA_TRY(zero_kl_sums(fn, pl, prob, ws, stream));
   if (fused) {
     kv.lse_idx = at<float>(ws, pl.lse_idx);
     kv.dq_idx = at<unsigned long long>(ws, pl.dq_acc);
@@ -229,6 +244,18 @@ Status attention_backward(const Problem& prob, const BackwardParams& p) {
   const BwdQArgs q = bwd_q_args(prob, p, delta);
   MSA_TRY(dispatch(fn, "q", p.q.dtype, prob.D, prob.opts.block_size, [&](auto v) {
     using V = decltype(v);
+    if (pl.teacher) {  // LSE_idx over the selected blocks: kl_grad's LSE pass over every record
+      KlArgs l = g;
+      l.lse_part = at<float>(ws, pl.lse_part);
+      const size_t bytes = 8 * size_t(prob.T) * prob.Hi * size_t(prob.k);
+      const cudaError_t e = cudaMemsetAsync(l.lse_part, 0, bytes, stream);
+      if (e != cudaSuccess) return cuda_error(fn, e);
+      MSA_TRY((launch_kl_grad<typename V::Element, V::kDim, V::kBlockN>(l, stream)));
+      const int64_t rows = prob.T * prob.Hi;
+      const int blocks = static_cast<int>(std::min<int64_t>((rows + 255) / 256, num_sms() * 32));
+      lse_combine_kernel<<<blocks, 256, 0, stream>>>(reinterpret_cast<const float2*>(l.lse_part), rows,
+                                                     prob.k, at<float>(ws, pl.lse_idx));
+    }
     MSA_TRY((launch_bwd_q<typename V::Element, V::kDim, V::kBlockN>(q, stream)));
     // kTeacher: each pass's teacher is written by bwd_kv and read by kl_grad before the next.
     for (int32_t pass = 0; pass < pl.passes; ++pass) {

@@ -161,11 +161,15 @@ Status launch_kl(const KlArgs& a, cudaStream_t stream) {
   return detail::launch_kv_side<Traits, kern::KlParams<Traits>>("kl", kern::kl_kernel<Traits>, a, stream);
 }
 
+// The gradient pass, or (a.lse_part set) the LSE pass before it.
 template <class Element, int kDim, int kBlockN>
 Status launch_kl_grad(const KlArgs& a, cudaStream_t stream) {
-  using Traits = kern::KlGradTraits<Element, kDim, kBlockN>;
-  return detail::launch_kv_side<Traits, kern::KlGradParams<Traits>>("backward", kern::kl_grad_kernel<Traits>,
-                                                                    a, stream);
+  auto launch = [&](auto lse) {
+    using Traits = kern::KlGradTraits<Element, kDim, kBlockN, decltype(lse)::value>;
+    return detail::launch_kv_side<Traits, kern::KlGradParams<Traits>>("backward", kern::kl_grad_kernel<Traits>,
+                                                                      a, stream);
+  };
+  return a.lse_part != nullptr ? launch(cute::true_type{}) : launch(cute::false_type{});
 }
 
 template <class Element, int kDim, int kBlockN>

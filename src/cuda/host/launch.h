@@ -22,7 +22,8 @@ template <class Element, int kHeadDim, int kBlockN>
 Status launch_bwd_kv(const BwdKvArgs& a, cudaStream_t stream);
 template <class Element, int kDim, int kBlockN>
 Status launch_kl(const KlArgs& a, cudaStream_t stream);
-// The KL gradient from the teacher bwd_kv wrote (one pass of records).
+// The KL gradient from the teacher bwd_kv wrote (one pass of records); with a.lse_part, the
+// index branch's LSE partials over every record instead.
 template <class Element, int kDim, int kBlockN>
 Status launch_kl_grad(const KlArgs& a, cudaStream_t stream);
 // The KV-block-outer forward over one pass of tokens: partials, then their combine.

@@ -285,6 +285,7 @@ void set_kv_side(KvSideArgs* a, const Problem& prob, const TensorRef& cu, bool s
   a->heads_per_idx = prob.Hq / a->Hi;
   a->idx_per_kv = a->Hi / prob.Hkv;
   a->group_tokens = kern::group_tokens(a->heads_per_idx);
+  a->top_k = prob.k;
 }
 void set_index(KvSideArgs* a, const Problem& prob, const TensorRef& q_idx, const TensorRef& k_idx) {
   a->q_idx = q_idx.data;
@@ -492,6 +493,7 @@ Status make_plan(const char* fn, const Problem& prob, int32_t nseq, bool sparse,
     p.pass_records = std::max<int64_t>(p.kv.chunk, (entries + passes - 1) / passes);
     p.passes = static_cast<int32_t>((entries + p.pass_records - 1) / p.pass_records);
     p.teacher_buf = take(static_cast<size_t>(rec_bytes) * size_t(p.pass_records + p.kv.chunk));
+    p.lse_part = take(8 * size_t(prob.T) * prob.Hi * size_t(prob.k));
     // A step of the gradient pass takes 16 / m records when a work item's index heads share one
     // index key head (Gk a multiple of Hi / Hkv), else one.
     const int32_t Gk = prob.Hi / prob.Hik, ipk = prob.Hi / prob.Hkv;

@@ -88,6 +88,7 @@ struct Plan {
   int32_t passes = 1, step_records = 1;
   int64_t pass_records = 0;
   size_t teacher_buf = 0;
+  size_t lse_part = 0;  // ... and LSE_idx's partials, [T, Hi, k] float2
   int64_t fwd_tokens = 0;            // the KV-block forward: tokens per pass
   size_t part_o = 0, part_ml = 0;    // ... and its partial outputs of one pass
   size_t choice = 0;                 // ... and kAuto's two sums (pass_choice_kernel)
