@@ -344,7 +344,6 @@ FwdKvArgs fwd_kv_args(const Problem& prob, const ForwardParams& p) {
   a.block_idx = static_cast<const int32_t*>(p.block_idx.data);
   a.bi_s0 = p.block_idx.stride[0];
   a.bi_s1 = p.block_idx.stride[1];
-  a.top_k = prob.k;
   a.block_size = prob.opts.block_size;
   a.scale_log2 = prob.opts.scale * static_cast<float>(M_LOG2E);
   return a;
@@ -480,8 +479,10 @@ Status make_plan(const char* fn, const Problem& prob, int32_t nseq, bool sparse,
   // bwd_kv: about 16 chunks per SM of the entry bound (which also bounds the partial slots:
   // at most 2 * 16 * SMs of them, 540 MB at Bk = D = 128 on 132 SMs); KL: chunks of 512 entries.
   if (main) MSA_TRY(work(&p.kv, std::max(256.0, std::ceil(e_bound / (16.0 * num_sms()))), true));
-  if (kl) MSA_TRY(work(&p.kl_work, 512.0, false));
-  if (main && kl && grad && sparse && kl_route(prob) == KlRoute::kTeacher) {
+  // kl_work: the separate KL pass's list (the KL value, or the gradient by KlRoute::kSeparate).
+  const KlRoute route = main && kl ? kl_route(prob) : KlRoute::kSeparate;
+  if (kl && route == KlRoute::kSeparate) MSA_TRY(work(&p.kl_work, 512.0, false));
+  if (main && kl && grad && sparse && route == KlRoute::kTeacher) {
     // The teacher of one pass's records: passes of equal record counts within the budget, at
     // least one chunk each (a pass's buffer also holds the chunk that starts at its end).
     p.teacher = true;

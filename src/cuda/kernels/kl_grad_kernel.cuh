@@ -155,8 +155,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   const bool dq_thread = tid < 128 * Traits::kDqWarpGroups;
   auto thr_dq = mma_dq.get_thread_slice(dq_thread ? tid : 0);
   Tensor tSrKi = thr_si.partition_fragment_A(sKi);
-  // A stage's q_idx operands are made where they are used, from the stage's address (descriptors
-  // of every stage made up front would stay live in registers across the loop).
+  // A stage's q_idx operands, made where they are used from the stage's address.
   auto stage_q_idx = [&](int st, auto layout) {
     return make_tensor(make_smem_ptr(ss.q_idx.data() + st * kTok * kDim), take<0, 2>(layout));
   };
