@@ -39,6 +39,13 @@ enum class KlPass : int32_t { kAuto = 0, kFused = 1, kSeparate = 2, kTeacher = 3
 // backend has one implementation and accepts every value.
 enum class FwdPass : int32_t { kAuto = 0, kQueryTile = 1, kKvBlock = 2 };
 
+// The scores the selection ranks blocks by (docs/contract.md §2). kInput: the index inputs' own
+// values. kFp8: E4M3 copies of them (a scale per q_idx row and per block of k_idx keys), which
+// halves the bytes and doubles the tensor-core rate of long-context selection; the selection
+// then differs where blocks score within E4M3's resolution of each other. lse_idx and the KL
+// keep the inputs' own scores.
+enum class SelectScores : int32_t { kInput = 0, kFp8 = 1 };
+
 struct Options {
   Mode mode = Mode::kSparse;
   int32_t block_size = 128;  // Bk, tokens per KV block
@@ -55,6 +62,7 @@ struct Options {
   // kl_pass = kTeacher: workspace bytes for the teacher of one pass (0: 6 GiB); the KV side of
   // the backward runs in as many passes over its work as the selection's entries need.
   int64_t kl_teacher_bytes = 0;
+  SelectScores select_scores = SelectScores::kInput;
 };
 
 // Per-call execution context. `stream` is a cudaStream_t for CUDA tensors (nullptr: the legacy

@@ -187,9 +187,8 @@ Status paged_append(const PagedAppendParams& p) {
 }
 
 // The CPU backend allocates host memory itself; the CUDA backend's backward and KL value use
-// device workspace (reverse index, fixed-point sums).
-size_t workspace_size(const SelectParams&) { return 0; }
-
+// device workspace (reverse index, fixed-point sums), and so do FP8 selection scores (the
+// E4M3 copies) and the KV-block forward (partial outputs).
 namespace {
 template <class P, class F>
 size_t cuda_workspace(const P& p, const TensorRef& lead, F&& size_of) {
@@ -206,6 +205,14 @@ size_t cuda_workspace(const P& p, const TensorRef& lead, F&& size_of) {
 #endif
 }
 }  // namespace
+
+size_t workspace_size(const SelectParams& p) {
+#ifdef MSA_WITH_CUDA
+  return cuda_workspace(p, p.q_idx, [](const Problem& pr, const SelectParams& x) { return cuda::select_workspace(pr, x); });
+#else
+  return cuda_workspace(p, p.q_idx, 0);
+#endif
+}
 
 size_t workspace_size(const ForwardParams& p) {
 #ifdef MSA_WITH_CUDA

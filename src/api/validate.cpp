@@ -387,7 +387,18 @@ Status option_ranges(const Check& c, const Options& o) {
                    "must be non-negative, got " + std::to_string(o.fwd_chunk_tokens)));
   MSA_TRY(c.option("kl_teacher_bytes", o.kl_teacher_bytes >= 0,
                    "must be non-negative, got " + std::to_string(o.kl_teacher_bytes)));
+  MSA_TRY(c.option("select_scores",
+                   o.select_scores == SelectScores::kInput || o.select_scores == SelectScores::kFp8,
+                   "must be kInput or kFp8, got " + std::to_string(static_cast<int32_t>(o.select_scores))));
   return Status::Ok();
+}
+
+// A paged call scores the cache's keys as they are stored (E4M3 pages: their codes), so the
+// training calls' E4M3 copies of the index inputs do not apply.
+Status paged_scores(const Check& c, const Options& o) {
+  return c.option("select_scores", o.select_scores == SelectScores::kInput,
+                  "kFp8 applies to select_blocks and forward; a paged call scores the cache's k_idx as "
+                  "stored (an E4M3 cache gives FP8 keys)");
 }
 
 // Options with the scales' defaults resolved (after option_ranges and the tensors: D, Di known).
@@ -767,6 +778,7 @@ Status validate(const PagedSelectParams& p, Problem* prob) {
   MSA_TRY(option_ranges(c, p.opts));
   MSA_TRY(c.option("mode", p.opts.mode == Mode::kSparse, "paged_select_blocks needs kSparse mode"));
   MSA_TRY(selection_options(c, p.opts));
+  MSA_TRY(paged_scores(c, p.opts));
   MSA_TRY(max_q_len_range(c, p.max_q_len));
   prob->opts.block_size = p.opts.block_size;
   int64_t pages = -1;
@@ -793,6 +805,7 @@ Status validate(const PagedForwardParams& p, Problem* prob) {
   const bool sparse = p.opts.mode == Mode::kSparse;
   const bool select = sparse && p.select;
   if (select) MSA_TRY(selection_options(c, p.opts));
+  MSA_TRY(paged_scores(c, p.opts));
   MSA_TRY(max_q_len_range(c, p.max_q_len));
   const int32_t Bk = p.opts.block_size;
   prob->opts.block_size = Bk;

@@ -29,6 +29,7 @@ Status kl_divergence(const Problem& prob, const KlParams& p);
 
 // Device workspace of each call, in bytes (0 when the arguments are not supported).
 size_t forward_workspace(const Problem& prob, const ForwardParams& p);
+size_t select_workspace(const Problem& prob, const SelectParams& p);
 size_t backward_workspace(const Problem& prob, const BackwardParams& p);
 size_t kl_workspace(const Problem& prob, const KlParams& p);
 

@@ -51,6 +51,42 @@ inline double index_score(const Problem& p, int64_t g, int i, int64_t gj) {
   return p.scale_idx() * acc;
 }
 
+// Contract §2, FP8 scores: `p` with q_idx and k_idx replaced by their dequantised E4M3 copies
+// (float64), from the format's definition in harness.h (nearest code by search), independently
+// of the backends: scale 448 / amax (fp32) per q_idx row and per block of a sequence's keys of
+// one index key head, values e4m3(fp32(x * scale)) / scale.
+inline Problem fp8_scored(const Problem& p) {
+  Problem out = p;
+  const Config& c = p.cfg;
+  const auto scale_of = [](float amax) { return amax > 0.f && std::isfinite(amax) ? 448.f / amax : 1.f; };
+  const auto value = [](double x, float s) {
+    const float y = static_cast<float>(x) * s;
+    return e4m3_value(e4m3_code(y)) / static_cast<double>(s);
+  };
+  out.q_idx = HostTensor(DType::kFloat64, {p.T, c.Hi, c.Di});
+  out.k_idx = HostTensor(DType::kFloat64, {p.T, c.Hik, c.Di});
+  for (int64_t g = 0; g < p.T; ++g)
+    for (int i = 0; i < c.Hi; ++i) {
+      float amax = 0.f;
+      for (int d = 0; d < c.Di; ++d) amax = std::max(amax, std::fabs(static_cast<float>(p.q_idx.at(g, i, d))));
+      const float s = scale_of(amax);
+      for (int d = 0; d < c.Di; ++d) out.q_idx.set((g * c.Hi + i) * c.Di + d, value(p.q_idx.at(g, i, d), s));
+    }
+  for (size_t q = 0; q + 1 < p.offsets.size(); ++q)
+    for (int64_t j0 = p.offsets[q]; j0 < p.offsets[q + 1]; j0 += c.Bk) {
+      const int64_t j1 = std::min<int64_t>(j0 + c.Bk, p.offsets[q + 1]);
+      for (int ik = 0; ik < c.Hik; ++ik) {
+        float amax = 0.f;
+        for (int64_t j = j0; j < j1; ++j)
+          for (int d = 0; d < c.Di; ++d) amax = std::max(amax, std::fabs(static_cast<float>(p.k_idx.at(j, ik, d))));
+        const float s = scale_of(amax);
+        for (int64_t j = j0; j < j1; ++j)
+          for (int d = 0; d < c.Di; ++d) out.k_idx.set((j * c.Hik + ik) * c.Di + d, value(p.k_idx.at(j, ik, d), s));
+      }
+    }
+  return out;
+}
+
 // M(t, b) for b <= blk(t).
 inline std::vector<double> block_scores(const Problem& p, int64_t g, int i) {
   const int64_t b0 = seq_begin(p, g), t = g - b0;

@@ -499,7 +499,8 @@ class CudaVsCpu : public ::testing::TestWithParam<CudaCase> {
   // forward on the GPU: over `given` (kSparse, select off), over its own selection (`select`), or
   // dense (kDense); `pass` and `chunk`: Options.fwd_pass and fwd_chunk_tokens.
   GpuForward gpu_forward(Mode mode, HostTensor* given, bool select,
-                         msa::FwdPass pass = msa::FwdPass::kAuto, int32_t chunk = 0) {
+                         msa::FwdPass pass = msa::FwdPass::kAuto, int32_t chunk = 0,
+                         msa::SelectScores scores = msa::SelectScores::kInput) {
     const Config& c = cfg();
     const int64_t T = p().T;
     DeviceTensor out = DeviceTensor::poisoned(c.dtype, {T, c.Hq, c.D}, s());
@@ -524,6 +525,7 @@ class CudaVsCpu : public ::testing::TestWithParam<CudaCase> {
     f.opts = p().options(mode);
     f.opts.fwd_pass = pass;
     f.opts.fwd_chunk_tokens = chunk;
+    f.opts.select_scores = scores;
     f.launch.stream = s();
     const size_t ws_bytes = msa::workspace_size(f);
     DeviceTensor ws(DType::kInt32, {static_cast<int64_t>((ws_bytes + 3) / 4)});
@@ -650,6 +652,60 @@ TEST_P(CudaVsCpu, SelectBlocks) {
   const HostTensor got = bi.download(s()), got_lse = lse_idx.download(s());
   const Failures f = check_selection(p(), IndexScores(p()), got, with_lse ? &got_lse : nullptr, all_tokens(p()));
   EXPECT_EQ(f.count, 0) << what("select_blocks") << f.first;
+}
+
+// select_blocks with FP8 scores (Options.select_scores = kFp8): the contract's format and
+// tolerance rule over the scores of the dequantised E4M3 copies (the tests' own quantiser), and
+// lse_idx over the returned support with the inputs' own scores.
+TEST_P(CudaVsCpu, SelectBlocksFp8) {
+  SKIP_UNLESS_BUILT(cfg(), false, true);
+  const Config& c = cfg();
+  DeviceTensor bi = DeviceTensor::poisoned(DType::kInt32, {p().T, c.Hi, c.k}, s());
+  DeviceTensor lse_idx = DeviceTensor::poisoned(DType::kFloat32, {p().T, c.Hi}, s());
+  msa::SelectParams sp;
+  sp.q_idx = dev().q_idx.ref();
+  sp.k_idx = dev().k_idx.ref();
+  if (!GetParam().no_cu_seqlens) sp.cu_seqlens = dev().cu.ref();
+  sp.block_idx = bi.ref();
+  sp.lse_idx = lse_idx.ref();
+  sp.opts = p().options();
+  sp.opts.select_scores = msa::SelectScores::kFp8;
+  sp.launch.stream = s();
+  const size_t ws_bytes = msa::workspace_size(sp);
+  ASSERT_GT(ws_bytes, 0u);
+  DeviceTensor ws = DeviceTensor::poisoned(DType::kInt32, {static_cast<int64_t>((ws_bytes + 3) / 4)}, s());
+  sp.launch.workspace = ws.ref().data;
+  sp.launch.workspace_bytes = ws_bytes;
+  require_ok(msa::select_blocks(sp));
+  const HostTensor got = bi.download(s()), got_lse = lse_idx.download(s());
+  const Problem q8 = fp8_scored(p());
+  const Failures f = check_selection(q8, IndexScores(q8), got, nullptr, all_tokens(p()));
+  EXPECT_EQ(f.count, 0) << what("select_blocks, kFp8") << f.first;
+  const IndexScores own(p());
+  Failures fl;
+  for (int64_t g = 0; g < p().T; ++g)
+    for (int i = 0; i < c.Hi; ++i) {
+      std::vector<int> chosen;
+      for (int b : bi_row(got, g, i))
+        if (b >= 0) chosen.push_back(b);
+      const double want = own.lse_over(g, i, chosen), lse = got_lse.at(g, i);
+      if (!(std::fabs(lse - want) <= 1e-3 * (1 + std::fabs(want))))
+        fl.add("lse_idx[" + std::to_string(g) + ", " + std::to_string(i) + "] = " + std::to_string(lse) +
+               ", expected " + std::to_string(want));
+    }
+  EXPECT_EQ(fl.count, 0) << what("select_blocks, kFp8, lse_idx") << fl.first;
+}
+
+// forward with select = true and FP8 scores: the selection by the rule over the E4M3 copies'
+// scores, then out and lse against the CPU over the block_idx the GPU chose.
+TEST_P(CudaVsCpu, ForwardWithSelectFp8) {
+  SKIP_UNLESS_BUILT(cfg(), true, true);
+  GpuForward g = gpu_forward(Mode::kSparse, nullptr, true, msa::FwdPass::kAuto, 0, msa::SelectScores::kFp8);
+  const Problem q8 = fp8_scored(p());
+  const Failures f = check_selection(q8, IndexScores(q8), g.block_idx, nullptr, all_tokens(p()));
+  ASSERT_EQ(f.count, 0) << what("forward, select = true, kFp8") << f.first;
+  const FwdResult ref = run_forward(wide(), &g.block_idx, Mode::kSparse, false);
+  expect_forward_close(g.out, g.lse, ref, cfg().dtype, what("forward, select = true, kFp8"));
 }
 
 // forward over a caller's block_idx (the same one on both sides) in any legal form.
@@ -1086,6 +1142,48 @@ TEST(Cuda, Selection131072Tokens) {
 void expect_error(const msa::Status& s, StatusCode code, const std::string& needle, const std::string& what) {
   EXPECT_EQ(s.code, code) << what << ": " << s.message;
   EXPECT_NE(s.message.find(needle), std::string::npos) << what << ": message lacks \"" << needle << "\": " << s.message;
+}
+
+// Two blocks whose best keys differ by 2^-7 (apart in bfloat16) round to the same E4M3 value
+// under the scale a large value elsewhere in each block sets: kFp8 ties them and picks the lower
+// block, kInput the higher one (as on the CPU, test_selection.cpp). Without the workspace the
+// FP8 call fails naming it.
+TEST(Cuda, Fp8ScoresTieWhatE4M3CannotTellApart) {
+  SKIP_WITHOUT_CUDA();
+  Config c = shape({384}, 1, 1, 128, 1, 1, 128, 128, 2, kBf16, 5);
+  if (!kernels_built(c, false, true)) GTEST_SKIP() << "kernel variant not built into this library";
+  Problem p = random_problem(c);
+  for (int64_t x = 0; x < p.q_idx.numel(); ++x) p.q_idx.set(x, x % c.Di == 0 ? 1.0 : 0.0);
+  for (int64_t x = 0; x < p.k_idx.numel(); ++x) p.k_idx.set(x, 0.0);
+  p.k_idx.set(0 * c.Di + 1, 100.0);
+  p.k_idx.set(1 * c.Di + 0, 1.0);
+  p.k_idx.set(128 * c.Di + 1, 100.0);
+  p.k_idx.set(129 * c.Di + 0, 1.0078125);
+  DeviceTensor q_idx = DeviceTensor::upload(p.q_idx, nullptr), k_idx = DeviceTensor::upload(p.k_idx, nullptr);
+  for (msa::SelectScores scores : {msa::SelectScores::kInput, msa::SelectScores::kFp8}) {
+    DeviceTensor bi = DeviceTensor::poisoned(DType::kInt32, {p.T, 1, c.k}, nullptr);
+    msa::SelectParams sp;
+    sp.q_idx = q_idx.ref();
+    sp.k_idx = k_idx.ref();
+    sp.block_idx = bi.ref();
+    sp.opts = p.options();
+    sp.opts.select_scores = scores;
+    const size_t ws_bytes = msa::workspace_size(sp);
+    DeviceTensor ws(DType::kInt32, {static_cast<int64_t>((ws_bytes + 3) / 4 + 1)});
+    if (ws_bytes > 0) {
+      expect_error(msa::select_blocks(sp), StatusCode::kInvalidArgument, "argument 'launch.workspace'",
+                   "kFp8 without workspace");
+      sp.launch.workspace = ws.ref().data;
+      sp.launch.workspace_bytes = ws_bytes;
+    }
+    require_ok(msa::select_blocks(sp));
+    const HostTensor got = bi.download(nullptr);
+    const int want = scores == msa::SelectScores::kFp8 ? 0 : 1;
+    for (int64_t t = 256; t < 384; ++t) {
+      ASSERT_EQ(got.idx(t, 0, 0), want) << "token " << t;
+      ASSERT_EQ(got.idx(t, 0, 1), 2) << "token " << t;
+    }
+  }
 }
 
 // Valid device buffers of one small problem, and the parameters of each entry point over them.

@@ -374,6 +374,8 @@ TEST(PagedValidation, Select) {
       {"block_idx width", "block_idx", [](P& p, ValidPaged&) { p.block_idx.shape[2] = 1; }},
       {"block_idx missing", "block_idx", [](P& p, ValidPaged&) { p.block_idx = {}; }},
       {"block_idx aliasing q_idx", "block_idx", [](P& p, ValidPaged&) { p.block_idx.data = p.q_idx.data; }},
+      {"FP8 copies of the index inputs", "select_scores",
+       [](P& p, ValidPaged&) { p.opts.select_scores = msa::SelectScores::kFp8; }},
   };
   cases.insert(cases.end(), own.begin(), own.end());
   run_cases<P>(cases, [](ValidPaged& v) { return v.select(); }, [](const P& p) { return msa::paged_select_blocks(p); });
@@ -405,6 +407,8 @@ TEST(PagedValidation, Forward) {
       {"out aliasing the cache", "out", [](P& p, ValidPaged&) { p.out.data = p.cache.v.data; }},
       {"block_idx width vs top_k", "block_idx", [](P& p, ValidPaged&) { p.opts.top_k = 1; p.opts.local_blocks = 1; }},
       {"scale", "scale", [](P& p, ValidPaged&) { p.opts.scale = NAN; }},
+      {"FP8 copies of the index inputs", "select_scores",
+       [](P& p, ValidPaged&) { p.opts.select_scores = msa::SelectScores::kFp8; }},
   };
   cases.insert(cases.end(), own.begin(), own.end());
   run_cases<P>(cases, [](ValidPaged& v) { return v.forward(true); }, [](const P& p) { return msa::paged_forward(p); });

@@ -161,5 +161,87 @@ TEST(Selection, NanStaysInItsSequence) {
   }
 }
 
+// Options.select_scores = kFp8 (contract §2): the selection follows the rule over the scores of
+// the dequantised E4M3 copies (fp8_scored, the tests' own quantiser) with no slack, on several
+// sequences whose last blocks are partial; lse_idx keeps the inputs' own scores.
+TEST(Selection, Fp8ScoresFollowTheRule) {
+  for (DType dt : {DType::kBFloat16, DType::kFloat32}) {
+    Config c = sel({300, 1, 77, 129}, 16, 5, 1, 1, 4, 2);
+    c.dtype = dt;
+    Problem p(c);
+    p.k_idx.set(40 * c.Hik * c.Di + 3, 9.5);  // one block with a large amax
+    const Problem q8 = fp8_scored(p);
+    HostTensor lse(DType::kFloat32, {p.T, c.Hi});
+    lse.fill(NAN);
+    HostTensor bi(DType::kInt32, {p.T, c.Hi, c.k});
+    bi.fill(-7);
+    msa::SelectParams sp;
+    sp.q_idx = p.q_idx.ref();
+    sp.k_idx = p.k_idx.ref();
+    sp.cu_seqlens = p.cu.ref();
+    sp.block_idx = bi.ref();
+    sp.lse_idx = lse.ref();
+    sp.opts = p.options();
+    sp.opts.select_scores = msa::SelectScores::kFp8;
+    expect_ok(msa::select_blocks(sp));
+    const Sets sets = sets_from(p, bi);
+    int64_t differs = 0;
+    const Sets exact = ref_select(p);
+    for (int64_t g = 0; g < p.T; ++g) {
+      const int64_t t = g - seq_begin(p, g);
+      const int own = static_cast<int>(t / c.Bk);
+      for (int i = 0; i < c.Hi; ++i) {
+        std::vector<int> row;
+        for (int j = 0; j < c.k; ++j) row.push_back(bi.idx(g, i, j));
+        ASSERT_EQ(selection_format_error(row, own), "") << "row " << g << " head " << i;
+        EXPECT_EQ(selection_rule_error(c, own, block_scores(q8, g, i), sets[g][i], 1e-9, 0.0), "")
+            << msa::dtype_name(dt) << " row " << g << " head " << i;
+        differs += sets[g][i] != exact[g][i];
+        std::vector<double> sc;
+        for (int b : sets[g][i])
+          for (int64_t j = b * c.Bk; j <= std::min<int64_t>((b + 1) * c.Bk - 1, t); ++j)
+            sc.push_back(index_score(p, g, i, seq_begin(p, g) + j));
+        double mx = -INFINITY, z = 0;
+        for (double x : sc) mx = std::max(mx, x);
+        for (double x : sc) z += std::exp(x - mx);
+        EXPECT_NEAR(lse.at(g, i), mx + std::log(z), 1e-5 * (1 + std::fabs(mx))) << "row " << g << " head " << i;
+      }
+    }
+    // The copies are coarse: some rows must pick otherwise than the inputs' own scores.
+    EXPECT_GT(differs, 0) << msa::dtype_name(dt);
+  }
+}
+
+// Two blocks whose best keys differ by 2^-7 (apart in bfloat16) round to the same E4M3 value
+// under the scale a large value elsewhere in each block sets, so kFp8 ties them and picks the
+// lower block, where the inputs' own scores pick the higher one.
+TEST(Selection, Fp8ScoresTieWhatE4M3CannotTellApart) {
+  Config c = sel({48}, 16, 2);
+  c.dtype = DType::kBFloat16;
+  c.Hi = 1;
+  Problem p(c);
+  for (int64_t x = 0; x < p.q_idx.numel(); ++x) p.q_idx.set(x, x % c.Di == 0 ? 1.0 : 0.0);
+  for (int64_t x = 0; x < p.k_idx.numel(); ++x) p.k_idx.set(x, 0.0);
+  p.k_idx.set(0 * c.Di + 1, 100.0);  // block 0, row 0: dim 1 (which the query ignores) sets the scale
+  p.k_idx.set(1 * c.Di + 0, 1.0);
+  p.k_idx.set(16 * c.Di + 1, 100.0);  // block 1 likewise
+  p.k_idx.set(17 * c.Di + 0, 1.0078125);
+  for (msa::SelectScores scores : {msa::SelectScores::kInput, msa::SelectScores::kFp8}) {
+    HostTensor bi(DType::kInt32, {p.T, c.Hi, c.k});
+    msa::SelectParams sp;
+    sp.q_idx = p.q_idx.ref();
+    sp.k_idx = p.k_idx.ref();
+    sp.block_idx = bi.ref();
+    sp.opts = p.options();
+    sp.opts.select_scores = scores;
+    expect_ok(msa::select_blocks(sp));
+    const int want = scores == msa::SelectScores::kFp8 ? 0 : 1;
+    for (int64_t t = 32; t < 48; ++t) {
+      EXPECT_EQ(bi.idx(t, 0, 0), want) << "token " << t;
+      EXPECT_EQ(bi.idx(t, 0, 1), 2) << "token " << t;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace msatest

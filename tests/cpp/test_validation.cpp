@@ -370,6 +370,9 @@ TEST(Validation, OptionRangesAlwaysChecked) {
   f = v.forward();
   f.opts.fwd_chunk_tokens = -1;
   expect_invalid(msa::forward(f), "fwd_chunk_tokens", "fwd_chunk_tokens -1");
+  f = v.forward();
+  f.opts.select_scores = static_cast<msa::SelectScores>(2);
+  expect_invalid(msa::forward(f), "select_scores", "select_scores 2");
   msa::KlParams k = v.klp();
   k.opts.top_k = 0;
   expect_invalid(msa::kl_divergence(k), "top_k", "top_k 0 in kl_divergence");

@@ -192,22 +192,26 @@ __device__ inline void load_block_rows_now(SmemTensor&& s, const Element* base, 
 
 // Rows (token, head) of a [T, H, D] tensor into a swizzled [kRowsTile, kHeadDim] shared tile:
 // row = token * heads + head, `tokens` tokens from `base` (the first token's row of head 0),
-// heads first_head .. first_head + heads - 1; zero rows past them. `negate` flips every sign.
+// heads first_head .. first_head + heads - 1; zero rows past them. `negate` flips every sign
+// (16-bit elements). 16-byte chunks: 8 elements of 16 bits or 16 of E4M3.
 template <int kRowsTile, int kHeadDim, int kThreadsUsed, class SmemTensor, class Element>
 __device__ inline void load_head_rows(SmemTensor& s, const Element* base, int64_t s0, int64_t s1,
                                       int32_t first_head, int32_t heads, int32_t tokens, int tidx,
                                       bool negate = false) {
-  constexpr int kChunks = kHeadDim / 8;
+  constexpr int kPer = 16 / sizeof(Element);
+  constexpr int kChunks = kHeadDim / kPer;
   const int32_t rows_used = tokens * heads;
   for (int e = tidx; e < kRowsTile * kChunks; e += kThreadsUsed) {
     const int row = e / kChunks, c = e % kChunks;
     uint4 val = make_uint4(0, 0, 0, 0);
     if (row < rows_used) {
       const int tok = row / heads, h = row - tok * heads;
-      val = *reinterpret_cast<const uint4*>(base + tok * s0 + (int64_t)(first_head + h) * s1 + c * 8);
-      if (negate) val = negate8(val);
+      val = *reinterpret_cast<const uint4*>(base + tok * s0 + (int64_t)(first_head + h) * s1 + c * kPer);
+      if constexpr (sizeof(Element) == 2) {
+        if (negate) val = negate8(val);
+      }
     }
-    *reinterpret_cast<uint4*>(&s(row, c * 8)) = val;
+    *reinterpret_cast<uint4*>(&s(row, c * kPer)) = val;
   }
 }
 

@@ -70,6 +70,17 @@ struct FwdArgs : QueryTileArgs {
   const unsigned long long* choice = nullptr;
 };
 
+// E4M3 copies of the index inputs for FP8 selection scores (kernels/fp8_copy_kernel.cuh).
+struct Fp8CopyArgs : SeqArgs {
+  const void *q_idx = nullptr, *k_idx = nullptr;  // the inputs, their dtype
+  int64_t q_s0 = 0, q_s1 = 0, k_s0 = 0, k_s1 = 0;
+  int32_t Hi = 0, Hik = 0, block_size = 0;
+  bool negate = false;  // scale_idx < 0: the q_idx codes' signs flipped
+  uint8_t *q8 = nullptr, *k8 = nullptr;  // [T, Hi, Di], [T, Hik, Di] codes, packed
+  float* k_factor = nullptr;             // [T, Hik]: written at each block's first row
+  int64_t num_blocks = 0;                // grid.x of fp8_blocks_kernel: block tile ids
+};
+
 // Index selection (kernels/select_kernel.cuh).
 struct SelectArgs : SeqArgs {
   const void *q_idx = nullptr, *k_idx = nullptr;
@@ -84,6 +95,11 @@ struct SelectArgs : SeqArgs {
   bool negate = false;
   int64_t num_tiles = 0;
   kern::PagedKeys paged;  // k_idx in a paged cache (a serving prefill); default: packed
+  // Options.select_scores = kFp8: the E4M3 copies `copy` makes first (into the workspace)
+  // replace q_idx and k_idx (then packed codes), and each block's maxima are scaled by its
+  // copy.k_factor.
+  bool fp8 = false;
+  Fp8CopyArgs copy;
 };
 
 // Attention backward, query side (kernels/bwd_q_kernel.cuh).

@@ -99,11 +99,13 @@ bool available() {
 Status select_blocks(const Problem& prob, const SelectParams& p) {
   const char* fn = "select_blocks";
   MSA_TRY(can_select(fn, prob, p.q_idx, p.k_idx, p.lse_idx.defined()));
+  MSA_TRY(need_bytes(fn, select_fp8_bytes(prob), p.launch));
   if (prob.T == 0) return Status::Ok();
   DeviceGuard guard(p.q_idx.device.index);
   MSA_TRY(check_values(fn, prob, p.cu_seqlens, TensorRef{}, p.launch));
   const cudaStream_t stream = static_cast<cudaStream_t>(p.launch.stream);
-  const SelectArgs a = select_args(prob, p.q_idx, p.k_idx, p.cu_seqlens, p.block_idx);
+  SelectArgs a = select_args(prob, p.q_idx, p.k_idx, p.cu_seqlens, p.block_idx);
+  if (select_fp8_bytes(prob) > 0) set_select_fp8(prob, p.launch.workspace, &a);
   MSA_TRY(run_select(fn, prob, a, p.q_idx.dtype, stream));
   if (!p.lse_idx.defined()) return Status::Ok();
   // lse_idx: the index softmax's normaliser over the selection just made.
@@ -132,6 +134,8 @@ Status attention_forward(const Problem& prob, const ForwardParams& p) {
     MSA_TRY(kl_plan(fn, prob, {p.q, p.k, p.lse, p.q_idx, p.k_idx, p.cu_seqlens, p.block_idx}, &pl));
     MSA_TRY(need_workspace(fn, pl, p.launch));
   }
+  // The selection's E4M3 copies are dead before the passes after it use the workspace.
+  if (p.select) MSA_TRY(need_bytes(fn, select_fp8_bytes(prob), p.launch));
   if (prob.T == 0 && !p.kl.defined()) return Status::Ok();
   DeviceGuard guard(p.q.device.index);
   const bool caller_selection = !dense && !p.select;
@@ -139,7 +143,8 @@ Status attention_forward(const Problem& prob, const ForwardParams& p) {
   const cudaStream_t stream = static_cast<cudaStream_t>(p.launch.stream);
   if (prob.T > 0) {
     if (!dense && p.select) {
-      const SelectArgs sa = select_args(prob, p.q_idx, p.k_idx, p.cu_seqlens, p.block_idx);
+      SelectArgs sa = select_args(prob, p.q_idx, p.k_idx, p.cu_seqlens, p.block_idx);
+      if (select_fp8_bytes(prob) > 0) set_select_fp8(prob, p.launch.workspace, &sa);
       MSA_TRY(run_select(fn, prob, sa, p.q_idx.dtype, stream));
     }
     if (kv_block) {
@@ -169,7 +174,10 @@ size_t forward_workspace(const Problem& prob, const ForwardParams& p) {
   if (p.kl.defined() &&
       kl_plan("forward", prob, {p.q, p.k, p.lse, p.q_idx, p.k_idx, p.cu_seqlens, p.block_idx}, &pl).ok())
     bytes = std::max(bytes, pl.total);
+  if (p.select) bytes = std::max(bytes, select_fp8_bytes(prob));
   return bytes;
 }
+
+size_t select_workspace(const Problem& prob, const SelectParams&) { return select_fp8_bytes(prob); }
 
 }  // namespace msa::cuda

@@ -7,6 +7,7 @@
 
 #include "../kernels/bwd_kv_kernel.cuh"
 #include "../kernels/bwd_q_kernel.cuh"
+#include "../kernels/fp8_copy_kernel.cuh"
 #include "../kernels/fwd_kernel.cuh"
 #include "../kernels/fwd_kv_kernel.cuh"
 #include "../kernels/kl_grad_kernel.cuh"
@@ -107,19 +108,33 @@ Status launch_bwd_q(const BwdQArgs& a, cudaStream_t stream) {
 template <class Element, int kDim, int kBlockN>
 Status launch_select(const SelectArgs& a, cudaStream_t stream) {
   using namespace cute;
-  using Traits = kern::SelectTraits<Element, kDim, kBlockN>;
-  kern::SelectKernelParams<Traits> p{};
-  static_cast<SelectArgs&>(p) = a;
-  auto g = make_tensor(make_gmem_ptr(static_cast<Element const*>(a.k_idx)),
-                       make_layout(make_shape(a.paged.rows(a.T), int32_t(kDim), a.Hik),
-                                   make_stride(a.k_s0, _1{}, a.k_s1)));
-  p.tma_k = make_tma_copy(SM90_TMA_LOAD{}, g, take<0, 2>(typename Traits::SmemLayoutK{}),
-                          Shape<Int<kBlockN>, Int<kDim>>{}, _1{});
-  const size_t smem = Traits::kListOffset + size_t(Traits::kBlockM) * (a.k | 1) * 8;
-  const dim3 grid(static_cast<unsigned>(a.num_tiles), static_cast<unsigned>(a.Hik));
-  return detail::launch_kernel("select_blocks", kern::select_kernel<Traits>, grid, Traits::kThreads,
-                               smem, stream, p,
-                               "argument 'top_k': " + std::to_string(a.k) + " candidates per row");
+  auto launch = [&](auto element) {
+    using E = decltype(element);
+    using Traits = kern::SelectTraits<E, kDim, kBlockN>;
+    kern::SelectKernelParams<Traits> p{};
+    static_cast<SelectArgs&>(p) = a;
+    auto g = make_tensor(make_gmem_ptr(static_cast<E const*>(a.k_idx)),
+                         make_layout(make_shape(a.paged.rows(a.T), int32_t(kDim), a.Hik),
+                                     make_stride(a.k_s0, _1{}, a.k_s1)));
+    p.tma_k = make_tma_copy(SM90_TMA_LOAD{}, g, take<0, 2>(typename Traits::SmemLayoutK{}),
+                            Shape<Int<kBlockN>, Int<kDim>>{}, _1{});
+    const size_t smem = Traits::kListOffset + size_t(Traits::kBlockM) * (a.k | 1) * 8;
+    const dim3 grid(static_cast<unsigned>(a.num_tiles), static_cast<unsigned>(a.Hik));
+    return detail::launch_kernel("select_blocks", kern::select_kernel<Traits>, grid, Traits::kThreads,
+                                 smem, stream, p,
+                                 "argument 'top_k': " + std::to_string(a.k) + " candidates per row");
+  };
+  if (!a.fp8) return launch(Element{});
+  // FP8 scores: the E4M3 copies of q_idx (a warp per row) and k_idx (a CTA per key block), then
+  // the selection over them.
+  const Fp8CopyArgs& c = a.copy;
+  const int64_t rows = int64_t(c.T) * c.Hi;
+  MSA_TRY(detail::launch_kernel("select_blocks", kern::fp8_rows_kernel<Element, kDim>,
+                                dim3(static_cast<unsigned>((rows + 7) / 8)), 256, 0, stream, c));
+  MSA_TRY(detail::launch_kernel("select_blocks", kern::fp8_blocks_kernel<Element, kDim>,
+                                dim3(static_cast<unsigned>(c.num_blocks), static_cast<unsigned>(c.Hik)), 128, 0,
+                                stream, c));
+  return launch(cutlass::float_e4m3_t{});
 }
 
 // The KL branch fused (q_idx set), its teacher only (teacher set), or none.

@@ -213,6 +213,43 @@ SelectArgs select_args(const Problem& prob, const TensorRef& q_idx, const Tensor
   return a;
 }
 
+// Codes of q_idx [T, Hi, Di], of k_idx [T, Hik, Di], then k_factor [T, Hik] fp32.
+size_t select_fp8_bytes(const Problem& prob) {
+  if (prob.opts.select_scores != SelectScores::kFp8 || prob.opts.mode != Mode::kSparse) return 0;
+  return align_up(size_t(prob.T) * prob.Hi * prob.Di) + align_up(size_t(prob.T) * prob.Hik * prob.Di) +
+         align_up(sizeof(float) * size_t(prob.T) * prob.Hik);
+}
+
+void set_select_fp8(const Problem& prob, void* ws, SelectArgs* a) {
+  Fp8CopyArgs& c = a->copy;
+  static_cast<SeqArgs&>(c) = static_cast<const SeqArgs&>(*a);
+  c.q_idx = a->q_idx;
+  c.q_s0 = a->q_s0;
+  c.q_s1 = a->q_s1;
+  c.k_idx = a->k_idx;
+  c.k_s0 = a->k_s0;
+  c.k_s1 = a->k_s1;
+  c.Hi = prob.Hi;
+  c.Hik = prob.Hik;
+  c.block_size = prob.opts.block_size;
+  c.negate = a->negate;
+  char* base = static_cast<char*>(ws);
+  c.q8 = reinterpret_cast<uint8_t*>(base);
+  base += align_up(size_t(prob.T) * prob.Hi * prob.Di);
+  c.k8 = reinterpret_cast<uint8_t*>(base);
+  base += align_up(size_t(prob.T) * prob.Hik * prob.Di);
+  c.k_factor = reinterpret_cast<float*>(base);
+  c.num_blocks = kern::num_tile_ids(a->nseq, prob.T, prob.opts.block_size);
+  a->fp8 = true;
+  a->q_idx = c.q8;
+  a->q_s0 = int64_t(prob.Hi) * prob.Di;
+  a->q_s1 = prob.Di;
+  a->k_idx = c.k8;
+  a->k_s0 = int64_t(prob.Hik) * prob.Di;
+  a->k_s1 = prob.Di;
+  a->negate = false;  // folded into the codes
+}
+
 namespace {
 void set_scale(FwdArgs* a, float scale) {
   a->scale = std::fabs(scale);
@@ -547,6 +584,12 @@ Status kl_plan(const char* fn, const Problem& prob, const KlInputs& in, Plan* pl
   MSA_TRY(can_kl(fn, prob, in));
   return make_plan(fn, prob, num_seqs(in.cu_seqlens),
                    prob.opts.mode == Mode::kSparse, false, true, false, pl);
+}
+
+Status need_bytes(const char* fn, size_t bytes, const Launch& launch) {
+  Plan pl;
+  pl.total = bytes;
+  return need_workspace(fn, pl, launch);
 }
 
 Status need_workspace(const char* fn, const Plan& pl, const Launch& launch) {

@@ -47,6 +47,10 @@ KlRoute kl_route(const Problem& prob);
 // ---- the parameter chain
 SelectArgs select_args(const Problem& prob, const TensorRef& q_idx, const TensorRef& k_idx,
                        const TensorRef& cu, const TensorRef& block_idx);
+// Options.select_scores = kFp8: the workspace of the E4M3 copies (0 otherwise), and the Args
+// that make them there and select over them (`ws`: at least select_fp8_bytes).
+size_t select_fp8_bytes(const Problem& prob);
+void set_select_fp8(const Problem& prob, void* ws, SelectArgs* a);
 FwdArgs forward_args(const Problem& prob, const ForwardParams& p);
 // The index branch's LSE over the support (the forward kernel in LSE-only mode over q_idx, k_idx;
 // one row per index head) into lse_idx [T, Hi] with strides (s0, s1).
@@ -104,5 +108,6 @@ Status backward_plan(const Problem& prob, const BackwardParams& p, Plan* pl);
 Status kl_plan(const char* fn, const Problem& prob, const KlInputs& in, Plan* pl);
 // A caller's workspace holds the plan.
 Status need_workspace(const char* fn, const Plan& pl, const Launch& launch);
+Status need_bytes(const char* fn, size_t bytes, const Launch& launch);
 
 }  // namespace msa::cuda

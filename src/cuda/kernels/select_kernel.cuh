@@ -9,6 +9,10 @@
 // max over the quad that holds the row, and one lane per row keeps that row's best candidates in
 // shared memory. Blocks arrive in ascending order, so a candidate that only ties the current
 // k-th best never displaces it: ties go to the lower block index.
+//
+// Element = float_e4m3_t (Options.select_scores = kFp8): q_idx and k_idx are the E4M3 copies of
+// fp8_copy_kernel.cuh, the MMA is wgmma's E4M3 x E4M3 (k32 steps, fp32 accumulators), and each
+// block's maxima are scaled by the block's k_factor; the rest is the same kernel.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -30,7 +34,8 @@ struct SelectTraits {
   static constexpr int kDim = kDim_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kBlockM = cuda::kSelectTileRows;  // each consumer warpgroup owns 128 rows
-  static constexpr int kStages = 3;
+  static constexpr bool kFp8 = sizeof(Element) == 1;
+  static constexpr int kStages = kFp8 ? 4 : 3;  // a stage of E4M3 keys is half the bytes
   static constexpr int kConsumerThreads = 256;
   static constexpr int kThreads = kConsumerThreads + 128;
 
@@ -219,7 +224,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
     for (int r = 1; r < kRows; ++r)
       if (quad_lane == r) mine = block_max[r];
-    const float score = mine * p.scale;
+    float score = mine * p.scale;
+    if constexpr (Traits::kFp8) score *= p.copy.k_factor[(tile.seq_start + int64_t(b) * kBlockN) * p.Hik + ik];
     if (filled < slots) {
       my_score[filled] = score;
       my_block[filled] = b;

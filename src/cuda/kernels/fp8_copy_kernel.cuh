@@ -1,0 +1,87 @@
+// E4M3 copies of the index inputs for FP8 selection scores (docs/contract.md §2, select_scores =
+// kFp8): a scale s = 448 / amax per q_idx row and per block of k_idx keys of one sequence, each
+// value stored as e4m3(fp32(x * s)) (nearest even, saturated), as the CPU backend does.
+//
+// fp8_rows_kernel: one warp per (token, index head) row, kDim / 32 elements per lane (one load),
+// the row's amax by shuffles. The row's scale is not kept: it does not change the order of the
+// row's scores. A negative scale_idx is folded in as a sign flip of the codes (exact).
+// fp8_blocks_kernel: one CTA of 128 threads per (key block of a sequence, index key head): the
+// block's amax (16-byte loads, a CTA reduction), then the codes; 1 / s goes to k_factor at the
+// block's first row, where select_kernel reads it to scale the block's maxima.
+#pragma once
+
+#include <cutlass/array.h>
+#include <cutlass/numeric_types.h>
+
+#include "../device/e4m3.cuh"
+#include "../device/tile.cuh"
+#include "../host/args.h"
+
+namespace msa::cuda::kern {
+
+__device__ __forceinline__ float fp8_scale(float amax) {
+  return amax > 0.f && amax <= 3.4028235e38f ? __fdiv_rn(448.f, amax) : 1.f;
+}
+
+template <class Element, int kDim>
+__global__ void __launch_bounds__(256) fp8_rows_kernel(const __grid_constant__ Fp8CopyArgs a) {
+  constexpr int kPer = kDim / 32;
+  using Vec = cutlass::AlignedArray<Element, kPer>;
+  const int64_t row = int64_t(blockIdx.x) * 8 + threadIdx.x / 32;
+  if (row >= int64_t(a.T) * a.Hi) return;
+  const int lane = threadIdx.x % 32;
+  const int64_t t = row / a.Hi, h = row % a.Hi;
+  const Vec v = *reinterpret_cast<const Vec*>(static_cast<const Element*>(a.q_idx) + t * a.q_s0 + h * a.q_s1 +
+                                             lane * kPer);
+  float x[kPer], amax = 0.f;
+#pragma unroll
+  for (int e = 0; e < kPer; ++e) {
+    x[e] = static_cast<float>(v[e]);
+    amax = fmaxf(amax, fabsf(x[e]));  // fmaxf drops a NaN operand
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  const float s = fp8_scale(amax);
+  const uint8_t flip = a.negate ? 0x80 : 0;
+  cutlass::AlignedArray<uint8_t, kPer> out;
+#pragma unroll
+  for (int e = 0; e < kPer; ++e) out[e] = e4m3_from_float(__fmul_rn(x[e], s)) ^ flip;
+  *reinterpret_cast<cutlass::AlignedArray<uint8_t, kPer>*>(a.q8 + row * kDim + lane * kPer) = out;
+}
+
+template <class Element, int kDim>
+__global__ void __launch_bounds__(128) fp8_blocks_kernel(const __grid_constant__ Fp8CopyArgs a) {
+  constexpr int kChunks = kDim / 8;  // 8 elements (16 bytes) per load
+  using Vec = cutlass::AlignedArray<Element, 8>;
+  const QueryTile blk = decode_tile(a.cu_seqlens, a.nseq, a.T, a.block_size, blockIdx.x);
+  if (blk.count == 0) return;
+  const int32_t ik = blockIdx.y;
+  const int64_t r0 = blk.seq_start + blk.first;
+  const Element* src = static_cast<const Element*>(a.k_idx) + r0 * a.k_s0 + ik * a.k_s1;
+  const int n = blk.count * kChunks;
+  float amax = 0.f;
+  for (int e = threadIdx.x; e < n; e += 128) {
+    const Vec v = *reinterpret_cast<const Vec*>(src + (e / kChunks) * a.k_s0 + (e % kChunks) * 8);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(static_cast<float>(v[j])));
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  __shared__ float warp_max[4];
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = amax;
+  __syncthreads();
+  amax = fmaxf(fmaxf(warp_max[0], warp_max[1]), fmaxf(warp_max[2], warp_max[3]));
+  const float s = fp8_scale(amax);
+  if (threadIdx.x == 0) a.k_factor[r0 * a.Hik + ik] = __frcp_rn(s);
+  uint8_t* dst = a.k8 + (r0 * a.Hik + ik) * kDim;
+  for (int e = threadIdx.x; e < n; e += 128) {
+    const int r = e / kChunks, c = e % kChunks;
+    const Vec v = *reinterpret_cast<const Vec*>(src + r * a.k_s0 + c * 8);
+    cutlass::AlignedArray<uint8_t, 8> out;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) out[j] = e4m3_from_float(__fmul_rn(static_cast<float>(v[j]), s));
+    *reinterpret_cast<cutlass::AlignedArray<uint8_t, 8>*>(dst + int64_t(r) * a.Hik * kDim + c * 8) = out;
+  }
+}
+
+}  // namespace msa::cuda::kern
