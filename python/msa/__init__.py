@@ -182,6 +182,7 @@ def sparse_attention(
     deterministic: bool = False,
     kl_pass: str = "auto",
     fwd_pass: str = "auto",
+    select_scores: str = "input",
 ):
     """MSA training attention: index selection, sparse attention, KL loss (contract §2-§4).
 
@@ -223,6 +224,11 @@ def sparse_attention(
             the tokens that selected it and a second kernel combines the partial outputs: its
             cost does not grow with how much neighbouring selections differ). The CPU backend
             has one implementation.
+        select_scores: what the selection ranks blocks by: "input" (the index inputs' own
+            scores) or "fp8" (E4M3 copies of them, a scale per q_idx row and per block of
+            k_idx keys: half the bytes and twice the tensor-core rate at long contexts; the
+            selection differs where blocks score within E4M3's resolution; the KL keeps the
+            inputs' scores). See :func:`select_blocks`.
 
     Returns:
         ``(out, kl)``, then ``lse`` and ``block_idx`` when asked for, in that order.
@@ -258,7 +264,7 @@ def sparse_attention(
     out, lse, bi, kl = torch.ops.msa.forward(
         q, k, v, q_idx, k_idx, None if select else block_idx, cu, False, select, block_size,
         top_k, sink_blocks, local_blocks, _scale("scale", scale), _scale("scale_idx", scale_idx),
-        bool(kl_value) and has_idx, bool(deterministic), kl_pass, fwd_pass)
+        bool(kl_value) and has_idx, bool(deterministic), kl_pass, fwd_pass, select_scores)
     result = (out, kl)
     if return_lse:
         result += (lse,)
@@ -319,6 +325,7 @@ def select_blocks(
     sink_blocks: int = 0,
     local_blocks: int = 1,
     scale_idx: Optional[float] = None,
+    select_scores: str = "input",
 ) -> Tensor:
     """Index selection alone (docs/contract.md §2). Not differentiable.
 
@@ -326,6 +333,10 @@ def select_blocks(
     scale_idx * <q_idx[t, i], k_idx[j, i // (Hi/Hik)]>``; the forced blocks (own block, the
     ``local_blocks`` last blocks, the ``sink_blocks`` first) plus the best other earlier blocks
     by score (ties to the lower index), ``top_k`` in all.
+
+    ``select_scores="fp8"`` ranks blocks by the scores of E4M3 copies of the inputs instead
+    (contract §2): each q_idx row and each block of k_idx keys gets the scale 448 / amax, its
+    values ``e4m3(x * scale)``; on the GPU the scores come from FP8 tensor-core products.
 
     Returns ``block_idx`` [T, Hi, top_k] int32: ascending block ids, then -1 padding.
     """
@@ -337,7 +348,7 @@ def select_blocks(
     _int("local_blocks", local_blocks, 1)
     cu = _cu_seqlens(cu_seqlens, q_idx.device)
     return torch.ops.msa.select_blocks(q_idx, k_idx, cu, top_k, block_size, sink_blocks,
-                                       local_blocks, _scale("scale_idx", scale_idx))
+                                       local_blocks, _scale("scale_idx", scale_idx), select_scores)
 
 
 def kl_divergence(

@@ -95,12 +95,19 @@ _KL_PASSES = ("auto", "fused", "separate", "teacher")
 
 
 _FWD_PASSES = ("auto", "query_tile", "kv_block")
+_SELECT_SCORES = ("input", "fp8")
 
 
 def _need_fwd_pass(fwd_pass: str) -> None:
     if fwd_pass not in _FWD_PASSES:
         raise ValueError(f"msa: argument 'fwd_pass': expected 'auto', 'query_tile' or "
                          f"'kv_block', got {fwd_pass!r}")
+
+
+def _need_select_scores(select_scores: str) -> None:
+    if select_scores not in _SELECT_SCORES:
+        raise ValueError(f"msa: argument 'select_scores': expected 'input' or 'fp8', got "
+                         f"{select_scores!r}")
 
 
 def _need_kl_pass(kl_pass: str) -> None:
@@ -129,20 +136,25 @@ def select_blocks(
     sink_blocks: int,
     local_blocks: int,
     scale_idx: float,
+    select_scores: str = "input",
 ) -> Tensor:
-    """block_idx [T, Hi, top_k] int32: ascending selected block ids, then -1 (docs/contract.md §2)."""
+    """block_idx [T, Hi, top_k] int32: ascending selected block ids, then -1 (docs/contract.md §2).
+    ``select_scores``: "input" or "fp8" (Options.select_scores)."""
+    _need_select_scores(select_scores)
     _need_rank("q_idx", q_idx, 3, "[T, Hi, Di]")
     _need_int("top_k", top_k, 1, _MAX_TOP_K)
     block_idx = torch.empty((q_idx.shape[0], q_idx.shape[1], top_k), dtype=torch.int32,
                             device=q_idx.device)
     _launch(_C.select_blocks, q_idx.device, _lc(q_idx), _lc(k_idx), _lc(cu_seqlens), block_idx,
             None, block_size=block_size, top_k=top_k, sink_blocks=sink_blocks,
-            local_blocks=local_blocks, scale_idx=scale_idx)
+            local_blocks=local_blocks, scale_idx=scale_idx, select_scores=select_scores)
     return block_idx
 
 
 @select_blocks.register_fake
-def _(q_idx, k_idx, cu_seqlens, top_k, block_size, sink_blocks, local_blocks, scale_idx):
+def _(q_idx, k_idx, cu_seqlens, top_k, block_size, sink_blocks, local_blocks, scale_idx,
+      select_scores="input"):
+    _need_select_scores(select_scores)
     return q_idx.new_empty((q_idx.shape[0], q_idx.shape[1], top_k), dtype=torch.int32)
 
 
@@ -172,6 +184,7 @@ def forward(
     deterministic: bool,
     kl_pass: str = "auto",
     fwd_pass: str = "auto",
+    select_scores: str = "input",
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(out [T, Hq, D] dtype of q, lse [T, Hq] fp32, block_idx, kl 0-dim fp32).
 
@@ -179,10 +192,12 @@ def forward(
     ``select`` is set in sparse mode, else an empty [0] int32 tensor. ``kl`` is the exact KL
     value when ``want_kl`` is set, else 0. ``kl_pass`` is for the autograd backward (see
     ``msa::backward``); it is checked here. ``fwd_pass``: how the sparse forward walks its work
-    (Options.fwd_pass: "auto", "query_tile" or "kv_block").
+    (Options.fwd_pass: "auto", "query_tile" or "kv_block"). ``select_scores``: the scores a
+    selection made here ranks blocks by (Options.select_scores: "input" or "fp8").
     """
     _need_kl_pass(kl_pass)
     _need_fwd_pass(fwd_pass)
+    _need_select_scores(select_scores)
     _need_rank("q", q, 3, "[T, Hq, D]")
     T, Hq, _ = q.shape
     dev = q.device
@@ -207,16 +222,18 @@ def forward(
             _lc(k_idx), out, lse, kl.view(1) if want_kl else None,
             mode=_MODE_DENSE if dense else _MODE_SPARSE, block_size=block_size,
             top_k=top_k, sink_blocks=sink_blocks, local_blocks=local_blocks, scale=scale,
-            scale_idx=scale_idx, deterministic=deterministic, fwd_pass=fwd_pass)
+            scale_idx=scale_idx, deterministic=deterministic, fwd_pass=fwd_pass,
+            select_scores=select_scores)
     return out, lse, bi_out, kl
 
 
 @forward.register_fake
 def _(q, k, v, q_idx, k_idx, block_idx, cu_seqlens, dense, select, block_size, top_k,
       sink_blocks, local_blocks, scale, scale_idx, want_kl, deterministic, kl_pass="auto",
-      fwd_pass="auto"):
+      fwd_pass="auto", select_scores="input"):
     _need_kl_pass(kl_pass)
     _need_fwd_pass(fwd_pass)
+    _need_select_scores(select_scores)
     T, Hq, D = q.shape
     out = q.new_empty((T, Hq, D))
     lse = q.new_empty((T, Hq), dtype=torch.float32)
@@ -368,6 +385,7 @@ def _forward_setup_context(ctx, inputs, output):
     ctx.scale_idx = scale_idx
     ctx.deterministic = deterministic
     ctx.kl_pass = kl_pass
+    ctx.num_inputs = len(inputs)
     ctx.has_idx = q_idx is not None and k_idx is not None
     ctx.mark_non_differentiable(lse, bi_out)
     ctx.set_materialize_grads(False)
@@ -391,7 +409,7 @@ def _forward_backward(ctx, grad_out, grad_lse, grad_bi, grad_kl):
         ctx.block_size, ctx.scale, ctx.scale_idx, want_dq_idx, want_dk_idx, ctx.deterministic,
         kl_pass=ctx.kl_pass, check_values=q.device.type != "cuda")
     return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None,
-            dq_idx if want_dq_idx else None, dk_idx if want_dk_idx else None) + (None,) * 13
+            dq_idx if want_dq_idx else None, dk_idx if want_dk_idx else None) + (None,) * (ctx.num_inputs - 5)
 
 
 torch.library.register_autograd("msa::forward", _forward_backward,

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = ["select_blocks_ref", "sparse_attention_ref", "warmup_attention_ref",
-           "attention_over_support_ref"]
+           "attention_over_support_ref", "fp8_index_copies_ref"]
 
 NEG_INF = float("-inf")
 
@@ -34,6 +34,34 @@ def _index_scores(q_idx: Tensor, k_idx: Tensor, scale_idx: float) -> Tensor:
 def _causal(L: int, device) -> Tensor:
     t = torch.arange(L, device=device)
     return t[None, :] <= t[:, None]  # [t, j]: j <= t
+
+
+def _fp8_copy(x: Tensor, amax: Tensor) -> Tensor:
+    """Contract §2, FP8 scores: e4m3(fp32(x * s)) / s with s = 448 / amax (fp32), s = 1 where
+    amax is 0 or not finite; nearest even, saturated to +-448. amax broadcasts against x."""
+    x = x.float()
+    ok = (amax > 0) & torch.isfinite(amax)
+    s = torch.where(ok, torch.full_like(amax, 448.0) / torch.where(ok, amax, torch.ones_like(amax)),
+                    torch.ones_like(amax))
+    y = (x * s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return y.double() / s.double()
+
+
+def fp8_index_copies_ref(q_idx: Tensor, k_idx: Tensor, block_size: int,
+                         cu_seqlens: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """The dequantised E4M3 copies (float64) that select_scores="fp8" ranks blocks by: a scale
+    per q_idx row, and per block of block_size keys of one sequence and index key head."""
+    def amax_of(x):
+        return torch.nan_to_num(x.float().abs(), nan=0.0).amax(dim=-1, keepdim=True)
+    q8 = _fp8_copy(q_idx, amax_of(q_idx))
+    k8 = torch.empty(k_idx.shape, dtype=torch.float64, device=k_idx.device)
+    for a, b in _sequences(k_idx.shape[0], cu_seqlens):
+        for j0 in range(a, b, block_size):
+            j1 = min(j0 + block_size, b)
+            blk = k_idx[j0:j1]  # [n, Hik, Di]
+            amax = amax_of(blk).amax(dim=0, keepdim=True)  # [1, Hik, 1]
+            k8[j0:j1] = _fp8_copy(blk, amax)
+    return q8, k8
 
 
 def select_blocks_ref(q_idx: Tensor, k_idx: Tensor, top_k: int, block_size: int,

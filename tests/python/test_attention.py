@@ -308,6 +308,34 @@ def test_select_blocks_public_vs_reference():
         check_selection(bi, qi, ki, top_k, Bk, cu, sink, local, 0.7)
 
 
+def test_select_blocks_fp8_scores():
+    """select_scores="fp8" on the CPU backend: exactly the reference selection over the E4M3
+    copies of reference.py (float64 scores on both sides), lse-free; in sparse_attention the
+    same selection, and the KL and outputs over it."""
+    Hi, Hik, Di, Bk, top_k = 4, 2, 16, 8, 5
+    cu = torch.tensor([0, 0, 61, 100, 163], dtype=torch.int32)
+    T = 163
+    qi = torch.randn(T, Hi, Di).to(torch.bfloat16)
+    ki = torch.randn(T, Hik, Di).to(torch.bfloat16)
+    ki[70, 1, 3] = 12.0  # one block with a large amax
+    q8, k8 = R.fp8_index_copies_ref(qi, ki, Bk, cu)
+    for sink, local in [(0, 1), (1, 2)]:
+        bi = msa.select_blocks(qi, ki, top_k, Bk, cu_seqlens=cu, sink_blocks=sink,
+                               local_blocks=local, select_scores="fp8")
+        assert torch.equal(bi, R.select_blocks_ref(q8, k8, top_k, Bk, cu, sink, local)), (sink, local)
+        exact = msa.select_blocks(qi, ki, top_k, Bk, cu_seqlens=cu, sink_blocks=sink,
+                                  local_blocks=local)
+        assert not torch.equal(bi, exact), "the E4M3 copies changed no row's selection"
+    q = torch.randn(T, 8, Di).to(torch.bfloat16)
+    k = torch.randn(T, 2, Di).to(torch.bfloat16)
+    v = torch.randn(T, 2, Di).to(torch.bfloat16)
+    out, kl, bi = msa.sparse_attention(q, k, v, qi, ki, top_k, Bk, cu_seqlens=cu,
+                                       return_block_idx=True, select_scores="fp8")
+    assert torch.equal(bi, R.select_blocks_ref(q8, k8, top_k, Bk, cu))
+    out2, kl2 = msa.sparse_attention(q, k, v, qi, ki, block_idx=bi, block_size=Bk, cu_seqlens=cu)
+    assert torch.equal(out, out2) and torch.equal(kl, kl2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_selection_exact_ties(dtype):
     """Integer-valued index tensors make every score exact: many ties, which must go to the

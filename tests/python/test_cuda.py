@@ -305,6 +305,33 @@ def test_select_blocks(case):
                                              local_blocks=local))
 
 
+@pytest.mark.parametrize("case", SEL_CASES, ids=SEL_IDS)
+@skip_unbuilt
+def test_select_blocks_fp8(case):
+    """select_scores="fp8": the rule over the scores of the E4M3 copies (reference.py), the CPU
+    backend's selection on the same inputs, and most rows equal to the inputs' own selection."""
+    _, lengths, Hi, Hik, Bk, top_k, sink, local, dtype = case
+    T = sum(lengths)
+    qi, ki = rand(T, Hi, DI, dtype=dtype), rand(T, Hik, DI, dtype=dtype)
+    cu = cu_of(lengths)
+    bi = msa.select_blocks(qi, ki, top_k, Bk, cu_seqlens=cu, sink_blocks=sink, local_blocks=local,
+                           select_scores="fp8")
+    q8, k8 = R.fp8_index_copies_ref(qi, ki, Bk, cu)
+    check_selection(bi, q8, k8, top_k, Bk, cu_seqlens=cu, sink_blocks=sink, local_blocks=local,
+                    tol=SEL_TOL)
+    if T * T * Hi * DI <= 2 * CPU_FLOP_BUDGET:
+        c = msa.select_blocks(qi.cpu(), ki.cpu(), top_k, Bk, cu_seqlens=cu.cpu(), sink_blocks=sink,
+                              local_blocks=local, select_scores="fp8")
+        same = (c == bi.cpu()).all(-1).double().mean().item() if T else 1.0
+        assert same >= SEL_SAME_ROWS, f"only {same:.4f} of the rows equal the CPU backend's"
+    exact = msa.select_blocks(qi, ki, top_k, Bk, cu_seqlens=cu, sink_blocks=sink,
+                              local_blocks=local)
+    if T:
+        recall = (bi.unsqueeze(-1) == exact.unsqueeze(-2)).any(-1) & (exact >= 0)
+        recall = recall.sum().item() / max(1, (exact >= 0).sum().item())
+        assert recall > 0.5, recall
+
+
 @skip_unbuilt
 def test_select_blocks_scale_does_not_change_ranking():
     T, Hi, Bk, top_k = 1000, 4, 64, 6

@@ -247,6 +247,14 @@ def test_fwd_pass(x):
             torch.empty(q.shape[:2]), block_size=Bk, fwd_pass="KV")
 
 
+def test_select_scores(x):
+    q, k, v, qi, ki = x
+    _raises("select_scores", msa.select_blocks, qi, ki, 2, Bk, select_scores="e4m3")
+    _raises("select_scores", msa.sparse_attention, q, k, v, qi, ki, 2, Bk, select_scores="FP8")
+    _raises("select_scores", _C.select_blocks, qi, ki, None, torch.empty(T, Hi, 2, dtype=torch.int32),
+            block_size=Bk, top_k=2, select_scores="bf16")
+
+
 def test_check_values_keyword(x, monkeypatch):
     """check_values reaches the library; on the CPU the values are checked regardless (free).
     The ops turn it off on CUDA while the current stream is being captured."""
