@@ -13,6 +13,7 @@ import msa
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import bench_backward as bb  # noqa: E402
 import bench_forward as bf  # noqa: E402
+import bench_select_fp8 as bs  # noqa: E402
 
 LEVELS = ("shared", "mixed", "random")
 
@@ -75,8 +76,24 @@ def test_cpu_smoke_run(tmp_path, capsys):
     assert msa.version() in json.loads((tmp_path / "bench.json").read_text())["meta"]["msa"]
 
 
+def test_fp8_recall():
+    """bench_select_fp8's recall: the share of the reference's entries held, overall and over
+    the non-forced ones (sink block 0 and the LOCAL_BLOCKS blocks up to the own one)."""
+    Bk = 4
+    T = 40  # token 39: own block 9, local 6..9, sink 0
+    ref = torch.full((T, 1, 8), -1, dtype=torch.int32)
+    ref[39, 0] = torch.tensor([0, 2, 3, 4, 6, 7, 8, 9])
+    got = ref.clone()
+    forced = bs.forced_mask(ref, Bk)
+    assert forced[39, 0].tolist() == [True, False, False, False, True, True, True, True]
+    assert bs.recall(got, ref, forced) == (1.0, 1.0)
+    got[39, 0, 1] = 5  # one of the three non-forced blocks missed
+    total, free = bs.recall(got, ref, forced)
+    assert total == pytest.approx(7 / 8) and free == pytest.approx(2 / 3)
+
+
 def test_help_without_library():
-    for main in (bf.main, bb.main):
+    for main in (bf.main, bb.main, bs.main):
         with pytest.raises(SystemExit) as e:
             main(["--help"])
         assert e.value.code == 0
