@@ -192,8 +192,18 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
   };
 
+  // FP8: block b's 1 / scale, loaded one block ahead (its latency under the GEMM).
+  const float* k_factor = nullptr;
+  float factor = 1.f;
+  if constexpr (Traits::kFp8) {
+    k_factor = p.copy.k_factor + tile.seq_start * p.Hik + ik;
+    factor = k_factor[0];
+  }
   typename Pipeline::PipelineState state;
   for (int32_t b = 0; b <= last_block; ++b) {
+    float factor_next = 1.f;
+    if constexpr (Traits::kFp8)
+      if (b < last_block) factor_next = k_factor[int64_t(b + 1) * kBlockN * p.Hik];
     __syncwarp();  // the list update below diverges; wgmma needs the warp converged
     pipe.consumer_wait(state);
     wg_gemm<true>(mma, tSrQ, tSrK(_, _, _, state.index()), tSrS);
@@ -219,13 +229,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
       block_max[r] = quad_max(fmaxf(fmaxf(m[0], m[1]), fmaxf(m[2], m[3])));
     }
+    const float block_factor = factor;
+    factor = factor_next;
     if (!active || b < first_cand || b >= end_cand || slots == 0) continue;
     float mine = block_max[0];
 #pragma unroll
     for (int r = 1; r < kRows; ++r)
       if (quad_lane == r) mine = block_max[r];
-    float score = mine * p.scale;
-    if constexpr (Traits::kFp8) score *= p.copy.k_factor[(tile.seq_start + int64_t(b) * kBlockN) * p.Hik + ik];
+    const float score = mine * p.scale * block_factor;
     if (filled < slots) {
       my_score[filled] = score;
       my_block[filled] = b;
