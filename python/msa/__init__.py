@@ -335,7 +335,7 @@ def select_blocks(
     by score (ties to the lower index), ``top_k`` in all.
 
     ``select_scores="fp8"`` ranks blocks by the scores of E4M3 copies of the inputs instead
-    (contract §2): each q_idx row and each block of k_idx keys gets the scale 448 / amax, its
+    (contract §2): each q_idx row and each block of k_idx keys gets the scale 16 / amax, its
     values ``e4m3(x * scale)``; on the GPU the scores come from FP8 tensor-core products.
 
     Returns ``block_idx`` [T, Hi, top_k] int32: ascending block ids, then -1 padding.

@@ -37,11 +37,11 @@ def _causal(L: int, device) -> Tensor:
 
 
 def _fp8_copy(x: Tensor, amax: Tensor) -> Tensor:
-    """Contract §2, FP8 scores: e4m3(fp32(x * s)) / s with s = 448 / amax (fp32), s = 1 where
+    """Contract §2, FP8 scores: e4m3(fp32(x * s)) / s with s = 16 / amax (fp32), s = 1 where
     amax is 0 or not finite; nearest even, saturated to +-448. amax broadcasts against x."""
     x = x.float()
     ok = (amax > 0) & torch.isfinite(amax)
-    s = torch.where(ok, torch.full_like(amax, 448.0) / torch.where(ok, amax, torch.ones_like(amax)),
+    s = torch.where(ok, torch.full_like(amax, 16.0) / torch.where(ok, amax, torch.ones_like(amax)),
                     torch.ones_like(amax))
     y = (x * s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
     return y.double() / s.double()

@@ -15,7 +15,7 @@ namespace {
 
 // Contract §2, FP8 scores: the scale of a group whose largest |x| (NaN ignored) is amax, and a
 // value's dequantised E4M3 copy under it (one fp32 product, then nearest-even E4M3, saturated).
-float fp8_scale(float amax) { return amax > 0.f && std::isfinite(amax) ? 448.f / amax : 1.f; }
+float fp8_scale(float amax) { return amax > 0.f && std::isfinite(amax) ? 16.f / amax : 1.f; }
 double fp8_value(float x, float s) {
   const float y = x * s;
   return to_double(e4m3_from_double(static_cast<double>(y))) / static_cast<double>(s);

@@ -53,12 +53,12 @@ inline double index_score(const Problem& p, int64_t g, int i, int64_t gj) {
 
 // Contract §2, FP8 scores: `p` with q_idx and k_idx replaced by their dequantised E4M3 copies
 // (float64), from the format's definition in harness.h (nearest code by search), independently
-// of the backends: scale 448 / amax (fp32) per q_idx row and per block of a sequence's keys of
+// of the backends: scale 16 / amax (fp32) per q_idx row and per block of a sequence's keys of
 // one index key head, values e4m3(fp32(x * scale)) / scale.
 inline Problem fp8_scored(const Problem& p) {
   Problem out = p;
   const Config& c = p.cfg;
-  const auto scale_of = [](float amax) { return amax > 0.f && std::isfinite(amax) ? 448.f / amax : 1.f; };
+  const auto scale_of = [](float amax) { return amax > 0.f && std::isfinite(amax) ? 16.f / amax : 1.f; };
   const auto value = [](double x, float s) {
     const float y = static_cast<float>(x) * s;
     return e4m3_value(e4m3_code(y)) / static_cast<double>(s);

@@ -1,6 +1,8 @@
 // E4M3 copies of the index inputs for FP8 selection scores (docs/contract.md §2, select_scores =
-// kFp8): a scale s = 448 / amax per q_idx row and per block of k_idx keys of one sequence, each
-// value stored as e4m3(fp32(x * s)) (nearest even, saturated), as the CPU backend does.
+// kFp8): a scale s = 16 / amax per q_idx row and per block of k_idx keys of one sequence, each
+// value stored as e4m3(fp32(x * s)) (nearest even, saturated), as the CPU backend does. With
+// |codes| <= 16 a sum of Di <= 128 products stays below 2^15, inside the fp16 accumulators of
+// select_kernel's FP8 MMA; E4M3's normal range then still covers [amax / 1024, amax].
 //
 // fp8_rows_kernel: one warp per (token, index head) row, kDim / 32 elements per lane (one load),
 // the row's amax by shuffles. The row's scale is not kept: it does not change the order of the
@@ -20,7 +22,7 @@
 namespace msa::cuda::kern {
 
 __device__ __forceinline__ float fp8_scale(float amax) {
-  return amax > 0.f && amax <= 3.4028235e38f ? __fdiv_rn(448.f, amax) : 1.f;
+  return amax > 0.f && amax <= 3.4028235e38f ? __fdiv_rn(16.f, amax) : 1.f;
 }
 
 template <class Element, int kDim>

@@ -15,6 +15,8 @@
 // block's maxima are scaled by the block's k_factor; the rest is the same kernel.
 #pragma once
 
+#include <cuda_fp16.h>
+
 #include <cute/tensor.hpp>
 #include <cutlass/gemm/collective/builders/sm90_common.inl>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
@@ -40,7 +42,12 @@ struct SelectTraits {
   static constexpr int kThreads = kConsumerThreads + 128;
 
   using TileQK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kDim>>;
-  using MmaQK = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, TileQK>(),
+  // FP8 scores accumulate in fp16: column pairs of a row share a register, so the block max
+  // takes one packed max per pair (half the instructions) and the accumulators half the
+  // registers. The copies' scale (fp8_copy_kernel.cuh: 16 / amax) keeps every sum of
+  // Di <= 128 products inside fp16's range.
+  using Acc = std::conditional_t<kFp8, cutlass::half_t, float>;
+  using MmaQK = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, Acc, TileQK>(),
                                         Layout<Shape<_2, _1, _1>>{}));
   using SmemAtomQ = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
                              GMMA::Major::K, Element, Int<kBlockM>, Int<kDim>>());
@@ -217,15 +224,28 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     float block_max[kRows];
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
+      if constexpr (Traits::kFp8) {
+        if (!causal) {  // packed pairs (columns 2j, 2j + 1 of the row), four chains
+          __half2 m2[4];
+#pragma unroll
+          for (int j = 0; j < 4; ++j) m2[j] = __half2half2(__ushort_as_half(0xfc00));  // -inf
+#pragma unroll
+          for (int c = 0; c < size<1>(S); c += 2)
+            m2[(c / 2) & 3] = __hmax2(m2[(c / 2) & 3], reinterpret_cast<const __half2&>(S(r, c)));
+          const __half2 a = __hmax2(__hmax2(m2[0], m2[1]), __hmax2(m2[2], m2[3]));
+          block_max[r] = quad_max(fmaxf(__low2float(a), __high2float(a)));
+          continue;
+        }
+      }
       float m[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
       if (causal) {
         const int32_t last_key = tile.pos0 + row_tok[r] - key0;
 #pragma unroll
         for (int c = 0; c < size<1>(S); ++c)
-          m[c & 3] = fmaxf(m[c & 3], get<1>(cSrc(r, c)) <= last_key ? S(r, c) : -INFINITY);
+          m[c & 3] = fmaxf(m[c & 3], get<1>(cSrc(r, c)) <= last_key ? static_cast<float>(S(r, c)) : -INFINITY);
       } else {
 #pragma unroll
-        for (int c = 0; c < size<1>(S); ++c) m[c & 3] = fmaxf(m[c & 3], S(r, c));
+        for (int c = 0; c < size<1>(S); ++c) m[c & 3] = fmaxf(m[c & 3], static_cast<float>(S(r, c)));
       }
       block_max[r] = quad_max(fmaxf(fmaxf(m[0], m[1]), fmaxf(m[2], m[3])));
     }
