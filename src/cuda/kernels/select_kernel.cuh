@@ -199,25 +199,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
   };
 
-  // FP8: block b's 1 / scale, loaded one block ahead (its latency under the GEMM).
-  const float* k_factor = nullptr;
-  float factor = 1.f;
-  if constexpr (Traits::kFp8) {
-    k_factor = p.copy.k_factor + tile.seq_start * p.Hik + ik;
-    factor = k_factor[0];
-  }
-  typename Pipeline::PipelineState state;
-  for (int32_t b = 0; b <= last_block; ++b) {
-    float factor_next = 1.f;
-    if constexpr (Traits::kFp8)
-      if (b < last_block) factor_next = k_factor[int64_t(b + 1) * kBlockN * p.Hik];
-    __syncwarp();  // the list update below diverges; wgmma needs the warp converged
-    pipe.consumer_wait(state);
-    wg_gemm<true>(mma, tSrQ, tSrK(_, _, _, state.index()), tSrS);
-    warpgroup_wait<0>();
-    pipe.consumer_release(state);
-    ++state;
-
+  // Block b's maxima from its scores S (row/column view) into the row's list; FP8: scaled by
+  // the block's 1 / scale, `factor`.
+  auto take_block = [&](auto& S, int32_t b, float factor) {
     // Each row's max over the block's causal keys: four independent chains, then the quad.
     const int32_t key0 = b * kBlockN;
     const bool causal = key0 + kBlockN - 1 > tile.pos0;
@@ -249,14 +233,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
       block_max[r] = quad_max(fmaxf(fmaxf(m[0], m[1]), fmaxf(m[2], m[3])));
     }
-    const float block_factor = factor;
-    factor = factor_next;
-    if (!active || b < first_cand || b >= end_cand || slots == 0) continue;
-    float mine = block_max[0];
-#pragma unroll
-    for (int r = 1; r < kRows; ++r)
-      if (quad_lane == r) mine = block_max[r];
-    const float score = mine * p.scale * block_factor;
+    if (!active || b < first_cand || b >= end_cand || slots == 0) return;
+    // This lane's row (quad_lane) by selects: an indexed read would put block_max in memory.
+    const float lo = (quad_lane & 1) ? block_max[1] : block_max[0];
+    const float hi = (quad_lane & 1) ? block_max[3] : block_max[2];
+    const float mine = (quad_lane & 2) ? hi : lo;
+    const float score = mine * p.scale * factor;
     if (filled < slots) {
       my_score[filled] = score;
       my_block[filled] = b;
@@ -265,6 +247,63 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       my_score[worst_pos] = score;
       my_block[worst_pos] = b;
       find_worst();
+    }
+  };
+
+  typename Pipeline::PipelineState state;
+  if constexpr (!Traits::kFp8) {
+    for (int32_t b = 0; b <= last_block; ++b) {
+      __syncwarp();  // the list update diverges; wgmma needs the warp converged
+      pipe.consumer_wait(state);
+      wg_gemm<true>(mma, tSrQ, tSrK(_, _, _, state.index()), tSrS);
+      warpgroup_wait<0>();
+      pipe.consumer_release(state);
+      ++state;
+      take_block(S, b, 1.f);
+    }
+  } else {
+    // Two accumulators (fp16: 64 registers each): block b + 1's GEMM is issued before block b's
+    // maxima are taken, so they run under it. Each block's 1 / scale is loaded a block ahead.
+    Tensor tSrS2 = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    Tensor S2 = make_tensor(tSrS2.data(), acc_rowcol(tSrS2.layout()));
+    clear(tSrS2);  // defined before any GEMM is in flight
+    const float* k_factor = p.copy.k_factor + tile.seq_start * p.Hik + ik;
+    float factor = k_factor[0];
+    typename Pipeline::PipelineState done = state;  // the stage of the block taken next
+    pipe.consumer_wait(state);
+    wg_gemm<true>(mma, tSrQ, tSrK(_, _, _, state.index()), tSrS);
+    ++state;
+    // Block b + 1's GEMM into acc_next, then block b's maxima from S_cur (the other one).
+    auto step = [&](auto& acc_next, auto& S_cur, int32_t b) {
+      const float factor_next = k_factor[int64_t(b + 1) * kBlockN * p.Hik];
+      __syncwarp();
+      pipe.consumer_wait(state);
+      wg_gemm<true>(mma, tSrQ, tSrK(_, _, _, state.index()), acc_next);
+      ++state;
+      warpgroup_wait<1>();
+      pipe.consumer_release(done);
+      ++done;
+      take_block(S_cur, b, factor);
+      factor = factor_next;
+    };
+    auto last = [&](auto& S_cur, int32_t b) {
+      warpgroup_wait<0>();
+      pipe.consumer_release(done);
+      ++done;
+      take_block(S_cur, b, factor);
+    };
+    // Every pass of the loop leaves the GEMM of block b (into tSrS) in flight, so the loop
+    // carries one state of the accumulators; the last one or two blocks follow it.
+    int32_t b = 0;
+    for (; b + 2 <= last_block; b += 2) {
+      step(tSrS2, S, b);
+      step(tSrS, S2, b + 1);
+    }
+    if (b + 1 == last_block) {
+      step(tSrS2, S, b);
+      last(S2, b + 1);
+    } else {
+      last(S, b);
     }
   }
 
