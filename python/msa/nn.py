@@ -73,6 +73,9 @@ class MSAAttention(nn.Module):
             train).
         rope_theta: base of the rotary embeddings of both branches.
         mode: "sparse" or "warmup".
+        select_scores: what the sparse mode's selection ranks blocks by: "input" (the index
+            branch's own scores) or "fp8" (E4M3 copies of them: faster at long contexts; the KL
+            keeps the branch's own scores; see :func:`msa.select_blocks`).
         bias: biases in the projections.
 
     ``forward(x, cu_seqlens=None)`` takes ``x`` [T, d_model] (packed sequences marked by
@@ -86,8 +89,8 @@ class MSAAttention(nn.Module):
                  n_idx_key_heads: int = 1, idx_head_dim: Optional[int] = None,
                  block_size: int = 128, top_k: int = 16, sink_blocks: int = 1,
                  local_blocks: int = 4, kl_weight: float = 1.0, kl_value: bool = False,
-                 rope_theta: float = 10000.0, mode: str = "sparse", bias: bool = False,
-                 device=None, dtype=None):
+                 rope_theta: float = 10000.0, mode: str = "sparse", select_scores: str = "input",
+                 bias: bool = False, device=None, dtype=None):
         super().__init__()
         _need(isinstance(d_model, int) and d_model >= 1, "d_model", f"must be a positive int, got {d_model!r}")
         _need(isinstance(n_heads, int) and n_heads >= 1, "n_heads", f"must be a positive int, got {n_heads!r}")
@@ -120,6 +123,9 @@ class MSAAttention(nn.Module):
         _need(math.isfinite(kl_weight) and kl_weight >= 0, "kl_weight",
               f"must be finite and non-negative, got {kl_weight!r}")
         _need(rope_theta > 0, "rope_theta", f"must be positive, got {rope_theta!r}")
+        _need(select_scores in ("input", "fp8"), "select_scores",
+              f"expected 'input' or 'fp8', got {select_scores!r}")
+        self.select_scores = select_scores
         self.d_model, self.n_heads, self.n_kv_heads = d_model, n_heads, n_kv_heads
         self.head_dim, self.n_idx_heads, self.n_idx_key_heads = head_dim, n_idx_heads, n_idx_key_heads
         self.idx_head_dim = idx_head_dim
@@ -176,7 +182,8 @@ class MSAAttention(nn.Module):
         else:
             out, kl = msa.sparse_attention(q, k, v, qi, ki, self.top_k, self.block_size,
                                            cu_seqlens=cu_seqlens, sink_blocks=self.sink_blocks,
-                                           local_blocks=self.local_blocks, kl_value=self.kl_value)
+                                           local_blocks=self.local_blocks, kl_value=self.kl_value,
+                                           select_scores=self.select_scores)
         y = self.o_proj(out.reshape(x.shape[0], self.n_heads * self.head_dim))
         if batched:
             y = y.view(B, L, self.d_model)

@@ -54,6 +54,19 @@ def test_matches_functional_api(mode):
     assert torch.equal(q, rotary(m.q_proj(x).view(37, 4, 8), pos, m.rope_theta))
 
 
+def test_fp8_selection_scores():
+    """select_scores="fp8": the module's output is the functional API's over the selection of
+    the E4M3 copies."""
+    m = small(select_scores="fp8")
+    cu = torch.tensor([0, 21, 21, 37], dtype=torch.int32)
+    x = torch.randn(37, 32, dtype=torch.float64)
+    y, _ = m(x, cu)
+    q, k, v, qi, ki = m.project(x, cu)
+    out, _ = msa.sparse_attention(q, k, v, qi, ki, 3, 4, cu_seqlens=cu, sink_blocks=1,
+                                  local_blocks=1, select_scores="fp8")
+    assert torch.equal(y, m.o_proj(out.reshape(37, 32)))
+
+
 def test_batched_input_equals_packed():
     m = small()
     x = torch.randn(3, 10, 32, dtype=torch.float64)
@@ -122,6 +135,7 @@ def test_activation_checkpointing_gives_the_same_gradients():
     (dict(local_blocks=0), "local_blocks"),
     (dict(kl_weight=-1.0), "kl_weight"),
     (dict(mode="dense"), "mode"),
+    (dict(select_scores="e4m3"), "select_scores"),
 ])
 def test_bad_configurations_name_the_argument(kw, arg):
     with pytest.raises(ValueError, match=f"'{arg}'"):
