@@ -631,6 +631,19 @@ class CudaVsCpu : public ::testing::TestWithParam<CudaCase> {
  protected:
   DeviceInputs& dev() { return *dev_; }
   msa::TensorRef dev_q() { return dev_->q.ref(); }
+
+  // select_blocks over the device inputs into bi and lse_idx, on the test's stream.
+  msa::SelectParams select_params(DeviceTensor& bi, DeviceTensor& lse_idx) {
+    msa::SelectParams sp;
+    sp.q_idx = dev().q_idx.ref();
+    sp.k_idx = dev().k_idx.ref();
+    if (!GetParam().no_cu_seqlens) sp.cu_seqlens = dev().cu.ref();
+    sp.block_idx = bi.ref();
+    sp.lse_idx = lse_idx.ref();
+    sp.opts = p().options();
+    sp.launch.stream = s();
+    return sp;
+  }
 };
 
 // select_blocks with lse_idx: the contract's format and tolerance rule on every row.
@@ -639,14 +652,7 @@ TEST_P(CudaVsCpu, SelectBlocks) {
   const Config& c = cfg();
   DeviceTensor bi = DeviceTensor::poisoned(DType::kInt32, {p().T, c.Hi, c.k}, s());
   DeviceTensor lse_idx = DeviceTensor::poisoned(DType::kFloat32, {p().T, c.Hi}, s());
-  msa::SelectParams sp;
-  sp.q_idx = dev().q_idx.ref();
-  sp.k_idx = dev().k_idx.ref();
-  if (!GetParam().no_cu_seqlens) sp.cu_seqlens = dev().cu.ref();
-  sp.block_idx = bi.ref();
-  sp.lse_idx = lse_idx.ref();
-  sp.opts = p().options();
-  sp.launch.stream = s();
+  msa::SelectParams sp = select_params(bi, lse_idx);
   bool with_lse = false;
   require_ok(select_with_lse_idx(sp, &with_lse));
   const HostTensor got = bi.download(s()), got_lse = lse_idx.download(s());
@@ -662,15 +668,8 @@ TEST_P(CudaVsCpu, SelectBlocksFp8) {
   const Config& c = cfg();
   DeviceTensor bi = DeviceTensor::poisoned(DType::kInt32, {p().T, c.Hi, c.k}, s());
   DeviceTensor lse_idx = DeviceTensor::poisoned(DType::kFloat32, {p().T, c.Hi}, s());
-  msa::SelectParams sp;
-  sp.q_idx = dev().q_idx.ref();
-  sp.k_idx = dev().k_idx.ref();
-  if (!GetParam().no_cu_seqlens) sp.cu_seqlens = dev().cu.ref();
-  sp.block_idx = bi.ref();
-  sp.lse_idx = lse_idx.ref();
-  sp.opts = p().options();
+  msa::SelectParams sp = select_params(bi, lse_idx);
   sp.opts.select_scores = msa::SelectScores::kFp8;
-  sp.launch.stream = s();
   const size_t ws_bytes = msa::workspace_size(sp);
   ASSERT_GT(ws_bytes, 0u);
   DeviceTensor ws = DeviceTensor::poisoned(DType::kInt32, {static_cast<int64_t>((ws_bytes + 3) / 4)}, s());
