@@ -190,7 +190,8 @@ def bench_case(msa, cfg: str, L: int, B: int, args, timer: Timer, device, dtype,
         def step(klv: bool):
             def run():
                 o, kl = msa.sparse_attention(*xs, k, Bk, kl_value=klv, kl_pass=args.kl_pass,
-                                             fwd_pass=args.fwd_pass, **opts)
+                                             fwd_pass=args.fwd_pass,
+                                             select_scores=args.select_scores, **opts)
                 torch.autograd.backward([o, kl], [dout, torch.ones((), device=device)])
             return run
 
@@ -199,7 +200,9 @@ def bench_case(msa, cfg: str, L: int, B: int, args, timer: Timer, device, dtype,
         row["bwd_kl_ms"] = timer.ms(bwd(True), reps)
         row["step_ms"] = timer.ms(step(False), reps)
         row["step_klv_ms"] = timer.ms(step(True), reps)
-        row["select_ms"] = timer.ms(lambda: msa.select_blocks(qi, ki, k, Bk, **opts), reps)
+        row["select_ms"] = timer.ms(lambda: msa.select_blocks(
+            qi, ki, k, Bk, select_scores=args.select_scores, **opts), reps)
+        row["select_scores"] = args.select_scores
         row["fwd_tflops"] = bf.tflops(fl, row["fwd_ms"])
         row["bwd_tflops"] = bf.tflops(2.5 * fl, row["bwd_ms"])
         row["bwd_kl_tflops"] = bf.tflops(2.5 * fl, row["bwd_kl_ms"])
@@ -251,6 +254,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fwd-pass", choices=["auto", "query_tile", "kv_block"], default="auto",
                     help="how the sparse forward walks its work (Options.fwd_pass)")
+    ap.add_argument("--select-scores", choices=["input", "fp8"], default="input",
+                    help="what the step's and the select column's selection ranks blocks by "
+                         "(Options::select_scores; fwd and bwd run over the bf16 selection)")
     ap.add_argument("--out", default=None, help="write PREFIX.csv and PREFIX.json")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)

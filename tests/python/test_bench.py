@@ -140,3 +140,11 @@ def test_backward_cpu_smoke_run(tmp_path, capsys):
         assert f"{r['overlap']:.2f} / {r['union']:.2f} ({r['alpha']:.2f})" in text
     header = (tmp_path / "bwd.csv").read_text().splitlines()[0].split(",")
     assert {"config", "T", "index", "alpha", "overlap", "union", "step_ms"} <= set(header)
+    # the step with FP8 selection scores
+    rc = bb.main(["--device", "cpu", "--configs", "flash-msa", "--lengths", "256",
+                  "--head-dim", "64", "--top-k", "8", "--block-size", "64", "--reps", "1",
+                  "--dense-max-tokens", "256", "--index", "random", "--select-scores", "fp8",
+                  "--out", str(out)])
+    assert rc == 0
+    rows = json.loads((tmp_path / "bwd.json").read_text())["rows"]
+    assert [r["select_scores"] for r in rows] == ["fp8"] and rows[0]["step_ms"] > 0
