@@ -326,6 +326,9 @@ def test_select_blocks_fp8_scores():
         exact = msa.select_blocks(qi, ki, top_k, Bk, cu_seqlens=cu, sink_blocks=sink,
                                   local_blocks=local)
         assert not torch.equal(bi, exact), "the E4M3 copies changed no row's selection"
+    # a negative scale reverses the ranking, over the same copies
+    bi = msa.select_blocks(qi, ki, top_k, Bk, cu_seqlens=cu, scale_idx=-0.5, select_scores="fp8")
+    assert torch.equal(bi, R.select_blocks_ref(q8, k8, top_k, Bk, cu, 0, 1, -0.5))
     q = torch.randn(T, 8, Di).to(torch.bfloat16)
     k = torch.randn(T, 2, Di).to(torch.bfloat16)
     v = torch.randn(T, 2, Di).to(torch.bfloat16)

@@ -333,6 +333,20 @@ def test_select_blocks_fp8(case):
 
 
 @skip_unbuilt
+def test_select_blocks_negative_scale():
+    """scale_idx < 0 reverses the ranking (the kernels flip the signs of q_idx, or of its E4M3
+    codes): the rule over the scaled scores, with the inputs' own and with FP8 scores."""
+    T, Hi, Bk, top_k = 1000, 4, 64, 6
+    qi, ki = rand(T, Hi, DI, dtype=BF16), rand(T, 1, DI, dtype=BF16)
+    q8, k8 = R.fp8_index_copies_ref(qi, ki, Bk)
+    for scores, (q, k) in (("input", (qi, ki)), ("fp8", (q8, k8))):
+        bi = msa.select_blocks(qi, ki, top_k, Bk, scale_idx=-0.5, select_scores=scores)
+        check_selection(bi, q, k, top_k, Bk, scale_idx=-0.5, tol=SEL_TOL)
+        assert not torch.equal(bi, msa.select_blocks(qi, ki, top_k, Bk, scale_idx=0.5,
+                                                     select_scores=scores))
+
+
+@skip_unbuilt
 def test_select_blocks_scale_does_not_change_ranking():
     T, Hi, Bk, top_k = 1000, 4, 64, 6
     qi, ki = rand(T, Hi, DI, dtype=BF16), rand(T, 1, DI, dtype=BF16)
