@@ -804,8 +804,10 @@ Status validate(const PagedForwardParams& p, Problem* prob) {
   MSA_TRY(option_ranges(c, p.opts));
   const bool sparse = p.opts.mode == Mode::kSparse;
   const bool select = sparse && p.select;
-  if (select) MSA_TRY(selection_options(c, p.opts));
-  MSA_TRY(paged_scores(c, p.opts));
+  if (select) {
+    MSA_TRY(selection_options(c, p.opts));
+    MSA_TRY(paged_scores(c, p.opts));
+  }
   MSA_TRY(max_q_len_range(c, p.max_q_len));
   const int32_t Bk = p.opts.block_size;
   prob->opts.block_size = Bk;

@@ -105,7 +105,7 @@ Status select_blocks(const Problem& prob, const SelectParams& p) {
   MSA_TRY(check_values(fn, prob, p.cu_seqlens, TensorRef{}, p.launch));
   const cudaStream_t stream = static_cast<cudaStream_t>(p.launch.stream);
   SelectArgs a = select_args(prob, p.q_idx, p.k_idx, p.cu_seqlens, p.block_idx);
-  if (select_fp8_bytes(prob) > 0) set_select_fp8(prob, p.launch.workspace, &a);
+  if (prob.opts.select_scores == SelectScores::kFp8) set_select_fp8(prob, p.launch.workspace, &a);
   MSA_TRY(run_select(fn, prob, a, p.q_idx.dtype, stream));
   if (!p.lse_idx.defined()) return Status::Ok();
   // lse_idx: the index softmax's normaliser over the selection just made.
@@ -144,7 +144,7 @@ Status attention_forward(const Problem& prob, const ForwardParams& p) {
   if (prob.T > 0) {
     if (!dense && p.select) {
       SelectArgs sa = select_args(prob, p.q_idx, p.k_idx, p.cu_seqlens, p.block_idx);
-      if (select_fp8_bytes(prob) > 0) set_select_fp8(prob, p.launch.workspace, &sa);
+      if (prob.opts.select_scores == SelectScores::kFp8) set_select_fp8(prob, p.launch.workspace, &sa);
       MSA_TRY(run_select(fn, prob, sa, p.q_idx.dtype, stream));
     }
     if (kv_block) {

@@ -11,8 +11,9 @@
 // k-th best never displaces it: ties go to the lower block index.
 //
 // Element = float_e4m3_t (Options.select_scores = kFp8): q_idx and k_idx are the E4M3 copies of
-// fp8_copy_kernel.cuh, the MMA is wgmma's E4M3 x E4M3 (k32 steps, fp32 accumulators), and each
-// block's maxima are scaled by the block's k_factor; the rest is the same kernel.
+// fp8_copy_kernel.cuh, the MMA is wgmma's E4M3 x E4M3 (k32 steps, fp16 accumulators, two of
+// them, see the block loop), and each block's maxima are scaled by the block's k_factor; the
+// candidate lists are the same.
 #pragma once
 
 #include <cuda_fp16.h>
