@@ -4,11 +4,13 @@
 Per head configuration, length T (one sequence) and overlap level (``selection_patterns``) it
 times, on the level's index inputs:
 
-* ``msa.select_blocks`` with bf16 scores and with FP8 scores (the E4M3 copies and the FP8
-  selection kernel); TFLOP/s on the selection's GEMM, 2 * Di * Hi * sum over tokens of (t+1)
-  causal keys, for both (the copies are part of the FP8 time);
-* the recall of the FP8 selection: the share of the bf16 selection's blocks it also holds, over
-  all entries and over the non-forced ones (sink and local blocks are in both by rule);
+* ``msa.select_blocks`` with bf16 scores and with FP8 scores for each ``fp8_rerank`` of
+  ``--reranks`` (the E4M3 copies, the FP8 selection kernel and, for fp8_rerank > 0, the
+  re-ranking of its shortlists by the bf16 scores); TFLOP/s on the selection's GEMM,
+  2 * Di * Hi * sum over tokens of (t+1) causal keys, for all (the copies and the re-ranking
+  are part of the FP8 time);
+* the recall of each FP8 selection: the share of the bf16 selection's blocks it also holds,
+  over all entries and over the non-forced ones (sink and local blocks are in both by rule);
 * with ``--forward``, the whole MSA forward (selection + sparse attention, fwd_pass auto) with
   each score type, and dense causal attention (cuDNN through SDPA) up to ``--dense-max-tokens``,
   beyond which its time is scaled from the largest measured length by the FLOP ratio and
@@ -85,6 +87,7 @@ def main(argv=None):
     p.add_argument("--configs", default="paper")
     p.add_argument("--lengths", type=bf.token_list, default=None, help="default 128K,512K,1M")
     p.add_argument("--levels", default="mixed,random")
+    p.add_argument("--reranks", default="0,4", help="fp8_rerank values of the FP8 selections")
     p.add_argument("--forward", action="store_true", help="also the whole MSA forward and dense")
     p.add_argument("--dense-max-tokens", type=bf.parse_tokens, default=131072)
     p.add_argument("--top-k", type=int, default=16)
@@ -111,6 +114,9 @@ def main(argv=None):
     anchors = gemm_anchors(device)
     bf.log(f"torch GEMM 8192^3: {anchors}")
     rows, dense_ref = [], {}
+    # (name, select_scores, fp8_rerank): bf16 scores, then FP8 with each fp8_rerank.
+    variants = [("input", "input", 0)] + [(f"fp8_m{m}", "fp8", m) for m in
+                                          (int(x) for x in args.reranks.split(","))]
     Bk, k, D, Di = args.block_size, args.top_k, args.head_dim, args.index_dim
     for cfg in args.configs.split(","):
         h = bf.HEADS[cfg]
@@ -125,33 +131,35 @@ def main(argv=None):
                 row = dict(config=cfg, T=L, level=level, overlap=st["overlap"], union=st["union"],
                            **anchors)
 
-                def select(scores):
+                def select(scores, m):
                     return lambda: msa.select_blocks(qi, ki, k, Bk, cu_seqlens=cu,
                                                      sink_blocks=sp.SINK_BLOCKS,
-                                                     local_blocks=sp.LOCAL_BLOCKS, select_scores=scores)
-                for scores in ("input", "fp8"):
-                    ms = timer.median_ms([select(scores)])
-                    row[f"select_{scores}_ms"] = ms
-                    row[f"select_{scores}_tflops"] = bf.tflops(sel_fl, ms)
-                bi8 = select("fp8")()
-                row["recall"], row["recall_free"] = recall(bi8, bi, forced_mask(bi, Bk))
-                st8 = sp.selection_stats(bi8, cu, k)
-                row["fp8_overlap"], row["fp8_union"] = st8["overlap"], st8["union"]
-                bf.log(f"{cfg} T={L} {level}: select {row['select_input_ms']:.2f} / "
-                       f"{row['select_fp8_ms']:.2f} ms ({row['select_input_tflops']:.0f} / "
-                       f"{row['select_fp8_tflops']:.0f} TF/s), recall {row['recall']:.4f} "
-                       f"(non-forced {row['recall_free']:.4f})")
+                                                     local_blocks=sp.LOCAL_BLOCKS, select_scores=scores,
+                                                     fp8_rerank=m)
+                for name, scores, m in variants:
+                    ms = timer.median_ms([select(scores, m)])
+                    row[f"select_{name}_ms"] = ms
+                    row[f"select_{name}_tflops"] = bf.tflops(sel_fl, ms)
+                    if scores == "fp8":
+                        bi8 = select(scores, m)()
+                        row[f"recall_{name}"], row[f"recall_free_{name}"] = recall(bi8, bi, forced_mask(bi, Bk))
+                        st8 = sp.selection_stats(bi8, cu, k)
+                        row[f"overlap_{name}"], row[f"union_{name}"] = st8["overlap"], st8["union"]
+                        del bi8
+                    bf.log(f"{cfg} T={L} {level} {name}: select {ms:.2f} ms ({row[f'select_{name}_tflops']:.0f} "
+                           f"TF/s), recall {row.get(f'recall_{name}', 1.0):.4f} "
+                           f"(non-forced {row.get(f'recall_free_{name}', 1.0):.4f})")
                 if args.forward:
                     q = torch.randn(L, Hq, D, device=device, dtype=dtype, generator=gen)
                     kk = torch.randn(L, Hkv, D, device=device, dtype=dtype, generator=gen)
                     v = torch.randn(L, Hkv, D, device=device, dtype=dtype, generator=gen)
-                    for scores in ("input", "fp8"):
-                        def full(scores=scores):
+                    for name, scores, m in variants:
+                        def full(scores=scores, m=m):
                             return msa.sparse_attention(q, kk, v, qi, ki, k, Bk, cu_seqlens=cu,
                                                         sink_blocks=sp.SINK_BLOCKS,
                                                         local_blocks=sp.LOCAL_BLOCKS, kl_value=False,
-                                                        select_scores=scores)
-                        row[f"msa_{scores}_ms"] = timer.median_ms([full])
+                                                        select_scores=scores, fp8_rerank=m)
+                        row[f"msa_{name}_ms"] = timer.median_ms([full])
                     if L <= args.dense_max_tokens and (cfg, L) not in dense_ref:
                         run, _ = bf.dense_runner(q.unsqueeze(0).transpose(1, 2), kk.unsqueeze(0).transpose(1, 2),
                                                  v.unsqueeze(0).transpose(1, 2), device)
@@ -164,13 +172,13 @@ def main(argv=None):
                             row["dense_ms"] = dense_ref[(cfg, base)] * (L * (L + 1)) / (base * (base + 1))
                             row["dense_source"] = f"scaled from {bf.fmt_tokens(base)}"
                     if "dense_ms" in row:
-                        for scores in ("input", "fp8"):
-                            row[f"speedup_{scores}"] = row["dense_ms"] / row[f"msa_{scores}_ms"]
-                    bf.log(f"  forward {row['msa_input_ms']:.1f} / {row['msa_fp8_ms']:.1f} ms, dense "
-                           f"{row.get('dense_ms', float('nan')):.1f} ms ({row.get('dense_source', '')})")
+                        for name, _, _ in variants:
+                            row[f"speedup_{name}"] = row["dense_ms"] / row[f"msa_{name}_ms"]
+                    bf.log("  forward " + " / ".join(f"{name} {row[f'msa_{name}_ms']:.1f}" for name, _, _ in variants)
+                           + f" ms, dense {row.get('dense_ms', float('nan')):.1f} ms ({row.get('dense_source', '')})")
                     del q, kk, v
                 rows.append(row)
-                del qi, ki, bi, bi8
+                del qi, ki, bi
                 torch.cuda.empty_cache()
     if args.out:
         keys = sorted({x for r in rows for x in r})
@@ -178,18 +186,20 @@ def main(argv=None):
             w = csv.DictWriter(f, fieldnames=keys)
             w.writeheader()
             w.writerows(rows)
-    print("| config | T | level (overlap / union) | select bf16 | select FP8 | recall (non-forced) |"
-          " MSA fwd bf16 | MSA fwd FP8 | dense | speedup bf16 / FP8 |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| config | T | level (overlap / union) | scores | select | recall (non-forced) |"
+          " MSA forward | dense | speedup |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         def ms(key):
             return f"{r[key]:.2f} ms" if key in r else "-"
-        sel = lambda s: f"{r[f'select_{s}_ms']:.2f} ms ({r[f'select_{s}_tflops']:.0f} TF/s)"  # noqa: E731
-        speed = (f"{r['speedup_input']:.1f}x / {r['speedup_fp8']:.1f}x" if "speedup_fp8" in r else "-")
         dense = ms("dense_ms") + (f" ({r['dense_source']})" if "dense_source" in r else "")
-        print(f"| {r['config']} | {bf.fmt_tokens(r['T'])} | {r['level']} ({r['overlap']:.2f} / "
-              f"{r['union']:.2f}) | {sel('input')} | {sel('fp8')} | {r['recall']:.4f} "
-              f"({r['recall_free']:.4f}) | {ms('msa_input_ms')} | {ms('msa_fp8_ms')} | {dense} | {speed} |")
+        for name, _, _ in variants:
+            rec = (f"{r[f'recall_{name}']:.4f} ({r[f'recall_free_{name}']:.4f})" if f"recall_{name}" in r
+                   else "1 (reference)")
+            speed = f"{r[f'speedup_{name}']:.1f}x" if f"speedup_{name}" in r else "-"
+            print(f"| {r['config']} | {bf.fmt_tokens(r['T'])} | {r['level']} ({r['overlap']:.2f} / "
+                  f"{r['union']:.2f}) | {name} | {r[f'select_{name}_ms']:.2f} ms "
+                  f"({r[f'select_{name}_tflops']:.0f} TF/s) | {rec} | {ms(f'msa_{name}_ms')} | {dense} | {speed} |")
     print(f"\ntorch GEMM 8192^3 in this run: bf16 {anchors.get('bf16_gemm_tflops', 0):.0f} TF/s, "
           f"FP8 {anchors.get('fp8_gemm_tflops', float('nan')):.0f} TF/s")
 

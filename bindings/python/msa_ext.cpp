@@ -261,8 +261,8 @@ NB_MODULE(_C, m) {
       [](const Array& q_idx, const Array& k_idx, const OptArray& cu_seqlens, const Array& block_idx,
          const OptArray& lse_idx, const nb::int_& block_size, const nb::int_& top_k,
          const nb::int_& sink_blocks, const nb::int_& local_blocks, float scale_idx,
-         const std::string& select_scores, uintptr_t stream, bool check_values,
-         const nb::object& workspace_alloc) {
+         const std::string& select_scores, const nb::int_& fp8_rerank, uintptr_t stream,
+         bool check_values, const nb::object& workspace_alloc) {
         msa::SelectParams p;
         p.q_idx = to_ref("q_idx", q_idx);
         p.k_idx = to_ref("k_idx", k_idx);
@@ -271,12 +271,13 @@ NB_MODULE(_C, m) {
         p.lse_idx = to_ref("lse_idx", lse_idx);
         p.opts = options(nb::int_(0), block_size, top_k, sink_blocks, local_blocks, 0.f, scale_idx, false);
         p.opts.select_scores = select_scores_arg(select_scores);
+        p.opts.fp8_rerank = int32_arg("fp8_rerank", fp8_rerank);
         run(p, stream, check_values, workspace_alloc, [](const msa::SelectParams& x) { return msa::select_blocks(x); });
       },
       nb::arg("q_idx"), nb::arg("k_idx"), nb::arg("cu_seqlens").none(), nb::arg("block_idx"),
       nb::arg("lse_idx").none() = nb::none(), nb::arg("block_size") = 128, nb::arg("top_k") = 16,
       nb::arg("sink_blocks") = 0, nb::arg("local_blocks") = 1, nb::arg("scale_idx") = 0.f,
-      nb::arg("select_scores") = "input", nb::arg("stream") = 0, nb::arg("check_values") = true, nb::arg("workspace_alloc") = nb::none());
+      nb::arg("select_scores") = "input", nb::arg("fp8_rerank") = 4, nb::arg("stream") = 0, nb::arg("check_values") = true, nb::arg("workspace_alloc") = nb::none());
 
   m.def(
       "forward",
@@ -286,7 +287,7 @@ NB_MODULE(_C, m) {
          const nb::int_& block_size, const nb::int_& top_k, const nb::int_& sink_blocks,
          const nb::int_& local_blocks, float scale, float scale_idx, bool deterministic,
          const std::string& fwd_pass, const nb::int_& fwd_chunk_tokens, const std::string& select_scores,
-         uintptr_t stream, bool check_values, const nb::object& workspace_alloc) {
+         const nb::int_& fp8_rerank, uintptr_t stream, bool check_values, const nb::object& workspace_alloc) {
         msa::ForwardParams p;
         p.q = to_ref("q", q);
         p.k = to_ref("k", k);
@@ -303,6 +304,7 @@ NB_MODULE(_C, m) {
         p.opts.fwd_pass = fwd_pass_arg(fwd_pass);
         p.opts.fwd_chunk_tokens = int32_arg("fwd_chunk_tokens", fwd_chunk_tokens);
         p.opts.select_scores = select_scores_arg(select_scores);
+        p.opts.fp8_rerank = int32_arg("fp8_rerank", fp8_rerank);
         run(p, stream, check_values, workspace_alloc, [](const msa::ForwardParams& x) { return msa::forward(x); });
       },
       nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("cu_seqlens").none(),
@@ -311,7 +313,8 @@ NB_MODULE(_C, m) {
       nb::arg("mode") = 0, nb::arg("block_size") = 128, nb::arg("top_k") = 16,
       nb::arg("sink_blocks") = 0, nb::arg("local_blocks") = 1, nb::arg("scale") = 0.f,
       nb::arg("scale_idx") = 0.f, nb::arg("deterministic") = false, nb::arg("fwd_pass") = "auto",
-      nb::arg("fwd_chunk_tokens") = 0, nb::arg("select_scores") = "input", nb::arg("stream") = 0,
+      nb::arg("fwd_chunk_tokens") = 0, nb::arg("select_scores") = "input", nb::arg("fp8_rerank") = 4,
+      nb::arg("stream") = 0,
       nb::arg("check_values") = true, nb::arg("workspace_alloc") = nb::none());
 
   m.def(

@@ -43,7 +43,9 @@ enum class FwdPass : int32_t { kAuto = 0, kQueryTile = 1, kKvBlock = 2 };
 // values. kFp8: E4M3 copies of them (a scale per q_idx row and per block of k_idx keys), which
 // halves the bytes and doubles the tensor-core rate of long-context selection; the selection
 // then differs where blocks score within E4M3's resolution of each other. lse_idx and the KL
-// keep the inputs' own scores.
+// keep the inputs' own scores. With `fp8_rerank` = m > 0 the FP8 scores only shortlist: the best
+// (free slots + m) blocks by them are ranked again by the inputs' own scores, which restores
+// nearly all of kInput's selection for a small extra cost.
 enum class SelectScores : int32_t { kInput = 0, kFp8 = 1 };
 
 struct Options {
@@ -63,6 +65,9 @@ struct Options {
   // the backward runs in as many passes over its work as the selection's entries need.
   int64_t kl_teacher_bytes = 0;
   SelectScores select_scores = SelectScores::kInput;
+  // kFp8: FP8-scored candidates beyond a row's free slots that the inputs' own scores rank again
+  // (0: the FP8 scores decide alone); 0 ... 64, ignored with kInput.
+  int32_t fp8_rerank = 4;
 };
 
 // Per-call execution context. `stream` is a cudaStream_t for CUDA tensors (nullptr: the legacy

@@ -183,6 +183,7 @@ def sparse_attention(
     kl_pass: str = "auto",
     fwd_pass: str = "auto",
     select_scores: str = "input",
+    fp8_rerank: int = 4,
 ):
     """MSA training attention: index selection, sparse attention, KL loss (contract §2-§4).
 
@@ -229,6 +230,8 @@ def sparse_attention(
             k_idx keys: half the bytes and twice the tensor-core rate at long contexts; the
             selection differs where blocks score within E4M3's resolution; the KL keeps the
             inputs' scores). See :func:`select_blocks`.
+        fp8_rerank: with "fp8", how many candidates beyond a row's free slots the FP8 scores
+            shortlist for the inputs' own scores to rank again (0: the FP8 scores decide).
 
     Returns:
         ``(out, kl)``, then ``lse`` and ``block_idx`` when asked for, in that order.
@@ -264,7 +267,8 @@ def sparse_attention(
     out, lse, bi, kl = torch.ops.msa.forward(
         q, k, v, q_idx, k_idx, None if select else block_idx, cu, False, select, block_size,
         top_k, sink_blocks, local_blocks, _scale("scale", scale), _scale("scale_idx", scale_idx),
-        bool(kl_value) and has_idx, bool(deterministic), kl_pass, fwd_pass, select_scores)
+        bool(kl_value) and has_idx, bool(deterministic), kl_pass, fwd_pass, select_scores,
+        _int("fp8_rerank", fp8_rerank, 0, 64))
     result = (out, kl)
     if return_lse:
         result += (lse,)
@@ -326,6 +330,7 @@ def select_blocks(
     local_blocks: int = 1,
     scale_idx: Optional[float] = None,
     select_scores: str = "input",
+    fp8_rerank: int = 4,
 ) -> Tensor:
     """Index selection alone (docs/contract.md §2). Not differentiable.
 
@@ -337,6 +342,9 @@ def select_blocks(
     ``select_scores="fp8"`` ranks blocks by the scores of E4M3 copies of the inputs instead
     (contract §2): each q_idx row and each block of k_idx keys gets the scale 16 / amax, its
     values ``e4m3(x * scale)``; on the GPU the scores come from FP8 tensor-core products.
+    With ``fp8_rerank = m > 0`` (default 4) those scores only shortlist: the best (free slots +
+    m) blocks by them are ranked again by the inputs' own scores, which keeps nearly all of the
+    "input" selection (``fp8_rerank=0``: the FP8 scores decide alone).
 
     Returns ``block_idx`` [T, Hi, top_k] int32: ascending block ids, then -1 padding.
     """
@@ -348,7 +356,8 @@ def select_blocks(
     _int("local_blocks", local_blocks, 1)
     cu = _cu_seqlens(cu_seqlens, q_idx.device)
     return torch.ops.msa.select_blocks(q_idx, k_idx, cu, top_k, block_size, sink_blocks,
-                                       local_blocks, _scale("scale_idx", scale_idx), select_scores)
+                                       local_blocks, _scale("scale_idx", scale_idx), select_scores,
+                                       _int("fp8_rerank", fp8_rerank, 0, 64))
 
 
 def kl_divergence(

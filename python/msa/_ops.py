@@ -137,9 +137,10 @@ def select_blocks(
     local_blocks: int,
     scale_idx: float,
     select_scores: str = "input",
+    fp8_rerank: int = 4,
 ) -> Tensor:
     """block_idx [T, Hi, top_k] int32: ascending selected block ids, then -1 (docs/contract.md §2).
-    ``select_scores``: "input" or "fp8" (Options.select_scores)."""
+    ``select_scores``: "input" or "fp8" (Options.select_scores); ``fp8_rerank``: Options.fp8_rerank."""
     _need_select_scores(select_scores)
     _need_rank("q_idx", q_idx, 3, "[T, Hi, Di]")
     _need_int("top_k", top_k, 1, _MAX_TOP_K)
@@ -147,13 +148,14 @@ def select_blocks(
                             device=q_idx.device)
     _launch(_C.select_blocks, q_idx.device, _lc(q_idx), _lc(k_idx), _lc(cu_seqlens), block_idx,
             None, block_size=block_size, top_k=top_k, sink_blocks=sink_blocks,
-            local_blocks=local_blocks, scale_idx=scale_idx, select_scores=select_scores)
+            local_blocks=local_blocks, scale_idx=scale_idx, select_scores=select_scores,
+            fp8_rerank=fp8_rerank)
     return block_idx
 
 
 @select_blocks.register_fake
 def _(q_idx, k_idx, cu_seqlens, top_k, block_size, sink_blocks, local_blocks, scale_idx,
-      select_scores="input"):
+      select_scores="input", fp8_rerank=4):
     _need_select_scores(select_scores)
     return q_idx.new_empty((q_idx.shape[0], q_idx.shape[1], top_k), dtype=torch.int32)
 
@@ -185,6 +187,7 @@ def forward(
     kl_pass: str = "auto",
     fwd_pass: str = "auto",
     select_scores: str = "input",
+    fp8_rerank: int = 4,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(out [T, Hq, D] dtype of q, lse [T, Hq] fp32, block_idx, kl 0-dim fp32).
 
@@ -193,7 +196,9 @@ def forward(
     value when ``want_kl`` is set, else 0. ``kl_pass`` is for the autograd backward (see
     ``msa::backward``); it is checked here. ``fwd_pass``: how the sparse forward walks its work
     (Options.fwd_pass: "auto", "query_tile" or "kv_block"). ``select_scores``: the scores a
-    selection made here ranks blocks by (Options.select_scores: "input" or "fp8").
+    selection made here ranks blocks by (Options.select_scores: "input" or "fp8"), and
+    ``fp8_rerank`` how many FP8-scored candidates beyond the free slots the inputs' scores rank
+    again (Options.fp8_rerank).
     """
     _need_kl_pass(kl_pass)
     _need_fwd_pass(fwd_pass)
@@ -223,14 +228,14 @@ def forward(
             mode=_MODE_DENSE if dense else _MODE_SPARSE, block_size=block_size,
             top_k=top_k, sink_blocks=sink_blocks, local_blocks=local_blocks, scale=scale,
             scale_idx=scale_idx, deterministic=deterministic, fwd_pass=fwd_pass,
-            select_scores=select_scores)
+            select_scores=select_scores, fp8_rerank=fp8_rerank)
     return out, lse, bi_out, kl
 
 
 @forward.register_fake
 def _(q, k, v, q_idx, k_idx, block_idx, cu_seqlens, dense, select, block_size, top_k,
       sink_blocks, local_blocks, scale, scale_idx, want_kl, deterministic, kl_pass="auto",
-      fwd_pass="auto", select_scores="input"):
+      fwd_pass="auto", select_scores="input", fp8_rerank=4):
     _need_kl_pass(kl_pass)
     _need_fwd_pass(fwd_pass)
     _need_select_scores(select_scores)

@@ -64,10 +64,37 @@ def fp8_index_copies_ref(q_idx: Tensor, k_idx: Tensor, block_size: int,
     return q8, k8
 
 
+def _best(M: Tensor, cand: Tensor, n: Tensor) -> Tensor:
+    """[Hi, L, nb] bool: the n[t] best blocks of `cand` by (score M desc, block asc)."""
+    Hi, L, nb = M.shape
+    # A stable descending sort keeps equal scores in ascending block order.
+    order = torch.sort(M, dim=-1, descending=True, stable=True).indices
+    cand_sorted = cand.expand(Hi, L, nb).gather(-1, order)
+    rank_in_cand = torch.cumsum(cand_sorted.to(torch.int64), dim=-1)
+    best_sorted = cand_sorted & (rank_in_cand <= n[None, :, None])
+    return torch.zeros_like(best_sorted).scatter(-1, order, best_sorted)
+
+
+def _block_scores(q_idx: Tensor, k_idx: Tensor, scale_idx: float, Bk: int) -> Tensor:
+    """[Hi, L, nb] block maxima M(t, b) of one sequence's causal index scores."""
+    L = q_idx.shape[0]
+    s = _index_scores(q_idx, k_idx, scale_idx)  # [Hi, L, L]
+    s = s.masked_fill(~_causal(L, q_idx.device), NEG_INF)
+    nb = (L + Bk - 1) // Bk
+    s = F.pad(s, (0, nb * Bk - L), value=NEG_INF)
+    return s.reshape(s.shape[0], L, nb, Bk).amax(dim=-1)
+
+
 def select_blocks_ref(q_idx: Tensor, k_idx: Tensor, top_k: int, block_size: int,
                       cu_seqlens: Optional[Tensor] = None, sink_blocks: int = 0,
-                      local_blocks: int = 1, scale_idx: Optional[float] = None) -> Tensor:
-    """Contract §2: block_idx [T, Hi, top_k] int32, ascending block ids then -1."""
+                      local_blocks: int = 1, scale_idx: Optional[float] = None,
+                      shortlist_by: Optional[Tuple[Tensor, Tensor]] = None,
+                      rerank: int = 0) -> Tensor:
+    """Contract §2: block_idx [T, Hi, top_k] int32, ascending block ids then -1.
+
+    ``shortlist_by`` = (q, k) (select_scores="fp8": the E4M3 copies of fp8_index_copies_ref):
+    the free slots + ``rerank`` best candidates by the scores of q and k are kept, and the slots
+    go to the best of them by the scores of q_idx and k_idx (with rerank = 0: by q and k's)."""
     T, Hi, Di = q_idx.shape
     if scale_idx is None:
         scale_idx = Di ** -0.5
@@ -79,11 +106,8 @@ def select_blocks_ref(q_idx: Tensor, k_idx: Tensor, top_k: int, block_size: int,
             if L == 0:
                 continue
             dev = q_idx.device
-            s = _index_scores(q_idx[a:b], k_idx[a:b], scale_idx)  # [Hi, L, L]
-            s = s.masked_fill(~_causal(L, dev), NEG_INF)
-            nb = (L + Bk - 1) // Bk
-            s = F.pad(s, (0, nb * Bk - L), value=NEG_INF)
-            M = s.reshape(Hi, L, nb, Bk).amax(dim=-1)  # [Hi, L, nb] block scores
+            M = _block_scores(q_idx[a:b], k_idx[a:b], scale_idx, Bk)  # [Hi, L, nb]
+            nb = M.shape[-1]
             own = torch.arange(L, device=dev) // Bk  # [L]
             blk = torch.arange(nb, device=dev)
             local = (blk[None, :] <= own[:, None]) & (blk[None, :] > own[:, None] - local_blocks)
@@ -91,13 +115,13 @@ def select_blocks_ref(q_idx: Tensor, k_idx: Tensor, top_k: int, block_size: int,
             forced = local | sink  # [L, nb]
             cand = (blk[None, :] < own[:, None]) & ~forced  # [L, nb]
             slots = top_k - forced.sum(-1)  # [L]
-            # Rank the candidates by (score desc, block asc): a stable descending sort keeps
-            # equal scores in ascending block order.
-            order = torch.sort(M, dim=-1, descending=True, stable=True).indices  # [Hi, L, nb]
-            cand_sorted = cand.expand(Hi, L, nb).gather(-1, order)
-            rank_in_cand = torch.cumsum(cand_sorted.to(torch.int64), dim=-1)
-            chosen_sorted = cand_sorted & (rank_in_cand <= slots[None, :, None])
-            chosen = torch.zeros_like(chosen_sorted).scatter(-1, order, chosen_sorted)
+            if shortlist_by is not None:
+                M8 = _block_scores(shortlist_by[0][a:b], shortlist_by[1][a:b], scale_idx, Bk)
+                if rerank == 0:
+                    M = M8
+                else:
+                    cand = cand[None] & _best(M8, cand, slots + rerank)
+            chosen = _best(M, cand, slots)
             sel = forced[None] | chosen  # [Hi, L, nb]
             ids = torch.where(sel, blk, nb + blk).sort(dim=-1).values
             count = sel.sum(-1, keepdim=True)

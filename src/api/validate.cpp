@@ -390,6 +390,8 @@ Status option_ranges(const Check& c, const Options& o) {
   MSA_TRY(c.option("select_scores",
                    o.select_scores == SelectScores::kInput || o.select_scores == SelectScores::kFp8,
                    "must be kInput or kFp8, got " + std::to_string(static_cast<int32_t>(o.select_scores))));
+  MSA_TRY(c.option("fp8_rerank", o.fp8_rerank >= 0 && o.fp8_rerank <= 64,
+                   "must be in [0, 64], got " + std::to_string(o.fp8_rerank)));
   return Status::Ok();
 }
 

@@ -88,6 +88,50 @@ void Support::rows_of_block(int32_t i, int64_t gb, std::vector<int64_t>* out) co
   for (int64_t x = rev_ptr_[bucket]; x < rev_ptr_[bucket + 1]; ++x) out->push_back(rev_rows_[x]);
 }
 
+void choose_blocks(const Options& o, int32_t k, int64_t t, const std::vector<double>& rank,
+                   const std::vector<double>* rerank, int32_t m, std::vector<int32_t>* chosen) {
+  thread_local std::vector<int32_t> cand;
+  const int32_t own = static_cast<int32_t>(t / o.block_size);
+  // Forced: the last `local_blocks` blocks up to the own block, and the first `sink_blocks`.
+  chosen->clear();
+  const int32_t first_local = std::max(0, own - o.local_blocks + 1);
+  for (int32_t b = 0; b < std::min(o.sink_blocks, first_local); ++b) chosen->push_back(b);
+  for (int32_t b = first_local; b <= own; ++b) chosen->push_back(b);
+  // Candidates: every other block before the own block.
+  cand.clear();
+  for (int32_t b = std::min(o.sink_blocks, first_local); b < first_local; ++b) cand.push_back(b);
+  const size_t slots = static_cast<size_t>(std::max<int64_t>(0, int64_t(k) - int64_t(chosen->size())));
+  const auto by = [](const std::vector<double>& sc) {
+    return [&sc](int32_t a, int32_t b) { return sc[a] > sc[b] || (sc[a] == sc[b] && a < b); };
+  };
+  if (rerank != nullptr && cand.size() > slots + m) {  // the shortlist
+    std::partial_sort(cand.begin(), cand.begin() + slots + m, cand.end(), by(rank));
+    cand.resize(slots + m);
+  }
+  const std::vector<double>& final_rank = rerank != nullptr ? *rerank : rank;
+  if (cand.size() > slots) {
+    std::partial_sort(cand.begin(), cand.begin() + slots, cand.end(), by(final_rank));
+    cand.resize(slots);
+  }
+  chosen->insert(chosen->end(), cand.begin(), cand.end());
+  std::sort(chosen->begin(), chosen->end());
+}
+
+void write_row(const std::vector<int32_t>& chosen, int32_t k, int32_t* out, int64_t stride) {
+  for (int32_t j = 0; j < k; ++j) out[j * stride] = j < static_cast<int32_t>(chosen.size()) ? chosen[j] : -1;
+}
+
+double support_logsumexp(const std::vector<double>& score, const std::vector<int32_t>& chosen, int64_t t,
+                         int32_t Bk) {
+  thread_local std::vector<double> support;
+  support.clear();
+  for (int32_t b : chosen) {
+    const int64_t end = std::min<int64_t>(static_cast<int64_t>(b + 1) * Bk, t + 1);
+    for (int64_t j = static_cast<int64_t>(b) * Bk; j < end; ++j) support.push_back(score[j]);
+  }
+  return logsumexp(support.data(), support.size());
+}
+
 double logsumexp(const double* x, size_t n) {
   if (n == 0) return -std::numeric_limits<double>::infinity();
   double m = x[0];

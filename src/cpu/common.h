@@ -113,61 +113,56 @@ double logsumexp(const double* x, size_t n);
 // Local key positions j <= t of `blocks` (ascending block ids of Bk keys), ascending.
 void keys_of_blocks(const std::vector<int32_t>& blocks, int64_t t, int32_t Bk, std::vector<int64_t>* out);
 
-// Contract §2 for one (query, index head) row: the query at position t of its sequence scores
-// the keys 0 .. t, `key_row(j)` being key j's index key row (Di elements), with `scale_idx`;
-// writes the k selected block ids (ascending, then -1) to out[0], out[stride], ... and, when
-// `lse_idx` is given, the log-normaliser of the index softmax over the selected support. Shared
-// by the training selection (contiguous keys) and the serving one (keys in pages).
+// Contract §2's token and block scores of one (query, index head) row: the query at position t
+// of its sequence scores the keys 0 .. t, `key_row(j)` being key j's index key row (Di elements),
+// with `scale_idx`: score[j] for j <= t, and block_max[b], M(t, b), for b <= blk(t) (NaN ranks
+// as -inf).
+template <class E, class KeyRow>
+void block_maxima(int32_t Di, int32_t Bk, double scale_idx, const E* q_row, int64_t t, const KeyRow& key_row,
+                  std::vector<double>* score, std::vector<double>* block_max) {
+  thread_local std::vector<double> q;
+  const int32_t own = static_cast<int32_t>(t / Bk);
+  q.resize(Di);
+  score->resize(t + 1);
+  block_max->resize(own + 1);
+  load(q_row, Di, q.data());
+  for (int64_t j = 0; j <= t; ++j) (*score)[j] = scale_idx * dot(q.data(), key_row(j), Di);
+  for (int32_t b = 0; b <= own; ++b) {
+    double m = -std::numeric_limits<double>::infinity();
+    const int64_t end = std::min<int64_t>(static_cast<int64_t>(b + 1) * Bk, t + 1);
+    for (int64_t j = static_cast<int64_t>(b) * Bk; j < end; ++j)
+      if (!std::isnan((*score)[j])) m = std::max(m, (*score)[j]);
+    (*block_max)[b] = m;
+  }
+}
+
+// Contract §2's choice for the query at position t from its block scores `rank` (M(t, b), b <=
+// blk(t)): the forced blocks, then the other slots by score (ties to the lower block index), as
+// ascending ids in *chosen. With `rerank` (kFp8 with fp8_rerank = m > 0: the inputs' own block
+// scores), the best (slots + m) candidates by `rank` are ranked again by `rerank`.
+void choose_blocks(const Options& o, int32_t k, int64_t t, const std::vector<double>& rank,
+                   const std::vector<double>* rerank, int32_t m, std::vector<int32_t>* chosen);
+
+// The k entries of a block_idx row from ascending ids: out[0], out[stride], ..., then -1.
+void write_row(const std::vector<int32_t>& chosen, int32_t k, int32_t* out, int64_t stride);
+
+// log sum exp of score[j] over the keys j <= t of the blocks `chosen`.
+double support_logsumexp(const std::vector<double>& score, const std::vector<int32_t>& chosen, int64_t t,
+                         int32_t Bk);
+
+// Contract §2 for one (query, index head) row (block_maxima, then choose_blocks): writes the k
+// selected block ids (ascending, then -1) to out[0], out[stride], ... and, when `lse_idx` is
+// given, the log-normaliser of the index softmax over the selected support. Shared by the
+// training selection (contiguous keys) and the serving one (keys in pages).
 template <class E, class KeyRow>
 void select_row(const Options& o, int32_t k, int32_t Di, double scale_idx, const E* q_row, int64_t t,
                 const KeyRow& key_row, int32_t* out, int64_t stride, float* lse_idx) {
-  thread_local std::vector<double> q, score, block_max, support;
-  thread_local std::vector<int32_t> forced, cand, chosen;
-  const int32_t Bk = o.block_size;
-  const int32_t own = static_cast<int32_t>(t / Bk);
-  const double neg_inf = -std::numeric_limits<double>::infinity();
-  q.resize(Di);
-  score.resize(t + 1);
-  block_max.resize(own + 1);
-  load(q_row, Di, q.data());
-  for (int64_t j = 0; j <= t; ++j) score[j] = scale_idx * dot(q.data(), key_row(j), Di);
-  // M(t, b): max over the block's causal keys; NaN ranks as -inf.
-  for (int32_t b = 0; b <= own; ++b) {
-    double m = neg_inf;
-    const int64_t end = std::min<int64_t>(static_cast<int64_t>(b + 1) * Bk, t + 1);
-    for (int64_t j = static_cast<int64_t>(b) * Bk; j < end; ++j)
-      if (!std::isnan(score[j])) m = std::max(m, score[j]);
-    block_max[b] = m;
-  }
-  // Forced: the last `local_blocks` blocks up to the own block, and the first `sink_blocks`.
-  forced.clear();
-  const int32_t first_local = std::max(0, own - o.local_blocks + 1);
-  for (int32_t b = 0; b < std::min(o.sink_blocks, first_local); ++b) forced.push_back(b);
-  for (int32_t b = first_local; b <= own; ++b) forced.push_back(b);
-  // Candidates: every other block before the own block.
-  cand.clear();
-  for (int32_t b = 0; b < own; ++b)
-    if (std::find(forced.begin(), forced.end(), b) == forced.end()) cand.push_back(b);
-  const size_t slots = static_cast<size_t>(k) - forced.size();
-  const auto better = [&](int32_t a, int32_t b) {
-    return block_max[a] > block_max[b] || (block_max[a] == block_max[b] && a < b);
-  };
-  if (cand.size() > slots) {
-    std::partial_sort(cand.begin(), cand.begin() + slots, cand.end(), better);
-    cand.resize(slots);
-  }
-  chosen = forced;
-  chosen.insert(chosen.end(), cand.begin(), cand.end());
-  std::sort(chosen.begin(), chosen.end());
-  for (int32_t j = 0; j < k; ++j) out[j * stride] = j < static_cast<int32_t>(chosen.size()) ? chosen[j] : -1;
-  if (lse_idx) {
-    support.clear();
-    for (int32_t b : chosen) {
-      const int64_t end = std::min<int64_t>(static_cast<int64_t>(b + 1) * Bk, t + 1);
-      for (int64_t j = static_cast<int64_t>(b) * Bk; j < end; ++j) support.push_back(score[j]);
-    }
-    *lse_idx = static_cast<float>(logsumexp(support.data(), support.size()));
-  }
+  thread_local std::vector<double> score, block_max;
+  thread_local std::vector<int32_t> chosen;
+  block_maxima(Di, o.block_size, scale_idx, q_row, t, key_row, &score, &block_max);
+  choose_blocks(o, k, t, block_max, nullptr, 0, &chosen);
+  write_row(chosen, k, out, stride);
+  if (lse_idx) *lse_idx = static_cast<float>(support_logsumexp(score, chosen, t, o.block_size));
 }
 
 // Contract §3 for one (query, query head) row over the key positions `keys`: `key_row(j)` and

@@ -1,6 +1,8 @@
 // CPU index selection (docs/contract.md §2), literally: token scores, per-block maxima over causal keys,
 // forced blocks, then the best remaining blocks by score (ties to the lower block index); the
-// row itself is select_row (common.h), shared with the serving selection.
+// row itself is select_row (common.h), shared with the serving selection. FP8 scores: the
+// dequantised E4M3 copies rank, and with fp8_rerank > 0 the inputs' own scores rank the
+// shortlist again.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -58,25 +60,6 @@ void fp8_copies(const Problem& prob, const Layout& layout, const Rows<const E>& 
   });
 }
 
-// log sum exp of the index scores of (query row q_row at position t) over the selected blocks of
-// its block_idx row (the inputs' own scores: lse_idx under FP8 selection scores).
-template <class E, class KeyRow>
-float support_lse(const Problem& prob, const E* q_row, int64_t t, const KeyRow& key_row, const int32_t* bi,
-                  int64_t stride) {
-  thread_local std::vector<double> q, s;
-  thread_local std::vector<int32_t> blocks;
-  thread_local std::vector<int64_t> keys;
-  q.resize(prob.Di);
-  load(q_row, prob.Di, q.data());
-  blocks.clear();
-  for (int32_t j = 0; j < prob.k; ++j)
-    if (bi[j * stride] >= 0) blocks.push_back(bi[j * stride]);
-  keys_of_blocks(blocks, t, prob.opts.block_size, &keys);
-  s.resize(keys.size());
-  for (size_t x = 0; x < keys.size(); ++x) s[x] = prob.opts.scale_idx * dot(q.data(), key_row(keys[x]), prob.Di);
-  return static_cast<float>(logsumexp(s.data(), s.size()));
-}
-
 template <class E>
 void select_impl(const Problem& prob, const TensorRef& q_idx_t, const TensorRef& k_idx_t,
                  const TensorRef& block_idx_t, const TensorRef& lse_idx_t) {
@@ -91,6 +74,8 @@ void select_impl(const Problem& prob, const TensorRef& q_idx_t, const TensorRef&
   if (fp8) fp8_copies(prob, layout, q_idx, k_idx, &q8, &k8);
 
   parallel_for(prob.T, [&](int64_t g, int) {
+    thread_local std::vector<double> score, block_max, score8, block_max8;
+    thread_local std::vector<int32_t> chosen;
     const int64_t s = layout.seq_of[g], base = layout.cu[s], t = g - base;
     for (int32_t i = 0; i < prob.Hi; ++i) {
       const int32_t ik = i / prob.idx_per_key();
@@ -102,10 +87,16 @@ void select_impl(const Problem& prob, const TensorRef& q_idx_t, const TensorRef&
                    block_idx_t.stride[2], lse);
         continue;
       }
-      select_row(prob.opts, prob.k, prob.Di, scale_idx, q8.data() + (g * prob.Hi + i) * prob.Di, t,
-                 [&](int64_t j) { return k8.data() + ((base + j) * prob.Hik + ik) * prob.Di; }, out,
-                 block_idx_t.stride[2], nullptr);
-      if (lse) *lse = support_lse(prob, q_idx.row(g, i), t, key_row, out, block_idx_t.stride[2]);
+      // FP8 scores rank (shortlist, with fp8_rerank > 0); the inputs' own scores re-rank the
+      // shortlist and give lse_idx.
+      const int32_t Bk = prob.opts.block_size, m = prob.opts.fp8_rerank;
+      block_maxima(prob.Di, Bk, scale_idx, q8.data() + (g * prob.Hi + i) * prob.Di, t,
+                   [&](int64_t j) { return k8.data() + ((base + j) * prob.Hik + ik) * prob.Di; }, &score8,
+                   &block_max8);
+      if (m > 0 || lse) block_maxima(prob.Di, Bk, scale_idx, q_idx.row(g, i), t, key_row, &score, &block_max);
+      choose_blocks(prob.opts, prob.k, t, block_max8, m > 0 ? &block_max : nullptr, m, &chosen);
+      write_row(chosen, prob.k, out, block_idx_t.stride[2]);
+      if (lse) *lse = static_cast<float>(support_logsumexp(score, chosen, t, Bk));
     }
   });
 }

@@ -26,6 +26,7 @@ set(MSA_CUDA_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/host/backward.cu
   ${CMAKE_CURRENT_LIST_DIR}/host/plan.cu
   ${CMAKE_CURRENT_LIST_DIR}/host/reverse_index.cu
+  ${CMAKE_CURRENT_LIST_DIR}/host/rerank.cu
   ${CMAKE_CURRENT_LIST_DIR}/host/check_values.cu
   ${CMAKE_CURRENT_LIST_DIR}/host/paged.cu)
 set(MSA_CUDA_GENERATED_DIR ${CMAKE_CURRENT_BINARY_DIR}/msa_cuda_instances)

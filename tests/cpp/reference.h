@@ -155,6 +155,77 @@ inline std::string selection_rule_error(const Config& c, int own, const std::vec
   return "";
 }
 
+// Contract §2's rule for a selection re-ranked from an FP8 shortlist (kFp8, fp8_rerank = m > 0),
+// with slack: every selected non-forced block is among the free slots + m best candidates by
+// `m8` (the copies' block scores) up to abs_tol + rel_tol * |that (slots + m)-th score|, and no
+// candidate surely in the shortlist (above that score by more than the slack) is left out while
+// it outscores a selected one under `m_in` (the inputs' block scores) by more than the slack.
+inline std::string shortlist_rule_error(const Config& c, int own, const std::vector<double>& m8,
+                                        const std::vector<double>& m_in, int m, const std::vector<int>& chosen,
+                                        double abs_tol, double rel_tol) {
+  std::vector<int> cand;
+  for (int b = 0; b <= own; ++b) {
+    if (!is_forced(c, own, b)) {
+      cand.push_back(b);
+      continue;
+    }
+    if (std::find(chosen.begin(), chosen.end(), b) == chosen.end())
+      return "forced block " + std::to_string(b) + " is missing";
+  }
+  const int slots = c.k - (own + 1 - static_cast<int>(cand.size()));
+  if (slots <= 0) return "";
+  std::vector<double> by8;
+  for (int b : cand) by8.push_back(m8[b]);
+  std::sort(by8.rbegin(), by8.rend());
+  const bool limited = static_cast<int>(cand.size()) > slots + m;
+  const double kth8 = limited ? by8[slots + m - 1] : -INFINITY;
+  const double allowed8 = limited ? abs_tol + rel_tol * std::fabs(kth8) : 0.0;
+  double worst = INFINITY;
+  int picked = 0;
+  for (int b : chosen) {
+    if (is_forced(c, own, b)) continue;
+    ++picked;
+    worst = std::min(worst, m_in[b]);
+    if (limited && m8[b] < kth8 - allowed8)
+      return "block " + std::to_string(b) + " is outside the FP8 shortlist (score " + std::to_string(m8[b]) +
+             " below " + std::to_string(kth8) + ")";
+  }
+  if (picked < slots) return "";  // fewer candidates than slots: the format check counts them
+  const double allowed = abs_tol + rel_tol * std::fabs(worst);
+  for (int b : cand) {
+    const bool surely = !limited || m8[b] > kth8 + allowed8;
+    if (!surely || std::find(chosen.begin(), chosen.end(), b) != chosen.end()) continue;
+    if (m_in[b] > worst + allowed)
+      return "shortlisted block " + std::to_string(b) + " scores " + std::to_string(m_in[b]) +
+             ", above the selected blocks' lowest " + std::to_string(worst);
+  }
+  return "";
+}
+
+// Brute force of the re-ranked FP8 selection: the free slots + m best candidates by `q8`'s block
+// scores (fp8_scored of `p`), then the slots by p's own, ties to the lower index both times.
+inline Sets ref_select_shortlist(const Problem& p, const Problem& q8, int m) {
+  const Config& c = p.cfg;
+  Sets s(p.T, std::vector<std::vector<int>>(c.Hi));
+  for (int64_t g = 0; g < p.T; ++g) {
+    const int own = static_cast<int>((g - seq_begin(p, g)) / c.Bk);
+    for (int i = 0; i < c.Hi; ++i) {
+      const std::vector<double> m_in = block_scores(p, g, i), m8 = block_scores(q8, g, i);
+      std::vector<int> chosen, cand;
+      for (int b = 0; b <= own; ++b) (is_forced(c, own, b) ? chosen : cand).push_back(b);
+      const int slots = c.k - static_cast<int>(chosen.size());
+      std::stable_sort(cand.begin(), cand.end(), [&](int a, int b) { return m8[a] > m8[b]; });
+      if (static_cast<int>(cand.size()) > slots + m) cand.resize(slots + m);
+      std::sort(cand.begin(), cand.end());
+      std::stable_sort(cand.begin(), cand.end(), [&](int a, int b) { return m_in[a] > m_in[b]; });
+      for (int x = 0; x < static_cast<int>(cand.size()) && x < slots; ++x) chosen.push_back(cand[x]);
+      std::sort(chosen.begin(), chosen.end());
+      s[g][i] = chosen;
+    }
+  }
+  return s;
+}
+
 // Brute force: rank every non-forced earlier block by (score desc, index asc), take the top.
 inline Sets ref_select(const Problem& p) {
   const Config& c = p.cfg;

@@ -356,8 +356,10 @@ std::vector<int> bi_row(const HostTensor& bi, int64_t g, int i) {
 // Selection rows `tokens` (all heads): the contract's format (ascending ids, then -1 padding), its
 // acceptance rule with a slack of 1e-3 * (1 + |k-th score|), and lse_idx (when given) within
 // 1e-3 * (1 + |ref|) of the log-normaliser over the returned support.
+// With `shortlist` (kFp8 with fp8_rerank = m > 0: the E4M3 copies' scores) the rule is
+// shortlist_rule_error's instead, with `sc` the inputs' own scores.
 Failures check_selection(const Problem& p, const IndexScores& sc, const HostTensor& bi, const HostTensor* lse_idx,
-                         const std::vector<int64_t>& tokens) {
+                         const std::vector<int64_t>& tokens, const IndexScores* shortlist = nullptr, int m = 0) {
   return parallel_check(static_cast<int64_t>(tokens.size()), [&](int64_t x, Failures& f) {
     const int64_t g = tokens[x];
     const int own = sc.own_block(g);
@@ -372,7 +374,11 @@ Failures check_selection(const Problem& p, const IndexScores& sc, const HostTens
       std::vector<int> chosen;
       for (int b : row)
         if (b >= 0) chosen.push_back(b);
-      const std::string rule = selection_rule_error(p.cfg, own, sc.block_maxima(g, i), chosen, 1e-3, 1e-3);
+      const std::string rule =
+          shortlist != nullptr
+              ? shortlist_rule_error(p.cfg, own, shortlist->block_maxima(g, i), sc.block_maxima(g, i), m, chosen,
+                                     1e-3, 1e-3)
+              : selection_rule_error(p.cfg, own, sc.block_maxima(g, i), chosen, 1e-3, 1e-3);
       if (!rule.empty()) f.add(where + ": " + rule);
       if (lse_idx) {
         const double want = sc.lse_over(g, i, chosen), got = lse_idx->at(g, i);
@@ -660,48 +666,66 @@ TEST_P(CudaVsCpu, SelectBlocks) {
   EXPECT_EQ(f.count, 0) << what("select_blocks") << f.first;
 }
 
-// select_blocks with FP8 scores (Options.select_scores = kFp8): the contract's format and
-// tolerance rule over the scores of the dequantised E4M3 copies (the tests' own quantiser), and
-// lse_idx over the returned support with the inputs' own scores.
+// select_blocks with FP8 scores (Options.select_scores = kFp8), fp8_rerank 0 and 4: the
+// contract's format and tolerance rule over the scores of the dequantised E4M3 copies (the tests'
+// own quantiser), or the shortlist's rule over those and the inputs' scores; lse_idx over the
+// returned support with the inputs' own scores; the re-ranked selection the same in a second
+// call (its lists are built with atomics).
 TEST_P(CudaVsCpu, SelectBlocksFp8) {
   SKIP_UNLESS_BUILT(cfg(), false, true);
   const Config& c = cfg();
-  DeviceTensor bi = DeviceTensor::poisoned(DType::kInt32, {p().T, c.Hi, c.k}, s());
-  DeviceTensor lse_idx = DeviceTensor::poisoned(DType::kFloat32, {p().T, c.Hi}, s());
-  msa::SelectParams sp = select_params(bi, lse_idx);
-  sp.opts.select_scores = msa::SelectScores::kFp8;
-  const size_t ws_bytes = msa::workspace_size(sp);
-  ASSERT_GT(ws_bytes, 0u);
-  DeviceTensor ws = DeviceTensor::poisoned(DType::kInt32, {static_cast<int64_t>((ws_bytes + 3) / 4)}, s());
-  sp.launch.workspace = ws.ref().data;
-  sp.launch.workspace_bytes = ws_bytes;
-  require_ok(msa::select_blocks(sp));
-  const HostTensor got = bi.download(s()), got_lse = lse_idx.download(s());
   const Problem q8 = fp8_scored(p());
-  const Failures f = check_selection(q8, IndexScores(q8), got, nullptr, all_tokens(p()));
-  EXPECT_EQ(f.count, 0) << what("select_blocks, kFp8") << f.first;
-  const IndexScores own(p());
-  Failures fl;
-  for (int64_t g = 0; g < p().T; ++g)
-    for (int i = 0; i < c.Hi; ++i) {
-      std::vector<int> chosen;
-      for (int b : bi_row(got, g, i))
-        if (b >= 0) chosen.push_back(b);
-      const double want = own.lse_over(g, i, chosen), lse = got_lse.at(g, i);
-      if (!(std::fabs(lse - want) <= 1e-3 * (1 + std::fabs(want))))
-        fl.add("lse_idx[" + std::to_string(g) + ", " + std::to_string(i) + "] = " + std::to_string(lse) +
-               ", expected " + std::to_string(want));
+  const IndexScores own(p()), own8(q8);
+  for (int m : {0, 4}) {
+    DeviceTensor bi = DeviceTensor::poisoned(DType::kInt32, {p().T, c.Hi, c.k}, s());
+    DeviceTensor lse_idx = DeviceTensor::poisoned(DType::kFloat32, {p().T, c.Hi}, s());
+    msa::SelectParams sp = select_params(bi, lse_idx);
+    sp.opts.select_scores = msa::SelectScores::kFp8;
+    sp.opts.fp8_rerank = m;
+    const size_t ws_bytes = msa::workspace_size(sp);
+    ASSERT_GT(ws_bytes, 0u);
+    DeviceTensor ws = DeviceTensor::poisoned(DType::kInt32, {static_cast<int64_t>((ws_bytes + 3) / 4)}, s());
+    sp.launch.workspace = ws.ref().data;
+    sp.launch.workspace_bytes = ws_bytes;
+    require_ok(msa::select_blocks(sp));
+    const HostTensor got = bi.download(s()), got_lse = lse_idx.download(s());
+    const std::string name = "select_blocks, kFp8, fp8_rerank " + std::to_string(m);
+    const Failures f = m == 0 ? check_selection(q8, own8, got, nullptr, all_tokens(p()))
+                              : check_selection(p(), own, got, nullptr, all_tokens(p()), &own8, m);
+    EXPECT_EQ(f.count, 0) << what(name) << f.first;
+    Failures fl;
+    for (int64_t g = 0; g < p().T; ++g)
+      for (int i = 0; i < c.Hi; ++i) {
+        std::vector<int> chosen;
+        for (int b : bi_row(got, g, i))
+          if (b >= 0) chosen.push_back(b);
+        const double want = own.lse_over(g, i, chosen), lse = got_lse.at(g, i);
+        if (!(std::fabs(lse - want) <= 1e-3 * (1 + std::fabs(want))))
+          fl.add("lse_idx[" + std::to_string(g) + ", " + std::to_string(i) + "] = " + std::to_string(lse) +
+                 ", expected " + std::to_string(want));
+      }
+    EXPECT_EQ(fl.count, 0) << what(name + ", lse_idx") << fl.first;
+    if (m > 0) {
+      DeviceTensor bi2 = DeviceTensor::poisoned(DType::kInt32, {p().T, c.Hi, c.k}, s());
+      sp.block_idx = bi2.ref();
+      sp.lse_idx = {};
+      require_ok(msa::select_blocks(sp));
+      const HostTensor again = bi2.download(s());
+      int64_t differ = 0;
+      for (int64_t x = 0; x < got.numel(); ++x) differ += got.get(x) != again.get(x);
+      EXPECT_EQ(differ, 0) << what(name + ": a second call differs");
     }
-  EXPECT_EQ(fl.count, 0) << what("select_blocks, kFp8, lse_idx") << fl.first;
+  }
 }
 
-// forward with select = true and FP8 scores: the selection by the rule over the E4M3 copies'
-// scores, then out and lse against the CPU over the block_idx the GPU chose.
+// forward with select = true and FP8 scores (fp8_rerank = 4, the default): the selection by the
+// shortlist's rule, then out and lse against the CPU over the block_idx the GPU chose.
 TEST_P(CudaVsCpu, ForwardWithSelectFp8) {
   SKIP_UNLESS_BUILT(cfg(), true, true);
   GpuForward g = gpu_forward(Mode::kSparse, nullptr, true, msa::FwdPass::kAuto, 0, msa::SelectScores::kFp8);
   const Problem q8 = fp8_scored(p());
-  const Failures f = check_selection(q8, IndexScores(q8), g.block_idx, nullptr, all_tokens(p()));
+  const IndexScores own8(q8);
+  const Failures f = check_selection(p(), IndexScores(p()), g.block_idx, nullptr, all_tokens(p()), &own8, 4);
   ASSERT_EQ(f.count, 0) << what("forward, select = true, kFp8") << f.first;
   const FwdResult ref = run_forward(wide(), &g.block_idx, Mode::kSparse, false);
   expect_forward_close(g.out, g.lse, ref, cfg().dtype, what("forward, select = true, kFp8"));
@@ -1144,9 +1168,10 @@ void expect_error(const msa::Status& s, StatusCode code, const std::string& need
 }
 
 // Two blocks whose best keys differ by 2^-7 (apart in bfloat16) round to the same E4M3 value
-// under the scale a large value elsewhere in each block sets: kFp8 ties them and picks the lower
-// block, kInput the higher one (as on the CPU, test_selection.cpp). Without the workspace the
-// FP8 call fails naming it.
+// under the scale a large value elsewhere in each block sets: kFp8 with fp8_rerank = 0 ties them
+// and picks the lower block, kInput the higher one, and kFp8 re-ranking its shortlist by the
+// inputs' scores the higher one too (as on the CPU, test_selection.cpp). Without the workspace
+// the FP8 calls fail naming it.
 TEST(Cuda, Fp8ScoresTieWhatE4M3CannotTellApart) {
   SKIP_WITHOUT_CUDA();
   Config c = shape({384}, 1, 1, 128, 1, 1, 128, 128, 2, kBf16, 5);
@@ -1159,7 +1184,8 @@ TEST(Cuda, Fp8ScoresTieWhatE4M3CannotTellApart) {
   p.k_idx.set(128 * c.Di + 1, 100.0);
   p.k_idx.set(129 * c.Di + 0, 1.0078125);
   DeviceTensor q_idx = DeviceTensor::upload(p.q_idx, nullptr), k_idx = DeviceTensor::upload(p.k_idx, nullptr);
-  for (msa::SelectScores scores : {msa::SelectScores::kInput, msa::SelectScores::kFp8}) {
+  for (int rerank : {-1, 0, 4}) {  // -1: kInput
+    const msa::SelectScores scores = rerank < 0 ? msa::SelectScores::kInput : msa::SelectScores::kFp8;
     DeviceTensor bi = DeviceTensor::poisoned(DType::kInt32, {p.T, 1, c.k}, nullptr);
     msa::SelectParams sp;
     sp.q_idx = q_idx.ref();
@@ -1167,6 +1193,7 @@ TEST(Cuda, Fp8ScoresTieWhatE4M3CannotTellApart) {
     sp.block_idx = bi.ref();
     sp.opts = p.options();
     sp.opts.select_scores = scores;
+    sp.opts.fp8_rerank = rerank < 0 ? 4 : rerank;
     const size_t ws_bytes = msa::workspace_size(sp);
     DeviceTensor ws(DType::kInt32, {static_cast<int64_t>((ws_bytes + 3) / 4 + 1)});
     if (ws_bytes > 0) {
@@ -1177,10 +1204,10 @@ TEST(Cuda, Fp8ScoresTieWhatE4M3CannotTellApart) {
     }
     require_ok(msa::select_blocks(sp));
     const HostTensor got = bi.download(nullptr);
-    const int want = scores == msa::SelectScores::kFp8 ? 0 : 1;
+    const int want = rerank == 0 ? 0 : 1;
     for (int64_t t = 256; t < 384; ++t) {
-      ASSERT_EQ(got.idx(t, 0, 0), want) << "token " << t;
-      ASSERT_EQ(got.idx(t, 0, 1), 2) << "token " << t;
+      ASSERT_EQ(got.idx(t, 0, 0), want) << "token " << t << ", fp8_rerank " << rerank;
+      ASSERT_EQ(got.idx(t, 0, 1), 2) << "token " << t << ", fp8_rerank " << rerank;
     }
   }
 }

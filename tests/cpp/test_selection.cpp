@@ -161,9 +161,9 @@ TEST(Selection, NanStaysInItsSequence) {
   }
 }
 
-// Options.select_scores = kFp8 (contract §2): the selection follows the rule over the scores of
-// the dequantised E4M3 copies (fp8_scored, the tests' own quantiser) with no slack, on several
-// sequences whose last blocks are partial; lse_idx keeps the inputs' own scores.
+// Options.select_scores = kFp8 with fp8_rerank = 0 (contract §2): the selection follows the rule
+// over the scores of the dequantised E4M3 copies (fp8_scored, the tests' own quantiser) with no
+// slack, on several sequences whose last blocks are partial; lse_idx keeps the inputs' own scores.
 TEST(Selection, Fp8ScoresFollowTheRule) {
   for (DType dt : {DType::kBFloat16, DType::kFloat32}) {
     Config c = sel({300, 1, 77, 129}, 16, 5, 1, 1, 4, 2);
@@ -183,6 +183,7 @@ TEST(Selection, Fp8ScoresFollowTheRule) {
     sp.lse_idx = lse.ref();
     sp.opts = p.options();
     sp.opts.select_scores = msa::SelectScores::kFp8;
+    sp.opts.fp8_rerank = 0;
     expect_ok(msa::select_blocks(sp));
     const Sets sets = sets_from(p, bi);
     int64_t differs = 0;
@@ -213,7 +214,8 @@ TEST(Selection, Fp8ScoresFollowTheRule) {
 }
 
 // Two blocks whose best keys differ by 2^-7 (apart in bfloat16) round to the same E4M3 value
-// under the scale a large value elsewhere in each block sets, so kFp8 ties them and picks the
+// under the scale a large value elsewhere in each block sets, so kFp8 (fp8_rerank = 0) ties them
+// and picks the
 // lower block, where the inputs' own scores pick the higher one.
 TEST(Selection, Fp8ScoresTieWhatE4M3CannotTellApart) {
   Config c = sel({48}, 16, 2);
@@ -227,6 +229,7 @@ TEST(Selection, Fp8ScoresTieWhatE4M3CannotTellApart) {
   p.k_idx.set(16 * c.Di + 1, 100.0);  // block 1 likewise
   p.k_idx.set(17 * c.Di + 0, 1.0078125);
   for (msa::SelectScores scores : {msa::SelectScores::kInput, msa::SelectScores::kFp8}) {
+    // (kFp8 with re-ranking: Selection.Fp8RerankFollowsTheRule)
     HostTensor bi(DType::kInt32, {p.T, c.Hi, c.k});
     msa::SelectParams sp;
     sp.q_idx = p.q_idx.ref();
@@ -234,6 +237,7 @@ TEST(Selection, Fp8ScoresTieWhatE4M3CannotTellApart) {
     sp.block_idx = bi.ref();
     sp.opts = p.options();
     sp.opts.select_scores = scores;
+    sp.opts.fp8_rerank = 0;
     expect_ok(msa::select_blocks(sp));
     const int want = scores == msa::SelectScores::kFp8 ? 0 : 1;
     for (int64_t t = 32; t < 48; ++t) {
@@ -244,4 +248,77 @@ TEST(Selection, Fp8ScoresTieWhatE4M3CannotTellApart) {
 }
 
 }  // namespace
+
+// Options.fp8_rerank = m > 0 (contract §2): the selection is the brute force of the rule (the
+// free slots + m best candidates by the E4M3 copies' scores, then the slots by the inputs'),
+// exactly, for m = 1, 4 and 7 on several sequences with partial last blocks; it changes rows
+// against m = 0, holds more of kInput's selection, and with m covering every candidate equals it.
+TEST(Selection, Fp8RerankFollowsTheRule) {
+  Config c = sel({300, 1, 77, 129}, 16, 5, 1, 1, 4, 2);
+  c.dtype = DType::kBFloat16;
+  Problem p(c);
+  p.k_idx.set(40 * c.Hik * c.Di + 3, 9.5);
+  const Problem q8 = fp8_scored(p);
+  const Sets exact = ref_select(p);
+  const auto run = [&](int m) {
+    HostTensor bi(DType::kInt32, {p.T, c.Hi, c.k});
+    bi.fill(-7);
+    msa::SelectParams sp;
+    sp.q_idx = p.q_idx.ref();
+    sp.k_idx = p.k_idx.ref();
+    sp.cu_seqlens = p.cu.ref();
+    sp.block_idx = bi.ref();
+    sp.opts = p.options();
+    sp.opts.select_scores = msa::SelectScores::kFp8;
+    sp.opts.fp8_rerank = m;
+    expect_ok(msa::select_blocks(sp));
+    return sets_from(p, bi);
+  };
+  const auto missed = [&](const Sets& s) {
+    int64_t n = 0;
+    for (int64_t g = 0; g < p.T; ++g)
+      for (int i = 0; i < c.Hi; ++i)
+        for (int b : exact[g][i]) n += std::find(s[g][i].begin(), s[g][i].end(), b) == s[g][i].end();
+    return n;
+  };
+  const Sets raw = run(0);
+  for (int m : {1, 4, 7}) {
+    const Sets got = run(m), want = ref_select_shortlist(p, q8, m);
+    for (int64_t g = 0; g < p.T; ++g)
+      for (int i = 0; i < c.Hi; ++i) ASSERT_EQ(got[g][i], want[g][i]) << "m " << m << " row " << g << " head " << i;
+    EXPECT_NE(got, raw) << "m " << m;
+    EXPECT_LT(missed(got), missed(raw)) << "m " << m;
+  }
+  EXPECT_GT(missed(raw), 0);
+  EXPECT_EQ(run(20), exact);  // the longest sequence has 19 blocks
+}
+
+// The tie of Fp8ScoresTieWhatE4M3CannotTellApart, re-ranked: both blocks are in the shortlist,
+// and the inputs' own scores pick the higher one, as kInput does.
+TEST(Selection, Fp8RerankBreaksWhatE4M3Ties) {
+  Config c = sel({48}, 16, 2);
+  c.dtype = DType::kBFloat16;
+  c.Hi = 1;
+  Problem p(c);
+  for (int64_t x = 0; x < p.q_idx.numel(); ++x) p.q_idx.set(x, x % c.Di == 0 ? 1.0 : 0.0);
+  for (int64_t x = 0; x < p.k_idx.numel(); ++x) p.k_idx.set(x, 0.0);
+  p.k_idx.set(0 * c.Di + 1, 100.0);
+  p.k_idx.set(1 * c.Di + 0, 1.0);
+  p.k_idx.set(16 * c.Di + 1, 100.0);
+  p.k_idx.set(17 * c.Di + 0, 1.0078125);
+  HostTensor bi(DType::kInt32, {p.T, c.Hi, c.k});
+  msa::SelectParams sp;
+  sp.q_idx = p.q_idx.ref();
+  sp.k_idx = p.k_idx.ref();
+  sp.block_idx = bi.ref();
+  sp.opts = p.options();
+  sp.opts.select_scores = msa::SelectScores::kFp8;
+  sp.opts.fp8_rerank = 1;
+  expect_ok(msa::select_blocks(sp));
+  for (int64_t t = 32; t < 48; ++t) {
+    EXPECT_EQ(bi.idx(t, 0, 0), 1) << "token " << t;
+    EXPECT_EQ(bi.idx(t, 0, 1), 2) << "token " << t;
+  }
+}
+
 }  // namespace msatest

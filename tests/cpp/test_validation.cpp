@@ -373,6 +373,11 @@ TEST(Validation, OptionRangesAlwaysChecked) {
   f = v.forward();
   f.opts.select_scores = static_cast<msa::SelectScores>(2);
   expect_invalid(msa::forward(f), "select_scores", "select_scores 2");
+  for (int32_t m : {-1, 65}) {
+    f = v.forward();
+    f.opts.fp8_rerank = m;
+    expect_invalid(msa::forward(f), "fp8_rerank", "fp8_rerank " + std::to_string(m));
+  }
   msa::KlParams k = v.klp();
   k.opts.top_k = 0;
   expect_invalid(msa::kl_divergence(k), "top_k", "top_k 0 in kl_divergence");

@@ -58,12 +58,17 @@ def sequences(T, cu_seqlens):
 
 
 def check_selection(block_idx, q_idx, k_idx, top_k, block_size, cu_seqlens=None, sink_blocks=0,
-                    local_blocks=1, scale_idx=None, tol=1e-5):
+                    local_blocks=1, scale_idx=None, tol=1e-5, shortlist=None):
     """The acceptance rule of contract §2 for a selection computed by any implementation.
 
     Format: per row, ascending block ids in [0, blk(t)], then -1 padding. Content: every forced
     block, |selection| = min(top_k, forced + candidates), and every selected non-forced block
     scores at least the k-th best non-forced score minus `tol` (scores in float64).
+
+    ``shortlist`` = (q8, k8, m) (select_scores="fp8" with fp8_rerank = m > 0): every selected
+    non-forced block is instead among the free slots + m best candidates by the scores of q8
+    and k8 (up to `tol`), and no candidate surely among them (by more than `tol`) but not
+    selected outscores a selected one by more than `tol` under q_idx and k_idx's scores.
     """
     T, Hi, Di = q_idx.shape
     assert block_idx.shape == (T, Hi, top_k) and block_idx.dtype == torch.int32
@@ -104,10 +109,31 @@ def check_selection(block_idx, q_idx, k_idx, top_k, block_size, cu_seqlens=None,
         want_count = torch.clamp(forced.sum(-1) + cand.sum(-1), max=top_k)
         assert (sel.sum(-1) == want_count[None]).all(), "wrong number of selected blocks"
         slots = top_k - forced.sum(-1)  # [L]
-        Mc = M.masked_fill(~cand[None], float("-inf")).sort(-1, descending=True).values
-        idx = torch.clamp(slots - 1, min=0, max=nb - 1)[None, :, None].expand(Hi, L, 1)
-        kth = Mc.gather(-1, idx)[..., 0]  # [Hi, L]
-        limited = (cand.sum(-1) > slots)[None] & (slots > 0)[None]
         chosen = sel & cand[None]
-        low = chosen & (M < (kth - tol)[..., None]) & limited[..., None]
-        assert not low.any(), "a selected block scores below the k-th best candidate"
+
+        def kth_best(M, n):
+            Mc = M.masked_fill(~cand[None], float("-inf")).sort(-1, descending=True).values
+            idx = torch.clamp(n - 1, min=0, max=nb - 1)[None, :, None].expand(Hi, L, 1)
+            return Mc.gather(-1, idx)[..., 0]  # [Hi, L]
+
+        if shortlist is None:
+            kth = kth_best(M, slots)
+            limited = (cand.sum(-1) > slots)[None] & (slots > 0)[None]
+            low = chosen & (M < (kth - tol)[..., None]) & limited[..., None]
+            assert not low.any(), "a selected block scores below the k-th best candidate"
+            continue
+        q8, k8, m = shortlist
+        k8 = k8.detach().to(torch.float64).repeat_interleave(Hi // k8.shape[1], dim=1)
+        s8 = scale_idx * torch.einsum("thd,jhd->htj", q8.detach().to(torch.float64)[a:b], k8[a:b])
+        s8 = s8.masked_fill(~(t[None, :] <= t[:, None]), float("-inf"))
+        s8 = torch.nn.functional.pad(s8, (0, nb * Bk - L), value=float("-inf"))
+        M8 = s8.reshape(Hi, L, nb, Bk).amax(-1)
+        kth8 = kth_best(M8, slots + m)
+        limited = (cand.sum(-1) > slots + m)[None] & (slots > 0)[None]
+        out = chosen & (M8 < (kth8 - tol)[..., None]) & limited[..., None]
+        assert not out.any(), "a selected block lies outside the FP8 shortlist"
+        surely = cand[None] & ((M8 > (kth8 + tol)[..., None]) | ~limited[..., None])
+        worst = M.masked_fill(~chosen, float("inf")).amin(-1)  # [Hi, L]
+        full = chosen.sum(-1) == slots[None]
+        passed = surely & ~chosen & (M > (worst + tol)[..., None]) & full[..., None]
+        assert not passed.any(), "a shortlisted block outscoring a selected one was not selected"

@@ -310,8 +310,10 @@ def test_select_blocks_public_vs_reference():
 
 def test_select_blocks_fp8_scores():
     """select_scores="fp8" on the CPU backend: exactly the reference selection over the E4M3
-    copies of reference.py (float64 scores on both sides), lse-free; in sparse_attention the
-    same selection, and the KL and outputs over it."""
+    copies of reference.py (float64 scores on both sides), with fp8_rerank = 0 (the copies
+    decide), 4 (the default: they shortlist, the inputs re-rank) and one covering every
+    candidate (kInput's selection); in sparse_attention the same selection, and the KL and
+    outputs over it."""
     Hi, Hik, Di, Bk, top_k = 4, 2, 16, 8, 5
     cu = torch.tensor([0, 0, 61, 100, 163], dtype=torch.int32)
     T = 163
@@ -320,23 +322,46 @@ def test_select_blocks_fp8_scores():
     ki[70, 1, 3] = 12.0  # one block with a large amax
     q8, k8 = R.fp8_index_copies_ref(qi, ki, Bk, cu)
     for sink, local in [(0, 1), (1, 2)]:
-        bi = msa.select_blocks(qi, ki, top_k, Bk, cu_seqlens=cu, sink_blocks=sink,
-                               local_blocks=local, select_scores="fp8")
-        assert torch.equal(bi, R.select_blocks_ref(q8, k8, top_k, Bk, cu, sink, local)), (sink, local)
         exact = msa.select_blocks(qi, ki, top_k, Bk, cu_seqlens=cu, sink_blocks=sink,
                                   local_blocks=local)
-        assert not torch.equal(bi, exact), "the E4M3 copies changed no row's selection"
+        raw = msa.select_blocks(qi, ki, top_k, Bk, cu_seqlens=cu, sink_blocks=sink,
+                                local_blocks=local, select_scores="fp8", fp8_rerank=0)
+        assert torch.equal(raw, R.select_blocks_ref(q8, k8, top_k, Bk, cu, sink, local)), (sink, local)
+        assert not torch.equal(raw, exact), "the E4M3 copies changed no row's selection"
+        bi = msa.select_blocks(qi, ki, top_k, Bk, cu_seqlens=cu, sink_blocks=sink,
+                               local_blocks=local, select_scores="fp8")
+        assert torch.equal(bi, R.select_blocks_ref(qi, ki, top_k, Bk, cu, sink, local,
+                                                   shortlist_by=(q8, k8), rerank=4)), (sink, local)
+        assert not torch.equal(bi, raw), "re-ranking changed no row's selection"
+        assert (bi != exact).sum() < (raw != exact).sum()
+        one = msa.select_blocks(qi, ki, top_k, Bk, cu_seqlens=cu, sink_blocks=sink,
+                                local_blocks=local, select_scores="fp8", fp8_rerank=1)
+        assert torch.equal(one, R.select_blocks_ref(qi, ki, top_k, Bk, cu, sink, local,
+                                                    shortlist_by=(q8, k8), rerank=1)), (sink, local)
+        every = msa.select_blocks(qi, ki, top_k, Bk, cu_seqlens=cu, sink_blocks=sink,
+                                  local_blocks=local, select_scores="fp8", fp8_rerank=64)
+        assert torch.equal(every, exact), (sink, local)
     # a negative scale reverses the ranking, over the same copies
-    bi = msa.select_blocks(qi, ki, top_k, Bk, cu_seqlens=cu, scale_idx=-0.5, select_scores="fp8")
+    bi = msa.select_blocks(qi, ki, top_k, Bk, cu_seqlens=cu, scale_idx=-0.5, select_scores="fp8",
+                           fp8_rerank=0)
     assert torch.equal(bi, R.select_blocks_ref(q8, k8, top_k, Bk, cu, 0, 1, -0.5))
+    bi = msa.select_blocks(qi, ki, top_k, Bk, cu_seqlens=cu, scale_idx=-0.5, select_scores="fp8")
+    assert torch.equal(bi, R.select_blocks_ref(qi, ki, top_k, Bk, cu, 0, 1, -0.5,
+                                               shortlist_by=(q8, k8), rerank=4))
+    with pytest.raises(ValueError, match="fp8_rerank"):
+        msa.select_blocks(qi, ki, top_k, Bk, cu_seqlens=cu, select_scores="fp8", fp8_rerank=65)
     q = torch.randn(T, 8, Di).to(torch.bfloat16)
     k = torch.randn(T, 2, Di).to(torch.bfloat16)
     v = torch.randn(T, 2, Di).to(torch.bfloat16)
-    out, kl, bi = msa.sparse_attention(q, k, v, qi, ki, top_k, Bk, cu_seqlens=cu,
-                                       return_block_idx=True, select_scores="fp8")
-    assert torch.equal(bi, R.select_blocks_ref(q8, k8, top_k, Bk, cu))
-    out2, kl2 = msa.sparse_attention(q, k, v, qi, ki, block_idx=bi, block_size=Bk, cu_seqlens=cu)
-    assert torch.equal(out, out2) and torch.equal(kl, kl2)
+    for m in (0, 4):
+        out, kl, bi = msa.sparse_attention(q, k, v, qi, ki, top_k, Bk, cu_seqlens=cu,
+                                           return_block_idx=True, select_scores="fp8",
+                                           fp8_rerank=m)
+        assert torch.equal(bi, R.select_blocks_ref(qi, ki, top_k, Bk, cu, shortlist_by=(q8, k8),
+                                                   rerank=m))
+        out2, kl2 = msa.sparse_attention(q, k, v, qi, ki, block_idx=bi, block_size=Bk,
+                                         cu_seqlens=cu)
+        assert torch.equal(out, out2) and torch.equal(kl, kl2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])

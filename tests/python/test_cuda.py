@@ -308,28 +308,62 @@ def test_select_blocks(case):
 @pytest.mark.parametrize("case", SEL_CASES, ids=SEL_IDS)
 @skip_unbuilt
 def test_select_blocks_fp8(case):
-    """select_scores="fp8": the rule over the scores of the E4M3 copies (reference.py), the CPU
-    backend's selection on the same inputs, and most rows equal to the inputs' own selection."""
+    """select_scores="fp8", with fp8_rerank 0 (the E4M3 copies decide) and 4 (they shortlist,
+    the inputs re-rank): the rule over the scores of the copies (reference.py), the CPU
+    backend's selection on the same inputs, and the recall of the inputs' own selection, higher
+    with re-ranking."""
     _, lengths, Hi, Hik, Bk, top_k, sink, local, dtype = case
     T = sum(lengths)
     qi, ki = rand(T, Hi, DI, dtype=dtype), rand(T, Hik, DI, dtype=dtype)
     cu = cu_of(lengths)
-    bi = msa.select_blocks(qi, ki, top_k, Bk, cu_seqlens=cu, sink_blocks=sink, local_blocks=local,
-                           select_scores="fp8")
     q8, k8 = R.fp8_index_copies_ref(qi, ki, Bk, cu)
-    check_selection(bi, q8, k8, top_k, Bk, cu_seqlens=cu, sink_blocks=sink, local_blocks=local,
-                    tol=SEL_TOL)
-    if T * T * Hi * DI <= 2 * CPU_FLOP_BUDGET:
-        c = msa.select_blocks(qi.cpu(), ki.cpu(), top_k, Bk, cu_seqlens=cu.cpu(), sink_blocks=sink,
-                              local_blocks=local, select_scores="fp8")
-        same = (c == bi.cpu()).all(-1).double().mean().item() if T else 1.0
-        assert same >= SEL_SAME_ROWS, f"only {same:.4f} of the rows equal the CPU backend's"
     exact = msa.select_blocks(qi, ki, top_k, Bk, cu_seqlens=cu, sink_blocks=sink,
                               local_blocks=local)
+    recall = {}
+    for m in (0, 4):
+        bi = msa.select_blocks(qi, ki, top_k, Bk, cu_seqlens=cu, sink_blocks=sink,
+                               local_blocks=local, select_scores="fp8", fp8_rerank=m)
+        if m == 0:
+            check_selection(bi, q8, k8, top_k, Bk, cu_seqlens=cu, sink_blocks=sink,
+                            local_blocks=local, tol=SEL_TOL)
+        else:
+            check_selection(bi, qi, ki, top_k, Bk, cu_seqlens=cu, sink_blocks=sink,
+                            local_blocks=local, tol=SEL_TOL, shortlist=(q8, k8, m))
+        if T * T * Hi * DI <= 2 * CPU_FLOP_BUDGET:
+            c = msa.select_blocks(qi.cpu(), ki.cpu(), top_k, Bk, cu_seqlens=cu.cpu(),
+                                  sink_blocks=sink, local_blocks=local, select_scores="fp8",
+                                  fp8_rerank=m)
+            same = (c == bi.cpu()).all(-1).double().mean().item() if T else 1.0
+            assert same >= SEL_SAME_ROWS, f"only {same:.4f} of the rows equal the CPU backend's"
+        held = (bi.unsqueeze(-1) == exact.unsqueeze(-2)).any(-1) & (exact >= 0)
+        recall[m] = held.sum().item() / max(1, (exact >= 0).sum().item())
+        # deterministic (the re-ranking's lists are built by atomics)
+        assert torch.equal(bi, msa.select_blocks(qi, ki, top_k, Bk, cu_seqlens=cu,
+                                                 sink_blocks=sink, local_blocks=local,
+                                                 select_scores="fp8", fp8_rerank=m))
     if T:
-        recall = (bi.unsqueeze(-1) == exact.unsqueeze(-2)).any(-1) & (exact >= 0)
-        recall = recall.sum().item() / max(1, (exact >= 0).sum().item())
-        assert recall > 0.5, recall
+        assert recall[0] > 0.5 and recall[4] >= recall[0], recall
+
+
+@skip_unbuilt
+def test_select_blocks_fp8_rerank_every_candidate():
+    """A shortlist that holds every candidate (fp8_rerank at least the blocks of the sequence)
+    re-ranks them all by the inputs' scores, computed as the bf16 selection computes them: the
+    selection equals select_scores="input" bit for bit, over several sequences and a negative
+    scale."""
+    Bk, top_k = 128, 8
+    lengths = [1000, 129, 0, 2048, 77]
+    cu = cu_of(lengths)
+    T = sum(lengths)
+    qi, ki = rand(T, 4, DI, dtype=BF16), rand(T, 2, DI, dtype=BF16)
+    for scale in (None, -0.3):
+        for sink, local in ((0, 1), (1, 2)):
+            want = msa.select_blocks(qi, ki, top_k, Bk, cu_seqlens=cu, sink_blocks=sink,
+                                     local_blocks=local, scale_idx=scale)
+            got = msa.select_blocks(qi, ki, top_k, Bk, cu_seqlens=cu, sink_blocks=sink,
+                                    local_blocks=local, scale_idx=scale, select_scores="fp8",
+                                    fp8_rerank=16)
+            assert torch.equal(got, want), (scale, sink, local)
 
 
 @skip_unbuilt
@@ -339,11 +373,13 @@ def test_select_blocks_negative_scale():
     T, Hi, Bk, top_k = 1000, 4, 64, 6
     qi, ki = rand(T, Hi, DI, dtype=BF16), rand(T, 1, DI, dtype=BF16)
     q8, k8 = R.fp8_index_copies_ref(qi, ki, Bk)
-    for scores, (q, k) in (("input", (qi, ki)), ("fp8", (q8, k8))):
-        bi = msa.select_blocks(qi, ki, top_k, Bk, scale_idx=-0.5, select_scores=scores)
-        check_selection(bi, q, k, top_k, Bk, scale_idx=-0.5, tol=SEL_TOL)
+    for scores, (q, k), m in (("input", (qi, ki), 4), ("fp8", (q8, k8), 0), ("fp8", (qi, ki), 4)):
+        bi = msa.select_blocks(qi, ki, top_k, Bk, scale_idx=-0.5, select_scores=scores,
+                               fp8_rerank=m)
+        shortlist = (q8, k8, m) if scores == "fp8" and m > 0 else None
+        check_selection(bi, q, k, top_k, Bk, scale_idx=-0.5, tol=SEL_TOL, shortlist=shortlist)
         assert not torch.equal(bi, msa.select_blocks(qi, ki, top_k, Bk, scale_idx=0.5,
-                                                     select_scores=scores))
+                                                     select_scores=scores, fp8_rerank=m))
 
 
 @skip_unbuilt

@@ -57,14 +57,17 @@ def test_matches_functional_api(mode):
 def test_fp8_selection_scores():
     """select_scores="fp8": the module's output is the functional API's over the selection of
     the E4M3 copies."""
-    m = small(select_scores="fp8")
     cu = torch.tensor([0, 21, 21, 37], dtype=torch.int32)
     x = torch.randn(37, 32, dtype=torch.float64)
-    y, _ = m(x, cu)
-    q, k, v, qi, ki = m.project(x, cu)
-    out, _ = msa.sparse_attention(q, k, v, qi, ki, 3, 4, cu_seqlens=cu, sink_blocks=1,
-                                  local_blocks=1, select_scores="fp8")
-    assert torch.equal(y, m.o_proj(out.reshape(37, 32)))
+    for rerank in (0, 1):
+        m = small(select_scores="fp8", fp8_rerank=rerank)
+        y, _ = m(x, cu)
+        q, k, v, qi, ki = m.project(x, cu)
+        out, _ = msa.sparse_attention(q, k, v, qi, ki, 3, 4, cu_seqlens=cu, sink_blocks=1,
+                                      local_blocks=1, select_scores="fp8", fp8_rerank=rerank)
+        assert torch.equal(y, m.o_proj(out.reshape(37, 32)))
+    with pytest.raises(ValueError, match="fp8_rerank"):
+        small(select_scores="fp8", fp8_rerank=-1)
 
 
 def test_batched_input_equals_packed():

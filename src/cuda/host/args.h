@@ -81,6 +81,32 @@ struct Fp8CopyArgs : SeqArgs {
   int64_t num_blocks = 0;                // grid.x of fp8_blocks_kernel: block tile ids
 };
 
+// The re-ranking of FP8 shortlists (Options.fp8_rerank = m > 0; kernels/rerank_kernel.cuh).
+// The select kernel leaves each row's shortlist (its best free slots + m blocks by FP8 score,
+// ascending ids, -1 after) in `cand` and the row's place in block_idx in `rows`; the re-ranking
+// counts the entries of each (KV tile, index key head) segment (`seg_count`), lists them per
+// segment (`seg_start`, `entries`), scores them by the inputs (`score`, one CTA per chunk of
+// kRerankRows entries of a segment: `chunk_start`), and picks the slots.
+constexpr int kRerankRows = 128;
+struct RerankArgs {
+  int32_t m = 0;      // 0: no re-ranking
+  int32_t width = 0;  // of a shortlist row: k + m
+  const void *q_idx = nullptr, *k_idx = nullptr;  // the inputs (not the E4M3 copies)
+  int64_t q_s0 = 0, q_s1 = 0, k_s0 = 0, k_s1 = 0;
+  bool negate = false;  // scale_idx < 0: q_idx is negated where it is loaded
+  int32_t* cand = nullptr;       // [T * Hi, width]
+  int2* rows = nullptr;          // [T * Hi]: (the sequence's first KV tile id, n_sink | n_chosen << 16)
+  int32_t* seg_count = nullptr;  // [nseg + 1]
+  int32_t* seg_start = nullptr;  // [nseg + 1]: exclusive scan of seg_count
+  int32_t* chunk_start = nullptr;  // [nseg + 1]: exclusive scan of the segments' chunk counts
+  int32_t* entries = nullptr;    // [T * Hi * width]: shortlist positions (row * width + c) by segment
+  float* score = nullptr;        // [T * Hi * width]: the inputs' block score of each entry
+  int64_t nseg = 0;              // KV tile ids x Hik
+  int64_t grid = 0;              // CTAs of the score kernel: an upper bound of the chunk count
+  void* cub = nullptr;
+  size_t cub_bytes = 0;
+};
+
 // Index selection (kernels/select_kernel.cuh).
 struct SelectArgs : SeqArgs {
   const void *q_idx = nullptr, *k_idx = nullptr;
@@ -100,6 +126,7 @@ struct SelectArgs : SeqArgs {
   // copy.k_factor.
   bool fp8 = false;
   Fp8CopyArgs copy;
+  RerankArgs rerank;  // FP8 scores with fp8_rerank > 0
 };
 
 // Attention backward, query side (kernels/bwd_q_kernel.cuh).

@@ -99,7 +99,7 @@ bool available() {
 Status select_blocks(const Problem& prob, const SelectParams& p) {
   const char* fn = "select_blocks";
   MSA_TRY(can_select(fn, prob, p.q_idx, p.k_idx, p.lse_idx.defined()));
-  MSA_TRY(need_bytes(fn, select_fp8_bytes(prob), p.launch));
+  MSA_TRY(need_bytes(fn, select_fp8_bytes(prob, p.cu_seqlens), p.launch));
   if (prob.T == 0) return Status::Ok();
   DeviceGuard guard(p.q_idx.device.index);
   MSA_TRY(check_values(fn, prob, p.cu_seqlens, TensorRef{}, p.launch));
@@ -135,7 +135,7 @@ Status attention_forward(const Problem& prob, const ForwardParams& p) {
     MSA_TRY(need_workspace(fn, pl, p.launch));
   }
   // The selection's E4M3 copies are dead before the passes after it use the workspace.
-  if (p.select) MSA_TRY(need_bytes(fn, select_fp8_bytes(prob), p.launch));
+  if (p.select) MSA_TRY(need_bytes(fn, select_fp8_bytes(prob, p.cu_seqlens), p.launch));
   if (prob.T == 0 && !p.kl.defined()) return Status::Ok();
   DeviceGuard guard(p.q.device.index);
   const bool caller_selection = !dense && !p.select;
@@ -174,10 +174,10 @@ size_t forward_workspace(const Problem& prob, const ForwardParams& p) {
   if (p.kl.defined() &&
       kl_plan("forward", prob, {p.q, p.k, p.lse, p.q_idx, p.k_idx, p.cu_seqlens, p.block_idx}, &pl).ok())
     bytes = std::max(bytes, pl.total);
-  if (p.select) bytes = std::max(bytes, select_fp8_bytes(prob));
+  if (p.select) bytes = std::max(bytes, select_fp8_bytes(prob, p.cu_seqlens));
   return bytes;
 }
 
-size_t select_workspace(const Problem& prob, const SelectParams&) { return select_fp8_bytes(prob); }
+size_t select_workspace(const Problem& prob, const SelectParams& p) { return select_fp8_bytes(prob, p.cu_seqlens); }
 
 }  // namespace msa::cuda

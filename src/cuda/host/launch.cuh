@@ -14,10 +14,12 @@
 #include "../kernels/kl_kernel.cuh"
 #include "../kernels/paged_attn_kernel.cuh"
 #include "../kernels/paged_score_kernel.cuh"
+#include "../kernels/rerank_kernel.cuh"
 #include "../kernels/select_kernel.cuh"
 #include "../../core/status.h"
 #include "common.h"
 #include "launch.h"
+#include "rerank.h"
 
 namespace msa::cuda {
 
@@ -118,11 +120,14 @@ Status launch_select(const SelectArgs& a, cudaStream_t stream) {
                                      make_stride(a.k_s0, _1{}, a.k_s1)));
     p.tma_k = make_tma_copy(SM90_TMA_LOAD{}, g, take<0, 2>(typename Traits::SmemLayoutK{}),
                             Shape<Int<kBlockN>, Int<kDim>>{}, _1{});
-    const size_t smem = Traits::kListOffset + size_t(Traits::kBlockM) * (a.k | 1) * 8;
+    const size_t smem = Traits::kListOffset + size_t(Traits::kBlockM) * ((a.k + a.rerank.m) | 1) * 8;
     const dim3 grid(static_cast<unsigned>(a.num_tiles), static_cast<unsigned>(a.Hik));
     return detail::launch_kernel("select_blocks", kern::select_kernel<Traits>, grid, Traits::kThreads,
                                  smem, stream, p,
-                                 "argument 'top_k': " + std::to_string(a.k) + " candidates per row");
+                                 a.rerank.m > 0 ? "arguments 'top_k' + 'fp8_rerank': " +
+                                                      std::to_string(a.k + a.rerank.m) + " candidates per row"
+                                                : "argument 'top_k': " + std::to_string(a.k) +
+                                                      " candidates per row");
   };
   if (!a.fp8) return launch(Element{});
   // FP8 scores: the E4M3 copies of q_idx (a warp per row) and k_idx (a CTA per key block), then
@@ -134,7 +139,15 @@ Status launch_select(const SelectArgs& a, cudaStream_t stream) {
   MSA_TRY(detail::launch_kernel("select_blocks", kern::fp8_blocks_kernel<Element, kDim>,
                                 dim3(static_cast<unsigned>(c.num_blocks), static_cast<unsigned>(c.Hik)), 128, 0,
                                 stream, c));
-  return launch(cutlass::float_e4m3_t{});
+  if (a.rerank.m == 0) return launch(cutlass::float_e4m3_t{});
+  // The shortlists, then their entries scored by the inputs (rerank_kernel.cuh) and the pick.
+  MSA_TRY(launch(cutlass::float_e4m3_t{}));
+  MSA_TRY(rerank_lists("select_blocks", a, stream));
+  using RT = kern::RerankTraits<Element, kDim, kBlockN>;
+  MSA_TRY(detail::launch_kernel("select_blocks", kern::rerank_score_kernel<RT>,
+                                dim3(static_cast<unsigned>(a.rerank.grid)), RT::kThreads,
+                                sizeof(typename RT::SharedStorage), stream, a));
+  return rerank_pick("select_blocks", a, stream);
 }
 
 // The KL branch fused (q_idx set), its teacher only (teacher set), or none.

@@ -1,6 +1,7 @@
 // The host plan of a call: the kernels' limits, the Args of each kernel (the parameter chain)
 // and the workspace of the backward and the KL value. See plan.h.
 #include "plan.h"
+#include "rerank.h"
 
 #include <cub/device/device_radix_sort.cuh>
 #include <cub/device/device_scan.cuh>
@@ -101,6 +102,14 @@ Status can_select(const char* fn, const Problem& prob, const TensorRef& q_idx,
     return fail(fn, "q_idx", "the CUDA backend takes at most 128 index heads per index key head");
   if (with_lse_idx && prob.Hi > kQueryTileRows)
     return fail(fn, "lse_idx", "the CUDA backend computes it for at most 128 index heads");
+  if (rerank_width(prob) > 0) {
+    if (rerank_width(prob) > 128)
+      return fail(fn, "fp8_rerank", "the CUDA re-ranking takes top_k + fp8_rerank <= 128, got " +
+                                        std::to_string(rerank_width(prob)));
+    if (int64_t(prob.T) * prob.Hi * rerank_width(prob) >= (int64_t(1) << 31))
+      return fail(fn, "fp8_rerank", "the CUDA re-ranking indexes T * Hi * (top_k + fp8_rerank) shortlist "
+                                    "entries in 31 bits; split the call or set fp8_rerank = 0");
+  }
   return check_tokens(fn, prob);
 }
 
@@ -213,11 +222,39 @@ SelectArgs select_args(const Problem& prob, const TensorRef& q_idx, const Tensor
   return a;
 }
 
-// Codes of q_idx [T, Hi, Di], of k_idx [T, Hik, Di], then k_factor [T, Hik] fp32.
-size_t select_fp8_bytes(const Problem& prob) {
+int32_t rerank_width(const Problem& prob) {
+  const bool on = prob.opts.select_scores == SelectScores::kFp8 && prob.opts.mode == Mode::kSparse &&
+                  prob.opts.fp8_rerank > 0;
+  return on ? prob.k + prob.opts.fp8_rerank : 0;
+}
+
+namespace {
+// The re-ranking's buffers (RerankArgs), in this order: cand, rows, seg_count, seg_start,
+// chunk_start, entries, score, CUB's temporary bytes.
+struct RerankLayout {
+  size_t cand = 0, rows = 0, seg = 0, entries = 0, cub = 0;
+  int64_t nseg = 0;
+  RerankLayout(const Problem& prob, int32_t nseq) {
+    const int32_t w = rerank_width(prob);
+    if (w == 0) return;
+    const size_t n = size_t(prob.T) * prob.Hi * w;
+    nseg = kern::num_tile_ids(nseq, prob.T, prob.opts.block_size) * prob.Hik;
+    cand = align_up(4 * n);
+    rows = align_up(8 * size_t(prob.T) * prob.Hi);
+    seg = align_up(4 * size_t(nseg + 1));
+    entries = align_up(4 * n);
+    cub = align_up(rerank_cub_bytes(nseg + 1));
+  }
+  size_t bytes() const { return cand + rows + 3 * seg + 2 * entries + cub; }
+};
+}  // namespace
+
+// Codes of q_idx [T, Hi, Di], of k_idx [T, Hik, Di], then k_factor [T, Hik] fp32; then the
+// re-ranking's buffers.
+size_t select_fp8_bytes(const Problem& prob, const TensorRef& cu) {
   if (prob.opts.select_scores != SelectScores::kFp8 || prob.opts.mode != Mode::kSparse) return 0;
   return align_up(size_t(prob.T) * prob.Hi * prob.Di) + align_up(size_t(prob.T) * prob.Hik * prob.Di) +
-         align_up(sizeof(float) * size_t(prob.T) * prob.Hik);
+         align_up(sizeof(float) * size_t(prob.T) * prob.Hik) + RerankLayout(prob, seqs(cu)).bytes();
 }
 
 void set_select_fp8(const Problem& prob, void* ws, SelectArgs* a) {
@@ -239,7 +276,40 @@ void set_select_fp8(const Problem& prob, void* ws, SelectArgs* a) {
   c.k8 = reinterpret_cast<uint8_t*>(base);
   base += align_up(size_t(prob.T) * prob.Hik * prob.Di);
   c.k_factor = reinterpret_cast<float*>(base);
+  base += align_up(sizeof(float) * size_t(prob.T) * prob.Hik);
   c.num_blocks = kern::num_tile_ids(a->nseq, prob.T, prob.opts.block_size);
+  const RerankLayout l(prob, a->nseq);
+  if (l.nseg > 0) {
+    RerankArgs& r = a->rerank;
+    r.m = prob.opts.fp8_rerank;
+    r.width = rerank_width(prob);
+    r.q_idx = a->q_idx;
+    r.q_s0 = a->q_s0;
+    r.q_s1 = a->q_s1;
+    r.k_idx = a->k_idx;
+    r.k_s0 = a->k_s0;
+    r.k_s1 = a->k_s1;
+    r.negate = a->negate;
+    r.cand = reinterpret_cast<int32_t*>(base);
+    base += l.cand;
+    r.rows = reinterpret_cast<int2*>(base);
+    base += l.rows;
+    r.seg_count = reinterpret_cast<int32_t*>(base);
+    base += l.seg;
+    r.seg_start = reinterpret_cast<int32_t*>(base);
+    base += l.seg;
+    r.chunk_start = reinterpret_cast<int32_t*>(base);
+    base += l.seg;
+    r.entries = reinterpret_cast<int32_t*>(base);
+    base += l.entries;
+    r.score = reinterpret_cast<float*>(base);
+    base += l.entries;
+    r.cub = base;
+    r.cub_bytes = l.cub;
+    r.nseg = l.nseg;
+    // Chunks: at most one partial chunk per segment beyond the full ones.
+    r.grid = (int64_t(prob.T) * prob.Hi * r.width + kRerankRows - 1) / kRerankRows + l.nseg;
+  }
   a->fp8 = true;
   a->q_idx = c.q8;
   a->q_s0 = int64_t(prob.Hi) * prob.Di;

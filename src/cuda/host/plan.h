@@ -49,7 +49,9 @@ SelectArgs select_args(const Problem& prob, const TensorRef& q_idx, const Tensor
                        const TensorRef& cu, const TensorRef& block_idx);
 // Options.select_scores = kFp8: the workspace of the E4M3 copies (0 otherwise), and the Args
 // that make them there and select over them (`ws`: at least select_fp8_bytes).
-size_t select_fp8_bytes(const Problem& prob);
+size_t select_fp8_bytes(const Problem& prob, const TensorRef& cu_seqlens);
+// kFp8 with fp8_rerank > 0 (sparse mode): the width of a shortlist row, top_k + fp8_rerank; else 0.
+int32_t rerank_width(const Problem& prob);
 void set_select_fp8(const Problem& prob, void* ws, SelectArgs* a);
 FwdArgs forward_args(const Problem& prob, const ForwardParams& p);
 // The index branch's LSE over the support (the forward kernel in LSE-only mode over q_idx, k_idx;

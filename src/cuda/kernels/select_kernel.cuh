@@ -13,7 +13,8 @@
 // Element = float_e4m3_t (Options.select_scores = kFp8): q_idx and k_idx are the E4M3 copies of
 // fp8_copy_kernel.cuh, the MMA is wgmma's E4M3 x E4M3 (k32 steps, fp16 accumulators, two of
 // them, see the block loop), and each block's maxima are scaled by the block's k_factor; the
-// candidate lists are the same.
+// candidate lists are the same. With fp8_rerank = m > 0 a row's list holds m candidates more than
+// its free slots, and the kernel leaves that shortlist to rerank_kernel.cuh instead of choosing.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -91,8 +92,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   extern __shared__ __align__(1024) char smem_raw[];
   SharedStorage& ss = *reinterpret_cast<SharedStorage*>(smem_raw);
-  // Row stride k | 1 (odd): the owner lanes of a warp hit distinct banks.
-  const int32_t list_stride = p.k | 1;
+  // Row stride (k + m) | 1 (odd): the owner lanes of a warp hit distinct banks.
+  const int32_t list_stride = (p.k + p.rerank.m) | 1;
   float* list_score = reinterpret_cast<float*>(smem_raw + Traits::kListOffset);
   int32_t* list_block = reinterpret_cast<int32_t*>(list_score + kBlockM * list_stride);
 
@@ -174,11 +175,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int32_t own = my_pos / kBlockN;
   const int32_t first_local = max(0, own - p.local_blocks + 1);
   const int32_t first_cand = p.sink_blocks, end_cand = first_local;  // [sink, first_local)
-  int32_t slots = 0;
+  // The row's list holds `slots` candidates: its free slots, and m more to re-rank.
+  int32_t free_slots = 0, slots = 0;
   float* my_score = list_score + my_row * list_stride;
   int32_t* my_block = list_block + my_row * list_stride;
   if (active) {
-    slots = p.k - (min(p.sink_blocks, first_local) + (own - first_local + 1));
+    free_slots = p.k - (min(p.sink_blocks, first_local) + (own - first_local + 1));
+    slots = free_slots > 0 ? free_slots + p.rerank.m : 0;
     for (int j = 0; j < slots; ++j) my_block[j] = -1;
   }
   // The list is unsorted. Once full, a candidate must beat the worst entry, at worst_pos: the
@@ -320,11 +323,28 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     my_block[j] = v;
   }
   const int32_t head = ik * Gk + (my_row - my_tok * Gk);
-  int32_t* out = p.block_idx + (tile.seq_start + tile.first + my_tok) * p.bi_s0 + (int64_t)head * p.bi_s1;
+  const int64_t token = tile.seq_start + tile.first + my_tok;
+  int32_t* out = p.block_idx + token * p.bi_s0 + (int64_t)head * p.bi_s1;
   int32_t n = 0;
   for (int32_t b = 0; b < min(p.sink_blocks, first_local); ++b) out[n++] = b;
-  for (int i = 0; i < slots; ++i)
-    if (my_block[i] >= 0) out[n++] = my_block[i];
+  if (p.rerank.m == 0) {
+    for (int i = 0; i < slots; ++i)
+      if (my_block[i] >= 0) out[n++] = my_block[i];
+  } else {
+    // The shortlist, for rerank_kernel.cuh: its blocks (ascending) and the row's place for the
+    // chosen ones (-1 until the pick fills them).
+    const RerankArgs& r = p.rerank;
+    const int64_t row = token * (int64_t(p.Hik) * Gk) + head;
+    const int32_t base = tile.seq + static_cast<int32_t>(tile.seq_start / kBlockN);  // block 0's KV tile id
+    int32_t* cand = r.cand + row * r.width;
+    int32_t c = 0;
+    for (int i = 0; i < slots; ++i)
+      if (my_block[i] >= 0) cand[c++] = my_block[i];
+    const int32_t chosen = min(free_slots, c);
+    for (; c < r.width; ++c) cand[c] = -1;
+    r.rows[row] = make_int2(base, n | (chosen << 16));
+    for (int i = 0; i < chosen; ++i) out[n++] = -1;
+  }
   for (int32_t b = first_local; b <= own; ++b) out[n++] = b;
   while (n < p.k) out[n++] = -1;
 }

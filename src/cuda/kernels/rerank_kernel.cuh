@@ -1,0 +1,137 @@
+// Re-ranking of FP8 shortlists (docs/contract.md §2, Options.fp8_rerank = m > 0). The FP8
+// select kernel leaves each (token, index head) row's shortlist: its best (free slots + m)
+// blocks by FP8 score. These kernels then rank them again by the inputs' own scores:
+//
+//   rerank_count_kernel,   (rerank_list_kernel.cuh) the shortlist entries listed per segment
+//   rerank_scatter_kernel  (KV tile x, index key head): counted, scanned (seg_start), then each
+//                          placed by counting its segment's count down, with one atomic per
+//                          group of a warp's lanes that share a segment;
+//   rerank_score_kernel    one CTA per chunk of up to kRerankRows entries of one segment, the
+//                          KV-block-outer layout of the attention passes: the block's Bk keys and
+//                          the entries' query rows (gathered) into shared memory by cp.async,
+//                          S = Q K^T by wgmma (two consumer warpgroups of 64 rows, fp32
+//                          accumulators, as the bf16 select kernel), each row's max over the
+//                          block's keys times |scale_idx| into score[entry];
+//   rerank_pick_kernel     (rerank_list_kernel.cuh) one thread per row: the free slots go to
+//                          the best shortlisted blocks by that score (ties to the lower block
+//                          index), written ascending into the places the select kernel left in
+//                          block_idx.
+//
+// A shortlisted block always precedes the row's local blocks, so all its Bk keys are causal and
+// present. The order of a segment's entries depends on the atomics; each entry's score does not
+// (a row of S depends only on its own query row), so the selection is deterministic. The score
+// is computed as the bf16 select kernel computes it (the same MMA, max and scale), so a shortlist
+// that holds every candidate gives kInput's selection bit for bit.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/gemm/collective/builders/sm90_common.inl>
+
+#include "../device/load.cuh"
+#include "../device/tile.cuh"
+#include "../device/utils.cuh"
+#include "../host/args.h"
+
+namespace msa::cuda::kern {
+
+template <class Element_, int kDim_, int kBlockN_>
+struct RerankTraits {
+  using Element = Element_;
+  static constexpr int kDim = kDim_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kRows = kRerankRows;  // two consumer warpgroups of 64 rows
+  static constexpr int kThreads = 256;
+  using TileQK = Shape<Int<kRows>, Int<kBlockN>, Int<kDim>>;
+  using MmaQK = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, TileQK>(),
+                                        Layout<Shape<_2, _1, _1>>{}));
+  using SmemLayoutQ = decltype(tile_to_shape(
+      cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, Int<kRows>, Int<kDim>>(),
+      Shape<Int<kRows>, Int<kDim>>{}));
+  using SmemLayoutK = decltype(tile_to_shape(
+      cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, Int<kBlockN>, Int<kDim>>(),
+      Shape<Int<kBlockN>, Int<kDim>>{}));
+  struct SharedStorage {
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k;
+    int64_t q_off[kRows];  // each row's q_idx offset (-1: no entry)
+    int32_t entry[kRows];  // each row's shortlist entry
+  };
+};
+
+// Warp roles: none (all 256 threads load, then each warpgroup multiplies its 64 rows). Work: chunk
+// blockIdx.x of the segments' lists (CTAs past the last chunk leave).
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads) rerank_score_kernel(const __grid_constant__ SelectArgs a) {
+  using Element = typename Traits::Element;
+  constexpr int kRows = Traits::kRows, kBlockN = Traits::kBlockN, kDim = Traits::kDim;
+  const RerankArgs& r = a.rerank;
+  const int32_t chunk = blockIdx.x;
+  if (chunk >= r.chunk_start[r.nseg]) return;
+  // The segment: the last s with chunk_start[s] <= chunk (empty segments share their start).
+  int64_t lo = 0, hi = r.nseg - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) >> 1;
+    if (r.chunk_start[mid] <= chunk) lo = mid; else hi = mid - 1;
+  }
+  const int64_t seg = lo;
+  const int32_t e0 = r.seg_start[seg] + (chunk - r.chunk_start[seg]) * kRows;
+  const int32_t count = min(kRows, r.seg_start[seg + 1] - e0);
+  const int32_t ik = static_cast<int32_t>(seg % a.Hik);
+  const QueryTile blk = decode_tile(a.cu_seqlens, a.nseq, a.T, kBlockN, seg / a.Hik);
+  const int32_t Hi = a.Hik * a.idx_per_key;
+
+  extern __shared__ __align__(1024) char smem_raw[];
+  auto& ss = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutK{});
+  const int tidx = threadIdx.x;
+  const Element* q_idx = as<Element>(r.q_idx);
+  const Element* keys = as<Element>(r.k_idx) + (blk.seq_start + blk.first) * r.k_s0 + ik * r.k_s1;
+  load_block_rows_async<kBlockN, kDim>(sK, keys, r.k_s0, blk.count, tidx, Traits::kThreads);
+  // Each row's entry and q_idx offset once (the copies below would redo them per 16 bytes).
+  if (tidx < kRows) {
+    const int32_t e = tidx < count ? r.entries[e0 + tidx] : -1;
+    const int32_t q_row = e / r.width;  // token * Hi + head
+    ss.entry[tidx] = e;
+    ss.q_off[tidx] = e >= 0 ? int64_t(q_row / Hi) * r.q_s0 + int64_t(q_row % Hi) * r.q_s1 : -1;
+  }
+  __syncthreads();
+  load_rows_async<kRows, kDim>(
+      sQ, [&](int row) -> const Element* { return ss.q_off[row] >= 0 ? q_idx + ss.q_off[row] : nullptr; },
+      tidx, Traits::kThreads);
+  cp_async_commit();
+  cp_async_wait_all();
+  if (r.negate) {  // as the select kernel loads it: the query negated, |scale_idx| applied
+    __syncthreads();
+    for (int e = tidx; e < kRows * kDim / 8; e += Traits::kThreads) {
+      uint4* v = reinterpret_cast<uint4*>(&sQ(e / (kDim / 8), e % (kDim / 8) * 8));
+      *v = negate8(*v);
+    }
+  }
+  cutlass::arch::fence_view_async_shared();
+  __syncthreads();
+
+  typename Traits::MmaQK mma;
+  auto thr = mma.get_thread_slice(tidx);
+  Tensor tSrQ = thr.partition_fragment_A(sQ);
+  Tensor tSrK = thr.partition_fragment_B(sK);
+  Tensor tSrS = partition_fragment_C(mma, Shape<Int<kRows>, Int<kBlockN>>{});
+  wg_gemm<true>(mma, tSrQ, tSrK, tSrS);
+  warpgroup_wait<0>();
+  Tensor S = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
+  Tensor cS = thr.partition_C(make_identity_tensor(Shape<Int<kRows>, Int<kBlockN>>{}));
+  Tensor cSrc = make_tensor(cS.data(), acc_rowcol(cS.layout()));
+  const int32_t keys_in = blk.count;  // Bk, unless the block were a sequence's last
+#pragma unroll
+  for (int i = 0; i < size<0>(S); ++i) {
+    float m[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+#pragma unroll
+    for (int c = 0; c < size<1>(S); ++c)
+      m[c & 3] = fmaxf(m[c & 3], get<1>(cSrc(i, c)) < keys_in ? S(i, c) : -INFINITY);
+    const float mx = quad_max(fmaxf(fmaxf(m[0], m[1]), fmaxf(m[2], m[3])));
+    const int row = get<0>(cSrc(i, 0));
+    if ((tidx & 3) == i && row < count) r.score[ss.entry[row]] = mx * a.scale * 1.f;
+  }
+}
+
+}  // namespace msa::cuda::kern
