@@ -176,6 +176,28 @@ struct BlockRowLoader {
       p += step;
     }
   }
+
+  // Rows [0, kRowsTile) from anywhere: row_ptr(row) gives the row's first element, or nullptr
+  // for a zero row (`any`: a valid address for the copies that write zeros).
+  template <class Element, class RowPtr>
+  __device__ __forceinline__ void load_rows(Element* dst, RowPtr row_ptr, const Element* any) const {
+#pragma unroll
+    for (int j = 0; j < kIters; ++j) {
+      const Element* p = row_ptr(row0 + j * kRowStep);
+      cp_async16(dst + soff0 + j * dsoff, p != nullptr ? p + chunk * 8 : any, p != nullptr);
+    }
+  }
+
+  // The sign of every element this thread copied flipped (16-bit elements; after its copies
+  // are waited for).
+  template <class Element>
+  __device__ __forceinline__ void negate(Element* dst) const {
+#pragma unroll
+    for (int j = 0; j < kIters; ++j) {
+      uint4* v = reinterpret_cast<uint4*>(dst + soff0 + j * dsoff);
+      *v = negate8(*v);
+    }
+  }
 };
 
 // load_block_rows_async, waited for: the rows are in shared memory and visible to every thread

@@ -84,9 +84,10 @@ struct Fp8CopyArgs : SeqArgs {
 // The re-ranking of FP8 shortlists (Options.fp8_rerank = m > 0; kernels/rerank_kernel.cuh).
 // The select kernel leaves each row's shortlist (its best free slots + m blocks by FP8 score,
 // ascending ids, -1 after) in `cand` and the row's place in block_idx in `rows`; the re-ranking
-// counts the entries of each (KV tile, index key head) segment (`seg_count`), lists them per
-// segment (`seg_start`, `entries`), scores them by the inputs (`score`, one CTA per chunk of
-// kRerankRows entries of a segment: `chunk_start`), and picks the slots.
+// lists the entries of each (KV tile, index key head) segment, in buckets of one range of
+// 2^range_shift tokens each (bucket = seg * ranges + range: `seg_count`, `seg_start`,
+// `entries`), scores them by the inputs (`score`, one CTA per chunk of kRerankRows entries of a
+// segment: `chunk_start`), and picks the slots.
 constexpr int kRerankRows = 128;
 struct RerankArgs {
   int32_t m = 0;      // 0: no re-ranking
@@ -96,8 +97,9 @@ struct RerankArgs {
   bool negate = false;  // scale_idx < 0: q_idx is negated where it is loaded
   int32_t* cand = nullptr;       // [T * Hi, width]
   int2* rows = nullptr;          // [T * Hi]: (the sequence's first KV tile id, n_sink | n_chosen << 16)
-  int32_t* seg_count = nullptr;  // [nseg + 1]
-  int32_t* seg_start = nullptr;  // [nseg + 1]: exclusive scan of seg_count
+  int32_t ranges = 1, range_shift = 0;  // token ranges of a segment's buckets
+  int32_t* seg_count = nullptr;  // [nseg * ranges + 1]: per bucket
+  int32_t* seg_start = nullptr;  // [nseg * ranges + 1]: exclusive scan of seg_count
   int32_t* chunk_start = nullptr;  // [nseg + 1]: exclusive scan of the segments' chunk counts
   int32_t* entries = nullptr;    // [T * Hi * width]: shortlist positions (row * width + c) by segment
   float* score = nullptr;        // [T * Hi * width]: the inputs' block score of each entry

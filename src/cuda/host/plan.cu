@@ -232,20 +232,24 @@ namespace {
 // The re-ranking's buffers (RerankArgs), in this order: cand, rows, seg_count, seg_start,
 // chunk_start, entries, score, CUB's temporary bytes.
 struct RerankLayout {
-  size_t cand = 0, rows = 0, seg = 0, entries = 0, cub = 0;
+  size_t cand = 0, rows = 0, seg = 0, chunk = 0, entries = 0, cub = 0;
   int64_t nseg = 0;
+  int32_t ranges = 1, range_shift = 12;  // at least 4096 tokens a range, at most 64 ranges
   RerankLayout(const Problem& prob, int32_t nseq) {
     const int32_t w = rerank_width(prob);
     if (w == 0) return;
     const size_t n = size_t(prob.T) * prob.Hi * w;
     nseg = kern::num_tile_ids(nseq, prob.T, prob.opts.block_size) * prob.Hik;
+    while ((prob.T >> range_shift) >= 64) ++range_shift;
+    ranges = static_cast<int32_t>((prob.T >> range_shift) + 1);
     cand = align_up(4 * n);
     rows = align_up(8 * size_t(prob.T) * prob.Hi);
-    seg = align_up(4 * size_t(nseg + 1));
+    seg = align_up(4 * size_t(nseg * ranges + 1));
+    chunk = align_up(4 * size_t(nseg + 1));
     entries = align_up(4 * n);
-    cub = align_up(rerank_cub_bytes(nseg + 1));
+    cub = align_up(rerank_cub_bytes(nseg * ranges + 1));
   }
-  size_t bytes() const { return cand + rows + 3 * seg + 2 * entries + cub; }
+  size_t bytes() const { return cand + rows + 2 * seg + chunk + 2 * entries + cub; }
 };
 }  // namespace
 
@@ -299,7 +303,7 @@ void set_select_fp8(const Problem& prob, void* ws, SelectArgs* a) {
     r.seg_start = reinterpret_cast<int32_t*>(base);
     base += l.seg;
     r.chunk_start = reinterpret_cast<int32_t*>(base);
-    base += l.seg;
+    base += l.chunk;
     r.entries = reinterpret_cast<int32_t*>(base);
     base += l.entries;
     r.score = reinterpret_cast<float*>(base);
@@ -307,6 +311,8 @@ void set_select_fp8(const Problem& prob, void* ws, SelectArgs* a) {
     r.cub = base;
     r.cub_bytes = l.cub;
     r.nseg = l.nseg;
+    r.ranges = l.ranges;
+    r.range_shift = l.range_shift;
     // Chunks: at most one partial chunk per segment beyond the full ones.
     r.grid = (int64_t(prob.T) * prob.Hi * r.width + kRerankRows - 1) / kRerankRows + l.nseg;
   }

@@ -31,7 +31,7 @@ size_t rerank_cub_bytes(int64_t n) {
 
 Status rerank_lists(const char* fn, const SelectArgs& a, cudaStream_t stream) {
   const RerankArgs& r = a.rerank;
-  const int n = static_cast<int>(r.nseg + 1);
+  const int n = static_cast<int>(r.nseg * r.ranges + 1), nseg = static_cast<int>(r.nseg + 1);
   const int64_t entries = int64_t(a.T) * a.Hik * a.idx_per_key * r.width;
   cudaError_t e = cudaMemsetAsync(r.seg_count, 0, sizeof(int32_t) * size_t(n), stream);
   if (e != cudaSuccess) return cuda_error(fn, e);
@@ -42,10 +42,10 @@ Status rerank_lists(const char* fn, const SelectArgs& a, cudaStream_t stream) {
   size_t bytes = r.cub_bytes;
   e = cub::DeviceScan::ExclusiveSum(r.cub, bytes, r.seg_count, r.seg_start, n, stream);
   if (e != cudaSuccess) return cuda_error(fn, e);
-  kern::rerank_chunks_kernel<<<grid_for(n, 256), 256, 0, stream>>>(a);
+  kern::rerank_chunks_kernel<<<grid_for(nseg, 256), 256, 0, stream>>>(a);
   MSA_TRY(last_error(fn));
   bytes = r.cub_bytes;
-  e = cub::DeviceScan::ExclusiveSum(r.cub, bytes, r.chunk_start, r.chunk_start, n, stream);
+  e = cub::DeviceScan::ExclusiveSum(r.cub, bytes, r.chunk_start, r.chunk_start, nseg, stream);
   if (e != cudaSuccess) return cuda_error(fn, e);
   if (entries == 0) return Status::Ok();
   kern::rerank_scatter_kernel<<<grid_for(entries, 256), 256, 0, stream>>>(a);

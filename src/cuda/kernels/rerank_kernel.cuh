@@ -67,6 +67,7 @@ __global__ void __launch_bounds__(Traits::kThreads) rerank_score_kernel(const __
   const RerankArgs& r = a.rerank;
   const int32_t chunk = blockIdx.x;
   if (chunk >= r.chunk_start[r.nseg]) return;
+  const int32_t nr = r.ranges;
   // The segment: the last s with chunk_start[s] <= chunk (empty segments share their start).
   int64_t lo = 0, hi = r.nseg - 1;
   while (lo < hi) {
@@ -74,8 +75,8 @@ __global__ void __launch_bounds__(Traits::kThreads) rerank_score_kernel(const __
     if (r.chunk_start[mid] <= chunk) lo = mid; else hi = mid - 1;
   }
   const int64_t seg = lo;
-  const int32_t e0 = r.seg_start[seg] + (chunk - r.chunk_start[seg]) * kRows;
-  const int32_t count = min(kRows, r.seg_start[seg + 1] - e0);
+  const int32_t e0 = r.seg_start[seg * nr] + (chunk - r.chunk_start[seg]) * kRows;
+  const int32_t count = min(kRows, r.seg_start[(seg + 1) * nr] - e0);
   const int32_t ik = static_cast<int32_t>(seg % a.Hik);
   const QueryTile blk = decode_tile(a.cu_seqlens, a.nseq, a.T, kBlockN, seg / a.Hik);
   const int32_t Hi = a.Hik * a.idx_per_key;
@@ -87,8 +88,11 @@ __global__ void __launch_bounds__(Traits::kThreads) rerank_score_kernel(const __
   const int tidx = threadIdx.x;
   const Element* q_idx = as<Element>(r.q_idx);
   const Element* keys = as<Element>(r.k_idx) + (blk.seq_start + blk.first) * r.k_s0 + ik * r.k_s1;
-  load_block_rows_async<kBlockN, kDim>(sK, keys, r.k_s0, blk.count, tidx, Traits::kThreads);
-  // Each row's entry and q_idx offset once (the copies below would redo them per 16 bytes).
+  // One thread copies the same 16 bytes of rows row0, row0 + step, ... of both tiles.
+  const BlockRowLoader<kBlockN, kDim, Traits::kThreads> k_load(sK, tidx);
+  const BlockRowLoader<kRows, kDim, Traits::kThreads> q_load(sQ, tidx);
+  k_load.load(ss.k.data(), keys, r.k_s0, blk.count);
+  // Each row's entry and q_idx offset once.
   if (tidx < kRows) {
     const int32_t e = tidx < count ? r.entries[e0 + tidx] : -1;
     const int32_t q_row = e / r.width;  // token * Hi + head
@@ -96,18 +100,12 @@ __global__ void __launch_bounds__(Traits::kThreads) rerank_score_kernel(const __
     ss.q_off[tidx] = e >= 0 ? int64_t(q_row / Hi) * r.q_s0 + int64_t(q_row % Hi) * r.q_s1 : -1;
   }
   __syncthreads();
-  load_rows_async<kRows, kDim>(
-      sQ, [&](int row) -> const Element* { return ss.q_off[row] >= 0 ? q_idx + ss.q_off[row] : nullptr; },
-      tidx, Traits::kThreads);
+  q_load.load_rows(
+      ss.q.data(), [&](int row) -> const Element* { return ss.q_off[row] >= 0 ? q_idx + ss.q_off[row] : nullptr; },
+      q_idx);
   cp_async_commit();
   cp_async_wait_all();
-  if (r.negate) {  // as the select kernel loads it: the query negated, |scale_idx| applied
-    __syncthreads();
-    for (int e = tidx; e < kRows * kDim / 8; e += Traits::kThreads) {
-      uint4* v = reinterpret_cast<uint4*>(&sQ(e / (kDim / 8), e % (kDim / 8) * 8));
-      *v = negate8(*v);
-    }
-  }
+  if (r.negate) q_load.negate(ss.q.data());  // as the select kernel loads it: |scale_idx| applied
   cutlass::arch::fence_view_async_shared();
   __syncthreads();
 

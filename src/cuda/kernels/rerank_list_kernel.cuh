@@ -8,11 +8,13 @@
 
 namespace msa::cuda::kern {
 
-// The shortlist entries (row * width + c, c a column of the row's shortlist) by segment, for the
-// count and the scatter below. A warp takes one column c of one index head for 32 consecutive
-// tokens: neighbouring tokens shortlist alike (a block most tokens pick is in every lane), so the
-// lanes that share a segment (`same`, by __match_any_sync) act with one atomic instead of one
-// each. f(seg, same, entry) runs for the lanes with an entry.
+// The shortlist entries (row * width + c, c a column of the row's shortlist) by bucket, for the
+// count and the scatter below. A bucket is a segment's entries from one range of tokens
+// (seg * ranges + range): a block most tokens pick would otherwise take every token's atomic on
+// one counter. A warp takes one column c of one index head for 32 consecutive tokens:
+// neighbouring tokens shortlist alike, so the lanes that share a bucket (`same`, by
+// __match_any_sync) act with one atomic instead of one each. f(bucket, same, entry) runs for the
+// lanes with an entry.
 template <class F>
 __device__ __forceinline__ void for_each_entry(const SelectArgs& a, F&& f) {
   const RerankArgs& r = a.rerank;
@@ -26,20 +28,21 @@ __device__ __forceinline__ void for_each_entry(const SelectArgs& a, F&& f) {
     const int64_t t = task / (int64_t(W) * Hi) * 32 + lane;
     const int64_t row = t * Hi + h;
     const int32_t b = t < a.T ? r.cand[row * W + c] : -1;
-    const int64_t seg = b >= 0 ? int64_t(r.rows[row].x + b) * a.Hik + h / a.idx_per_key : -1;
-    const unsigned same = __match_any_sync(0xffffffffu, seg);
-    if (b >= 0) f(seg, same, static_cast<int32_t>(row * W + c));
+    const int64_t seg = int64_t(r.rows[row].x + b) * a.Hik + h / a.idx_per_key;
+    const int64_t bucket = b >= 0 ? seg * r.ranges + (t >> r.range_shift) : -1;
+    const unsigned same = __match_any_sync(0xffffffffu, bucket);
+    if (b >= 0) f(bucket, same, static_cast<int32_t>(row * W + c));
   }
 }
 
-// seg_count[s] = the entries of segment s (zeroed before).
+// seg_count[bucket] = the bucket's entries (zeroed before).
 __global__ void __launch_bounds__(256) rerank_count_kernel(const __grid_constant__ SelectArgs a) {
   for_each_entry(a, [&](int64_t seg, unsigned same, int32_t) {
     if ((threadIdx.x & 31) == __ffs(same) - 1) atomicAdd(&a.rerank.seg_count[seg], __popc(same));
   });
 }
 
-// Each entry into its segment's list: the segment's count counted down.
+// Each entry into its segment's list (its bucket's part of it): the bucket's count counted down.
 __global__ void __launch_bounds__(256) rerank_scatter_kernel(const __grid_constant__ SelectArgs a) {
   const int lane = threadIdx.x & 31;
   for_each_entry(a, [&](int64_t seg, unsigned same, int32_t entry) {
@@ -52,11 +55,12 @@ __global__ void __launch_bounds__(256) rerank_scatter_kernel(const __grid_consta
   });
 }
 
-// chunk_start[s] = the chunks of segment s (kRerankRows entries each), before their scan; 0 at nseg.
+// chunk_start[s] = the chunks of segment s (kRerankRows entries each; seg_start scanned), before
+// their scan; 0 at nseg.
 __global__ void __launch_bounds__(256) rerank_chunks_kernel(const __grid_constant__ SelectArgs a) {
   const RerankArgs& r = a.rerank;
   for (int64_t s = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; s <= r.nseg; s += int64_t(gridDim.x) * blockDim.x)
-    r.chunk_start[s] = s < r.nseg ? (r.seg_count[s] + kRerankRows - 1) / kRerankRows : 0;
+    r.chunk_start[s] = s < r.nseg ? (r.seg_start[(s + 1) * r.ranges] - r.seg_start[s * r.ranges] + kRerankRows - 1) / kRerankRows : 0;
 }
 
 // One thread per (token, index head) row: the free slots from the shortlist by the inputs' scores.
