@@ -161,6 +161,24 @@ TEST(Selection, NanStaysInItsSequence) {
   }
 }
 
+// select_blocks with FP8 scores and fp8_rerank = m on the CPU: block_idx (poisoned first), and
+// lse_idx into *lse when given.
+HostTensor select_fp8(Problem& p, int m, HostTensor* lse = nullptr) {
+  HostTensor bi(DType::kInt32, {p.T, p.cfg.Hi, p.cfg.k});
+  bi.fill(-7);
+  msa::SelectParams sp;
+  sp.q_idx = p.q_idx.ref();
+  sp.k_idx = p.k_idx.ref();
+  sp.cu_seqlens = p.cu.ref();
+  sp.block_idx = bi.ref();
+  if (lse != nullptr) sp.lse_idx = lse->ref();
+  sp.opts = p.options();
+  sp.opts.select_scores = msa::SelectScores::kFp8;
+  sp.opts.fp8_rerank = m;
+  expect_ok(msa::select_blocks(sp));
+  return bi;
+}
+
 // Options.select_scores = kFp8 with fp8_rerank = 0 (contract §2): the selection follows the rule
 // over the scores of the dequantised E4M3 copies (fp8_scored, the tests' own quantiser) with no
 // slack, on several sequences whose last blocks are partial; lse_idx keeps the inputs' own scores.
@@ -173,18 +191,7 @@ TEST(Selection, Fp8ScoresFollowTheRule) {
     const Problem q8 = fp8_scored(p);
     HostTensor lse(DType::kFloat32, {p.T, c.Hi});
     lse.fill(NAN);
-    HostTensor bi(DType::kInt32, {p.T, c.Hi, c.k});
-    bi.fill(-7);
-    msa::SelectParams sp;
-    sp.q_idx = p.q_idx.ref();
-    sp.k_idx = p.k_idx.ref();
-    sp.cu_seqlens = p.cu.ref();
-    sp.block_idx = bi.ref();
-    sp.lse_idx = lse.ref();
-    sp.opts = p.options();
-    sp.opts.select_scores = msa::SelectScores::kFp8;
-    sp.opts.fp8_rerank = 0;
-    expect_ok(msa::select_blocks(sp));
+    const HostTensor bi = select_fp8(p, 0, &lse);
     const Sets sets = sets_from(p, bi);
     int64_t differs = 0;
     const Sets exact = ref_select(p);
@@ -260,20 +267,7 @@ TEST(Selection, Fp8RerankFollowsTheRule) {
   p.k_idx.set(40 * c.Hik * c.Di + 3, 9.5);
   const Problem q8 = fp8_scored(p);
   const Sets exact = ref_select(p);
-  const auto run = [&](int m) {
-    HostTensor bi(DType::kInt32, {p.T, c.Hi, c.k});
-    bi.fill(-7);
-    msa::SelectParams sp;
-    sp.q_idx = p.q_idx.ref();
-    sp.k_idx = p.k_idx.ref();
-    sp.cu_seqlens = p.cu.ref();
-    sp.block_idx = bi.ref();
-    sp.opts = p.options();
-    sp.opts.select_scores = msa::SelectScores::kFp8;
-    sp.opts.fp8_rerank = m;
-    expect_ok(msa::select_blocks(sp));
-    return sets_from(p, bi);
-  };
+  const auto run = [&](int m) { return sets_from(p, select_fp8(p, m)); };
   const auto missed = [&](const Sets& s) {
     int64_t n = 0;
     for (int64_t g = 0; g < p.T; ++g)
