@@ -369,16 +369,19 @@ def test_select_blocks_fp8_rerank_every_candidate():
 @skip_unbuilt
 def test_select_blocks_negative_scale():
     """scale_idx < 0 reverses the ranking (the kernels flip the signs of q_idx, or of its E4M3
-    codes): the rule over the scaled scores, with the inputs' own and with FP8 scores."""
+    codes): the rule over the scaled scores, with the inputs' own and with FP8 scores (alone and
+    re-ranked). The scale is the default's magnitude: the FP8 scores' fp16 sums are good to about
+    1e-3 of a score, inside SEL_TOL at these scores' size."""
     T, Hi, Bk, top_k = 1000, 4, 64, 6
+    scale = DI ** -0.5
     qi, ki = rand(T, Hi, DI, dtype=BF16), rand(T, 1, DI, dtype=BF16)
     q8, k8 = R.fp8_index_copies_ref(qi, ki, Bk)
     for scores, (q, k), m in (("input", (qi, ki), 4), ("fp8", (q8, k8), 0), ("fp8", (qi, ki), 4)):
-        bi = msa.select_blocks(qi, ki, top_k, Bk, scale_idx=-0.5, select_scores=scores,
+        bi = msa.select_blocks(qi, ki, top_k, Bk, scale_idx=-scale, select_scores=scores,
                                fp8_rerank=m)
         shortlist = (q8, k8, m) if scores == "fp8" and m > 0 else None
-        check_selection(bi, q, k, top_k, Bk, scale_idx=-0.5, tol=SEL_TOL, shortlist=shortlist)
-        assert not torch.equal(bi, msa.select_blocks(qi, ki, top_k, Bk, scale_idx=0.5,
+        check_selection(bi, q, k, top_k, Bk, scale_idx=-scale, tol=SEL_TOL, shortlist=shortlist)
+        assert not torch.equal(bi, msa.select_blocks(qi, ki, top_k, Bk, scale_idx=scale,
                                                      select_scores=scores, fp8_rerank=m))
 
 
