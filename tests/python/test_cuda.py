@@ -612,7 +612,13 @@ def _select_and_forward(q, k, v, qi, ki, cu, top_k, Bk):
                                               kl_value=False, return_lse=True,
                                               return_block_idx=True)
     wout, _ = msa.warmup_attention(q, k, v, None, None, cu_seqlens=cu, kl_value=False)
-    return bi, out, lse, out2, lse2, bi2, wout
+    # FP8 selection scores, re-ranked (the default) and alone: workspace, scans and atomics
+    bi8 = msa.select_blocks(qi, ki, top_k, Bk, cu_seqlens=cu, select_scores="fp8")
+    bi8_raw = msa.select_blocks(qi, ki, top_k, Bk, cu_seqlens=cu, select_scores="fp8",
+                                fp8_rerank=0)
+    out8, _ = msa.sparse_attention(q, k, v, qi, ki, top_k, Bk, cu_seqlens=cu, kl_value=False,
+                                   select_scores="fp8", fp8_rerank=2)
+    return bi, out, lse, out2, lse2, bi2, wout, bi8, bi8_raw, out8
 
 
 def _stream_inputs():
