@@ -220,11 +220,10 @@ TEST(Selection, Fp8ScoresFollowTheRule) {
   }
 }
 
-// Two blocks whose best keys differ by 2^-7 (apart in bfloat16) round to the same E4M3 value
-// under the scale a large value elsewhere in each block sets, so kFp8 (fp8_rerank = 0) ties them
-// and picks the
-// lower block, where the inputs' own scores pick the higher one.
-TEST(Selection, Fp8ScoresTieWhatE4M3CannotTellApart) {
+// 48 tokens, Bk 16, k 2, one index head: blocks 0 and 1 whose best keys differ by 2^-7 (apart in
+// bfloat16) but round to the same E4M3 value under the scale a large value elsewhere in each
+// block sets.
+Problem e4m3_tie_problem() {
   Config c = sel({48}, 16, 2);
   c.dtype = DType::kBFloat16;
   c.Hi = 1;
@@ -235,6 +234,14 @@ TEST(Selection, Fp8ScoresTieWhatE4M3CannotTellApart) {
   p.k_idx.set(1 * c.Di + 0, 1.0);
   p.k_idx.set(16 * c.Di + 1, 100.0);  // block 1 likewise
   p.k_idx.set(17 * c.Di + 0, 1.0078125);
+  return p;
+}
+
+// e4m3_tie_problem: kFp8 with fp8_rerank = 0 ties the two blocks and picks the lower one, where
+// the inputs' own scores pick the higher one.
+TEST(Selection, Fp8ScoresTieWhatE4M3CannotTellApart) {
+  Problem p = e4m3_tie_problem();
+  const Config& c = p.cfg;
   for (msa::SelectScores scores : {msa::SelectScores::kInput, msa::SelectScores::kFp8}) {
     // (kFp8 with re-ranking: Selection.Fp8RerankFollowsTheRule)
     HostTensor bi(DType::kInt32, {p.T, c.Hi, c.k});
@@ -287,28 +294,11 @@ TEST(Selection, Fp8RerankFollowsTheRule) {
   EXPECT_EQ(run(20), exact);  // the longest sequence has 19 blocks
 }
 
-// The tie of Fp8ScoresTieWhatE4M3CannotTellApart, re-ranked: both blocks are in the shortlist,
-// and the inputs' own scores pick the higher one, as kInput does.
+// e4m3_tie_problem re-ranked: both blocks are in the shortlist, and the inputs' own scores pick
+// the higher one, as kInput does.
 TEST(Selection, Fp8RerankBreaksWhatE4M3Ties) {
-  Config c = sel({48}, 16, 2);
-  c.dtype = DType::kBFloat16;
-  c.Hi = 1;
-  Problem p(c);
-  for (int64_t x = 0; x < p.q_idx.numel(); ++x) p.q_idx.set(x, x % c.Di == 0 ? 1.0 : 0.0);
-  for (int64_t x = 0; x < p.k_idx.numel(); ++x) p.k_idx.set(x, 0.0);
-  p.k_idx.set(0 * c.Di + 1, 100.0);
-  p.k_idx.set(1 * c.Di + 0, 1.0);
-  p.k_idx.set(16 * c.Di + 1, 100.0);
-  p.k_idx.set(17 * c.Di + 0, 1.0078125);
-  HostTensor bi(DType::kInt32, {p.T, c.Hi, c.k});
-  msa::SelectParams sp;
-  sp.q_idx = p.q_idx.ref();
-  sp.k_idx = p.k_idx.ref();
-  sp.block_idx = bi.ref();
-  sp.opts = p.options();
-  sp.opts.select_scores = msa::SelectScores::kFp8;
-  sp.opts.fp8_rerank = 1;
-  expect_ok(msa::select_blocks(sp));
+  Problem p = e4m3_tie_problem();
+  const HostTensor bi = select_fp8(p, 1);
   for (int64_t t = 32; t < 48; ++t) {
     EXPECT_EQ(bi.idx(t, 0, 0), 1) << "token " << t;
     EXPECT_EQ(bi.idx(t, 0, 1), 2) << "token " << t;

@@ -261,15 +261,23 @@ size_t select_fp8_bytes(const Problem& prob, const TensorRef& cu) {
          align_up(sizeof(float) * size_t(prob.T) * prob.Hik) + RerankLayout(prob, seqs(cu)).bytes();
 }
 
+namespace {
+// The index inputs' pointers and strides from the selection's Args (before the copies replace them).
+template <class Dst>
+void set_index_inputs(Dst* d, const SelectArgs& a) {
+  d->q_idx = a.q_idx;
+  d->q_s0 = a.q_s0;
+  d->q_s1 = a.q_s1;
+  d->k_idx = a.k_idx;
+  d->k_s0 = a.k_s0;
+  d->k_s1 = a.k_s1;
+}
+}  // namespace
+
 void set_select_fp8(const Problem& prob, void* ws, SelectArgs* a) {
   Fp8CopyArgs& c = a->copy;
   static_cast<SeqArgs&>(c) = static_cast<const SeqArgs&>(*a);
-  c.q_idx = a->q_idx;
-  c.q_s0 = a->q_s0;
-  c.q_s1 = a->q_s1;
-  c.k_idx = a->k_idx;
-  c.k_s0 = a->k_s0;
-  c.k_s1 = a->k_s1;
+  set_index_inputs(&c, *a);
   c.Hi = prob.Hi;
   c.Hik = prob.Hik;
   c.block_size = prob.opts.block_size;
@@ -287,12 +295,7 @@ void set_select_fp8(const Problem& prob, void* ws, SelectArgs* a) {
     RerankArgs& r = a->rerank;
     r.m = prob.opts.fp8_rerank;
     r.width = rerank_width(prob);
-    r.q_idx = a->q_idx;
-    r.q_s0 = a->q_s0;
-    r.q_s1 = a->q_s1;
-    r.k_idx = a->k_idx;
-    r.k_s0 = a->k_s0;
-    r.k_s1 = a->k_s1;
+    set_index_inputs(&r, *a);
     r.negate = a->negate;
     const auto take = [&](size_t bytes) {
       char* p = base;
