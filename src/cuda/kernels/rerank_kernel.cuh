@@ -128,7 +128,7 @@ __global__ void __launch_bounds__(Traits::kThreads) rerank_score_kernel(const __
       m[c & 3] = fmaxf(m[c & 3], get<1>(cSrc(i, c)) < keys_in ? S(i, c) : -INFINITY);
     const float mx = quad_max(fmaxf(fmaxf(m[0], m[1]), fmaxf(m[2], m[3])));
     const int row = get<0>(cSrc(i, 0));
-    if ((tidx & 3) == i && row < count) r.score[ss.entry[row]] = mx * a.scale * 1.f;
+    if ((tidx & 3) == i && row < count) r.score[ss.entry[row]] = mx * a.scale;
   }
 }
 

@@ -28,8 +28,9 @@ __device__ __forceinline__ void for_each_entry(const SelectArgs& a, F&& f) {
     const int64_t t = task / (int64_t(W) * Hi) * 32 + lane;
     const int64_t row = t * Hi + h;
     const int32_t b = t < a.T ? r.cand[row * W + c] : -1;
-    const int64_t seg = int64_t(r.rows[row].x + b) * a.Hik + h / a.idx_per_key;
-    const int64_t bucket = b >= 0 ? seg * r.ranges + (t >> r.range_shift) : -1;
+    // Lanes past the last token read nothing (rows[] ends with the tokens).
+    const int64_t bucket =
+        b >= 0 ? (int64_t(r.rows[row].x + b) * a.Hik + h / a.idx_per_key) * r.ranges + (t >> r.range_shift) : -1;
     const unsigned same = __match_any_sync(0xffffffffu, bucket);
     if (b >= 0) f(bucket, same, static_cast<int32_t>(row * W + c));
   }
@@ -37,21 +38,21 @@ __device__ __forceinline__ void for_each_entry(const SelectArgs& a, F&& f) {
 
 // seg_count[bucket] = the bucket's entries (zeroed before).
 __global__ void __launch_bounds__(256) rerank_count_kernel(const __grid_constant__ SelectArgs a) {
-  for_each_entry(a, [&](int64_t seg, unsigned same, int32_t) {
-    if ((threadIdx.x & 31) == __ffs(same) - 1) atomicAdd(&a.rerank.seg_count[seg], __popc(same));
+  for_each_entry(a, [&](int64_t bucket, unsigned same, int32_t) {
+    if ((threadIdx.x & 31) == __ffs(same) - 1) atomicAdd(&a.rerank.seg_count[bucket], __popc(same));
   });
 }
 
 // Each entry into its segment's list (its bucket's part of it): the bucket's count counted down.
 __global__ void __launch_bounds__(256) rerank_scatter_kernel(const __grid_constant__ SelectArgs a) {
   const int lane = threadIdx.x & 31;
-  for_each_entry(a, [&](int64_t seg, unsigned same, int32_t entry) {
+  for_each_entry(a, [&](int64_t bucket, unsigned same, int32_t entry) {
     const int leader = __ffs(same) - 1, n = __popc(same);
     int32_t top = 0;
-    if (lane == leader) top = atomicSub(&a.rerank.seg_count[seg], n);  // places [top - n, top) are ours
+    if (lane == leader) top = atomicSub(&a.rerank.seg_count[bucket], n);  // places [top - n, top) are ours
     top = __shfl_sync(same, top, leader);
     const int32_t rank = __popc(same & ((1u << lane) - 1));
-    a.rerank.entries[a.rerank.seg_start[seg] + top - n + rank] = entry;
+    a.rerank.entries[a.rerank.seg_start[bucket] + top - n + rank] = entry;
   });
 }
 
