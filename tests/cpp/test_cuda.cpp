@@ -2312,20 +2312,23 @@ TEST(CudaPagedE4M3, AppendMatchesCpu) {
 // Equal block scores: the index keys of every cached row depend only on its logical block (three
 // levels), so whole groups of blocks score exactly alike and the k-th best is shared by several:
 // the GPU must take the lowest block ids among them as the CPU does (contract §2), over bf16 and
-// E4M3 index keys.
+// E4M3 index keys. In the second case every block of a 140K-token request scores the same, more
+// ties than the top-k's threshold pass ranks (paged_topk_kernel.cuh), so its radix pass decides.
 TEST(CudaPaged, EqualScoresTakeTheLowestBlocks) {
   SKIP_WITHOUT_CUDA();
-  const PagedCase cs =
+  const PagedCase three =
       with_forced(paged_gpu_case({3000, 1500, 700}, {1, 4, 2}, 16, 2, 2, 1, 128, 128, 8, kBf16, 4, 71), 1, 2);
-  SKIP_UNLESS_BUILT(cs.config(), true, true);
+  const PagedCase one = with_forced(paged_gpu_case({140000, 300}, {2, 1}, 16, 2, 2, 1, 128, 128, 8, kBf16, 4, 72), 1, 2);
+  SKIP_UNLESS_BUILT(three.config(), true, true);
   Stream st(true);
+  for (auto [cs, levels] : {std::pair{three, 3}, std::pair{one, 1}})
   for (bool e4m3 : {false, true}) {
-    SCOPED_TRACE(e4m3 ? "E4M3 index keys" : "bf16 index keys");
+    SCOPED_TRACE(std::string(e4m3 ? "E4M3 index keys, " : "bf16 index keys, ") + std::to_string(levels) + " levels");
     PagedBatch b(cs);
     const int64_t irow = int64_t{cs.Hik} * cs.Di;
     for (int64_t s = 0; s < b.nseq; ++s)
       for (int64_t x = 0; x < cs.lens[s]; ++x)
-        for (int64_t e = 0; e < irow; ++e) b.kic.set(b.cache_row(s, x) * irow + e, 0.25 * ((x / cs.Bk) % 3));
+        for (int64_t e = 0; e < irow; ++e) b.kic.set(b.cache_row(s, x) * irow + e, 0.25 * ((x / cs.Bk) % levels));
     HostTensor codes(kE4M3, b.kic.shape()), scale(DType::kFloat32, {1});
     scale.set(0, 1.0 / 32);
     uint8_t* raw = static_cast<uint8_t*>(codes.ref().data);

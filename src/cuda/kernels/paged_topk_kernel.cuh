@@ -2,8 +2,18 @@
 // paged_score_kernel: one CTA of 256 threads per (new token, index head) row.
 //
 // Forced blocks (sinks, the local blocks ending at the token's own block) are taken as they are;
-// the other slots go to the best candidates [sink end, first local block). The row's
-// order-preserving 32-bit keys are staged in shared memory (up to kTopkSmemKeys candidates;
+// the other `slots` go to the best candidates [sink end, first local block), compared as
+// order-preserving 32-bit keys, ties to the lower block id.
+//
+// Threshold pass (rows of at most kTopkSmemKeys candidates, the decode case): each thread holds
+// its strided share of the keys in registers and their max. The slots-th largest of the 256
+// thread maxima, tau, has at least `slots` keys at or above it (each of those threads' maxima
+// is one), so every key the row takes is >= tau. Those keys (usually a few dozen) are listed in
+// shared memory and each is ranked among them by (key, then block id): the rank is its place in
+// the whole row, and ranks below `slots` are taken. Where more than kTopkCandidates keys reach
+// tau (scores tied over a long range), the radix pass below runs instead.
+//
+// Radix pass: the row's keys are staged in shared memory (up to kTopkSmemKeys candidates;
 // longer rows are read from global memory, where the score kernel just left them in L2). The
 // slots-th best key is found by a radix select: four 8-bit digits, each a shared histogram
 // (equal digits of a warp are added by one lane: neighbouring blocks' scores share their top
@@ -37,6 +47,8 @@ struct PagedTopkArgs {
 
 constexpr int kTopkThreads = 256;
 constexpr int kTopkSmemKeys = 8192;
+constexpr int kTopkPerThread = kTopkSmemKeys / kTopkThreads;  // keys a thread holds in the threshold pass
+constexpr int kTopkCandidates = 1024;  // keys at or above the threshold the pass ranks
 
 // Larger float, larger key; NaN ranks as -inf (contract §2).
 __device__ inline uint32_t order_key(float x) {
@@ -54,7 +66,10 @@ __global__ void __launch_bounds__(kTopkThreads) paged_topk_kernel(const __grid_c
   __shared__ uint32_t s_prefix;
   __shared__ int32_t s_need;
   __shared__ int32_t s_equal;  // candidates matching s_prefix (after the last digit: equal to it)
-  __shared__ uint32_t keys[kTopkSmemKeys];
+  __shared__ uint32_t keys[kTopkSmemKeys];  // the threshold pass: its listed (key, candidate) pairs
+  __shared__ uint32_t thread_max[kTopkThreads];
+  __shared__ uint32_t s_tau;
+  __shared__ int32_t n_listed;
 
   const int64_t row = blockIdx.x;
   const int64_t t = a.tok_lo + row / a.Hi;
@@ -74,11 +89,68 @@ __global__ void __launch_bounds__(kTopkThreads) paged_topk_kernel(const __grid_c
   const int32_t lo = min(n, tid * per), hi = min(n, lo + per);
 
   if (tid == 0) n_chosen = 0;
+  bool radix = false;
   if (n <= slots) {  // every candidate is taken
     __syncthreads();
     for (int32_t c = tid; c < n; c += kTopkThreads) chosen[c] = sink_end + c;
     if (tid == 0) n_chosen = n;
+  } else if (slots > 0 && !staged) {
+    radix = true;
   } else if (slots > 0) {
+    // Threshold pass. Key 0 is below every candidate's (order_key(-inf) > 0): "no key".
+    uint32_t held[kTopkPerThread];
+    uint32_t mx = 0;
+#pragma unroll
+    for (int j = 0; j < kTopkPerThread; ++j) {
+      const int32_t c = tid + j * kTopkThreads;
+      held[j] = c < n ? order_key(sc[c]) : 0u;
+      mx = max(mx, held[j]);
+    }
+    thread_max[tid] = mx;
+    if (tid == 0) n_listed = 0;
+    __syncthreads();
+    // This thread's max ranked among the maxima (ties by thread): rank slots - 1 is tau. At
+    // least min(n, 256) > slots - 1 threads hold a key, so tau is a candidate's key.
+    int32_t rank = 0;
+    for (int u = 0; u < kTopkThreads; ++u) {
+      const uint32_t v = thread_max[u];
+      rank += v > mx || (v == mx && u < tid);
+    }
+    if (rank == slots - 1) s_tau = mx;
+    __syncthreads();
+    const uint32_t tau = s_tau;
+    uint32_t* list_key = keys;
+    int32_t* list_c = reinterpret_cast<int32_t*>(keys + kTopkCandidates);
+#pragma unroll
+    for (int j = 0; j < kTopkPerThread; ++j) {
+      if (held[j] >= tau) {  // tau > 0: never a missing key
+        const int32_t x = atomicAdd(&n_listed, 1);
+        if (x < kTopkCandidates) {
+          list_key[x] = held[j];
+          list_c[x] = tid + j * kTopkThreads;
+        }
+      }
+    }
+    __syncthreads();
+    const int32_t listed = n_listed;
+    if (listed > kTopkCandidates) {
+      radix = true;
+      __syncthreads();  // the list is read no more: the radix pass stages keys over it
+    } else {
+      for (int32_t x = tid; x < listed; x += kTopkThreads) {
+        const uint32_t key = list_key[x];
+        const int32_t c = list_c[x];
+        int32_t r = 0;
+        for (int32_t y = 0; y < listed; ++y) {
+          const uint32_t o = list_key[y];
+          r += o > key || (o == key && list_c[y] < c);
+        }
+        if (r < slots) chosen[r] = sink_end + c;
+      }
+      if (tid == 0) n_chosen = slots;
+    }
+  }
+  if (radix) {
     if (staged)
       for (int32_t c = tid; c < n; c += kTopkThreads) keys[c] = order_key(sc[c]);
     uint32_t prefix = 0, mask = 0;
