@@ -46,11 +46,17 @@ HQ, HKV, HI, HIK, D, DI, BK, K = 64, 4, 4, 1, 128, 128, 128, 16
 SINK, LOCAL = 1, 4
 
 
-def timed(fn, iters: int = 20, warmup: int = 3) -> float:
-    """Median milliseconds of fn() over `iters` runs (CUDA events)."""
+def timed(fn, iters: int = 20, warmup: int = 3, warmup_ms: float = 50.0) -> float:
+    """Median milliseconds of fn() over `iters` runs (CUDA events), after `warmup` calls and at
+    least `warmup_ms` of them (the clocks are not locked: a sub-millisecond step timed right after
+    an idle spell need not run at the clocks of a busy GPU)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while (time.perf_counter() - t0) * 1e3 < warmup_ms:
+        fn()
+        torch.cuda.synchronize()
     ts = []
     for _ in range(iters):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

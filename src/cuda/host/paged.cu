@@ -294,9 +294,11 @@ AttnPlan attn_plan(const Problem& prob, const PagedForwardParams& p) {
   }
   a.scale_log2 = prob.opts.scale * 1.4426950408889634f;
   set_outputs(&a, p);
-  // Split the block union when the tiles alone would leave SMs idle (decode's small batches).
+  // Split the block union when the tiles alone would leave SMs idle (decode's small batches):
+  // into as many splits as one wave of two CTAs per SM (their shared memory) holds, rounded
+  // down, since a few CTAs past the wave would take a second round of the kernel's latency.
   const int64_t ctas = std::max<int64_t>(1, busy_tiles(a, p.max_q_len) * prob.Hkv);
-  a.splits = static_cast<int32_t>(std::clamp<int64_t>(ceil_div(2 * int64_t(num_sms()), ctas), 1, kMaxSplits));
+  a.splits = static_cast<int32_t>(std::clamp<int64_t>(2 * int64_t(num_sms()) / ctas, 1, kMaxSplits));
   if (a.splits > 1) {
     const size_t rows = size_t(prob.T) * prob.Hq * a.splits;
     ap.part_o = 0;
