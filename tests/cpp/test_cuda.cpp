@@ -2189,6 +2189,37 @@ TEST_P(PagedE4M3CudaVsCpu, SelectAndForward) {
 INSTANTIATE_TEST_SUITE_P(Shapes, PagedE4M3CudaVsCpu, ::testing::ValuesIn(kE4M3Cases),
                          [](const ::testing::TestParamInfo<PagedCase>& i) { return "case" + std::to_string(i.index); });
 
+// bf16 queries over E4M3 index keys are scored in float16 where float16 holds a score CTA's
+// queries exactly (paged_score_kernel.cuh), in bfloat16 otherwise. Sequence 0's token holds a
+// value float16 rounds (2.5 * 2^-24), a token of sequence 1 one it overflows (2^17), sequence 2
+// is as drawn: all select by the contract's rule over the dequantised keys (an overflow taken to
+// float16 would make that tile's scores inf).
+TEST(CudaPagedE4M3, QueriesFloat16CannotHold) {
+  SKIP_WITHOUT_CUDA();
+  const PagedCase cs = paged_gpu_case({3000, 2000, 900}, {1, 4, 2}, 16, 2, 2, 1, 128, 128, 6, kBf16, 4, 73);
+  SKIP_UNLESS_BUILT(cs.config(), true, true);
+  Stream st(true);
+  PagedBatch b(cs), w(wide_case(cs));
+  const int64_t irow = int64_t{cs.Hi} * cs.Di;
+  for (auto [t, e, v] : {std::tuple{int64_t{0}, int64_t{5}, std::ldexp(2.5, -24)},
+                         std::tuple{int64_t{2}, irow - 1, std::ldexp(1.0, 17)}}) {
+    b.q_idx.set(t * irow + e, v);
+    b.full.q_idx.set(b.new_rows[static_cast<size_t>(t)] * irow + e, v);
+  }
+  E4M3Caches c = quantise(b, w, true, 77);
+  DeviceE4M3 d(b, c, st.get());
+  DeviceTensor bi = DeviceTensor::poisoned(DType::kInt32, {b.Tq, cs.Hi, cs.k}, st.get());
+  msa::PagedSelectParams sp = paged_select_params(cs, d.refs(), bi.ref());
+  sp.cache = d.with_scales(sp.cache);
+  Workspace ws(msa::workspace_size(sp));
+  ws.attach(sp);
+  sp.launch.stream = st.get();
+  require_ok(msa::paged_select_blocks(sp));
+  const Failures f = check_selection(w.full, IndexScores(w.full), to_full_rows(bi.download(st.get()), b, -1),
+                                     nullptr, b.new_rows);
+  EXPECT_EQ(f.count, 0) << "paged_select_blocks, queries float16 cannot hold:" << f.first;
+}
+
 // Every code's value through the attention kernel: one cached token per sequence (a softmax over
 // one key is exactly 1), so each output row is that token's v row; bfloat16 holds every E4M3
 // value, so the outputs equal the codes' values exactly (NaN for the two NaN codes).

@@ -114,6 +114,45 @@ __device__ __forceinline__ void load_e4m3_a(const Raw& raw, const int32_t* key_b
   }
 }
 
+// Whether every element of this thread's share of a bfloat16 tile s ([kRows, kDim], rows of
+// 16-byte chunks) is a float16 value too (no overflow, no bits lost below float16's
+// subnormals; NaN counts as not), so that the tile converts to float16 exactly.
+template <int kRows, int kDim, class Tile>
+__device__ inline bool half_exact_tile(const Tile& s, int tid, int nthreads) {
+  constexpr int kChunks = kDim / 8;
+  bool exact = true;
+  for (int e = tid; e < kRows * kChunks; e += nthreads) {
+    const int row = e / kChunks, c = e % kChunks;
+    const uint4 w = *reinterpret_cast<const uint4*>(&s(row, c * 8));
+    const __nv_bfloat162* v = reinterpret_cast<const __nv_bfloat162*>(&w);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __bfloat1622float2(v[i]);
+      const float2 g = __half22float2(__float22half2_rn(f));
+      exact &= g.x == f.x && g.y == f.y;
+    }
+  }
+  return exact;
+}
+
+// The bfloat16 tile s converted in place to float16 (exact where half_exact_tile holds).
+template <int kRows, int kDim, class Tile>
+__device__ inline void to_half_tile(Tile& s, int tid, int nthreads) {
+  constexpr int kChunks = kDim / 8;
+  for (int e = tid; e < kRows * kChunks; e += nthreads) {
+    const int row = e / kChunks, c = e % kChunks;
+    uint4* p = reinterpret_cast<uint4*>(&s(row, c * 8));
+    uint4 w = *p;
+    uint32_t* x = reinterpret_cast<uint32_t*>(&w);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const __half2 h = __float22half2_rn(__bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&x[i])));
+      x[i] = *reinterpret_cast<const uint32_t*>(&h);
+    }
+    *p = w;
+  }
+}
+
 // The E4M3 code nearest to x (ties to even), saturated to +-448; NaN stays NaN.
 __device__ __forceinline__ uint8_t e4m3_from_float(float x) {
   return static_cast<uint8_t>(__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3));
