@@ -148,3 +148,18 @@ def test_backward_cpu_smoke_run(tmp_path, capsys):
     assert rc == 0
     rows = json.loads((tmp_path / "bwd.json").read_text())["rows"]
     assert [r["select_scores"] for r in rows] == ["fp8"] and rows[0]["step_ms"] > 0
+
+
+def test_e4m3_serving_quality():
+    """bench_serving_e4m3_quality on the CPU backend: decode over E4M3 copies of bf16 caches (a
+    scale per page) against the bf16 caches, on index inputs of mixed and random overlap. The
+    attention over the same selection is within cosine 0.999 of the bf16 outputs (issue 13's
+    bound; E4M3's three mantissa bits give about 0.9993), and the selection over E4M3 index keys
+    holds most of the bf16 selection's blocks."""
+    import bench_serving_e4m3_quality as eq
+    for alpha in eq.LEVELS.values():
+        r = eq.quality(alpha, 4096, 2, 4, torch.device("cpu"), seed=5, Hq=16, Hkv=2, Hi=2)
+        assert 0.999 <= r["cos_attend"] < 1.0, r
+        assert r["cos_attend_min"] > 0.99 and abs(r["norm_ratio_attend"] - 1.0) < 0.01, r
+        assert r["recall"] >= 0.9 and r["recall_free"] >= 0.85, r
+        assert r["cos_step"] > 0.9, r
