@@ -113,21 +113,43 @@ class Cache:
         self.fp8 = dict(k=k8, v=v8, k_idx=ki8, k_scale=ks, v_scale=vs, k_idx_scale=kis)
 
 
-def decode_case(cache: Cache, ctx: int, batch: int, q_len: int, bw: float, graphs: bool, dev,
-                fp8: bool = False):
+def decode_inputs(cache: Cache, ctx: int, batch: int, q_len: int, dev, fp8: bool = False) -> dict:
+    """A decode step's inputs: a shuffled page table over `cache`, `batch` sequences of `ctx`
+    cached tokens, the last `q_len` of each new (random q and q_idx), and the MSA side's cache
+    tensors `m` (bf16, or with fp8 the E4M3 copies and their scales)."""
     g = torch.Generator(device=dev).manual_seed(ctx + batch + q_len)
     per = -(-ctx // BK)
     perm = torch.randperm(cache.pages, generator=g, device=dev)[: batch * per].to(torch.int32)
-    page_table = perm.view(batch, per).contiguous()
-    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
-    cu = (torch.arange(batch + 1, device=dev, dtype=torch.int32) * q_len)
     Tq = batch * q_len
-    q = torch.randn((Tq, HQ, D), generator=g, device=dev, dtype=torch.bfloat16)
-    q_idx = torch.randn((Tq, HI, DI), generator=g, device=dev, dtype=torch.bfloat16)
+    return dict(
+        per=per, Tq=Tq, page_table=perm.view(batch, per).contiguous(),
+        seq_lens=torch.full((batch,), ctx, dtype=torch.int32, device=dev),
+        cu=torch.arange(batch + 1, device=dev, dtype=torch.int32) * q_len,
+        q=torch.randn((Tq, HQ, D), generator=g, device=dev, dtype=torch.bfloat16),
+        q_idx=torch.randn((Tq, HI, DI), generator=g, device=dev, dtype=torch.bfloat16),
+        m=cache.fp8 if fp8 else dict(k=cache.k, v=cache.v, k_idx=cache.k_idx, k_scale=None,
+                                     v_scale=None, k_idx_scale=None))
+
+
+def msa_wrapper(x: dict, batch: int, q_len: int, dev) -> "serving.PagedMSAWrapper":
+    """The planned sparse PagedMSAWrapper over the cache tensors of decode_inputs' `x`."""
+    m = x["m"]
+    pm = serving.PagedKVCache.__new__(serving.PagedKVCache)  # views of the benchmark's tensors
+    pm.k, pm.v, pm.k_idx, pm.page_size, pm.device = m["k"], m["v"], m["k_idx"], BK, dev
+    pm.k_scale, pm.v_scale, pm.k_idx_scale = m["k_scale"], m["v_scale"], m["k_idx_scale"]
+    pm.query_dtype = torch.bfloat16
+    w = serving.PagedMSAWrapper(pm)
+    w.plan(batch, x["Tq"], HQ, max_pages=x["per"], max_q_len=q_len, num_idx_heads=HI, top_k=K,
+           sink_blocks=SINK, local_blocks=LOCAL)
+    return w
+
+
+def decode_case(cache: Cache, ctx: int, batch: int, q_len: int, bw: float, graphs: bool, dev,
+                fp8: bool = False):
+    x = decode_inputs(cache, ctx, batch, q_len, dev, fp8)
+    per, Tq, page_table, seq_lens, cu = x["per"], x["Tq"], x["page_table"], x["seq_lens"], x["cu"]
+    q, q_idx, m = x["q"], x["q_idx"], x["m"]
     kw = dict(max_q_len=q_len, sink_blocks=SINK, local_blocks=LOCAL)
-    # The MSA side's cache: bf16, or (fp8) the E4M3 copies and their scales.
-    m = cache.fp8 if fp8 else dict(k=cache.k, v=cache.v, k_idx=cache.k_idx, k_scale=None, v_scale=None,
-                                   k_idx_scale=None)
     with msa.value_checks(False):
         bi = serving.paged_select_blocks(q_idx, m["k_idx"], page_table, seq_lens, cu, K,
                                          k_idx_scale=m["k_idx_scale"], **kw)
@@ -136,15 +158,9 @@ def decode_case(cache: Cache, ctx: int, batch: int, q_len: int, bw: float, graph
         t_attend = timed(lambda: serving.paged_forward(q, m["k"], m["v"], page_table, seq_lens, cu,
                                                        block_idx=bi, k_scale=m["k_scale"],
                                                        v_scale=m["v_scale"], **kw))
-    pm = serving.PagedKVCache.__new__(serving.PagedKVCache)  # views of the benchmark's tensors
-    pm.k, pm.v, pm.k_idx, pm.page_size, pm.device = m["k"], m["v"], m["k_idx"], BK, dev
-    pm.k_scale, pm.v_scale, pm.k_idx_scale = m["k_scale"], m["v_scale"], m["k_idx_scale"]
-    pm.query_dtype = torch.bfloat16
     pc = serving.PagedKVCache.__new__(serving.PagedKVCache)
     pc.k, pc.v, pc.k_idx, pc.page_size, pc.device = cache.k, cache.v, cache.k_idx, BK, dev
-    w = serving.PagedMSAWrapper(pm)
-    w.plan(batch, Tq, HQ, max_pages=per, max_q_len=q_len, num_idx_heads=HI, top_k=K,
-           sink_blocks=SINK, local_blocks=LOCAL)
+    w = msa_wrapper(x, batch, q_len, dev)
     t_step = timed(lambda: w.run(q, page_table, seq_lens, cu, q_idx))
     wd = serving.PagedMSAWrapper(pc)
     wd.plan(batch, Tq, HQ, max_pages=per, max_q_len=q_len, dense=True)

@@ -20,7 +20,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_serving as bs  # noqa: E402
-from msa import serving  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -38,23 +37,9 @@ def main(argv=None) -> int:
     cache = bs.Cache(batch * per + 64, dev)
     if args.fp8:
         cache.quantise()
-    g = torch.Generator(device=dev).manual_seed(ctx + batch + q_len)
-    perm = torch.randperm(cache.pages, generator=g, device=dev)[: batch * per].to(torch.int32)
-    page_table = perm.view(batch, per).contiguous()
-    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
-    cu = torch.arange(batch + 1, device=dev, dtype=torch.int32) * q_len
-    Tq = batch * q_len
-    q = torch.randn((Tq, bs.HQ, bs.D), generator=g, device=dev, dtype=torch.bfloat16)
-    q_idx = torch.randn((Tq, bs.HI, bs.DI), generator=g, device=dev, dtype=torch.bfloat16)
-    m = cache.fp8 if args.fp8 else dict(k=cache.k, v=cache.v, k_idx=cache.k_idx, k_scale=None,
-                                        v_scale=None, k_idx_scale=None)
-    pm = serving.PagedKVCache.__new__(serving.PagedKVCache)  # views of the benchmark's tensors
-    pm.k, pm.v, pm.k_idx, pm.page_size, pm.device = m["k"], m["v"], m["k_idx"], bs.BK, dev
-    pm.k_scale, pm.v_scale, pm.k_idx_scale = m["k_scale"], m["v_scale"], m["k_idx_scale"]
-    pm.query_dtype = torch.bfloat16
-    w = serving.PagedMSAWrapper(pm)
-    w.plan(batch, Tq, bs.HQ, max_pages=per, max_q_len=q_len, num_idx_heads=bs.HI, top_k=bs.K,
-           sink_blocks=bs.SINK, local_blocks=bs.LOCAL)
+    x = bs.decode_inputs(cache, ctx, batch, q_len, dev, args.fp8)
+    w = bs.msa_wrapper(x, batch, q_len, dev)
+    q, q_idx, page_table, seq_lens, cu = x["q"], x["q_idx"], x["page_table"], x["seq_lens"], x["cu"]
     graph = bs.graph_of(lambda: w.run(q, page_table, seq_lens, cu, q_idx))
     for _ in range(args.warmup):
         graph.replay()

@@ -2352,8 +2352,8 @@ TEST(CudaPaged, EqualScoresTakeTheLowestBlocks) {
   const PagedCase one = with_forced(paged_gpu_case({140000, 300}, {2, 1}, 16, 2, 2, 1, 128, 128, 8, kBf16, 4, 72), 1, 2);
   SKIP_UNLESS_BUILT(three.config(), true, true);
   Stream st(true);
-  for (auto [cs, levels] : {std::pair{three, 3}, std::pair{one, 1}})
-  for (bool e4m3 : {false, true}) {
+  for (auto [cs, levels, e4m3] : {std::tuple{three, 3, false}, std::tuple{three, 3, true},
+                                  std::tuple{one, 1, false}, std::tuple{one, 1, true}}) {
     SCOPED_TRACE(std::string(e4m3 ? "E4M3 index keys, " : "bf16 index keys, ") + std::to_string(levels) + " levels");
     PagedBatch b(cs);
     const int64_t irow = int64_t{cs.Hik} * cs.Di;

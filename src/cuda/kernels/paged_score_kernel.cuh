@@ -147,12 +147,12 @@ __global__ void __launch_bounds__(Traits::kThreads)
     // E4M3: the first key row of each of this warp's 16-row MMA tiles.
     constexpr int kTilesM = decltype(size<1>(tSrK))::value;
     int32_t key_base[kTilesM];
-  #pragma unroll
+#pragma unroll
     for (int m = 0; m < kTilesM; ++m) key_base[m] = get<0>(cS(0, m, 0)) - (tid % 32) / 4;
 
     // Each column's last causal key position (-1: inactive row).
     int32_t col_last[kCols];
-  #pragma unroll
+#pragma unroll
     for (int c = 0; c < kCols; ++c) {
       const int32_t row = get<1>(cSrc(0, c)), j = row / Gk;
       col_last[c] = (j >= j_lo && j < j_hi) ? pt.pos(j) : -1;
@@ -180,7 +180,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
         });
       } else {
         Tensor tKsK = thr_k.partition_S(stage_tile(stage));
-  #pragma unroll
+#pragma unroll
         for (int kk = 0; kk < size<2>(tSrK); ++kk) {
           copy(s2r_k, tKsK(_, _, kk), tKrK(_, _, kk));
           cute::gemm(mma, tSrK(_, _, kk), tSrQ(_, _, kk), acc);
@@ -193,14 +193,14 @@ __global__ void __launch_bounds__(Traits::kThreads)
       // (inactive rows' maxima are not written).
       const bool whole = key0 + kBlockN - 1 <= pt.pos(j_lo);
       float m[kCols];
-  #pragma unroll
+#pragma unroll
       for (int c = 0; c < kCols; ++c) {
         m[c] = -INFINITY;
         if (whole) {
-  #pragma unroll
+#pragma unroll
           for (int r = 0; r < size<0>(S); ++r) m[c] = fmaxf(m[c], S(r, c) * a.scale);
         } else {
-  #pragma unroll
+#pragma unroll
           for (int r = 0; r < size<0>(S); ++r) {
             const bool causal = key0 + get<0>(cSrc(r, c)) <= col_last[c];
             m[c] = fmaxf(m[c], causal ? S(r, c) * a.scale : -INFINITY);
@@ -211,7 +211,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
         m[c] = fmaxf(m[c], __shfl_xor_sync(0xffffffff, m[c], 16));
       }
       if (lane < 4) {
-  #pragma unroll
+#pragma unroll
         for (int c = 0; c < kCols; ++c) ss.warp_max[warp][get<1>(cSrc(0, c))] = m[c];
       }
       __syncthreads();  // warp_max complete; this stage's keys are no longer read
@@ -219,7 +219,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
         const int32_t j = tid / Gk;
         if (j >= j_lo && j < j_hi && b <= pt.pos(j) / kBlockN) {
           float v = ss.warp_max[0][tid];
-  #pragma unroll
+#pragma unroll
           for (int w = 1; w < Traits::kWarps; ++w) v = fmaxf(v, ss.warp_max[w][tid]);
           if constexpr (Traits::kE4M3) v *= page_scale(a.k_scale, a.k_scale_step, page_of(a, pt.pages, b));
           const int64_t row = (t0 + j - a.tok_lo) * a.Hi + ik * Gk + tid % Gk;
