@@ -5,8 +5,9 @@
 // the other `slots` go to the best candidates [sink end, first local block), compared as
 // order-preserving 32-bit keys, ties to the lower block id.
 //
-// Threshold pass (rows of at most kTopkSmemKeys candidates, the decode case): each thread holds
-// its strided share of the keys in registers and their max. The slots-th largest of the 256
+// Threshold pass (rows whose candidates lie in the first kTopkSmemKeys blocks, the decode case):
+// each thread holds its strided share of the keys in registers (loaded first of all, while the
+// token's position is looked up) and their max. The slots-th largest of the 256
 // thread maxima, tau, has at least `slots` keys at or above it (each of those threads' maxima
 // is one), so every key the row takes is >= tau. Those keys (usually a few dozen) are listed in
 // shared memory and each is ranked among them by (key, then block id): the rank is its place in
@@ -67,7 +68,7 @@ __global__ void __launch_bounds__(kTopkThreads) paged_topk_kernel(const __grid_c
   __shared__ int32_t s_need;
   __shared__ int32_t s_equal;  // candidates matching s_prefix (after the last digit: equal to it)
   __shared__ uint32_t keys[kTopkSmemKeys];  // the threshold pass: its listed (key, candidate) pairs
-  __shared__ uint32_t thread_max[kTopkThreads];
+  __shared__ __align__(16) uint32_t thread_max[kTopkThreads];
   __shared__ uint32_t s_tau;
   __shared__ int32_t n_listed;
 
@@ -75,6 +76,15 @@ __global__ void __launch_bounds__(kTopkThreads) paged_topk_kernel(const __grid_c
   const int64_t t = a.tok_lo + row / a.Hi;
   const int32_t i = static_cast<int32_t>(row % a.Hi);
   const int tid = threadIdx.x;
+  // The row's first kTopkSmemKeys scores, requested before the token's position is known (its
+  // lookup is a chain of dependent loads); the threshold pass masks them to the candidates.
+  const float* row_scores = a.scores + row * a.max_pages;
+  float raw[kTopkPerThread];
+#pragma unroll
+  for (int j = 0; j < kTopkPerThread; ++j) {
+    const int32_t b = tid + j * kTopkThreads;
+    raw[j] = b < a.max_pages ? row_scores[b] : -INFINITY;
+  }
   const int32_t pos = paged_position(a.cu_q, a.nseq, a.Tq, a.seq_lens, a.cap, t);
   const int32_t own = min(pos / a.block_size, a.max_pages - 1);
   const int32_t first_local = max(0, own - a.local_blocks + 1);
@@ -94,16 +104,17 @@ __global__ void __launch_bounds__(kTopkThreads) paged_topk_kernel(const __grid_c
     __syncthreads();
     for (int32_t c = tid; c < n; c += kTopkThreads) chosen[c] = sink_end + c;
     if (tid == 0) n_chosen = n;
-  } else if (slots > 0 && !staged) {
+  } else if (slots > 0 && first_local > kTopkSmemKeys) {  // candidates past the held scores
     radix = true;
   } else if (slots > 0) {
-    // Threshold pass. Key 0 is below every candidate's (order_key(-inf) > 0): "no key".
+    // Threshold pass over the held scores of blocks b = tid + 256 j. Key 0 is below every
+    // candidate's (order_key(-inf) > 0): "no key".
     uint32_t held[kTopkPerThread];
     uint32_t mx = 0;
 #pragma unroll
     for (int j = 0; j < kTopkPerThread; ++j) {
-      const int32_t c = tid + j * kTopkThreads;
-      held[j] = c < n ? order_key(sc[c]) : 0u;
+      const int32_t b = tid + j * kTopkThreads;
+      held[j] = b >= sink_end && b < first_local ? order_key(raw[j]) : 0u;
       mx = max(mx, held[j]);
     }
     thread_max[tid] = mx;
@@ -111,10 +122,13 @@ __global__ void __launch_bounds__(kTopkThreads) paged_topk_kernel(const __grid_c
     __syncthreads();
     // This thread's max ranked among the maxima (ties by thread): rank slots - 1 is tau. At
     // least min(n, 256) > slots - 1 threads hold a key, so tau is a candidate's key.
+    // Four maxima per shared read, eight reads in flight: the loop is the pass's longest chain.
     int32_t rank = 0;
-    for (int u = 0; u < kTopkThreads; ++u) {
-      const uint32_t v = thread_max[u];
-      rank += v > mx || (v == mx && u < tid);
+#pragma unroll 8
+    for (int u = 0; u < kTopkThreads; u += 4) {
+      const uint4 v = *reinterpret_cast<const uint4*>(&thread_max[u]);
+      rank += (v.x > mx || (v.x == mx && u < tid)) + (v.y > mx || (v.y == mx && u + 1 < tid)) +
+              (v.z > mx || (v.z == mx && u + 2 < tid)) + (v.w > mx || (v.w == mx && u + 3 < tid));
     }
     if (rank == slots - 1) s_tau = mx;
     __syncthreads();
@@ -127,7 +141,7 @@ __global__ void __launch_bounds__(kTopkThreads) paged_topk_kernel(const __grid_c
         const int32_t x = atomicAdd(&n_listed, 1);
         if (x < kTopkCandidates) {
           list_key[x] = held[j];
-          list_c[x] = tid + j * kTopkThreads;
+          list_c[x] = tid + j * kTopkThreads - sink_end;
         }
       }
     }
@@ -141,6 +155,7 @@ __global__ void __launch_bounds__(kTopkThreads) paged_topk_kernel(const __grid_c
         const uint32_t key = list_key[x];
         const int32_t c = list_c[x];
         int32_t r = 0;
+#pragma unroll 4
         for (int32_t y = 0; y < listed; ++y) {
           const uint32_t o = list_key[y];
           r += o > key || (o == key && list_c[y] < c);
@@ -213,6 +228,7 @@ __global__ void __launch_bounds__(kTopkThreads) paged_topk_kernel(const __grid_c
   if (tid < m) {
     const int32_t v = chosen[tid];
     int32_t r = 0;
+#pragma unroll 4
     for (int32_t c = 0; c < m; ++c) r += chosen[c] < v;
     out[sink_end + r] = v;
   }
