@@ -1724,6 +1724,10 @@ const PagedCase kPagedCases[] = {
     paged_gpu_case({2100, 90, 1}, {2, 1, 1}, 8, 2, 2, 1, 64, 64, 5, kFp16, 2, 8),
     paged_gpu_case({1500}, {300}, 8, 8, 8, 1, 64, 128, 4, kFp16, 0, 6),
     paged_gpu_case({900, 65}, {5, 65}, 4, 1, 4, 4, 128, 64, 3, kBf16, 0, 7),
+    // decode whose max_q_len x G rows fit one 16-row tile (the attention's column layout): one
+    // token x 16 heads at block edges and an empty request; 8 tokens x 2 heads of one tile
+    paged_gpu_case({1, 127, 128, 129, 4000, 0}, {1, 1, 1, 1, 1, 0}, 32, 2, 2, 1, 128, 128, 4, kBf16, 1, 9),
+    paged_gpu_case({3000, 200, 5}, {8, 3, 5}, 4, 2, 2, 1, 128, 128, 6, kBf16, 8, 10),
 };
 
 class PagedCudaVsCpu : public ::testing::TestWithParam<PagedCase> {};
@@ -2044,14 +2048,17 @@ uint8_t nearest_e4m3(double x) {
   return static_cast<uint8_t>((std::signbit(x) ? 0x80 : 0) | c);
 }
 
-E4M3Caches quantise(const PagedBatch& b, PagedBatch& w, bool per_page, uint64_t seed) {
+// v_spread > 0: page p's V scale is also multiplied by 2^(v_spread * (p % 5 - 2)), so that
+// the V scales of a selection lie far apart.
+E4M3Caches quantise(const PagedBatch& b, PagedBatch& w, bool per_page, uint64_t seed, int v_spread = 0) {
   std::mt19937_64 rng(seed);
   std::uniform_real_distribution<double> u(0.004, 0.02);
-  auto one = [&](const HostTensor& src, HostTensor& deq, HostTensor& codes, HostTensor& scale) {
+  auto one = [&](const HostTensor& src, HostTensor& deq, HostTensor& codes, HostTensor& scale, int spread = 0) {
     const int64_t pages = src.shape()[0], per = src.numel() / pages;
     codes = HostTensor(kE4M3, src.shape());
     scale = HostTensor(DType::kFloat32, {per_page ? pages : 1});
-    for (int64_t p = 0; p < scale.numel(); ++p) scale.set(p, u(rng));
+    for (int64_t p = 0; p < scale.numel(); ++p)
+      scale.set(p, std::ldexp(u(rng), spread * static_cast<int>(p % 5 - 2)));
     uint8_t* out = static_cast<uint8_t*>(codes.ref().data);
     for (int64_t x = 0; x < src.numel(); ++x) {
       const float sc = static_cast<float>(scale.get(per_page ? x / per : 0));
@@ -2061,7 +2068,7 @@ E4M3Caches quantise(const PagedBatch& b, PagedBatch& w, bool per_page, uint64_t 
   };
   E4M3Caches c;
   one(b.kc, w.kc, c.k, c.ks);
-  one(b.vc, w.vc, c.v, c.vs);
+  one(b.vc, w.vc, c.v, c.vs, v_spread);
   one(b.kic, w.kic, c.k_idx, c.kis);
   const PagedCase& cs = b.cs;
   const int64_t row = int64_t{cs.Hkv} * cs.D, irow = int64_t{cs.Hik} * cs.Di;
@@ -2125,6 +2132,9 @@ const PagedCase kE4M3Cases[] = {
     // 16-row score tiles
     paged_gpu_case({2100, 90, 1}, {2, 1, 1}, 8, 2, 2, 1, 128, 128, 5, kBf16, 2, 55),
     paged_gpu_case({900, 65}, {5, 65}, 4, 1, 4, 4, 128, 128, 3, kBf16, 0, 58),
+    // the attention's column layout: one token x 16 heads at block edges, 8 tokens x 2 heads
+    paged_gpu_case({1, 127, 128, 129, 4000, 0}, {1, 1, 1, 1, 1, 0}, 32, 2, 2, 1, 128, 128, 4, kBf16, 1, 61),
+    paged_gpu_case({3000, 200, 5}, {8, 3, 5}, 4, 2, 2, 1, 128, 128, 6, kBf16, 8, 63),
     // other variants (skipped when not built)
     paged_gpu_case({2100, 90}, {16, 16}, 8, 2, 2, 1, 64, 64, 5, kFp16, 16, 57),
     paged_gpu_case({900, 65}, {5, 65}, 4, 1, 4, 4, 128, 64, 3, kBf16, 0, 59),
@@ -2218,6 +2228,56 @@ TEST(CudaPagedE4M3, QueriesFloat16CannotHold) {
   const Failures f = check_selection(w.full, IndexScores(w.full), to_full_rows(bi.download(st.get()), b, -1),
                                      nullptr, b.new_rows);
   EXPECT_EQ(f.count, 0) << "paged_select_blocks, queries float16 cannot hold:" << f.first;
+}
+
+// Attention over E4M3 caches with bf16 queries: the column layout (decode rows that fit one
+// 16-row tile) scores with float16 MMAs where float16 holds the CTA's queries exactly and with
+// bfloat16 ones otherwise. Sequence 0's token holds a query value float16 rounds (2.5 * 2^-24,
+// KV head 0), sequence 1's one it overflows (2^17, KV head 1), sequence 2 is as drawn; the V
+// scales of neighbouring pages lie up to 2^64 apart (P times a V scale must keep bfloat16's
+// range). Both layouts (max_q_len 1: columns; 4: rows) against the CPU over the dequantised
+// caches.
+TEST(CudaPagedE4M3, AttentionQueriesAndScalesFloat16CannotHold) {
+  SKIP_WITHOUT_CUDA();
+  for (int max_q_len : {1, 4}) {
+    const PagedCase cs = paged_gpu_case({3000, 2000, 900}, {1, 1, max_q_len == 1 ? 1 : 4}, 32, 2, 2, 1, 128, 128,
+                                        6, kBf16, max_q_len, 83);
+    SCOPED_TRACE(cs.str());
+    SKIP_UNLESS_BUILT(cs.config(), true, true);
+    Stream st(true);
+    PagedBatch b(cs), w(wide_case(cs));
+    const int64_t qrow = int64_t{cs.Hq} * cs.D;
+    for (auto [t, e, v] : {std::tuple{int64_t{0}, int64_t{5}, std::ldexp(2.5, -24)},
+                           std::tuple{int64_t{1}, qrow - 1, std::ldexp(1.0, 17)}}) {
+      b.q.set(t * qrow + e, v);
+      b.full.q.set(b.new_rows[static_cast<size_t>(t)] * qrow + e, v);
+    }
+    E4M3Caches c = quantise(b, w, true, 85, 16);
+    DeviceE4M3 d(b, c, st.get());
+    DeviceTensor bi = DeviceTensor::poisoned(DType::kInt32, {b.Tq, cs.Hi, cs.k}, st.get());
+    msa::PagedSelectParams sp = paged_select_params(cs, d.refs(), bi.ref());
+    sp.cache = d.with_scales(sp.cache);
+    Workspace ws_sel(msa::workspace_size(sp));
+    ws_sel.attach(sp);
+    sp.launch.stream = st.get();
+    require_ok(msa::paged_select_blocks(sp));
+    HostTensor sel = bi.download(st.get());
+    for (Mode mode : {Mode::kSparse, Mode::kDense}) {
+      const bool sparse = mode == Mode::kSparse;
+      DeviceTensor out = DeviceTensor::poisoned(cs.dtype, {b.Tq, cs.Hq, cs.D}, st.get());
+      DeviceTensor lse = DeviceTensor::poisoned(DType::kFloat32, {b.Tq, cs.Hq}, st.get());
+      msa::PagedForwardParams fp =
+          paged_forward_params(cs, d.refs(), mode, false, sparse ? bi.ref() : msa::TensorRef{}, out.ref(), lse.ref());
+      fp.cache = d.with_scales(fp.cache);
+      Workspace ws(msa::workspace_size(fp));
+      ws.attach(fp);
+      fp.launch.stream = st.get();
+      require_ok(msa::paged_forward(fp));
+      expect_forward_close(out.download(st.get()), lse.download(st.get()),
+                           cpu_forward_over(cs, w, sparse ? &sel : nullptr, mode), cs.dtype,
+                           sparse ? "paged_forward(block_idx), E4M3" : "paged_forward(kDense), E4M3");
+    }
+  }
 }
 
 // Every code's value through the attention kernel: one cached token per sequence (a softmax over

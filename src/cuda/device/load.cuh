@@ -200,6 +200,46 @@ struct BlockRowLoader {
   }
 };
 
+// BlockRowLoader for few threads (one warp's slice of a block), where kThreads / (kDim / 8)
+// rows per step would not be a multiple of the swizzle atom's 8 rows: thread t copies rows
+// t % 8 + 8 i and the 16-byte chunks t / 8 + (kThreads / 8) j. Its rows sit at the same place
+// in their atoms, so the shared offsets of its chunks are computed once and an atom of 8 rows
+// further is a constant step.
+template <int kRowsTile, int kDim, int kThreads>
+struct SliceRowLoader {
+  static constexpr int kChunks = kDim / 8;
+  static constexpr int kGroups = kThreads / 8;
+  static constexpr int kPerRow = kChunks / kGroups;
+  static constexpr int kRowIters = kRowsTile / 8;
+  static_assert(kThreads % 8 == 0 && kChunks % kGroups == 0 && kRowsTile % 8 == 0,
+                "8-row atoms, and a whole number of chunks per thread and row");
+  int32_t r8, group, soff[kPerRow], dsoff8;
+
+  template <class SmemTensor>
+  __device__ SliceRowLoader(const SmemTensor& smem, int tid) : r8(tid % 8), group(tid / 8) {
+    const auto* base = &smem(0, 0);
+#pragma unroll
+    for (int j = 0; j < kPerRow; ++j)
+      soff[j] = static_cast<int32_t>(&smem(r8, (group + kGroups * j) * 8) - base);
+    dsoff8 = kRowIters > 1 ? static_cast<int32_t>(&smem(r8 + 8, group * 8) - &smem(r8, group * 8)) : 0;
+  }
+
+  // Rows [0, count) from src + row * stride into the tile at dst; zeros in the rows past count
+  // (count may be 0 or negative: all zeros).
+  template <class Element>
+  __device__ __forceinline__ void load(Element* dst, const Element* src, int64_t stride, int32_t count) const {
+#pragma unroll
+    for (int i = 0; i < kRowIters; ++i) {
+      const int32_t row = r8 + 8 * i;
+      const bool ok = row < count;
+      const Element* p = src + row * stride + group * 8;
+#pragma unroll
+      for (int j = 0; j < kPerRow; ++j)
+        cp_async16(dst + soff[j] + i * dsoff8, ok ? p + kGroups * 8 * j : src, ok);
+    }
+  }
+};
+
 // load_block_rows_async, waited for: the rows are in shared memory and visible to every thread
 // of the CTA when this returns (all of the thread's earlier cp.async groups are waited for too).
 template <int kRowsTile, int kDim, class SmemTensor, class Element>

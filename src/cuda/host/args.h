@@ -21,6 +21,11 @@ constexpr int kSelectTileRows = 256;
 constexpr int kPagedScoreRows = 32;
 constexpr int kPagedScoreRowsDecode = 16;  // a decode call whose max_q_len x Gk rows fit in 16
 constexpr int kPagedAttnRows = 64;
+// The attention kernel's column layout (one 16-row tile, the warps over each block's keys), for a
+// decode call whose max_q_len x G rows fit in it; the CTAs per SM both layouts are built for
+// (their shared memory and registers), which the split count fills one wave of.
+constexpr int kPagedAttnColumnRows = 16;
+constexpr int kPagedAttnCtasPerSm = 2;
 constexpr int kPagedScoreStages = 3;
 // Shared memory of a score CTA (Q rows, the k_idx stages, the per-warp maxima), for sizing a grid
 // to whole waves on the host. E4M3 keys: stages of codes (one byte per element).
@@ -275,6 +280,7 @@ struct PagedAttnArgs : PagedArgs {
   int32_t top_k = 0;
   int32_t union_cap = 0;  // sort slots of a tile's selections: a power of two >= m * idx_per_kv * k
   bool dense = false;
+  bool columns = false;    // the column layout (kPagedAttnColumnRows rows per tile)
   float scale_log2 = 0.f;  // signed scale * log2(e)
   void* out = nullptr;
   int64_t o_s0 = 0, o_s1 = 0;

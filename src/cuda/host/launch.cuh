@@ -221,15 +221,19 @@ template <class Element, int kHeadDim, int kBlockN>
 Status launch_paged_attn(const PagedAttnArgs& a, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(a.num_tiles), static_cast<unsigned>(a.Hkv),
                   static_cast<unsigned>(a.splits));
-  auto launch = [&](auto e4m3) {  // E4M3 k and v: the kernel that converts their codes
-    using Traits = kern::PagedAttnTraits<Element, kHeadDim, kBlockN, decltype(e4m3)::value>;
+  auto launch = [&](auto e4m3, auto columns) {  // E4M3 k and v: the kernel that converts their codes
+    using Traits = kern::PagedAttnTraits<Element, kHeadDim, kBlockN, decltype(e4m3)::value,
+                                         decltype(columns)::value>;
     return detail::launch_kernel("paged_forward", kern::paged_attn_kernel<Traits>, grid, Traits::kThreads,
                                  Traits::smem_bytes(a.dense ? 0 : a.union_cap), stream, a,
                                  "argument 'block_idx': the union of a tile's selections (" +
                                      std::to_string(a.tile_tokens) + " tokens x k = " + std::to_string(a.top_k) +
                                      " blocks)");
   };
-  MSA_TRY(a.k_scale != nullptr ? launch(cute::true_type{}) : launch(cute::false_type{}));
+  auto with_layout = [&](auto e4m3) {
+    return a.columns ? launch(e4m3, cute::true_type{}) : launch(e4m3, cute::false_type{});
+  };
+  MSA_TRY(a.k_scale != nullptr ? with_layout(cute::true_type{}) : with_layout(cute::false_type{}));
   if (a.splits == 1) return Status::Ok();
   const int64_t blocks = (int64_t(a.Tq) * a.Hq * 32 + 255) / 256;
   kern::paged_combine_kernel<Element, kHeadDim><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(a);

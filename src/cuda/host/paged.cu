@@ -253,7 +253,10 @@ AttnPlan attn_plan(const Problem& prob, const PagedForwardParams& p) {
   AttnPlan ap;
   PagedAttnArgs& a = ap.attn;
   const int32_t G = prob.group();
-  static_cast<PagedArgs&>(a) = paged_args(prob, p.cu_seqlens_q, p.cache, kPagedAttnRows / G);
+  // Decode whose rows (max_q_len tokens x G heads) fit one 16-row tile: the column layout.
+  a.columns = p.max_q_len > 0 && int64_t(p.max_q_len) * G <= kPagedAttnColumnRows;
+  static_cast<PagedArgs&>(a) =
+      paged_args(prob, p.cu_seqlens_q, p.cache, (a.columns ? kPagedAttnColumnRows : kPagedAttnRows) / G);
   a.num_pages = num_pages_of(p.cache.k);
   a.q = p.q.data;
   a.q_s0 = p.q.stride[0];
@@ -284,7 +287,7 @@ AttnPlan attn_plan(const Problem& prob, const PagedForwardParams& p) {
     a.bi_s0 = p.block_idx.stride[0];
     a.bi_s1 = p.block_idx.stride[1];
     a.top_k = prob.k;
-    int32_t cap = 128;
+    int32_t cap = 32;
     while (cap < a.tile_tokens * a.idx_per_kv * a.top_k) cap *= 2;
     a.union_cap = cap;
   } else {
@@ -295,10 +298,11 @@ AttnPlan attn_plan(const Problem& prob, const PagedForwardParams& p) {
   a.scale_log2 = prob.opts.scale * 1.4426950408889634f;
   set_outputs(&a, p);
   // Split the block union when the tiles alone would leave SMs idle (decode's small batches):
-  // into as many splits as one wave of two CTAs per SM (their shared memory) holds, rounded
-  // down, since a few CTAs past the wave would take a second round of the kernel's latency.
+  // into as many splits as one wave of the layout's CTAs per SM holds, rounded down, since a few
+  // CTAs past the wave would take a second round of the kernel's latency.
   const int64_t ctas = std::max<int64_t>(1, busy_tiles(a, p.max_q_len) * prob.Hkv);
-  a.splits = static_cast<int32_t>(std::clamp<int64_t>(2 * int64_t(num_sms()) / ctas, 1, kMaxSplits));
+  a.splits = static_cast<int32_t>(
+      std::clamp<int64_t>(int64_t(kPagedAttnCtasPerSm) * num_sms() / ctas, 1, kMaxSplits));
   if (a.splits > 1) {
     const size_t rows = size_t(prob.T) * prob.Hq * a.splits;
     ap.part_o = 0;
