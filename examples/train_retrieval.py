@@ -234,6 +234,22 @@ def batch_at(args, length: int) -> int:
     return max(1, min(args.batch, args.max_tokens // length))
 
 
+def lr_at(args, step: int, length: int) -> float:
+    """The learning rate at `step` (1-based): a linear warmup over --lr-warmup steps, then --lr,
+    or with --lr-decay-start S > 0 a cosine from --lr at step S down to --lr-min x --lr at
+    --steps (the long stages of a curriculum take small batches: a constant rate there can
+    undo what the short stages learned); with --scale-lr, times the batch at `length` over
+    --batch."""
+    lr = args.lr * min(1.0, step / max(1, args.lr_warmup))
+    start = args.lr_decay_start
+    if start > 0 and step > start:
+        frac = min(1.0, (step - start) / max(1, args.steps - start))
+        lr *= args.lr_min + (1.0 - args.lr_min) * 0.5 * (1.0 + math.cos(math.pi * frac))
+    if args.scale_lr:
+        lr *= batch_at(args, length) / args.batch
+    return lr
+
+
 def parse_curriculum(text: str):
     """"1024:300,4096:300" -> [(1024, 300), (4096, 300)]."""
     out = []
@@ -275,9 +291,8 @@ def run(args) -> Dict:
             if device.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            for g in opt.param_groups:  # linear learning-rate warmup
-                g["lr"] = args.lr * min(1.0, step / max(1, args.lr_warmup)) * (
-                    batch_at(args, L) / args.batch if args.scale_lr else 1.0)
+            for g in opt.param_groups:
+                g["lr"] = lr_at(args, step, L)
             with amp():
                 logits, aux = model(x, ans_pos)
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
@@ -395,6 +410,10 @@ def main(argv=None) -> int:
     p.add_argument("--kl-weight", type=float, default=0.1)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--lr-warmup", type=int, default=50)
+    p.add_argument("--lr-decay-start", type=int, default=0,
+                   help="from this step on, a cosine decay of the learning rate to --lr-min x "
+                        "--lr at the last step (0: constant after the warmup)")
+    p.add_argument("--lr-min", type=float, default=0.1)
     p.add_argument("--steps", type=int, default=1400)
     p.add_argument("--warmup-steps", type=int, default=800)
     p.add_argument("--eval-every", type=int, default=200)

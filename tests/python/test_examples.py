@@ -51,6 +51,26 @@ def test_train_retrieval_tiny(tmp_path):
     assert os.path.getsize(prefix + ".png") > 0
 
 
+def test_train_retrieval_learning_rate_schedule():
+    """lr_at: the linear warmup, a constant rate without a decay start, and with one a cosine
+    that starts at --lr, falls monotonically and ends at --lr-min x --lr; --scale-lr scales by
+    the batch of the length (capped by --max-tokens)."""
+    spec = importlib.util.spec_from_file_location("train_retrieval", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    args = type("A", (), dict(lr=1e-3, lr_warmup=10, lr_decay_start=0, lr_min=0.1, steps=110,
+                              scale_lr=False, batch=16, max_tokens=0))()
+    assert math.isclose(mod.lr_at(args, 5, 256), 5e-4)
+    assert all(math.isclose(mod.lr_at(args, s, 256), 1e-3) for s in (10, 50, 110))
+    args.lr_decay_start = 10
+    lrs = [mod.lr_at(args, s, 256) for s in range(10, 111)]
+    assert math.isclose(lrs[0], 1e-3) and math.isclose(lrs[-1], 1e-4)
+    assert math.isclose(lrs[50], 1e-3 * (0.1 + 0.9 * 0.5))  # half way: the cosine's mean
+    assert all(b < a for a, b in zip(lrs, lrs[1:]))
+    args.scale_lr, args.max_tokens = True, 4096
+    assert math.isclose(mod.lr_at(args, 10, 1024), 1e-3 * 4 / 16)
+
+
 def test_bench_forward_times_trained_selections(tmp_path, capsys):
     """bench_forward --trained: the sparse forward over a trained model's saved selections, with
     their overlap and union, where the file's length and block size match the case."""
