@@ -231,9 +231,10 @@ msa::PagedForwardParams paged_forward_params(const Array& q, const Array& cu_seq
                                              const nb::int_& mode, const nb::int_& block_size,
                                              const nb::int_& top_k, const nb::int_& sink_blocks,
                                              const nb::int_& local_blocks, float scale, float scale_idx,
-                                             const Scales& scales) {
+                                             const Scales& scales, const OptArray& q_scale) {
   msa::PagedForwardParams p;
   p.q = to_ref("q", q);
+  p.q_scale = to_ref("q_scale", q_scale);
   p.cu_seqlens_q = to_ref("cu_seqlens_q", cu_seqlens_q);
   p.cache = paged_cache(k_cache, v_cache, k_idx_cache, page_table, seq_lens, scales);
   p.block_idx = to_ref("block_idx", block_idx);
@@ -428,11 +429,11 @@ NB_MODULE(_C, m) {
          const nb::int_& mode, const nb::int_& block_size, const nb::int_& top_k, const nb::int_& sink_blocks,
          const nb::int_& local_blocks, float scale, float scale_idx, uintptr_t stream, bool check_values,
          const nb::object& workspace_alloc, const OptArray& workspace, const OptArray& k_scale,
-         const OptArray& v_scale, const OptArray& k_idx_scale) {
+         const OptArray& v_scale, const OptArray& k_idx_scale, const OptArray& q_scale) {
         msa::PagedForwardParams p = paged_forward_params(
             q, cu_seqlens_q, k_cache, v_cache, k_idx_cache, page_table, seq_lens, block_idx, select, q_idx, out,
             lse, max_q_len, mode, block_size, top_k, sink_blocks, local_blocks, scale, scale_idx,
-            {k_scale, v_scale, k_idx_scale});
+            {k_scale, v_scale, k_idx_scale}, q_scale);
         run(p, stream, check_values, workspace_alloc,
             [](const msa::PagedForwardParams& x) { return msa::paged_forward(x); }, workspace);
       },
@@ -444,7 +445,7 @@ NB_MODULE(_C, m) {
       nb::arg("scale_idx") = 0.f, nb::arg("stream") = 0, nb::arg("check_values") = true,
       nb::arg("workspace_alloc") = nb::none(), nb::arg("workspace").none() = nb::none(),
       nb::arg("k_scale").none() = nb::none(), nb::arg("v_scale").none() = nb::none(),
-      nb::arg("k_idx_scale").none() = nb::none());
+      nb::arg("k_idx_scale").none() = nb::none(), nb::arg("q_scale").none() = nb::none());
 
   m.def(
       "paged_forward_workspace_size",
@@ -453,11 +454,11 @@ NB_MODULE(_C, m) {
          bool select, const OptArray& q_idx, const Array& out, const OptArray& lse, const nb::int_& max_q_len,
          const nb::int_& mode, const nb::int_& block_size, const nb::int_& top_k, const nb::int_& sink_blocks,
          const nb::int_& local_blocks, float scale, float scale_idx, const OptArray& k_scale,
-         const OptArray& v_scale, const OptArray& k_idx_scale) {
+         const OptArray& v_scale, const OptArray& k_idx_scale, const OptArray& q_scale) {
         const msa::PagedForwardParams p = paged_forward_params(
             q, cu_seqlens_q, k_cache, v_cache, k_idx_cache, page_table, seq_lens, block_idx, select, q_idx, out,
             lse, max_q_len, mode, block_size, top_k, sink_blocks, local_blocks, scale, scale_idx,
-            {k_scale, v_scale, k_idx_scale});
+            {k_scale, v_scale, k_idx_scale}, q_scale);
         return msa::workspace_size(p);
       },
       nb::arg("q"), nb::arg("cu_seqlens_q"), nb::arg("k_cache"), nb::arg("v_cache"),
@@ -466,7 +467,8 @@ NB_MODULE(_C, m) {
       nb::arg("max_q_len") = 0, nb::arg("mode") = 0, nb::arg("block_size") = 128, nb::arg("top_k") = 16,
       nb::arg("sink_blocks") = 0, nb::arg("local_blocks") = 1, nb::arg("scale") = 0.f,
       nb::arg("scale_idx") = 0.f, nb::arg("k_scale").none() = nb::none(),
-      nb::arg("v_scale").none() = nb::none(), nb::arg("k_idx_scale").none() = nb::none());
+      nb::arg("v_scale").none() = nb::none(), nb::arg("k_idx_scale").none() = nb::none(),
+      nb::arg("q_scale").none() = nb::none());
 
   m.def(
       "paged_append",

@@ -205,14 +205,19 @@ struct PagedSelectParams {
 
 // Attention of the new tokens over the cache (docs/contract.md §3 at their positions; kDense: over
 // every causal key, the dense baseline). With `select`, block_idx is written first from q_idx.
+// FP8 queries (Q8KV8): over E4M3 caches k and v, q may be DType::kFloat8E4M3 with q_scale
+// (float32 [1] per tensor or [Tq, Hq] per token and head, finite and positive): the call computes
+// over the dequantised queries float32(e4m3 value * q_scale[t, h]), and `out` gives its dtype
+// (any float dtype; q_idx, when given, has that dtype too). The CPU backend implements it.
 struct PagedForwardParams {
-  TensorRef q;             // in  [Tq, Hq, D], dtype of cache.k (any float dtype for E4M3)
+  TensorRef q;             // in  [Tq, Hq, D], dtype of cache.k (any float dtype for E4M3; E4M3: Q8KV8)
+  TensorRef q_scale;       // in  [1] or [Tq, Hq] fp32, iff q is E4M3
   TensorRef cu_seqlens_q;  // in  [nseq+1] int32
   PagedCache cache;
   TensorRef block_idx;     // [Tq, Hi, k] int32 (kSparse): in, or out when `select`
   bool select = false;
   TensorRef q_idx;         // in  [Tq, Hi, Di] when `select`
-  TensorRef out;           // out [Tq, Hq, D], dtype of q
+  TensorRef out;           // out [Tq, Hq, D], dtype of q (E4M3 q: any float dtype)
   TensorRef lse;           // out [Tq, Hq] fp32, optional
   int32_t max_q_len = 0;
   Options opts;

@@ -86,10 +86,21 @@ def _(q_idx, cu_seqlens_q, k_idx_cache, page_table, seq_lens, max_q_len, top_k, 
     return q_idx.new_empty((q_idx.shape[0], q_idx.shape[1], top_k), dtype=torch.int32)
 
 
+def _out_dtype(q: Tensor, out_dtype: Optional[torch.dtype]) -> torch.dtype:
+    """The output dtype of a paged_forward: q's, or for float8 queries out_dtype (bfloat16 by
+    default)."""
+    if q.dtype == torch.float8_e4m3fn:
+        return torch.bfloat16 if out_dtype is None else out_dtype
+    if out_dtype is not None and out_dtype != q.dtype:
+        raise ValueError(f"msa: argument 'out_dtype': {out_dtype} differs from q's dtype {q.dtype} "
+                         "(out_dtype applies to float8_e4m3fn queries)")
+    return q.dtype
+
+
 def _run_paged_forward(q, cu_seqlens_q, k_cache, v_cache, k_idx_cache, page_table, seq_lens,
                        q_idx, block_idx, out, lse, max_q_len, dense, sel, block_size, top_k,
                        sink_blocks, local_blocks, scale, scale_idx, k_scale=None, v_scale=None,
-                       k_idx_scale=None, **launch):
+                       k_idx_scale=None, q_scale=None, **launch):
     """The binding's paged_forward into out / lse (and block_idx when ``sel``); ``launch``:
     msa._ops._launch's check_values and workspace."""
     _launch(_C.paged_forward, q.device, _lc(q), _lc(cu_seqlens_q), _lc(k_cache), _lc(v_cache),
@@ -98,7 +109,7 @@ def _run_paged_forward(q, cu_seqlens_q, k_cache, v_cache, k_idx_cache, page_tabl
             mode=_ops._MODE_DENSE if dense else _ops._MODE_SPARSE, block_size=block_size,
             top_k=top_k, sink_blocks=sink_blocks, local_blocks=local_blocks, scale=scale,
             scale_idx=scale_idx, k_scale=_lc(k_scale), v_scale=_lc(v_scale),
-            k_idx_scale=_lc(k_idx_scale) if sel else None, **launch)
+            k_idx_scale=_lc(k_idx_scale) if sel else None, q_scale=_lc(q_scale), **launch)
 
 
 @torch.library.custom_op("msa::paged_forward", mutates_args=())
@@ -124,8 +135,11 @@ def _paged_forward_op(
     k_scale: Optional[Tensor] = None,
     v_scale: Optional[Tensor] = None,
     k_idx_scale: Optional[Tensor] = None,
+    q_scale: Optional[Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
-    """(out [Tq, Hq, D] dtype of q, lse [Tq, Hq] fp32, block_idx).
+    """(out [Tq, Hq, D] dtype of q (``out_dtype`` for float8 queries), lse [Tq, Hq] fp32,
+    block_idx).
 
     ``block_idx`` (output) is the selection written by this call, [Tq, Hi, top_k] int32, when
     ``select`` is set in sparse mode, else an empty [0] int32 tensor.
@@ -145,20 +159,21 @@ def _paged_forward_op(
         if not dense and bi is None:
             raise ValueError("msa: argument 'block_idx': required in sparse mode when select "
                              "is not set")
-    out = torch.empty(q.shape, dtype=q.dtype, device=dev)
+    out = torch.empty(q.shape, dtype=_out_dtype(q, out_dtype), device=dev)
     lse = torch.empty((Tq, Hq), dtype=torch.float32, device=dev)
     _run_paged_forward(q, cu_seqlens_q, k_cache, v_cache, k_idx_cache, page_table, seq_lens,
                        q_idx, bi, out, lse, max_q_len, dense, sel, block_size, top_k,
-                       sink_blocks, local_blocks, scale, scale_idx, k_scale, v_scale, k_idx_scale)
+                       sink_blocks, local_blocks, scale, scale_idx, k_scale, v_scale, k_idx_scale,
+                       q_scale)
     return out, lse, bi_out
 
 
 @_paged_forward_op.register_fake
 def _(q, cu_seqlens_q, k_cache, v_cache, k_idx_cache, page_table, seq_lens, q_idx, block_idx,
       max_q_len, dense, select, block_size, top_k, sink_blocks, local_blocks, scale, scale_idx,
-      k_scale=None, v_scale=None, k_idx_scale=None):
+      k_scale=None, v_scale=None, k_idx_scale=None, q_scale=None, out_dtype=None):
     Tq, Hq, D = q.shape
-    out = q.new_empty((Tq, Hq, D))
+    out = q.new_empty((Tq, Hq, D), dtype=_out_dtype(q, out_dtype))
     lse = q.new_empty((Tq, Hq), dtype=torch.float32)
     if (not dense) and select:
         bi = q.new_empty((Tq, q_idx.shape[1], top_k), dtype=torch.int32)
@@ -195,6 +210,7 @@ def _paged_forward_into_op(
     k_scale: Optional[Tensor] = None,
     v_scale: Optional[Tensor] = None,
     k_idx_scale: Optional[Tensor] = None,
+    q_scale: Optional[Tensor] = None,
 ) -> None:
     """paged_forward into caller buffers (PagedMSAWrapper.run): ``out``, ``lse`` and, with
     ``select``, ``block_idx`` are written; ``workspace`` (uint8, at least the planned size) is
@@ -203,7 +219,7 @@ def _paged_forward_into_op(
     _run_paged_forward(q, cu_seqlens_q, k_cache, v_cache, k_idx_cache, page_table, seq_lens,
                        q_idx, None if dense else block_idx, out, lse, max_q_len, dense, sel,
                        block_size, top_k, sink_blocks, local_blocks, scale, scale_idx,
-                       k_scale, v_scale, k_idx_scale, check_values=check_values,
+                       k_scale, v_scale, k_idx_scale, q_scale, check_values=check_values,
                        workspace=workspace)
 
 
@@ -211,7 +227,7 @@ def _paged_forward_into_op(
 def _(q, cu_seqlens_q, k_cache, v_cache, k_idx_cache, page_table, seq_lens, q_idx, block_idx,
       out, lse, workspace, max_q_len, dense, select, block_size, top_k, sink_blocks,
       local_blocks, scale, scale_idx, check_values, k_scale=None, v_scale=None,
-      k_idx_scale=None):
+      k_idx_scale=None, q_scale=None):
     return None
 
 
@@ -335,17 +351,22 @@ def paged_forward(
     k_scale: Optional[Tensor] = None,
     v_scale: Optional[Tensor] = None,
     k_idx_scale: Optional[Tensor] = None,
+    q_scale: Optional[Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
 ):
     """Attention of the new tokens ``q [Tq, Hq, D]`` over the cache (contract §3 at their
     positions). ``torch.float8_e4m3fn`` cache tensors need their scales (float32 [1] or
     [pages]): the call computes as over the dequantised cache ``float32(value * scale[page])``,
-    with ``q`` and ``out`` in q's float dtype. Sparse (default): over ``block_idx`` [Tq, Hi, k] when given, else over the
+    with ``q`` and ``out`` in q's float dtype. Over E4M3 k and v caches ``q`` may be
+    ``torch.float8_e4m3fn`` too (Q8KV8) with ``q_scale`` (float32 [1] or [Tq, Hq]): the call
+    computes over ``float32(value * q_scale[t, h])``, and ``out`` has ``out_dtype`` (default
+    bfloat16); the CPU backend implements it, the CUDA backend not yet. Sparse (default): over ``block_idx`` [Tq, Hi, k] when given, else over the
     selection computed first from ``q_idx`` and ``k_idx_cache``. ``dense=True``: dense causal
     attention over every cached key up to each token's position (the baseline). ``Bk`` is the
     cache's dim 1. Not differentiable.
 
-    Returns ``out`` [Tq, Hq, D] (dtype of q), then ``lse`` [Tq, Hq] float32 and ``block_idx``
-    when asked for.
+    Returns ``out`` [Tq, Hq, D] (dtype of q, or ``out_dtype``), then ``lse`` [Tq, Hq] float32
+    and ``block_idx`` when asked for.
     """
     from . import _scale, _tensor
     _tensor("q", q, 3, "[Tq, Hq, D]")
@@ -365,7 +386,7 @@ def paged_forward(
         q_idx if select else None, None if (select or dense) else block_idx, max_q_len,
         bool(dense), select, k_cache.shape[1], top_k, sink_blocks, local_blocks,
         _scale("scale", scale), _scale("scale_idx", scale_idx), k_scale, v_scale,
-        k_idx_scale if select else None)
+        k_idx_scale if select else None, q_scale, out_dtype)
     result = (out,)
     if return_lse:
         result += (lse,)

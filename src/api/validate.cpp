@@ -573,6 +573,21 @@ Status scale_values(const Check& c, const char* arg, const TensorRef& scale) {
   return Status::Ok();
 }
 
+// q_scale's values on the CPU ([1] or [Tq, Hq]): finite and positive.
+Status query_scale_values(const Check& c, const TensorRef& scale) {
+  if (scale.device.type != DeviceType::kCpu) return Status::Ok();
+  const float* v = static_cast<const float*>(scale.data);
+  const int64_t rows = scale.shape[0], cols = scale.rank == 2 ? scale.shape[1] : 1;
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j) {
+      const float x = v[i * scale.stride[0] + (scale.rank == 2 ? j * scale.stride[1] : 0)];
+      if (!(std::isfinite(x) && x > 0.f))
+        return c.fail("q_scale", "q_scale[" + std::to_string(i) + (scale.rank == 2 ? ", " + std::to_string(j) : "") +
+                                     "] = " + std::to_string(x) + " is not a finite positive number");
+    }
+  return Status::Ok();
+}
+
 // The dtype a cache tensor must have next to inputs of dtype `like`: its own when it is
 // float8_e4m3 (dequantised through its scale), else `like`.
 DType cache_dtype(const TensorRef& t, DType like) {
@@ -798,7 +813,7 @@ Status validate(const PagedForwardParams& p, Problem* prob) {
   Check c("paged_forward");
   *prob = Problem{};
   const PagedCache& cache = p.cache;
-  MSA_TRY(c.ranks({{"q", &p.q}, {"cu_seqlens_q", &p.cu_seqlens_q}, {"cache.k", &cache.k},
+  MSA_TRY(c.ranks({{"q", &p.q}, {"q_scale", &p.q_scale}, {"cu_seqlens_q", &p.cu_seqlens_q}, {"cache.k", &cache.k},
                    {"cache.v", &cache.v}, {"cache.k_idx", &cache.k_idx}, {"cache.page_table", &cache.page_table},
                    {"cache.seq_lens", &cache.seq_lens}, {"block_idx", &p.block_idx}, {"q_idx", &p.q_idx},
                    {"out", &p.out}, {"lse", &p.lse}, {"cache.k_scale", &cache.k_scale},
@@ -814,13 +829,33 @@ Status validate(const PagedForwardParams& p, Problem* prob) {
   const int32_t Bk = p.opts.block_size;
   prob->opts.block_size = Bk;
   MSA_TRY(c.tensor("q", p.q, 3, false));
-  MSA_TRY(c.float_dtype("q", p.q));
+  // FP8 queries (Q8KV8): over E4M3 caches, dequantised through q_scale; out gives the dtype.
+  const bool q8 = p.q.dtype == DType::kFloat8E4M3;
+  if (q8) {
+    if (!(cache.k.defined() && cache.k.dtype == DType::kFloat8E4M3))
+      return c.fail("q", std::string("float8_e4m3 queries need float8_e4m3 cache.k and cache.v (Q8KV8); cache.k is ") +
+                             (cache.k.defined() ? dtype_name(cache.k.dtype) : "not given"));
+    if (!p.q_scale.defined())
+      return c.fail("q_scale", "required: 'q' is float8_e4m3 (expected float32 [1] per tensor or [Tq, Hq] per "
+                               "token and head)");
+    if (!p.out.defined()) return c.fail("out", "required but not given");
+    MSA_TRY(c.float_dtype("out", p.out));  // its shape is checked below
+  } else {
+    MSA_TRY(c.float_dtype("q", p.q));
+    if (p.q_scale.defined())
+      return c.fail("q_scale", std::string("given for 'q' of dtype ") + dtype_name(p.q.dtype) +
+                                   ": scales apply to float8_e4m3 queries only");
+  }
   prob->T = p.q.shape[0];
   MSA_TRY(check_head_dim(c, "q", p.q.shape[1], "the head count Hq (dim 1)"));
   MSA_TRY(check_head_dim(c, "q", p.q.shape[2], "the head dim D (dim 2)"));
   prob->Hq = static_cast<int32_t>(p.q.shape[1]);
   prob->D = static_cast<int32_t>(p.q.shape[2]);
-  prob->dtype = p.q.dtype;
+  prob->dtype = q8 ? p.out.dtype : p.q.dtype;
+  if (q8) {
+    if (p.q_scale.rank == 1) MSA_TRY(in_tensor(c, "q_scale", p.q_scale, DType::kFloat32, {1}, "[1] or [Tq, Hq]"));
+    else MSA_TRY(in_tensor(c, "q_scale", p.q_scale, DType::kFloat32, {prob->T, prob->Hq}, "[1] or [Tq, Hq]"));
+  }
   MSA_TRY(page_tensor(c, "cache.k", cache.k, cache_dtype(cache.k, prob->dtype), -1, Bk, -1, prob->D,
                       "[pages, Bk, Hkv, D]", false));
   int64_t pages = cache.k.shape[0];
@@ -849,6 +884,7 @@ Status validate(const PagedForwardParams& p, Problem* prob) {
   MSA_TRY(scale_values(c, "cache.k_scale", cache.k_scale));
   MSA_TRY(scale_values(c, "cache.v_scale", cache.v_scale));
   if (select) MSA_TRY(scale_values(c, "cache.k_idx_scale", cache.k_idx_scale));
+  if (q8) MSA_TRY(query_scale_values(c, p.q_scale));
   std::vector<int64_t> start;
   MSA_TRY(paged_values(c, cache, p.cu_seqlens_q, pages, Bk, p.max_q_len, prob, &start));
   if (sparse && !select) MSA_TRY(block_idx_values(c, p.block_idx, *prob, &start));

@@ -168,8 +168,9 @@ void select_row(const Options& o, int32_t k, int32_t Di, double scale_idx, const
 // Contract §3 for one (query, query head) row over the key positions `keys`: `key_row(j)` and
 // `val_row(j)` are key j's rows of the query head's KV head (D elements). Writes out_row and,
 // when given, *lse (-inf and a zero row for an empty support).
-template <class E, class KeyRow, class ValRow>
-void attend_row(int32_t D, double scale, const E* q_row, const std::vector<int64_t>& keys, const KeyRow& key_row,
+// (q_row may have another element type than out_row: dequantised FP8 queries are float32.)
+template <class QE, class E, class KeyRow, class ValRow>
+void attend_row(int32_t D, double scale, const QE* q_row, const std::vector<int64_t>& keys, const KeyRow& key_row,
                 const ValRow& val_row, E* out_row, float* lse) {
   thread_local std::vector<double> q, a, acc;
   q.resize(D);

@@ -106,7 +106,14 @@ void select_impl(const Problem& prob, const NewTokens& tok, const TensorRef& q_i
 template <class E>
 void forward_impl(const Problem& prob, const NewTokens& tok, const PagedForwardParams& p) {
   const PageTable pt(p.cache.page_table, prob.opts.block_size);
-  const Rows<const E> q = rows<const E>(p.q);
+  // FP8 queries (Q8KV8): q's rows dequantised, float32(value * q_scale[t, h]), as the caches'.
+  const bool q8 = p.q.dtype == DType::kFloat8E4M3;
+  const Rows<const E> q = q8 ? Rows<const E>{} : rows<const E>(p.q);
+  const Rows<const E4M3> q_codes = q8 ? rows<const E4M3>(p.q) : Rows<const E4M3>{};
+  auto q_scale = [&](int64_t g, int64_t h) {
+    const float* sc = static_cast<const float*>(p.q_scale.data);
+    return p.q_scale.rank == 2 ? sc[g * p.q_scale.stride[0] + h * p.q_scale.stride[1]] : sc[0];
+  };
   const PagedRows<const E> k(p.cache.k, pt), v(p.cache.v, pt);
   const bool fp8 = is_e4m3(p.cache.k);
   std::optional<E4M3Rows> k8, v8;
@@ -123,7 +130,7 @@ void forward_impl(const Problem& prob, const NewTokens& tok, const PagedForwardP
   parallel_for(prob.T, [&](int64_t g, int) {
     thread_local std::vector<int32_t> blocks;
     thread_local std::vector<int64_t> keys;
-    thread_local std::vector<float> kbuf, vbuf;
+    thread_local std::vector<float> kbuf, vbuf, qbuf;
     const int64_t s = tok.seq[g], t = tok.pos[g];
     for (int32_t i = 0; i < Hl; ++i) {
       blocks.clear();
@@ -140,7 +147,14 @@ void forward_impl(const Problem& prob, const NewTokens& tok, const PagedForwardP
       for (int32_t h = i * hpi; h < (i + 1) * hpi; ++h) {
         const int32_t r = h / G;
         float* row_lse = lse.base ? &lse.at(g, h) : nullptr;
-        if (fp8)
+        if (q8) {
+          const E4M3* src = q_codes.row(g, h);
+          const float sc = q_scale(g, h);
+          qbuf.resize(prob.D);
+          for (int32_t d = 0; d < prob.D; ++d) qbuf[d] = static_cast<float>(to_double(src[d])) * sc;
+          attend_row(prob.D, prob.opts.scale, qbuf.data(), keys, [&](int64_t j) { return k8->row(s, j, r, &kbuf); },
+                     [&](int64_t j) { return v8->row(s, j, r, &vbuf); }, out.row(g, h), row_lse);
+        } else if (fp8)
           attend_row(prob.D, prob.opts.scale, q.row(g, h), keys, [&](int64_t j) { return k8->row(s, j, r, &kbuf); },
                      [&](int64_t j) { return v8->row(s, j, r, &vbuf); }, out.row(g, h), row_lse);
         else

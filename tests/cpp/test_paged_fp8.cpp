@@ -272,11 +272,124 @@ TEST(PagedE4M3, BadScalesAndDtypes) {
     p.cache.k_scale = k.scale.ref();  // a scale for a float32 cache
     expect_invalid(msa::paged_forward(p), "cache.k_scale", "scale of a float cache");
   }
-  {
-    HostTensor q8(DType::kFloat8E4M3, b.q.shape());
-    auto p = forward();
+}
+
+// FP8 queries (Q8KV8): q as E4M3 codes with a float32 scale per (token, head), or one for the
+// tensor, over E4M3 caches. The call must compute exactly what it computes for the dequantised
+// queries float32(value * q_scale) as float32 rows over the same caches: outputs, LSE and the
+// selection (from q_idx) bit for bit, sparse (with the selection inside the call) and dense.
+TEST(PagedE4M3, QueriesInE4M3EqualTheDequantisedQueries) {
+  const PagedCase cs = fp8_case();
+  PagedBatch b(cs);
+  Quantised k(b.kc, true, 300.0, 1), v(b.vc, true, 300.0, 2);
+  PagedRefs r = host_refs(b);
+  r.k = k.codes.ref();
+  r.v = v.codes.ref();
+  for (bool per_row : {true, false}) {
+    SCOPED_TRACE(per_row ? "q_scale [Tq, Hq]" : "q_scale [1]");
+    std::mt19937_64 rng(per_row ? 41 : 43);
+    std::uniform_real_distribution<double> u(-400.0, 400.0), s(0.001, 0.05);
+    HostTensor q8(DType::kFloat8E4M3, b.q.shape()), deq(DType::kFloat32, b.q.shape());
+    HostTensor qs = per_row ? HostTensor(DType::kFloat32, {b.Tq, cs.Hq}) : HostTensor(DType::kFloat32, {1});
+    for (int64_t i = 0; i < qs.numel(); ++i) qs.set(i, s(rng));
+    for (int64_t x = 0; x < q8.numel(); ++x) {
+      q8.set(x, u(rng));
+      const float sc = static_cast<float>(qs.get(per_row ? x / cs.D : 0));
+      deq.set(x, static_cast<double>(static_cast<float>(q8.get(x)) * sc));
+    }
+    for (Mode mode : {Mode::kSparse, Mode::kDense}) {
+      SCOPED_TRACE(mode == Mode::kSparse ? "sparse" : "dense");
+      auto call = [&](bool fp8_q, PagedOutputs& x) {
+        msa::PagedForwardParams p =
+            paged_forward_params(cs, r, mode, mode == Mode::kSparse, x.block_idx.ref(), x.out.ref(), x.lse.ref());
+        p.cache.k_scale = k.scale.ref();
+        p.cache.v_scale = v.scale.ref();
+        p.q = fp8_q ? q8.ref() : deq.ref();
+        if (fp8_q) p.q_scale = qs.ref();
+        expect_ok(msa::paged_forward(p));
+      };
+      PagedOutputs want(b), got(b);
+      call(false, want);
+      call(true, got);
+      if (mode == Mode::kSparse) EXPECT_EQ(first_difference(got.block_idx, want.block_idx), "") << "block_idx";
+      EXPECT_EQ(first_difference(got.out, want.out), "") << "out";
+      EXPECT_EQ(first_difference(got.lse, want.lse), "") << "lse";
+    }
+  }
+}
+
+// FP8 queries: over E4M3 caches only, with q_scale (float32 [1] or [Tq, Hq], finite and
+// positive); no q_scale for other queries; out a float dtype.
+TEST(PagedE4M3, BadQueryScalesAndDtypes) {
+  const PagedCase cs = fp8_case();
+  PagedBatch b(cs);
+  Quantised k(b.kc, true, 10.0, 1), v(b.vc, false, 10.0, 2);
+  HostTensor q8(DType::kFloat8E4M3, b.q.shape()), qs(DType::kFloat32, {b.Tq, cs.Hq});
+  q8.fill(1.0);
+  qs.fill(0.5);
+  PagedRefs r = host_refs(b);
+  r.k = k.codes.ref();
+  r.v = v.codes.ref();
+  PagedOutputs x(b);
+  auto forward = [&]() {
+    msa::PagedForwardParams p = paged_forward_params(cs, r, Mode::kDense, false, {}, x.out.ref(), {});
+    p.cache.k_scale = k.scale.ref();
+    p.cache.v_scale = v.scale.ref();
     p.q = q8.ref();
-    expect_invalid(msa::paged_forward(p), "q", "E4M3 queries");
+    p.q_scale = qs.ref();
+    return p;
+  };
+  expect_ok(msa::paged_forward(forward()));
+  {
+    auto p = forward();
+    p.q_scale = {};
+    expect_invalid(msa::paged_forward(p), "q_scale", "missing q_scale");
+  }
+  {
+    HostTensor wrong(DType::kFloat32, {b.Tq, cs.Hq + 1});
+    wrong.fill(1.0);
+    auto p = forward();
+    p.q_scale = wrong.ref();
+    expect_invalid(msa::paged_forward(p), "q_scale", "q_scale of Hq + 1 columns");
+  }
+  {
+    HostTensor half_scale(DType::kBFloat16, {1});
+    half_scale.fill(1.0);
+    auto p = forward();
+    p.q_scale = half_scale.ref();
+    expect_invalid(msa::paged_forward(p), "q_scale", "bfloat16 q_scale");
+  }
+  for (double value : {0.0, -1.0, static_cast<double>(NAN), static_cast<double>(INFINITY)}) {
+    HostTensor bad(DType::kFloat32, {b.Tq, cs.Hq});
+    bad.fill(1.0);
+    bad.set(b.Tq * cs.Hq - 1, value);
+    auto p = forward();
+    p.q_scale = bad.ref();
+    expect_invalid(msa::paged_forward(p), "q_scale", "q_scale value " + std::to_string(value));
+  }
+  {
+    auto p = forward();
+    p.q = b.q.ref();  // float32 queries with a q_scale
+    expect_invalid(msa::paged_forward(p), "q_scale", "q_scale for float queries");
+  }
+  {
+    PagedRefs plain = host_refs(b);
+    msa::PagedForwardParams p = paged_forward_params(cs, plain, Mode::kDense, false, {}, x.out.ref(), {});
+    p.q = q8.ref();
+    p.q_scale = qs.ref();
+    expect_invalid(msa::paged_forward(p), "q", "E4M3 queries over a float32 cache");
+  }
+  {
+    HostTensor out8(DType::kFloat8E4M3, x.out.shape());
+    auto p = forward();
+    p.out = out8.ref();
+    expect_invalid(msa::paged_forward(p), "out", "E4M3 out");
+  }
+  {
+    PagedOutputs y(b);
+    msa::PagedSelectParams sp = paged_select_params(cs, r, y.block_idx.ref());
+    sp.q_idx = q8.ref();  // E4M3 index queries stay refused
+    expect_invalid(msa::paged_select_blocks(sp), "q_idx", "E4M3 index queries");
   }
 }
 

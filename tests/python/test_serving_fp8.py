@@ -107,6 +107,57 @@ def test_calls_equal_the_dequantised_cache(per_page):
     assert ((got16.float() - ref16).abs() <= ulp).all()
 
 
+@pytest.mark.parametrize("per_row", [True, False])
+def test_fp8_queries_equal_the_dequantised_queries(per_row):
+    """Q8KV8 on the CPU backend: float8 queries with q_scale ([Tq, Hq] or [1]) over E4M3 caches
+    compute exactly the call with float32(value * q_scale) as float32 queries (out_dtype
+    float32), and bfloat16 outputs are those results rounded once; the CUDA backend refuses
+    float8 queries naming 'q'."""
+    gen = torch.Generator().manual_seed(17)
+    pages, Bk, Hkv, Hq, D, Hi, Di, top_k = 12, 32, 2, 4, 32, 2, 16, 3
+    lens = torch.tensor([150, 33, 64], dtype=torch.int32)
+    table = _table(3, 5, pages + 3, gen)
+    cu = torch.tensor([0, 5, 9, 10], dtype=torch.int32)
+
+    def codes(*shape):
+        return (torch.randn(*shape, generator=gen) * 100).clamp(-448, 448).to(FP8)
+
+    kc, vc, kic = codes(pages + 3, Bk, Hkv, D), codes(pages + 3, Bk, Hkv, D), codes(pages + 3, Bk, 1, Di)
+    ks, vs, kis = (torch.rand(pages + 3, generator=gen) * 0.05 + 0.001 for _ in range(3))
+    q8 = codes(10, Hq, D)
+    qs = torch.rand((10, Hq) if per_row else (1,), generator=gen) * 0.02 + 0.001
+    q32 = q8.to(torch.float32) * (qs.view(10, Hq, 1) if per_row else qs)
+    qi = torch.randn(10, Hi, Di, generator=gen)
+    kw = dict(top_k=top_k, sink_blocks=1, local_blocks=2, q_idx=qi, k_idx_cache=kic,
+              k_scale=ks, v_scale=vs, k_idx_scale=kis, return_lse=True, return_block_idx=True)
+    want, want_lse, want_bi = serving.paged_forward(q32, kc, vc, table, lens, cu, **kw)
+    got, got_lse, got_bi = serving.paged_forward(q8, kc, vc, table, lens, cu, q_scale=qs,
+                                                 out_dtype=torch.float32, **kw)
+    assert got.dtype == torch.float32
+    assert torch.equal(got_bi, want_bi)
+    assert torch.equal(got, want) and torch.equal(got_lse, want_lse)
+    got16 = serving.paged_forward(q8, kc, vc, table, lens, cu, q_scale=qs,
+                                  q_idx=qi.bfloat16(), k_idx_cache=kic, k_scale=ks, v_scale=vs,
+                                  k_idx_scale=kis, top_k=top_k, sink_blocks=1, local_blocks=2)
+    ref16 = serving.paged_forward(q32.double(), kc, vc, table, lens, cu, q_idx=qi.bfloat16().double(),
+                                  k_idx_cache=kic, k_scale=ks, v_scale=vs, k_idx_scale=kis,
+                                  top_k=top_k, sink_blocks=1, local_blocks=2)
+    assert got16.dtype == torch.bfloat16  # the default out_dtype
+    assert torch.equal(got16, ref16.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="q_scale"):
+        serving.paged_forward(q8, kc, vc, table, lens, cu, dense=True, k_scale=ks, v_scale=vs)
+    with pytest.raises(ValueError, match="'q'"):  # float8 queries over a float32 cache
+        serving.paged_forward(q8, kc.float(), vc.float(), table, lens, cu, dense=True, q_scale=qs)
+    with pytest.raises(ValueError, match="out_dtype"):
+        serving.paged_forward(q32, kc, vc, table, lens, cu, dense=True, k_scale=ks, v_scale=vs,
+                              out_dtype=torch.bfloat16)
+    if CUDA:
+        d = lambda t: t.cuda()  # noqa: E731
+        with pytest.raises((ValueError, NotImplementedError, RuntimeError), match="'q'"):
+            serving.paged_forward(d(q8), d(kc), d(vc), d(table), d(lens), d(cu), dense=True,
+                                  k_scale=d(ks), v_scale=d(vs), q_scale=d(qs))
+
+
 def test_cache_and_wrapper_with_e4m3():
     """PagedKVCache(dtype=float8_e4m3fn) appends quantised rows; the planned wrapper reads them
     with bfloat16 queries, equal to paged_forward over the dequantised cache."""
@@ -164,8 +215,11 @@ def test_bad_scales_name_the_argument():
     plain = torch.zeros((pages, Bk, 1, 16))
     _error(lambda: serving.paged_forward(q, plain, plain, table, lens, cu, dense=True,
                                          k_scale=good), "cache.k_scale")
+    # float8 queries without their q_scale, and over a float32 cache
     _error(lambda: serving.paged_forward(q.to(FP8), kc, kc, table, lens, cu, dense=True,
-                                         k_scale=good, v_scale=good), "q")
+                                         k_scale=good, v_scale=good), "q_scale")
+    _error(lambda: serving.paged_forward(q.to(FP8), plain, plain, table, lens, cu, dense=True,
+                                         q_scale=torch.ones(1)), "q")
 
 
 @pytest.mark.skipif(not CUDA, reason="the library has no usable CUDA backend")

@@ -222,6 +222,8 @@ struct AttnPlan {
 };
 
 Status can_paged_attn(const char* fn, const Problem& prob, const PagedForwardParams& p) {
+  if (p.q.dtype == DType::kFloat8E4M3)
+    return fail(fn, "q", "float8_e4m3 queries (Q8KV8) run on the CPU backend only so far");
   MSA_TRY(check_half(fn, "q", p.q));
   MSA_TRY(check_aligned(fn, "q", p.q));
   MSA_TRY(check_cache(fn, "cache.k", p.cache.k));
