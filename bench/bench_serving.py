@@ -47,26 +47,35 @@ HQ, HKV, HI, HIK, D, DI, BK, K = 64, 4, 4, 1, 128, 128, 128, 16
 SINK, LOCAL = 1, 4
 
 
+def _event_ms(fn) -> float:
+    """Milliseconds of one fn() between two CUDA events."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b)
+
+
+def _warm(fns, warmup_ms: float) -> None:
+    """Runs every fn in turn for at least `warmup_ms` (the clocks are not locked: a
+    sub-millisecond step timed right after an idle spell need not run at the clocks of a busy
+    GPU)."""
+    t0 = time.perf_counter()
+    while (time.perf_counter() - t0) * 1e3 < warmup_ms:
+        for fn in fns:
+            fn()
+        torch.cuda.synchronize()
+
+
 def timed(fn, iters: int = 20, warmup: int = 3, warmup_ms: float = 50.0) -> float:
     """Median milliseconds of fn() over `iters` runs (CUDA events), after `warmup` calls and at
-    least `warmup_ms` of them (the clocks are not locked: a sub-millisecond step timed right after
-    an idle spell need not run at the clocks of a busy GPU)."""
+    least `warmup_ms` of them."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    while (time.perf_counter() - t0) * 1e3 < warmup_ms:
-        fn()
-        torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    ts.sort()
+    _warm([fn], warmup_ms)
+    ts = sorted(_event_ms(fn) for _ in range(iters))
     return ts[len(ts) // 2]
 
 
@@ -75,20 +84,11 @@ def timed_pair(fa, fb, iters: int = 40, warmup_ms: float = 50.0) -> tuple:
     `warmup_ms` of both), so that the two see the same clock states: their ratio is what the
     speedup columns report (one reading of the same graph step read 0.583 ms where 100 replays
     in the same run gave 0.520)."""
-    t0 = time.perf_counter()
-    while (time.perf_counter() - t0) * 1e3 < warmup_ms:
-        fa()
-        fb()
-        torch.cuda.synchronize()
+    _warm([fa, fb], warmup_ms)
     ta, tb = [], []
     for _ in range(iters):
-        for fn, ts in ((fa, ta), (fb, tb)):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            ts.append(a.elapsed_time(b))
+        ta.append(_event_ms(fa))
+        tb.append(_event_ms(fb))
     ta.sort()
     tb.sort()
     return ta[len(ta) // 2], tb[len(tb) // 2]
