@@ -200,41 +200,130 @@ __device__ __forceinline__ PagedRow paged_row(const PagedAttnArgs& a, const Page
           head, j};
 }
 
-// Scores of one block (S: rows x columns of this thread, cSrc their coordinates, col0 the
-// first key of the slice) masked to the row's selection and causality, scaled, and folded into
-// the online softmax; S becomes P (unnormalised) and O is rescaled.
+// Per MMA row of this thread: its key position (-1: no token), its (token, index head) pair, the
+// running max (log2 units) and sum of the online softmax.
+template <int kRowsPerThread>
+struct PagedRowState {
+  int32_t pos[kRowsPerThread], pair[kRowsPerThread];
+  float max[kRowsPerThread], sum[kRowsPerThread];
+
+  template <class TC>  // cSrc: the scores' (row, column) coordinates of this thread
+  __device__ PagedRowState(const PagedAttnArgs& a, const PagedAttnWork& w, const TC& cSrc) {
+#pragma unroll
+    for (int r = 0; r < kRowsPerThread; ++r) {
+      const PagedRow pr = paged_row(a, w, get<0>(cSrc(r, 0)));
+      pos[r] = pr.pos;
+      pair[r] = pr.pair;
+      max[r] = -INFINITY;
+      sum[r] = 0.f;
+    }
+  }
+};
+
+// Scores of one block (S: rows x columns of this thread, cSrc their coordinates, key0 the key
+// of column 0) masked to the row's selection and causality, scaled, and folded into the online
+// softmax; S becomes P (unnormalised) and O is rescaled.
 template <int kRowsPerThread, class TS, class TC, class TO>
 __device__ __forceinline__ void paged_softmax_step(TS& S, const TC& cSrc, TO& O, int32_t key0,
                                                    uint64_t mask, float scale_log2,
-                                                   const int32_t (&row_pos)[kRowsPerThread],
-                                                   const int32_t (&row_pair)[kRowsPerThread],
-                                                   float (&row_max)[kRowsPerThread],
-                                                   float (&row_sum)[kRowsPerThread]) {
+                                                   PagedRowState<kRowsPerThread>& st) {
 #pragma unroll
   for (int r = 0; r < kRowsPerThread; ++r) {
-    const bool sel = row_pos[r] >= 0 && ((mask >> row_pair[r]) & 1);
+    const bool sel = st.pos[r] >= 0 && ((mask >> st.pair[r]) & 1);
     float mx = -INFINITY;
 #pragma unroll
     for (int c = 0; c < size<1>(S); ++c) {
-      const bool ok = sel && key0 + get<1>(cSrc(r, c)) <= row_pos[r];
+      const bool ok = sel && key0 + get<1>(cSrc(r, c)) <= st.pos[r];
       S(r, c) = ok ? S(r, c) * scale_log2 : -INFINITY;
       mx = fmaxf(mx, S(r, c));
     }
     mx = quad_max(mx);
-    const float m_new = fmaxf(row_max[r], mx);
+    const float m_new = fmaxf(st.max[r], mx);
     const float m_use = m_new == -INFINITY ? 0.f : m_new;
-    const float alpha = exp2f(row_max[r] - m_use);
-    row_max[r] = m_new;
+    const float alpha = exp2f(st.max[r] - m_use);
+    st.max[r] = m_new;
     float sum = 0.f;
 #pragma unroll
     for (int c = 0; c < size<1>(S); ++c) {
       S(r, c) = exp2f(S(r, c) - m_use);
       sum += S(r, c);
     }
-    row_sum[r] = row_sum[r] * alpha + sum;
+    st.sum[r] = st.sum[r] * alpha + sum;
 #pragma unroll
     for (int c = 0; c < size<1>(O); ++c) O(r, c) *= alpha;
   }
+}
+
+// The MMAs of one attention tile, in either layout: thread t of `mma` over the shared tiles
+// sQ [kRows, D], sK [kCols keys, D] and sVt [D, kCols keys], every operand by ldmatrix one k16
+// slice at a time (registers go to S and O). Calls body(mma_state) with
+//   accS, S, cSrc   the scores' accumulator, its (row, column) view and their coordinates;
+//   accO, O         the output's accumulator (cleared) and view;
+//   qk()            S = Q K^T into accS;
+//   p_of()          P = accS in Element (the A operand of P V);
+//   pv(rP)          O += P V.
+template <class Element, int kRows, int kCols, int kHeadDim, class Mma, class TQ, class TK, class TVt,
+          class Body>
+__device__ __forceinline__ void with_tile_mma(const Mma& mma, int t, const TQ& sQ, const TK& sK, const TVt& sVt,
+                                              Body&& body) {
+  auto thr = mma.get_thread_slice(t);
+  Tensor tSrQ = thr.partition_fragment_A(sQ);
+  Tensor tSrK = thr.partition_fragment_B(sK);
+  Tensor tOrVt = thr.partition_fragment_B(sVt);
+  auto s2r_q = make_tiled_copy_A(Copy_Atom<SM75_U32x4_LDSM_N, Element>{}, mma);
+  auto s2r_k = make_tiled_copy_B(Copy_Atom<SM75_U32x4_LDSM_N, Element>{}, mma);
+  auto s2r_v = make_tiled_copy_B(Copy_Atom<SM75_U16x8_LDSM_T, Element>{}, mma);
+  auto thr_q = s2r_q.get_thread_slice(t);
+  auto thr_k = s2r_k.get_thread_slice(t);
+  auto thr_v = s2r_v.get_thread_slice(t);
+  Tensor tQsQ = thr_q.partition_S(sQ);
+  Tensor tQrQ = thr_q.retile_D(tSrQ);
+  Tensor tKsK = thr_k.partition_S(sK);
+  Tensor tKrK = thr_k.retile_D(tSrK);
+  Tensor tVsV = thr_v.partition_S(sVt);
+  Tensor tVrV = thr_v.retile_D(tOrVt);
+
+  Tensor accS = partition_fragment_C(mma, Shape<Int<kRows>, Int<kCols>>{});
+  Tensor accO = partition_fragment_C(mma, Shape<Int<kRows>, Int<kHeadDim>>{});
+  clear(accO);
+  Tensor cS = thr.partition_C(make_identity_tensor(Shape<Int<kRows>, Int<kCols>>{}));
+  Tensor cO = thr.partition_C(make_identity_tensor(Shape<Int<kRows>, Int<kHeadDim>>{}));
+  auto qk = [&] {
+    clear(accS);
+#pragma unroll
+    for (int kk = 0; kk < size<2>(tSrK); ++kk) {
+      copy(s2r_q, tQsQ(_, _, kk), tQrQ(_, _, kk));
+      copy(s2r_k, tKsK(_, _, kk), tKrK(_, _, kk));
+      cute::gemm(mma, tSrQ(_, _, kk), tSrK(_, _, kk), accS);
+    }
+  };
+  auto p_of = [&] {
+    Tensor rP = make_tensor_like<Element>(accS);
+    convert_into(accS, rP);
+    return rP;
+  };
+  auto pv = [&](auto& rP) {
+    Tensor tOrP = make_tensor(rP.data(), sm80_acc_as_a(rP.layout()));
+#pragma unroll
+    for (int kk = 0; kk < size<2>(tOrVt); ++kk) {
+      copy(s2r_v, tVsV(_, _, kk), tVrV(_, _, kk));
+      cute::gemm(mma, tOrP(_, _, kk), tOrVt(_, _, kk), accO);
+    }
+  };
+  struct {
+    decltype(accS)& accS;
+    decltype(make_tensor(accS.data(), sm80_rowcol(accS.layout()))) S;
+    decltype(make_tensor(cS.data(), sm80_rowcol(cS.layout()))) cSrc;
+    decltype(accO)& accO;
+    decltype(make_tensor(accO.data(), sm80_rowcol(accO.layout()))) O;
+    decltype(make_tensor(cO.data(), sm80_rowcol(cO.layout()))) cOrc;
+    decltype(qk)& qk;
+    decltype(p_of)& p_of;
+    decltype(pv)& pv;
+  } m{accS, make_tensor(accS.data(), sm80_rowcol(accS.layout())), make_tensor(cS.data(), sm80_rowcol(cS.layout())),
+      accO, make_tensor(accO.data(), sm80_rowcol(accO.layout())), make_tensor(cO.data(), sm80_rowcol(cO.layout())),
+      qk, p_of, pv};
+  body(m);
 }
 
 // ---- Row layout: 64 rows, warps over M, every key of a block per warp.
@@ -287,112 +376,63 @@ __device__ inline void paged_attn_rows(const PagedAttnArgs& a, typename Traits::
     cp_async_commit();
   }
 
-  // ---- MMA state
   typename Traits::TiledMma mma;
-  auto thr = mma.get_thread_slice(tid);
-  Tensor tSrQ = thr.partition_fragment_A(sQ);
-  Tensor tSrK = thr.partition_fragment_B(sK);
-  Tensor tOrVt = thr.partition_fragment_B(sVt);
-  auto s2r_q = make_tiled_copy_A(Copy_Atom<SM75_U32x4_LDSM_N, Element>{}, mma);
-  auto s2r_k = make_tiled_copy_B(Copy_Atom<SM75_U32x4_LDSM_N, Element>{}, mma);
-  auto s2r_v = make_tiled_copy_B(Copy_Atom<SM75_U16x8_LDSM_T, Element>{}, mma);
-  auto thr_q = s2r_q.get_thread_slice(tid);
-  auto thr_k = s2r_k.get_thread_slice(tid);
-  auto thr_v = s2r_v.get_thread_slice(tid);
-  Tensor tQsQ = thr_q.partition_S(sQ);
-  Tensor tQrQ = thr_q.retile_D(tSrQ);
-  Tensor tKsK = thr_k.partition_S(sK);
-  Tensor tKrK = thr_k.retile_D(tSrK);
-  Tensor tVsV = thr_v.partition_S(sVt);
-  Tensor tVrV = thr_v.retile_D(tOrVt);
+  with_tile_mma<Element, kRows, kBlockN, kHeadDim>(mma, tid, sQ, sK, sVt, [&](auto& m) {
+    constexpr int kRowsPerThread = std::decay_t<decltype(size<0>(m.S))>::value;
+    PagedRowState<kRowsPerThread> st(a, w, m.cSrc);
+    for (int32_t u = u_begin; u < u_end; ++u) {
+      const int32_t b = w.block(u);
+      const uint64_t mask = w.mask(u);
+      cp_async_wait<1>();  // Q and K(u)
+      __syncthreads();
+      convert(sK, sKraw);
+      m.qk();
+      __syncthreads();  // every warp is done with K(u)
+      const bool more = u + 1 < u_end;
+      if (more) {
+        load_kv(sK, sKraw, k_head, a.k_s0, a.k_s1, w.block(u + 1));
+        cp_async_commit();
+      }
 
-  Tensor accS = partition_fragment_C(mma, Shape<Int<kRows>, Int<kBlockN>>{});
-  Tensor accO = partition_fragment_C(mma, Shape<Int<kRows>, Int<kHeadDim>>{});
-  clear(accO);
-  Tensor S = make_tensor(accS.data(), sm80_rowcol(accS.layout()));
-  Tensor O = make_tensor(accO.data(), sm80_rowcol(accO.layout()));
-  Tensor cS = thr.partition_C(make_identity_tensor(Shape<Int<kRows>, Int<kBlockN>>{}));
-  Tensor cSrc = make_tensor(cS.data(), sm80_rowcol(cS.layout()));
-  constexpr int kRowsPerThread = decltype(size<0>(S))::value;
-
-  // Per row: its position, its (token, index head) pair, the running max (log2 units) and sum.
-  int32_t row_pos[kRowsPerThread], row_pair[kRowsPerThread];
-  float row_max[kRowsPerThread], row_sum[kRowsPerThread];
+      float scale_log2 = a.scale_log2;
+      if constexpr (Traits::kE4M3) scale_log2 *= page_scale(a.k_scale, a.k_scale_step, page_of(a, pt.pages, b));
+      paged_softmax_step(m.S, m.cSrc, m.O, b * kBlockN, mask, scale_log2, st);
+      if constexpr (Traits::kE4M3) {  // V(u)'s scale, after the row sums
+        const float vs = page_scale(a.v_scale, a.v_scale_step, page_of(a, pt.pages, b));
 #pragma unroll
-  for (int r = 0; r < kRowsPerThread; ++r) {
-    const PagedRow pr = paged_row(a, w, get<0>(cSrc(r, 0)));
-    row_pos[r] = pr.pos;
-    row_pair[r] = pr.pair;
-    row_max[r] = -INFINITY;
-    row_sum[r] = 0.f;
-  }
+        for (int i = 0; i < size(m.accS); ++i) m.accS(i) *= vs;
+      }
+      auto rP = m.p_of();
 
-  for (int32_t u = u_begin; u < u_end; ++u) {
-    const int32_t b = w.block(u);
-    const uint64_t mask = w.mask(u);
-    cp_async_wait<1>();  // Q and K(u)
-    __syncthreads();
-    convert(sK, sKraw);
-    clear(accS);
-#pragma unroll
-    for (int kk = 0; kk < size<2>(tSrK); ++kk) {  // Q slices from shared memory: registers go to S and O
-      copy(s2r_q, tQsQ(_, _, kk), tQrQ(_, _, kk));
-      copy(s2r_k, tKsK(_, _, kk), tKrK(_, _, kk));
-      cute::gemm(mma, tSrQ(_, _, kk), tSrK(_, _, kk), accS);
-    }
-    __syncthreads();  // every warp is done with K(u)
-    const bool more = u + 1 < u_end;
-    if (more) {
-      load_kv(sK, sKraw, k_head, a.k_s0, a.k_s1, w.block(u + 1));
-      cp_async_commit();
+      if (more) cp_async_wait<1>(); else cp_async_wait<0>();  // V(u)
+      __syncthreads();
+      convert(sV, sVraw);
+      m.pv(rP);
+      __syncthreads();  // every warp is done with V(u)
+      if (more) {
+        load_kv(sV, sVraw, v_head, a.v_s0, a.v_s1, w.block(u + 1));
+        cp_async_commit();
+      }
     }
 
-    float scale_log2 = a.scale_log2;
-    if constexpr (Traits::kE4M3) scale_log2 *= page_scale(a.k_scale, a.k_scale_step, page_of(a, pt.pages, b));
-    paged_softmax_step(S, cSrc, O, b * kBlockN, mask, scale_log2, row_pos, row_pair, row_max, row_sum);
-    if constexpr (Traits::kE4M3) {  // V(u)'s scale, after the row sums
-      const float vs = page_scale(a.v_scale, a.v_scale_step, page_of(a, pt.pages, b));
+    cp_async_wait<0>();  // Q of a CTA with no blocks
+    // ---- Epilogue
+    constexpr float kLn2 = 0.6931471805599453f;
 #pragma unroll
-      for (int i = 0; i < size(accS); ++i) accS(i) *= vs;
-    }
-    Tensor rP = make_tensor_like<Element>(accS);
-    convert_into(accS, rP);
-    Tensor tOrP = make_tensor(rP.data(), sm80_acc_as_a(rP.layout()));
-
-    if (more) cp_async_wait<1>(); else cp_async_wait<0>();  // V(u)
-    __syncthreads();
-    convert(sV, sVraw);
+    for (int r = 0; r < kRowsPerThread; ++r) {
+      const float sum = quad_sum(st.sum[r]);
+      const PagedRow pr = paged_row(a, w, get<0>(m.cOrc(r, 0)));
+      if (pr.j >= w.count) continue;
+      const float inv = sum > 0.f ? 1.f / sum : 0.f;
+      const float lse = sum > 0.f ? (st.max[r] + log2f(sum)) * kLn2 : -INFINITY;
 #pragma unroll
-    for (int kk = 0; kk < size<2>(tOrVt); ++kk) {
-      copy(s2r_v, tVsV(_, _, kk), tVrV(_, _, kk));
-      cute::gemm(mma, tOrP(_, _, kk), tOrVt(_, _, kk), accO);
+      for (int c = 0; c < size<1>(m.O); c += 2) {
+        const float pair[2] = {m.O(r, c), m.O(r, c + 1)};
+        store_paged_row<Element, kHeadDim, 2>(a, w.t0 + pr.j, pr.head, w.split, get<1>(m.cOrc(r, c)), pair,
+                                              inv, c == 0 && (tid & 3) == 0, lse);
+      }
     }
-    __syncthreads();  // every warp is done with V(u)
-    if (more) {
-      load_kv(sV, sVraw, v_head, a.v_s0, a.v_s1, w.block(u + 1));
-      cp_async_commit();
-    }
-  }
-
-  cp_async_wait<0>();  // Q of a CTA with no blocks
-  // ---- Epilogue
-  Tensor cO = thr.partition_C(make_identity_tensor(Shape<Int<kRows>, Int<kHeadDim>>{}));
-  Tensor cOrc = make_tensor(cO.data(), sm80_rowcol(cO.layout()));
-  constexpr float kLn2 = 0.6931471805599453f;
-#pragma unroll
-  for (int r = 0; r < kRowsPerThread; ++r) {
-    const float sum = quad_sum(row_sum[r]);
-    const PagedRow pr = paged_row(a, w, get<0>(cOrc(r, 0)));
-    if (pr.j >= w.count) continue;
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
-    const float lse = sum > 0.f ? (row_max[r] + log2f(sum)) * kLn2 : -INFINITY;
-#pragma unroll
-    for (int c = 0; c < size<1>(O); c += 2) {
-      const float pair[2] = {O(r, c), O(r, c + 1)};
-      store_paged_row<Element, kHeadDim, 2>(a, w.t0 + pr.j, pr.head, w.split, get<1>(cOrc(r, c)), pair,
-                                            inv, c == 0 && (tid & 3) == 0, lse);
-    }
-  }
+  });
 }
 
 // ---- Column layout: 16 rows, each warp every row and keys [kWarpN * warp, kWarpN * (warp + 1))
@@ -459,124 +499,79 @@ __device__ inline void paged_attn_columns(const PagedAttnArgs& a, typename Trait
 
   // ---- MMA state: each warp its own single-warp MMA
   typename Traits::ColumnMma mma;
-  auto thr = mma.get_thread_slice(lane);
-  Tensor tSrQ = thr.partition_fragment_A(sQ);
-  Tensor tSrK = thr.partition_fragment_B(sKw);
-  Tensor tOrVt = thr.partition_fragment_B(sVtw);
-  auto s2r_q = make_tiled_copy_A(Copy_Atom<SM75_U32x4_LDSM_N, Element>{}, mma);
-  auto s2r_k = make_tiled_copy_B(Copy_Atom<SM75_U32x4_LDSM_N, Element>{}, mma);
-  auto s2r_v = make_tiled_copy_B(Copy_Atom<SM75_U16x8_LDSM_T, Element>{}, mma);
-  auto thr_q = s2r_q.get_thread_slice(lane);
-  auto thr_k = s2r_k.get_thread_slice(lane);
-  auto thr_v = s2r_v.get_thread_slice(lane);
-  Tensor tQsQ = thr_q.partition_S(sQ);
-  Tensor tQrQ = thr_q.retile_D(tSrQ);
-  Tensor tKsK = thr_k.partition_S(sKw);
-  Tensor tKrK = thr_k.retile_D(tSrK);
-  Tensor tVsV = thr_v.partition_S(sVtw);
-  Tensor tVrV = thr_v.retile_D(tOrVt);
+  with_tile_mma<Element, kRows, kWarpN, kHeadDim>(mma, lane, sQ, sKw, sVtw, [&](auto& m) {
+    constexpr int kRowsPerThread = std::decay_t<decltype(size<0>(m.S))>::value;
+    PagedRowState<kRowsPerThread> st(a, w, m.cSrc);
+    // Groups in flight: K(u), V(u) at the top of step u. E4M3 codes land in their own buffers,
+    // so the next block's codes are requested as soon as this block's are converted; 16-bit
+    // slices are the MMAs' operands and are refilled after the MMAs that read them.
+    for (int32_t u = u_begin; u < u_end; ++u) {
+      const int32_t b = w.block(u);
+      const uint64_t mask = w.mask(u);
+      const bool more = u + 1 < u_end;
+      cp_async_wait<1>();  // K(u)
+      __syncwarp();
+      if constexpr (Traits::kE4M3) {
+        convert(sKw, sKrw);  // into the 16-bit tile, whose V(u - 1) slice P V has read
+        if (more) load_kv(k_tile, sKrw, k_head, a.k_s0, a.k_s1, w.block(u + 1));
+        cp_async_commit();
+      }
+      m.qk();
+      if constexpr (!Traits::kE4M3) {
+        __syncwarp();  // the warp is done with its K(u) slice
+        if (more) load_kv(k_tile, sKrw, k_head, a.k_s0, a.k_s1, w.block(u + 1));
+        cp_async_commit();
+      }
 
-  Tensor accS = partition_fragment_C(mma, Shape<Int<kRows>, Int<kWarpN>>{});
-  Tensor accO = partition_fragment_C(mma, Shape<Int<kRows>, Int<kHeadDim>>{});
-  clear(accO);
-  Tensor S = make_tensor(accS.data(), sm80_rowcol(accS.layout()));
-  Tensor O = make_tensor(accO.data(), sm80_rowcol(accO.layout()));
-  Tensor cS = thr.partition_C(make_identity_tensor(Shape<Int<kRows>, Int<kWarpN>>{}));
-  Tensor cSrc = make_tensor(cS.data(), sm80_rowcol(cS.layout()));
-  constexpr int kRowsPerThread = decltype(size<0>(S))::value;
-
-  int32_t row_pos[kRowsPerThread], row_pair[kRowsPerThread];
-  float row_max[kRowsPerThread], row_sum[kRowsPerThread];
+      float scale_log2 = a.scale_log2;
+      if constexpr (Traits::kE4M3) scale_log2 *= page_scale(a.k_scale, a.k_scale_step, page_of(a, pt.pages, b));
+      paged_softmax_step(m.S, m.cSrc, m.O, b * kBlockN + warp * kWarpN, mask, scale_log2, st);
+      if constexpr (Traits::kE4M3) {
+        const float vs = page_scale(a.v_scale, a.v_scale_step, page_of(a, pt.pages, b));
 #pragma unroll
-  for (int r = 0; r < kRowsPerThread; ++r) {
-    const PagedRow pr = paged_row(a, w, get<0>(cSrc(r, 0)));
-    row_pos[r] = pr.pos;
-    row_pair[r] = pr.pair;
-    row_max[r] = -INFINITY;
-    row_sum[r] = 0.f;
-  }
+        for (int i = 0; i < size(m.accS); ++i) m.accS(i) *= vs;
+      }
+      auto rP = m.p_of();
 
-  // Groups in flight: K(u), V(u) at the top of step u. E4M3 codes land in their own buffers, so
-  // the next block's codes are requested as soon as this block's are converted; 16-bit slices
-  // are the MMAs' operands and are refilled after the MMAs that read them.
-  for (int32_t u = u_begin; u < u_end; ++u) {
-    const int32_t b = w.block(u);
-    const uint64_t mask = w.mask(u);
-    const bool more = u + 1 < u_end;
-    cp_async_wait<1>();  // K(u)
-    __syncwarp();
-    if constexpr (Traits::kE4M3) {
-      convert(sKw, sKrw);  // into the 16-bit tile, whose V(u - 1) slice P V has read
-      if (more) load_kv(k_tile, sKrw, k_head, a.k_s0, a.k_s1, w.block(u + 1));
-      cp_async_commit();
+      cp_async_wait<1>();  // V(u) (the group after it: K(u + 1), possibly empty)
+      __syncwarp();
+      if constexpr (Traits::kE4M3) {
+        convert(sVw, sVrw);  // over the K(u) slice S has read (the warp's own)
+        if (more) load_kv(v_tile, sVrw, v_head, a.v_s0, a.v_s1, w.block(u + 1));
+        cp_async_commit();
+      }
+      m.pv(rP);
+      if constexpr (!Traits::kE4M3) {
+        __syncwarp();  // the warp is done with its V(u) slice
+        if (more) load_kv(v_tile, sVrw, v_head, a.v_s0, a.v_s1, w.block(u + 1));
+        cp_async_commit();
+      }
     }
-    clear(accS);
-#pragma unroll
-    for (int kk = 0; kk < size<2>(tSrK); ++kk) {  // Q slices from shared memory: registers go to S and O
-      copy(s2r_q, tQsQ(_, _, kk), tQrQ(_, _, kk));
-      copy(s2r_k, tKsK(_, _, kk), tKrK(_, _, kk));
-      cute::gemm(mma, tSrQ(_, _, kk), tSrK(_, _, kk), accS);
-    }
-    if constexpr (!Traits::kE4M3) {
-      __syncwarp();  // the warp is done with its K(u) slice
-      if (more) load_kv(k_tile, sKrw, k_head, a.k_s0, a.k_s1, w.block(u + 1));
-      cp_async_commit();
-    }
+    cp_async_wait<0>();
 
-    float scale_log2 = a.scale_log2;
-    if constexpr (Traits::kE4M3) scale_log2 *= page_scale(a.k_scale, a.k_scale_step, page_of(a, pt.pages, b));
-    paged_softmax_step(S, cSrc, O, b * kBlockN + warp * kWarpN, mask, scale_log2, row_pos, row_pair,
-                       row_max, row_sum);
-    if constexpr (Traits::kE4M3) {
-      const float vs = page_scale(a.v_scale, a.v_scale_step, page_of(a, pt.pages, b));
+    // ---- The warp's (max, sum, output) into the merge area, which overlays the tiles.
+    __syncthreads();  // every warp is done with them
 #pragma unroll
-      for (int i = 0; i < size(accS); ++i) accS(i) *= vs;
-    }
-    Tensor rP = make_tensor_like<Element>(accS);
-    convert_into(accS, rP);
-    Tensor tOrP = make_tensor(rP.data(), sm80_acc_as_a(rP.layout()));
-
-    cp_async_wait<1>();  // V(u) (the group after it: K(u + 1), possibly empty)
-    __syncwarp();
-    if constexpr (Traits::kE4M3) {
-      convert(sVw, sVrw);  // over the K(u) slice S has read (the warp's own)
-      if (more) load_kv(v_tile, sVrw, v_head, a.v_s0, a.v_s1, w.block(u + 1));
-      cp_async_commit();
-    }
+    for (int r = 0; r < kRowsPerThread; ++r) {
+      const int32_t row = get<0>(m.cOrc(r, 0));
+      const float sum = quad_sum(st.sum[r]);
+      if ((lane & 3) == 0) {
+        ss.merge.max[warp * kRows + row] = st.max[r];
+        ss.merge.sum[warp * kRows + row] = sum;
+      }
 #pragma unroll
-    for (int kk = 0; kk < size<2>(tOrVt); ++kk) {
-      copy(s2r_v, tVsV(_, _, kk), tVrV(_, _, kk));
-      cute::gemm(mma, tOrP(_, _, kk), tOrVt(_, _, kk), accO);
+      for (int c = 0; c < size<1>(m.O); c += 2) {
+        const int d = get<1>(m.cOrc(r, c));
+        *reinterpret_cast<float2*>(&ss.merge.o[(warp * kRows + row) * Traits::kMergeStride + d]) =
+            make_float2(m.O(r, c), m.O(r, c + 1));
+      }
     }
-    if constexpr (!Traits::kE4M3) {
-      __syncwarp();  // the warp is done with its V(u) slice
-      if (more) load_kv(v_tile, sVrw, v_head, a.v_s0, a.v_s1, w.block(u + 1));
-      cp_async_commit();
-    }
-  }
-  cp_async_wait<0>();
+  });
 
   // ---- Merge the warps (in warp order) and store.
-  __syncthreads();  // every warp is done with the tiles the merge area overlays
+  __syncthreads();
   auto& mg = ss.merge;
   constexpr int kStride = Traits::kMergeStride;
-  Tensor cO = thr.partition_C(make_identity_tensor(Shape<Int<kRows>, Int<kHeadDim>>{}));
-  Tensor cOrc = make_tensor(cO.data(), sm80_rowcol(cO.layout()));
-#pragma unroll
-  for (int r = 0; r < kRowsPerThread; ++r) {
-    const int32_t row = get<0>(cOrc(r, 0));
-    const float sum = quad_sum(row_sum[r]);
-    if ((lane & 3) == 0) {
-      mg.max[warp * kRows + row] = row_max[r];
-      mg.sum[warp * kRows + row] = sum;
-    }
-#pragma unroll
-    for (int c = 0; c < size<1>(O); c += 2) {
-      const int d = get<1>(cOrc(r, c));
-      *reinterpret_cast<float2*>(&mg.o[(warp * kRows + row) * kStride + d]) = make_float2(O(r, c), O(r, c + 1));
-    }
-  }
-  __syncthreads();
   constexpr int kPerThread = kRows * kHeadDim / Traits::kThreads;  // dims of one row per thread
   static_assert(kPerThread % 4 == 0 && kHeadDim % kPerThread == 0, "whole float4s of one row");
   const int32_t row = tid / (kHeadDim / kPerThread), d0 = tid % (kHeadDim / kPerThread) * kPerThread;
