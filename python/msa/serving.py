@@ -210,7 +210,6 @@ def _paged_forward_into_op(
     k_scale: Optional[Tensor] = None,
     v_scale: Optional[Tensor] = None,
     k_idx_scale: Optional[Tensor] = None,
-    q_scale: Optional[Tensor] = None,
 ) -> None:
     """paged_forward into caller buffers (PagedMSAWrapper.run): ``out``, ``lse`` and, with
     ``select``, ``block_idx`` are written; ``workspace`` (uint8, at least the planned size) is
@@ -219,7 +218,7 @@ def _paged_forward_into_op(
     _run_paged_forward(q, cu_seqlens_q, k_cache, v_cache, k_idx_cache, page_table, seq_lens,
                        q_idx, None if dense else block_idx, out, lse, max_q_len, dense, sel,
                        block_size, top_k, sink_blocks, local_blocks, scale, scale_idx,
-                       k_scale, v_scale, k_idx_scale, q_scale, check_values=check_values,
+                       k_scale, v_scale, k_idx_scale, check_values=check_values,
                        workspace=workspace)
 
 
@@ -227,7 +226,7 @@ def _paged_forward_into_op(
 def _(q, cu_seqlens_q, k_cache, v_cache, k_idx_cache, page_table, seq_lens, q_idx, block_idx,
       out, lse, workspace, max_q_len, dense, select, block_size, top_k, sink_blocks,
       local_blocks, scale, scale_idx, check_values, k_scale=None, v_scale=None,
-      k_idx_scale=None, q_scale=None):
+      k_idx_scale=None):
     return None
 
 

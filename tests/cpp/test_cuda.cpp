@@ -2230,13 +2230,13 @@ TEST(CudaPagedE4M3, QueriesFloat16CannotHold) {
   EXPECT_EQ(f.count, 0) << "paged_select_blocks, queries float16 cannot hold:" << f.first;
 }
 
-// Attention over E4M3 caches with bf16 queries: the column layout (decode rows that fit one
-// 16-row tile) scores with float16 MMAs where float16 holds the CTA's queries exactly and with
-// bfloat16 ones otherwise. Sequence 0's token holds a query value float16 rounds (2.5 * 2^-24,
-// KV head 0), sequence 1's one it overflows (2^17, KV head 1), sequence 2 is as drawn; the V
-// scales of neighbouring pages lie up to 2^64 apart (P times a V scale must keep bfloat16's
-// range). Both layouts (max_q_len 1: columns; 4: rows) against the CPU over the dequantised
-// caches.
+// Attention over E4M3 caches with bf16 queries that float16 cannot hold (the score kernel turns
+// queries float16 holds into float16; an attention path doing the same without its check would
+// fail here): sequence 0's token holds a value float16 rounds (2.5 * 2^-24, KV head 0),
+// sequence 1's one it overflows (2^17, KV head 1), sequence 2 is as drawn. The V scales of
+// neighbouring pages lie up to 2^64 apart (P times a V scale must keep bfloat16's range). Both
+// layouts (max_q_len 1: columns; 4: rows), sparse and dense, against the CPU over the
+// dequantised caches.
 TEST(CudaPagedE4M3, AttentionQueriesAndScalesFloat16CannotHold) {
   SKIP_WITHOUT_CUDA();
   for (int max_q_len : {1, 4}) {

@@ -300,8 +300,8 @@ AttnPlan attn_plan(const Problem& prob, const PagedForwardParams& p) {
   a.scale_log2 = prob.opts.scale * 1.4426950408889634f;
   set_outputs(&a, p);
   // Split the block union when the tiles alone would leave SMs idle (decode's small batches):
-  // into as many splits as one wave of the layout's CTAs per SM holds, rounded down, since a few
-  // CTAs past the wave would take a second round of the kernel's latency.
+  // into as many splits as one wave of kPagedAttnCtasPerSm CTAs per SM (either layout) holds,
+  // rounded down, since a few CTAs past the wave would take a second round of its latency.
   const int64_t ctas = std::max<int64_t>(1, busy_tiles(a, p.max_q_len) * prob.Hkv);
   a.splits = static_cast<int32_t>(
       std::clamp<int64_t>(int64_t(kPagedAttnCtasPerSm) * num_sms() / ctas, 1, kMaxSplits));

@@ -17,9 +17,9 @@
 // - columns (kColumns true, 16 rows: a decode call whose max_q_len x G rows fit in one MMA row
 //   tile, e.g. one token x 16 heads): each warp owns every row and a quarter of each block's keys,
 //   loads and converts that slice itself and keeps its own online softmax, so the warps meet no
-//   barrier in the block loop. At the end the four warps' (max, sum,
-//   output) are merged in shared memory in warp order. A row tile of 64 would spend 3/4 of its
-//   MMAs, shared reads and softmax on empty rows here.
+//   barrier in the block loop. At the end the four warps' (max, sum, output) are merged in
+//   shared memory in warp order. A row tile of 64 would spend 3/4 of its MMAs, shared reads and
+//   softmax on empty rows here.
 // Online softmax in registers (exp2, signed scale folded into the scores).
 // E4M3 caches (kE4M3): K(u) and V(u) are copied as codes and converted, when they land, into one
 // 16-bit tile that holds K(u) for S and then V(u) for P V (device/e4m3.cuh: every warp reads the
@@ -76,7 +76,6 @@ struct PagedAttnTraits {
       Tiles t;
       Merge merge;
     };
-    int32_t num_union;
   };
   // Followed by the union arrays: uint64 mask[cap], uint32 key[cap], int32 block[cap].
   static constexpr size_t kUnionOffset = (sizeof(SharedStorage) + 15) / 16 * 16;
@@ -326,6 +325,23 @@ __device__ __forceinline__ void with_tile_mma(const Mma& mma, int t, const TQ& s
   body(m);
 }
 
+// Block b's scores (in m, after qk) to P, in either layout: the page's K scale (E4M3) into the
+// score scale, the online softmax step (key0: the key of the thread's column 0), then the page's
+// V scale (E4M3) into P after the row sums. Returns P in the MMAs' element type.
+template <bool kE4M3, class M, class St>
+__device__ __forceinline__ auto paged_block_p(const PagedAttnArgs& a, const PagedTile& pt, M& m, St& st, int32_t b,
+                                              int32_t key0, uint64_t mask) {
+  float scale_log2 = a.scale_log2;
+  if constexpr (kE4M3) scale_log2 *= page_scale(a.k_scale, a.k_scale_step, page_of(a, pt.pages, b));
+  paged_softmax_step(m.S, m.cSrc, m.O, key0, mask, scale_log2, st);
+  if constexpr (kE4M3) {
+    const float vs = page_scale(a.v_scale, a.v_scale_step, page_of(a, pt.pages, b));
+#pragma unroll
+    for (int i = 0; i < size(m.accS); ++i) m.accS(i) *= vs;
+  }
+  return m.p_of();
+}
+
 // ---- Row layout: 64 rows, warps over M, every key of a block per warp.
 template <class Traits>
 __device__ inline void paged_attn_rows(const PagedAttnArgs& a, typename Traits::SharedStorage& ss,
@@ -394,15 +410,7 @@ __device__ inline void paged_attn_rows(const PagedAttnArgs& a, typename Traits::
         cp_async_commit();
       }
 
-      float scale_log2 = a.scale_log2;
-      if constexpr (Traits::kE4M3) scale_log2 *= page_scale(a.k_scale, a.k_scale_step, page_of(a, pt.pages, b));
-      paged_softmax_step(m.S, m.cSrc, m.O, b * kBlockN, mask, scale_log2, st);
-      if constexpr (Traits::kE4M3) {  // V(u)'s scale, after the row sums
-        const float vs = page_scale(a.v_scale, a.v_scale_step, page_of(a, pt.pages, b));
-#pragma unroll
-        for (int i = 0; i < size(m.accS); ++i) m.accS(i) *= vs;
-      }
-      auto rP = m.p_of();
+      auto rP = paged_block_p<Traits::kE4M3>(a, pt, m, st, b, b * kBlockN, mask);
 
       if (more) cp_async_wait<1>(); else cp_async_wait<0>();  // V(u)
       __syncthreads();
@@ -523,15 +531,7 @@ __device__ inline void paged_attn_columns(const PagedAttnArgs& a, typename Trait
         cp_async_commit();
       }
 
-      float scale_log2 = a.scale_log2;
-      if constexpr (Traits::kE4M3) scale_log2 *= page_scale(a.k_scale, a.k_scale_step, page_of(a, pt.pages, b));
-      paged_softmax_step(m.S, m.cSrc, m.O, b * kBlockN + warp * kWarpN, mask, scale_log2, st);
-      if constexpr (Traits::kE4M3) {
-        const float vs = page_scale(a.v_scale, a.v_scale_step, page_of(a, pt.pages, b));
-#pragma unroll
-        for (int i = 0; i < size(m.accS); ++i) m.accS(i) *= vs;
-      }
-      auto rP = m.p_of();
+      auto rP = paged_block_p<Traits::kE4M3>(a, pt, m, st, b, b * kBlockN + warp * kWarpN, mask);
 
       cp_async_wait<1>();  // V(u) (the group after it: K(u + 1), possibly empty)
       __syncwarp();
