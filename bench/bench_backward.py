@@ -183,14 +183,15 @@ def bench_case(msa, cfg: str, L: int, B: int, args, timer: Timer, device, dtype,
         def bwd(kl: bool, det: bool = False):
             return lambda: torch.ops.msa.backward(
                 dout, q, kk, v, out, lse, qi, ki, bi, cu, kl_grad, False, Bk, scale, 0.0, kl, kl,
-                det, args.kl_pass)
+                det, args.kl_pass, dq_pass=args.dq_pass, bwd_chunk_tokens=args.bwd_chunk_tokens)
 
         xs = [t.detach().clone().requires_grad_(True) for t in (q, kk, v, qi, ki)]
 
         def step(klv: bool):
             def run():
                 o, kl = msa.sparse_attention(*xs, k, Bk, kl_value=klv, kl_pass=args.kl_pass,
-                                             fwd_pass=args.fwd_pass,
+                                             fwd_pass=args.fwd_pass, dq_pass=args.dq_pass,
+                                             bwd_chunk_tokens=args.bwd_chunk_tokens,
                                              select_scores=args.select_scores, **opts)
                 torch.autograd.backward([o, kl], [dout, torch.ones((), device=device)])
             return run
@@ -203,6 +204,8 @@ def bench_case(msa, cfg: str, L: int, B: int, args, timer: Timer, device, dtype,
         row["select_ms"] = timer.ms(lambda: msa.select_blocks(
             qi, ki, k, Bk, select_scores=args.select_scores, **opts), reps)
         row["select_scores"] = args.select_scores
+        row["dq_pass"] = args.dq_pass
+        row["bwd_chunk_tokens"] = args.bwd_chunk_tokens
         row["fwd_tflops"] = bf.tflops(fl, row["fwd_ms"])
         row["bwd_tflops"] = bf.tflops(2.5 * fl, row["bwd_ms"])
         row["bwd_kl_tflops"] = bf.tflops(2.5 * fl, row["bwd_kl_ms"])
@@ -254,6 +257,11 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fwd-pass", choices=["auto", "query_tile", "kv_block"], default="auto",
                     help="how the sparse forward walks its work (Options.fwd_pass)")
+    ap.add_argument("--dq-pass", choices=["auto", "query_tile", "from_ds"], default="auto",
+                    help="how the backward computes dq (Options::dq_pass)")
+    ap.add_argument("--bwd-chunk-tokens", type=int, default=0,
+                    help="tokens of one backward pass with dq from dS (Options::bwd_chunk_tokens; "
+                         "0: the library's choice)")
     ap.add_argument("--select-scores", choices=["input", "fp8"], default="input",
                     help="what the step's and the select column's selection ranks blocks by "
                          "(Options::select_scores; fwd and bwd run over the bf16 selection)")

@@ -113,6 +113,13 @@ msa::KlPass kl_pass_arg(const std::string& s) {
   bad_arg("kl_pass", "expected 'auto', 'fused', 'separate' or 'teacher', got '" + s + "'");
 }
 
+msa::DqPass dq_pass_arg(const std::string& s) {
+  if (s == "auto") return msa::DqPass::kAuto;
+  if (s == "query_tile") return msa::DqPass::kQueryTile;
+  if (s == "from_ds") return msa::DqPass::kFromDs;
+  bad_arg("dq_pass", "expected 'auto', 'query_tile' or 'from_ds', got '" + s + "'");
+}
+
 msa::FwdPass fwd_pass_arg(const std::string& s) {
   if (s == "auto") return msa::FwdPass::kAuto;
   if (s == "query_tile") return msa::FwdPass::kQueryTile;
@@ -325,7 +332,8 @@ NB_MODULE(_C, m) {
          const Array& dk, const Array& dv, const OptArray& q_idx, const OptArray& k_idx,
          const OptArray& dq_idx, const OptArray& dk_idx, const OptArray& kl_grad, float kl_weight,
          const nb::int_& mode, const nb::int_& block_size, float scale, float scale_idx,
-         bool deterministic, const std::string& kl_pass, uintptr_t stream, bool check_values,
+         bool deterministic, const std::string& kl_pass, const std::string& dq_pass,
+         const nb::int_& bwd_chunk_tokens, uintptr_t stream, bool check_values,
          const nb::object& workspace_alloc) {
         msa::BackwardParams p;
         p.q = to_ref("q", q);
@@ -347,6 +355,8 @@ NB_MODULE(_C, m) {
         p.kl_weight = kl_weight;
         p.opts = options(mode, block_size, nb::int_(16), nb::int_(0), nb::int_(1), scale, scale_idx, deterministic);
         p.opts.kl_pass = kl_pass_arg(kl_pass);
+        p.opts.dq_pass = dq_pass_arg(dq_pass);
+        p.opts.bwd_chunk_tokens = int32_arg("bwd_chunk_tokens", bwd_chunk_tokens);
         run(p, stream, check_values, workspace_alloc, [](const msa::BackwardParams& x) { return msa::backward(x); });
       },
       nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("lse"), nb::arg("dout"),
@@ -355,7 +365,8 @@ NB_MODULE(_C, m) {
       nb::arg("dq_idx").none() = nb::none(), nb::arg("dk_idx").none() = nb::none(),
       nb::arg("kl_grad").none() = nb::none(), nb::arg("kl_weight") = 1.f, nb::arg("mode") = 0,
       nb::arg("block_size") = 128, nb::arg("scale") = 0.f, nb::arg("scale_idx") = 0.f,
-      nb::arg("deterministic") = false, nb::arg("kl_pass") = "auto", nb::arg("stream") = 0,
+      nb::arg("deterministic") = false, nb::arg("kl_pass") = "auto", nb::arg("dq_pass") = "auto",
+      nb::arg("bwd_chunk_tokens") = 0, nb::arg("stream") = 0,
       nb::arg("check_values") = true, nb::arg("workspace_alloc") = nb::none());
 
   m.def(

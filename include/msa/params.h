@@ -39,6 +39,18 @@ enum class KlPass : int32_t { kAuto = 0, kFused = 1, kSeparate = 2, kTeacher = 3
 // backend has one implementation and accepts every value.
 enum class FwdPass : int32_t { kAuto = 0, kQueryTile = 1, kKvBlock = 2 };
 
+// How a backend computes dq in the sparse backward. kQueryTile: a tile of query rows visits the
+// union of its tokens' selections and recomputes the scores S and dP there, so its cost grows
+// with how differently neighbouring tokens select. kFromDs: the KV-side pass, which computes S
+// and dP once per selected (token, block), also writes dS to the workspace, and a query-tile
+// pass multiplies it by K (only that product runs over the union); the backward then runs in
+// passes of `bwd_chunk_tokens` tokens (the dS of one pass is the workspace). kAuto: the
+// backend's choice (CUDA: kFromDs in sparse mode where it can run, kQueryTile otherwise).
+// kNotSupported naming 'dq_pass' where kFromDs cannot run (CUDA: it needs Hq / Hi a power of two
+// from 4 to 64, top_k <= 32, and the KL gradient, if any, by kTeacher). The CPU backend has one
+// implementation and accepts every value. Results agree to rounding.
+enum class DqPass : int32_t { kAuto = 0, kQueryTile = 1, kFromDs = 2 };
+
 // The scores the selection ranks blocks by (docs/contract.md §2). kInput: the index inputs' own
 // values. kFp8: E4M3 copies of them (a scale per q_idx row and per block of k_idx keys), which
 // halves the bytes and doubles the tensor-core rate of long-context selection; the selection
@@ -68,6 +80,10 @@ struct Options {
   // kFp8: FP8-scored candidates beyond a row's free slots that the inputs' own scores rank again
   // (0: the FP8 scores decide alone); 0 ... 64, ignored with kInput.
   int32_t fp8_rerank = 4;
+  DqPass dq_pass = DqPass::kAuto;
+  // dq_pass = kFromDs: query tokens per pass of the backward (0: as many as keep one pass's dS
+  // near 8 GiB: 32K tokens with 64 query heads, k = 16, Bk = 128).
+  int32_t bwd_chunk_tokens = 0;
 };
 
 // Per-call execution context. `stream` is a cudaStream_t for CUDA tensors (nullptr: the legacy

@@ -184,6 +184,8 @@ def sparse_attention(
     fwd_pass: str = "auto",
     select_scores: str = "input",
     fp8_rerank: int = 4,
+    dq_pass: str = "auto",
+    bwd_chunk_tokens: int = 0,
 ):
     """MSA training attention: index selection, sparse attention, KL loss (contract §2-§4).
 
@@ -232,6 +234,14 @@ def sparse_attention(
             inputs' scores). See :func:`select_blocks`.
         fp8_rerank: with "fp8", how many candidates beyond a row's free slots the FP8 scores
             shortlist for the inputs' own scores to rank again (0: the FP8 scores decide).
+        dq_pass: how the backward computes dq: "auto" (the backend's choice; CUDA: "from_ds"
+            where it can run), "query_tile" (a tile of query rows visits the union of its
+            tokens' selections and recomputes the scores there) or "from_ds" (the KV-side pass
+            writes dS and a query-tile pass multiplies it by K: the scores are computed once
+            whatever the overlap of neighbouring selections; NotImplementedError where it
+            cannot run). Results agree to rounding; the CPU backend has one implementation.
+        bwd_chunk_tokens: with "from_ds", the tokens of one pass of the backward (0: as many
+            as keep one pass's dS near 8 GiB).
 
     Returns:
         ``(out, kl)``, then ``lse`` and ``block_idx`` when asked for, in that order.
@@ -268,7 +278,7 @@ def sparse_attention(
         q, k, v, q_idx, k_idx, None if select else block_idx, cu, False, select, block_size,
         top_k, sink_blocks, local_blocks, _scale("scale", scale), _scale("scale_idx", scale_idx),
         bool(kl_value) and has_idx, bool(deterministic), kl_pass, fwd_pass, select_scores,
-        _int("fp8_rerank", fp8_rerank, 0, 64))
+        _int("fp8_rerank", fp8_rerank, 0, 64), dq_pass, _int("bwd_chunk_tokens", bwd_chunk_tokens, 0))
     result = (out, kl)
     if return_lse:
         result += (lse,)

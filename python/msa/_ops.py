@@ -95,6 +95,7 @@ _KL_PASSES = ("auto", "fused", "separate", "teacher")
 
 
 _FWD_PASSES = ("auto", "query_tile", "kv_block")
+_DQ_PASSES = ("auto", "query_tile", "from_ds")
 _SELECT_SCORES = ("input", "fp8")
 
 
@@ -102,6 +103,12 @@ def _need_fwd_pass(fwd_pass: str) -> None:
     if fwd_pass not in _FWD_PASSES:
         raise ValueError(f"msa: argument 'fwd_pass': expected 'auto', 'query_tile' or "
                          f"'kv_block', got {fwd_pass!r}")
+
+
+def _need_dq_pass(dq_pass: str) -> None:
+    if dq_pass not in _DQ_PASSES:
+        raise ValueError(f"msa: argument 'dq_pass': expected 'auto', 'query_tile' or "
+                         f"'from_ds', got {dq_pass!r}")
 
 
 def _need_select_scores(select_scores: str) -> None:
@@ -188,6 +195,8 @@ def forward(
     fwd_pass: str = "auto",
     select_scores: str = "input",
     fp8_rerank: int = 4,
+    dq_pass: str = "auto",
+    bwd_chunk_tokens: int = 0,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(out [T, Hq, D] dtype of q, lse [T, Hq] fp32, block_idx, kl 0-dim fp32).
 
@@ -198,11 +207,14 @@ def forward(
     (Options.fwd_pass: "auto", "query_tile" or "kv_block"). ``select_scores``: the scores a
     selection made here ranks blocks by (Options.select_scores: "input" or "fp8"), and
     ``fp8_rerank`` how many FP8-scored candidates beyond the free slots the inputs' scores rank
-    again (Options.fp8_rerank).
+    again (Options.fp8_rerank). ``dq_pass`` and ``bwd_chunk_tokens`` are for the autograd
+    backward (see ``msa::backward``); they are checked here.
     """
     _need_kl_pass(kl_pass)
     _need_fwd_pass(fwd_pass)
     _need_select_scores(select_scores)
+    _need_dq_pass(dq_pass)
+    _need_int("bwd_chunk_tokens", bwd_chunk_tokens, 0)
     _need_rank("q", q, 3, "[T, Hq, D]")
     T, Hq, _ = q.shape
     dev = q.device
@@ -235,10 +247,12 @@ def forward(
 @forward.register_fake
 def _(q, k, v, q_idx, k_idx, block_idx, cu_seqlens, dense, select, block_size, top_k,
       sink_blocks, local_blocks, scale, scale_idx, want_kl, deterministic, kl_pass="auto",
-      fwd_pass="auto", select_scores="input", fp8_rerank=4):
+      fwd_pass="auto", select_scores="input", fp8_rerank=4, dq_pass="auto", bwd_chunk_tokens=0):
     _need_kl_pass(kl_pass)
     _need_fwd_pass(fwd_pass)
     _need_select_scores(select_scores)
+    _need_dq_pass(dq_pass)
+    _need_int("bwd_chunk_tokens", bwd_chunk_tokens, 0)
     T, Hq, D = q.shape
     out = q.new_empty((T, Hq, D))
     lse = q.new_empty((T, Hq), dtype=torch.float32)
@@ -277,6 +291,8 @@ def backward(
     deterministic: bool,
     kl_pass: str = "auto",
     check_values: bool = True,
+    dq_pass: str = "auto",
+    bwd_chunk_tokens: int = 0,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dq_idx, dk_idx).
 
@@ -285,9 +301,14 @@ def backward(
     the tensors' device, so no host sync; None means gamma = 1). ``kl_pass``: how the KL
     gradient is computed, "auto" | "fused" | "separate" | "teacher" (msa::KlPass; the CPU
     backend takes them all alike). ``check_values``: whether the CUDA backend checks the values of
-    ``cu_seqlens`` and ``block_idx`` first (a host wait; the CPU always checks).
+    ``cu_seqlens`` and ``block_idx`` first (a host wait; the CPU always checks). ``dq_pass``: how
+    the sparse backward computes dq, "auto" | "query_tile" | "from_ds" (msa::DqPass), and
+    ``bwd_chunk_tokens`` the tokens of one of its passes with "from_ds" (0: the backend's
+    choice).
     """
     _need_kl_pass(kl_pass)
+    _need_dq_pass(dq_pass)
+    _need_int("bwd_chunk_tokens", bwd_chunk_tokens, 0)
     _need_rank("q", q, 3, "[T, Hq, D]")
     _need_rank("k", k, 3, "[T, Hkv, D]")
     dev = q.device
@@ -311,15 +332,17 @@ def backward(
             kl_grad if want_idx else None, kl_weight=1.0,
             mode=_MODE_DENSE if dense else _MODE_SPARSE, block_size=block_size,
             scale=scale, scale_idx=scale_idx, deterministic=deterministic, kl_pass=kl_pass,
-            check_values=check_values)
+            dq_pass=dq_pass, bwd_chunk_tokens=bwd_chunk_tokens, check_values=check_values)
     return dq, dk, dv, dq_idx, dk_idx
 
 
 @backward.register_fake
 def _(dout, q, k, v, out, lse, q_idx, k_idx, block_idx, cu_seqlens, kl_grad, dense,
       block_size, scale, scale_idx, want_dq_idx, want_dk_idx, deterministic, kl_pass="auto",
-      check_values=True):
+      check_values=True, dq_pass="auto", bwd_chunk_tokens=0):
     _need_kl_pass(kl_pass)
+    _need_dq_pass(dq_pass)
+    _need_int("bwd_chunk_tokens", bwd_chunk_tokens, 0)
     dq = q.new_empty(q.shape)
     dk = q.new_empty(k.shape)
     dv = q.new_empty(k.shape)
@@ -381,6 +404,8 @@ def _forward_setup_context(ctx, inputs, output):
     (q, k, v, q_idx, k_idx, block_idx, cu_seqlens, dense, select, block_size, top_k,
      sink_blocks, local_blocks, scale, scale_idx, want_kl, deterministic) = inputs[:17]
     kl_pass = inputs[17] if len(inputs) > 17 else "auto"
+    dq_pass = inputs[21] if len(inputs) > 21 else "auto"
+    bwd_chunk_tokens = inputs[22] if len(inputs) > 22 else 0
     out, lse, bi_out, kl = output
     support = None if dense else (bi_out if select else block_idx)
     ctx.save_for_backward(q, k, v, q_idx, k_idx, support, cu_seqlens, out, lse)
@@ -390,6 +415,8 @@ def _forward_setup_context(ctx, inputs, output):
     ctx.scale_idx = scale_idx
     ctx.deterministic = deterministic
     ctx.kl_pass = kl_pass
+    ctx.dq_pass = dq_pass
+    ctx.bwd_chunk_tokens = bwd_chunk_tokens
     ctx.num_inputs = len(inputs)
     ctx.has_idx = q_idx is not None and k_idx is not None
     ctx.mark_non_differentiable(lse, bi_out)
@@ -412,7 +439,8 @@ def _forward_backward(ctx, grad_out, grad_lse, grad_bi, grad_kl):
     dq, dk, dv, dq_idx, dk_idx = backward(
         grad_out, q, k, v, out, lse, q_idx, k_idx, support, cu_seqlens, kl_grad, ctx.dense,
         ctx.block_size, ctx.scale, ctx.scale_idx, want_dq_idx, want_dk_idx, ctx.deterministic,
-        kl_pass=ctx.kl_pass, check_values=q.device.type != "cuda")
+        kl_pass=ctx.kl_pass, check_values=q.device.type != "cuda", dq_pass=ctx.dq_pass,
+        bwd_chunk_tokens=ctx.bwd_chunk_tokens)
     return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None,
             dq_idx if want_dq_idx else None, dk_idx if want_dk_idx else None) + (None,) * (ctx.num_inputs - 5)
 

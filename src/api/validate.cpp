@@ -383,6 +383,13 @@ Status option_ranges(const Check& c, const Options& o) {
                        o.fwd_pass == FwdPass::kKvBlock,
                    "must be kAuto, kQueryTile or kKvBlock, got " +
                        std::to_string(static_cast<int32_t>(o.fwd_pass))));
+  MSA_TRY(c.option("dq_pass",
+                   o.dq_pass == DqPass::kAuto || o.dq_pass == DqPass::kQueryTile ||
+                       o.dq_pass == DqPass::kFromDs,
+                   "must be kAuto, kQueryTile or kFromDs, got " +
+                       std::to_string(static_cast<int32_t>(o.dq_pass))));
+  MSA_TRY(c.option("bwd_chunk_tokens", o.bwd_chunk_tokens >= 0,
+                   "must be non-negative, got " + std::to_string(o.bwd_chunk_tokens)));
   MSA_TRY(c.option("fwd_chunk_tokens", o.fwd_chunk_tokens >= 0,
                    "must be non-negative, got " + std::to_string(o.fwd_chunk_tokens)));
   MSA_TRY(c.option("kl_teacher_bytes", o.kl_teacher_bytes >= 0,

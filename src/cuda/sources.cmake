@@ -19,7 +19,7 @@ if(MSA_CUDA_FAST_BUILD)
 endif()
 # Kernel families: the launch function of host/launch.cuh and its Args struct (host/args.h).
 set(MSA_CUDA_FAMILIES "forward FwdArgs" "fwd_kv FwdKvArgs" "select SelectArgs" "bwd_q BwdQArgs"
-    "bwd_kv BwdKvArgs" "kl KlArgs" "kl_grad KlArgs" "paged_score PagedScoreArgs" "paged_attn PagedAttnArgs")
+    "bwd_dq BwdDqArgs" "bwd_kv BwdKvArgs" "kl KlArgs" "kl_grad KlArgs" "paged_score PagedScoreArgs" "paged_attn PagedAttnArgs")
 
 set(MSA_CUDA_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/host/forward.cu

@@ -574,7 +574,8 @@ class CudaVsCpu : public ::testing::TestWithParam<CudaCase> {
   // (kl_grad on the device) when `kl`, by Options.kl_pass `pass` (kl_teacher_bytes: `teacher_bytes`).
   GpuGrads gpu_backward(Mode mode, HostTensor* bi, const BwdCase& b, bool kl, float kl_weight, float kl_grad,
                         bool deterministic = false, msa::Status* status = nullptr,
-                        msa::KlPass pass = msa::KlPass::kAuto, int64_t teacher_bytes = 0) {
+                        msa::KlPass pass = msa::KlPass::kAuto, int64_t teacher_bytes = 0,
+                        msa::DqPass dq_pass = msa::DqPass::kAuto, int32_t bwd_chunk = 0) {
     const Config& c = cfg();
     const int64_t T = p().T;
     HostTensor out_lo = b.out_lo, dout_lo = b.dout_lo, lse = b.fwd.lse;
@@ -614,6 +615,8 @@ class CudaVsCpu : public ::testing::TestWithParam<CudaCase> {
     bp.opts.deterministic = deterministic;
     bp.opts.kl_pass = pass;
     bp.opts.kl_teacher_bytes = teacher_bytes;
+    bp.opts.dq_pass = dq_pass;
+    bp.opts.bwd_chunk_tokens = bwd_chunk;
     bp.launch.stream = s();
     const size_t ws_bytes = msa::workspace_size(bp);
     DeviceTensor ws(DType::kInt32, {static_cast<int64_t>((ws_bytes + 3) / 4)});
@@ -856,6 +859,55 @@ TEST_P(CudaVsCpu, BackwardGivenBlockIdx) {
     gpu_backward(Mode::kSparse, &bi, b, true, 0.5f, 1.5f, false, &st);
     EXPECT_EQ(st.code, StatusCode::kNotSupported) << st.message;
     EXPECT_NE(st.message.find("argument 'q_idx'"), std::string::npos) << st.message;
+  }
+}
+
+// dq from dS (Options.dq_pass): where it can run (Hq / Hi a power of two from 4 to 64, k <= 32)
+// kAuto takes it; the query tiles (kQueryTile) and kFromDs in passes of 97 tokens (dK and dV
+// then fp32 sums across passes; the KL gradient per pass) agree with the CPU backend, and two
+// calls in passes give the same bits. Elsewhere kFromDs is refused naming 'dq_pass'.
+TEST_P(CudaVsCpu, BackwardDqPasses) {
+  SKIP_UNLESS_BUILT(cfg(), true, false);
+  const Config& c = cfg();
+  const int gi = c.Hq / c.Hi;
+  const bool from_ds = gi >= 4 && gi <= 64 && (gi & (gi - 1)) == 0 && c.k <= 32;
+  HostTensor bi = scrambled_block_idx(p(), c.seed + 14);
+  BwdCase b = bwd_case(Mode::kSparse, &bi);
+  const bool kl = kl_on_gpu(c);
+  if (!from_ds) {
+    msa::Status st;
+    gpu_backward(Mode::kSparse, &bi, b, kl, 0.5f, 1.5f, false, &st, msa::KlPass::kAuto, 0, msa::DqPass::kFromDs);
+    EXPECT_EQ(st.code, StatusCode::kNotSupported) << st.message;
+    EXPECT_NE(st.message.find("argument 'dq_pass'"), std::string::npos) << st.message;
+    return;
+  }
+  const BwdResult ref = run_backward(wide(), &bi, Mode::kSparse, b.fwd, b.dout_w, 0.75);
+  const DType dt = c.dtype;
+  auto check = [&](const GpuGrads& g, const std::string& name) {
+    expect_grad_close(g.dq, ref.dq, dt, what(name + " dq"));
+    expect_grad_close(g.dk, ref.dk, dt, what(name + " dk"));
+    expect_grad_close(g.dv, ref.dv, dt, what(name + " dv"));
+    if (kl) {
+      expect_grad_close(g.dq_idx, ref.dq_idx, dt, what(name + " dq_idx"), kl_grad_tolerance(dt));
+      expect_grad_close(g.dk_idx, ref.dk_idx, dt, what(name + " dk_idx"), kl_grad_tolerance(dt));
+    }
+  };
+  check(gpu_backward(Mode::kSparse, &bi, b, kl, 0.5f, 1.5f, false, nullptr, msa::KlPass::kAuto, 0,
+                     msa::DqPass::kQueryTile),
+        "query-tile dq:");
+  const GpuGrads g1 = gpu_backward(Mode::kSparse, &bi, b, kl, 0.5f, 1.5f, true, nullptr, msa::KlPass::kAuto, 0,
+                                   msa::DqPass::kFromDs, 97);
+  check(g1, "dq from dS in passes of 97 tokens:");
+  const GpuGrads g2 = gpu_backward(Mode::kSparse, &bi, b, kl, 0.5f, 1.5f, true, nullptr, msa::KlPass::kAuto, 0,
+                                   msa::DqPass::kFromDs, 97);
+  const std::tuple<const HostTensor*, const HostTensor*, const char*> same[] = {
+      {&g1.dq, &g2.dq, "dq"}, {&g1.dk, &g2.dk, "dk"}, {&g1.dv, &g2.dv, "dv"},
+      {&g1.dq_idx, &g2.dq_idx, "dq_idx"}, {&g1.dk_idx, &g2.dk_idx, "dk_idx"}};
+  for (auto [x, y, name] : same) {
+    if (!kl && std::string(name).find("idx") != std::string::npos) continue;
+    int64_t diff = 0;
+    for (int64_t e = 0; e < x->numel(); ++e) diff += !(x->get(e) == y->get(e));
+    EXPECT_EQ(diff, 0) << what(name) << ": two calls in passes of 97 tokens differ";
   }
 }
 

@@ -235,6 +235,33 @@ def test_kl_pass(x):
             block_size=Bk, kl_pass="Auto")
 
 
+def test_dq_pass(x):
+    q, k, v, qi, ki = x
+    for t in (q, k, v, qi, ki):
+        t.requires_grad_(True)
+    _raises("dq_pass", msa.sparse_attention, q, k, v, qi, ki, 2, Bk, dq_pass="kv")
+    _raises("bwd_chunk_tokens", msa.sparse_attention, q, k, v, qi, ki, 2, Bk, bwd_chunk_tokens=-1)
+    grads = {}
+    for dp, chunk in (("auto", 0), ("query_tile", 0), ("from_ds", 0), ("from_ds", 5)):
+        out, kl = msa.sparse_attention(q, k, v, qi, ki, 2, Bk, dq_pass=dp, bwd_chunk_tokens=chunk)
+        grads[dp, chunk] = torch.autograd.grad(out.square().sum() + 3 * kl, (q, k, v, qi, ki))
+    for key, g in grads.items():  # the CPU backend has one implementation
+        for a, b in zip(g, grads["auto", 0]):
+            assert torch.equal(a, b), key
+    qd, kd, vd, qid, kid = (t.detach() for t in (q, k, v, qi, ki))
+    bi = msa.select_blocks(qid, kid, 2, Bk)
+    out, lse, _, _ = torch.ops.msa.forward(qd, kd, vd, qid, kid, bi, None, False, False, Bk, 2,
+                                           0, 1, 0.0, 0.0, False, False)
+    dout = torch.randn_like(out)
+    _raises("dq_pass", torch.ops.msa.backward, dout, qd, kd, vd, out, lse, qid, kid, bi, None,
+            None, False, Bk, 0.0, 0.0, True, True, False, dq_pass="ds")
+    dq, dk, dv = torch.empty_like(qd), torch.empty_like(kd), torch.empty_like(vd)
+    _raises("dq_pass", _C.backward, qd, kd, vd, out, lse, dout, None, bi, dq, dk, dv,
+            block_size=Bk, dq_pass="FromDs")
+    _raises("bwd_chunk_tokens", _C.backward, qd, kd, vd, out, lse, dout, None, bi, dq, dk, dv,
+            block_size=Bk, bwd_chunk_tokens=-2)
+
+
 def test_fwd_pass(x):
     q, k, v, qi, ki = x
     _raises("fwd_pass", msa.sparse_attention, q, k, v, qi, ki, 2, Bk, fwd_pass="kv")

@@ -16,6 +16,12 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool pr
   const int n = pred ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
 }
+// 8-byte cp.async with zero fill.
+__device__ __forceinline__ void cp_async8(void* smem, const void* gmem, bool pred) {
+  const uint32_t s = cute::cast_smem_ptr_to_uint(smem);
+  const int n = pred ? 8 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
+}
 // 4-byte cp.async with zero fill.
 __device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool pred) {
   const uint32_t s = cute::cast_smem_ptr_to_uint(smem);

@@ -189,6 +189,29 @@ struct BwdKvArgs : KvSideArgs {
   void *dk = nullptr, *dv = nullptr;
   int64_t dk_s0 = 0, dk_s1 = 0, dv_s0 = 0, dv_s1 = 0;
   float scale = 0.f, scale_log2 = 0.f;  // signed
+  // dq from dS (Options.dq_pass = kFromDs): every entry's dS, in the element type (the values
+  // the dK product uses), to ds[((t - ds_tok_lo) * Hi + i) * top_k + slot] as a [Bk keys][Gi
+  // heads] tile (dS^T of token t, index head i, block_idx column slot); null: not written.
+  void* ds = nullptr;
+  int64_t ds_tok_lo = 0;
+  // Passes of tokens: dK (unscaled) and dV are added to these fp32 [T, Hkv, D] sums (zeroed
+  // before the first pass) instead of written; null: written to dk and dv.
+  float *dk_acc = nullptr, *dv_acc = nullptr;
+};
+
+// dq from dS (kernels/bwd_dq_kernel.cuh): dq = scale * sum over the selected blocks of dS K for
+// the tokens [tok_lo, tok_hi) of a pass, from the dS tiles bwd_kv_kernel wrote (BwdKvArgs::ds).
+// The grid covers the query-tile ids [tile_lo, tile_lo + num_tiles); tiles with no token in the
+// pass do nothing.
+struct BwdDqArgs : QueryTileArgs {
+  const void *k = nullptr, *v = nullptr;  // v: only for the K stream's descriptors (never read)
+  int64_t k_s0 = 0, k_s1 = 0, v_s0 = 0, v_s1 = 0;
+  const void* ds = nullptr;
+  int64_t tok_lo = 0, tok_hi = 0;
+  int64_t tile_lo = 0;
+  void* dq = nullptr;
+  int64_t dq_s0 = 0, dq_s1 = 0;
+  float scale = 0.f;  // signed
 };
 
 // Attention forward, KV-block-outer (kernels/fwd_kv_kernel.cuh) over the tokens [tok_lo, tok_hi)

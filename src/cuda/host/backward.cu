@@ -13,12 +13,20 @@
 //               a pass of its own takes the sums;             in passes over the records)
 //               Hq / Hi not a power of two: a separate pass  (kl_kernel))
 //              scale by gamma * scale_idx / (N Hi), convert  (finalize_grad_kernel)
+// sparse mode with dq from dS (Options.dq_pass; backward_from_ds), in passes of tokens:
+//            Delta, then per pass: the reverse index of its rows; LSE_idx of its rows (KL);
+//            dk, dv (fp32 sums across passes), the teacher and the pass's dS tiles
+//                                                            (bwd_kv_kernel)
+//            the KL gradient's sums                          (kl_grad_kernel)
+//            dq = scale * dS K                               (bwd_dq_kernel, query side)
+//            then dk, dv from the sums (several passes)      (finalize_dkv_kernel)
 // kl value:  reverse index, LSE_idx, kl_kernel's per-row terms, then finalize_kl_kernel.
 //
 // Every step is deterministic: no floating-point atomics anywhere. Plans, Args and limits are in
 // plan.cu, the reverse index and work lists in reverse_index.cu.
 #include <cuda_runtime.h>
 
+#include <cutlass/array.h>
 #include <cutlass/numeric_types.h>
 
 #include <algorithm>
@@ -73,6 +81,31 @@ __global__ void finalize_grad_kernel(const unsigned long long* acc, int64_t rows
     const int32_t h = static_cast<int32_t>(row - t * H);
     const double v = static_cast<double>(static_cast<long long>(acc[e])) * coef;
     out[t * s0 + h * s1 + d] = static_cast<Element>(static_cast<float>(v));
+  }
+}
+
+// dk = scale * dk_sum, dv = dv_sum: the fp32 sums of the backward's passes of tokens
+// ([T, Hkv, D], contiguous) into the outputs' element type.
+template <class Element>
+__global__ void finalize_dkv_kernel(const float* dk_sum, const float* dv_sum, int64_t T, int32_t Hkv,
+                                    int32_t D, Element* dk, int64_t dk_s0, int64_t dk_s1, Element* dv,
+                                    int64_t dv_s0, int64_t dv_s1, float scale) {
+  const int64_t n = T * Hkv * D / 2;  // D is even
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = 2 * e / D;
+    const int32_t d = static_cast<int32_t>(2 * e - row * D);
+    const int64_t t = row / Hkv;
+    const int32_t h = static_cast<int32_t>(row - t * Hkv);
+    const float2 k2 = reinterpret_cast<const float2*>(dk_sum)[e];
+    const float2 v2 = reinterpret_cast<const float2*>(dv_sum)[e];
+    cutlass::Array<Element, 2> a, b;
+    a[0] = static_cast<Element>(k2.x * scale);
+    a[1] = static_cast<Element>(k2.y * scale);
+    b[0] = static_cast<Element>(v2.x);
+    b[1] = static_cast<Element>(v2.y);
+    *reinterpret_cast<cutlass::Array<Element, 2>*>(dk + t * dk_s0 + h * dk_s1 + d) = a;
+    *reinterpret_cast<cutlass::Array<Element, 2>*>(dv + t * dv_s0 + h * dv_s1 + d) = b;
   }
 }
 
@@ -178,6 +211,113 @@ Status finalize_grad(const unsigned long long* acc, int64_t T, int32_t H, int32_
   return Status::Ok();
 }
 
+// The KL gradient's sums scaled into dq_idx and dk_idx (finalize_grad_kernel).
+Status finalize_kl_grad(const Problem& prob, const BackwardParams& p, const Plan& pl, void* ws,
+                        cudaStream_t stream) {
+  const float* kl_grad = p.kl_grad.defined() ? static_cast<const float*>(p.kl_grad.data) : nullptr;
+  const double base = static_cast<double>(p.kl_weight) * prob.opts.scale_idx /
+                      (static_cast<double>(prob.T) * prob.Hi);
+  const bool bf16 = p.q_idx.dtype == DType::kBFloat16;
+  for (int which = 0; which < 2; ++which) {
+    const TensorRef& out = which == 0 ? p.dq_idx : p.dk_idx;
+    if (!out.defined()) continue;
+    const auto* acc = at<unsigned long long>(ws, which == 0 ? pl.dq_acc : pl.dk_acc);
+    const int32_t H = which == 0 ? prob.Hi : prob.Hik;
+    MSA_TRY(bf16 ? finalize_grad<cutlass::bfloat16_t>(acc, prob.T, H, prob.Di, out, kl_grad, base, stream)
+                 : finalize_grad<cutlass::half_t>(acc, prob.T, H, prob.Di, out, kl_grad, base, stream));
+  }
+  return Status::Ok();
+}
+
+// The sparse backward with dq from dS (pl.bwd_tokens > 0; KL gradient, if any, by kTeacher), in
+// passes of pl.bwd_tokens tokens. Each pass: the reverse index of its rows and the work list;
+// with the KL gradient, LSE_idx of its rows (kl_grad's LSE pass over its records and the
+// combine); bwd_kv (dK and dV, the teacher, the pass's dS tiles) and kl_grad over its records
+// (in passes of records when the teacher's budget needs them); then dq of its tokens
+// (bwd_dq_kernel). With one pass bwd_kv writes dK and dV; with several it adds them to fp32 sums
+// in pass order (deterministic), converted at the end. `kv`: bwd_kv's Args (delta set).
+Status backward_from_ds(const Problem& prob, const BackwardParams& p, const Plan& pl, BwdKvArgs kv,
+                        cudaStream_t stream) {
+  const char* fn = "backward";
+  void* ws = p.launch.workspace;
+  const bool grad_kl = pl.kl;  // by kTeacher (dq_from_ds)
+  const KlInputs kl_in{p.q, p.k, p.lse, p.q_idx, p.k_idx, p.cu_seqlens, p.block_idx};
+  KlArgs g;
+  if (grad_kl) {
+    MSA_TRY(zero_kl_sums(fn, pl, prob, ws, stream));
+    g = kl_args(prob, kl_in);
+    g.lse_idx = at<float>(ws, pl.lse_idx);
+    g.dq_idx = at<unsigned long long>(ws, pl.dq_acc);
+    g.dk_idx = at<unsigned long long>(ws, pl.dk_acc);
+    kv.teacher = g.teacher = at<float>(ws, pl.teacher_buf);
+    g.step_records = pl.step_records;
+    const cudaError_t e = cudaMemsetAsync(at<void>(ws, pl.lse_part), 0,
+                                          8 * size_t(prob.T) * prob.Hi * size_t(prob.k), stream);
+    if (e != cudaSuccess) return cuda_error(fn, e);
+  }
+  kv.ds = at<void>(ws, pl.ds);
+  if (pl.bwd_passes > 1) {
+    kv.dk_acc = at<float>(ws, pl.dk_sum);
+    kv.dv_acc = at<float>(ws, pl.dv_sum);
+    const size_t bytes = sizeof(float) * size_t(prob.T) * prob.Hkv * prob.D;
+    cudaError_t e = cudaMemsetAsync(kv.dk_acc, 0, bytes, stream);
+    if (e == cudaSuccess) e = cudaMemsetAsync(kv.dv_acc, 0, bytes, stream);
+    if (e != cudaSuccess) return cuda_error(fn, e);
+  }
+  BwdDqArgs dq = bwd_dq_args(prob, p);
+  dq.ds = kv.ds;
+  for (int64_t c0 = 0; c0 < prob.T; c0 += pl.bwd_tokens) {
+    const int64_t c1 = std::min<int64_t>(prob.T, c0 + pl.bwd_tokens);
+    MSA_TRY(build_entries(fn, pl, prob, p.block_idx, kv.cu_seqlens, kv.nseq, c0, c1, ws, stream, &kv.list));
+    MSA_TRY(build_work(fn, pl, pl.kv, prob, kv.list, kv.cu_seqlens, kv.nseq, ws, stream, &kv.work, &kv.grid));
+    kv.ds_tok_lo = c0;
+    set_dq_pass(&dq, c0, c1);
+    MSA_TRY(dispatch(fn, "q", p.q.dtype, prob.D, prob.opts.block_size, [&](auto v) {
+      using V = decltype(v);
+      if (grad_kl) {
+        g.list = kv.list;
+        g.work = kv.work;
+        g.grid = kv.grid;
+        KlArgs l = g;  // LSE_idx of the pass's rows over their selected blocks, every record
+        l.pass_first = l.pass_end = 0;
+        l.lse_part = at<float>(ws, pl.lse_part);
+        MSA_TRY((launch_kl_grad<typename V::Element, V::kDim, V::kBlockN>(l, stream)));
+        const int64_t rows = (c1 - c0) * prob.Hi;
+        const int blocks = static_cast<int>(std::min<int64_t>((rows + 255) / 256, num_sms() * 32));
+        lse_combine_kernel<<<blocks, 256, 0, stream>>>(
+            reinterpret_cast<const float2*>(l.lse_part) + c0 * prob.Hi * prob.k, rows, prob.k,
+            at<float>(ws, pl.lse_idx) + c0 * prob.Hi);
+      }
+      for (int32_t pass = 0; pass < pl.passes; ++pass) {
+        if (grad_kl) {
+          kv.pass_first = g.pass_first = pass * pl.pass_records;
+          kv.pass_end = g.pass_end = (pass + 1) * pl.pass_records;
+        }
+        MSA_TRY((launch_bwd_kv<typename V::Element, V::kDim, V::kBlockN>(kv, stream)));
+        if (grad_kl) MSA_TRY((launch_kl_grad<typename V::Element, V::kDim, V::kBlockN>(g, stream)));
+      }
+      return launch_bwd_dq<typename V::Element, V::kDim, V::kBlockN>(dq, stream);
+    }));
+  }
+  if (pl.bwd_passes > 1) {
+    const int64_t n = prob.T * prob.Hkv * prob.D / 2;
+    const int blocks = static_cast<int>(std::min<int64_t>((n + 255) / 256, num_sms() * 32));
+    if (p.q.dtype == DType::kBFloat16)
+      finalize_dkv_kernel<cutlass::bfloat16_t><<<blocks, 256, 0, stream>>>(
+          kv.dk_acc, kv.dv_acc, prob.T, prob.Hkv, prob.D, static_cast<cutlass::bfloat16_t*>(p.dk.data),
+          p.dk.stride[0], p.dk.stride[1], static_cast<cutlass::bfloat16_t*>(p.dv.data), p.dv.stride[0],
+          p.dv.stride[1], prob.opts.scale);
+    else
+      finalize_dkv_kernel<cutlass::half_t><<<blocks, 256, 0, stream>>>(
+          kv.dk_acc, kv.dv_acc, prob.T, prob.Hkv, prob.D, static_cast<cutlass::half_t*>(p.dk.data),
+          p.dk.stride[0], p.dk.stride[1], static_cast<cutlass::half_t*>(p.dv.data), p.dv.stride[0],
+          p.dv.stride[1], prob.opts.scale);
+  }
+  if (grad_kl) MSA_TRY(finalize_kl_grad(prob, p, pl, ws, stream));
+  const cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? Status::Ok() : cuda_error(fn, e);
+}
+
 }  // namespace
 
 size_t backward_workspace(const Problem& prob, const BackwardParams& p) {
@@ -219,6 +359,7 @@ Status attention_backward(const Problem& prob, const BackwardParams& p) {
           prob.Hq, prob.D, delta);
   }
   BwdKvArgs kv = bwd_kv_args(prob, p, delta);
+  if (pl.bwd_tokens > 0) return backward_from_ds(prob, p, pl, kv, stream);
   MSA_TRY(kv_lists(fn, pl, pl.kv, prob, p.block_idx, ws, stream, &kv, false));
   const KlInputs kl_in{p.q, p.k, p.lse, p.q_idx, p.k_idx, p.cu_seqlens, p.block_idx};
   const bool fused = kv.q_idx != nullptr;  // bwd_kv_args set the index branch: KlRoute::kFused
@@ -275,20 +416,7 @@ Status attention_backward(const Problem& prob, const BackwardParams& p) {
     MSA_TRY(kv_lists(fn, pl, pl.kl_work, prob, p.block_idx, ws, stream, &a, true));
     MSA_TRY(run_kl(fn, pl, prob, kl_in, a, ws, stream));
   }
-  if (pl.kl) {
-    const float* kl_grad = p.kl_grad.defined() ? static_cast<const float*>(p.kl_grad.data) : nullptr;
-    const double base = static_cast<double>(p.kl_weight) * prob.opts.scale_idx /
-                        (static_cast<double>(prob.T) * prob.Hi);
-    const bool bf16 = p.q_idx.dtype == DType::kBFloat16;
-    for (int which = 0; which < 2; ++which) {
-      const TensorRef& out = which == 0 ? p.dq_idx : p.dk_idx;
-      if (!out.defined()) continue;
-      const auto* acc = at<unsigned long long>(ws, which == 0 ? pl.dq_acc : pl.dk_acc);
-      const int32_t H = which == 0 ? prob.Hi : prob.Hik;
-      MSA_TRY(bf16 ? finalize_grad<cutlass::bfloat16_t>(acc, prob.T, H, prob.Di, out, kl_grad, base, stream)
-                   : finalize_grad<cutlass::half_t>(acc, prob.T, H, prob.Di, out, kl_grad, base, stream));
-    }
-  }
+  if (pl.kl) MSA_TRY(finalize_kl_grad(prob, p, pl, ws, stream));
   const cudaError_t e = cudaGetLastError();
   return e == cudaSuccess ? Status::Ok() : cuda_error(fn, e);
 }

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <string>
 
+#include "../kernels/bwd_dq_kernel.cuh"
 #include "../kernels/bwd_kv_kernel.cuh"
 #include "../kernels/bwd_q_kernel.cuh"
 #include "../kernels/fp8_copy_kernel.cuh"
@@ -105,6 +106,13 @@ Status launch_bwd_q(const BwdQArgs& a, cudaStream_t stream) {
   using Traits = kern::BwdQTraits<Element, kHeadDim, kBlockN>;
   return detail::launch_query_tile<Traits, kern::BwdQParams<Traits>>("backward",
                                                                      kern::bwd_q_kernel<Traits>, a, stream);
+}
+
+template <class Element, int kHeadDim, int kBlockN>
+Status launch_bwd_dq(const BwdDqArgs& a, cudaStream_t stream) {
+  using Traits = kern::BwdDqTraits<Element, kHeadDim, kBlockN>;
+  return detail::launch_query_tile<Traits, kern::BwdDqParams<Traits>>("backward",
+                                                                      kern::bwd_dq_kernel<Traits>, a, stream);
 }
 
 template <class Element, int kDim, int kBlockN>

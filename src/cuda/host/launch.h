@@ -16,6 +16,9 @@ template <class Element, int kDim, int kBlockN>
 Status launch_select(const SelectArgs& a, cudaStream_t stream);
 template <class Element, int kHeadDim, int kBlockN>
 Status launch_bwd_q(const BwdQArgs& a, cudaStream_t stream);
+// dq = scale * dS K from the dS tiles bwd_kv wrote, for one pass of tokens.
+template <class Element, int kHeadDim, int kBlockN>
+Status launch_bwd_dq(const BwdDqArgs& a, cudaStream_t stream);
 // With the KL gradient when a.q_idx is set (kDim: D == Di), with the KL branch's teacher when
 // a.teacher is.
 template <class Element, int kHeadDim, int kBlockN>

@@ -168,6 +168,25 @@ KlRoute kl_route(const Problem& prob) {
   }
 }
 
+namespace {
+// Why dq cannot come from dS for this call (empty: it can).
+std::string dq_from_ds_limit(const Problem& prob, bool kl) {
+  const int32_t gi = prob.Hq / prob.Hi;
+  if (prob.opts.mode != Mode::kSparse) return "kFromDs needs mode kSparse";
+  if (gi < 4 || gi > 64 || (gi & (gi - 1)) != 0)
+    return "kFromDs needs Hq / Hi a power of two from 4 to 64 (a dS tile row holds 8 or 16 "
+           "bytes of heads), got " + std::to_string(gi);
+  if (prob.k > 32) return "kFromDs needs top_k <= 32, got " + std::to_string(prob.k);
+  if (kl && kl_route(prob) != KlRoute::kTeacher)
+    return "kFromDs needs the KL gradient by kl_pass kTeacher (or kAuto where it takes it)";
+  return "";
+}
+}  // namespace
+
+bool dq_from_ds(const Problem& prob, bool kl) {
+  return prob.opts.dq_pass != DqPass::kQueryTile && dq_from_ds_limit(prob, kl).empty();
+}
+
 Status can_backward(const Problem& prob, const BackwardParams& p) {
   const char* fn = "backward";
   const bool sparse = prob.opts.mode == Mode::kSparse;
@@ -191,6 +210,10 @@ Status can_backward(const Problem& prob, const BackwardParams& p) {
                                std::to_string(prob.Hq / prob.Hi)
                          : std::string("kTeacher needs mode kSparse (the warmup's dense support has "
                                        "no bounded teacher)"));
+  }
+  if (prob.opts.dq_pass == DqPass::kFromDs) {
+    const std::string why = dq_from_ds_limit(prob, p.dq_idx.defined() || p.dk_idx.defined());
+    if (!why.empty()) return fail(fn, "dq_pass", why);
   }
   return Status::Ok();
 }
@@ -451,6 +474,32 @@ BwdQArgs bwd_q_args(const Problem& prob, const BackwardParams& p, const float* d
   return a;
 }
 
+BwdDqArgs bwd_dq_args(const Problem& prob, const BackwardParams& p) {
+  BwdDqArgs a;
+  set_query_tile(&a, prob, p.cu_seqlens, prob.Hq, prob.Hkv, prob.Hi, p.block_idx, /*dense=*/false);
+  a.k = a.v = p.k.data;
+  a.k_s0 = a.v_s0 = p.k.stride[0];
+  a.k_s1 = a.v_s1 = p.k.stride[1];
+  a.dq = p.dq.data;
+  a.dq_s0 = p.dq.stride[0];
+  a.dq_s1 = p.dq.stride[1];
+  a.scale = prob.opts.scale;
+  a.tok_hi = prob.T;
+  return a;
+}
+
+void set_dq_pass(BwdDqArgs* a, int64_t tok_lo, int64_t tok_hi) {
+  // Token x of sequence s is in tile s + cu[s] / m + (x - cu[s]) / m, which lies in
+  // [x / m - 1, x / m + nseq - 1] (floor(u) + floor(v) is floor(u + v) or one less).
+  const int64_t m = a->tile_tokens;
+  const int64_t all = kern::num_tile_ids(a->nseq, a->T, a->tile_tokens);
+  a->tok_lo = tok_lo;
+  a->tok_hi = tok_hi;
+  a->tile_lo = std::max<int64_t>(0, tok_lo / m - 1);
+  const int64_t hi = tok_hi > tok_lo ? std::min<int64_t>(all, (tok_hi - 1) / m + a->nseq) : a->tile_lo;
+  a->num_tiles = std::max<int64_t>(0, hi - a->tile_lo);
+}
+
 FwdKvArgs fwd_kv_args(const Problem& prob, const ForwardParams& p) {
   FwdKvArgs a;
   set_kv_side(&a, prob, p.cu_seqlens, /*sparse=*/true, /*kl=*/false);
@@ -501,7 +550,7 @@ KlArgs kl_args(const Problem& prob, const KlInputs& in) {
 // ------------------------------------------------------------------------------ workspace
 
 Status make_plan(const char* fn, const Problem& prob, int32_t nseq, bool sparse, bool main,
-                 bool kl, bool grad, Plan* out, int64_t fwd_tokens) {
+                 bool kl, bool grad, Plan* out, int64_t fwd_tokens, int64_t bwd_tokens) {
   Plan p;
   p.sparse = sparse;
   p.kl = kl;
@@ -525,7 +574,7 @@ Status make_plan(const char* fn, const Problem& prob, int32_t nseq, bool sparse,
   if (main) p.delta = take(sizeof(float) * size_t(prob.T) * prob.Hq);
   const int64_t kv_tiles = kern::num_tile_ids(nseq, prob.T, Bk);
   if (sparse) {
-    p.n = (fwd_tokens > 0 ? fwd_tokens : prob.T) * prob.Hi * int64_t(prob.k);
+    p.n = (fwd_tokens > 0 ? fwd_tokens : bwd_tokens > 0 ? bwd_tokens : prob.T) * prob.Hi * int64_t(prob.k);
     if (p.n >= (int64_t(1) << 31))
       return fail(fn, "block_idx",
                   "the reverse index's T * Hi * k entries (T: the tokens of one pass) must stay "
@@ -624,6 +673,15 @@ Status make_plan(const char* fn, const Problem& prob, int32_t nseq, bool sparse,
     p.part_ml = take(8 * slots);
     p.choice = take(2 * sizeof(unsigned long long));
   }
+  if (bwd_tokens > 0) {
+    p.bwd_tokens = bwd_tokens;
+    p.bwd_passes = static_cast<int32_t>((prob.T + bwd_tokens - 1) / bwd_tokens);
+    p.ds = take(2 * size_t(bwd_tokens) * prob.Hq * size_t(prob.k) * Bk);
+    if (p.bwd_passes > 1) {
+      p.dk_sum = take(sizeof(float) * size_t(prob.T) * prob.Hkv * prob.D);
+      p.dv_sum = take(sizeof(float) * size_t(prob.T) * prob.Hkv * prob.D);
+    }
+  }
   if (kl) {
     p.lse_idx = take(sizeof(float) * size_t(prob.T) * prob.Hi);
     if (grad) {
@@ -653,8 +711,17 @@ Status fwd_kv_plan(const char* fn, const Problem& prob, int32_t nseq, Plan* pl) 
 Status backward_plan(const Problem& prob, const BackwardParams& p, Plan* pl) {
   MSA_TRY(can_backward(prob, p));
   const bool kl = p.dq_idx.defined() || p.dk_idx.defined();
+  int64_t tokens = 0;
+  if (prob.T > 0 && dq_from_ds(prob, kl)) {
+    tokens = prob.opts.bwd_chunk_tokens;
+    if (tokens <= 0) {
+      const int64_t per_token = 2 * int64_t(prob.Hq) * prob.k * prob.opts.block_size;
+      tokens = std::max<int64_t>(1, (int64_t(8) << 30) / std::max<int64_t>(per_token, 1));
+    }
+    tokens = std::max<int64_t>(1, std::min<int64_t>(tokens, prob.T));
+  }
   return make_plan("backward", prob, num_seqs(p.cu_seqlens), prob.opts.mode == Mode::kSparse,
-                   true, kl, true, pl);
+                   true, kl, true, pl, 0, tokens);
 }
 
 Status kl_plan(const char* fn, const Problem& prob, const KlInputs& in, Plan* pl) {

@@ -43,6 +43,9 @@ Status can_fwd_kv(const char* fn, const Problem& prob);
 // two); kAuto takes kTeacher in sparse mode, kFused in dense mode.
 enum class KlRoute { kSeparate, kFused, kTeacher };
 KlRoute kl_route(const Problem& prob);
+// Whether the backward computes dq from dS (Options.dq_pass; kAuto: where it can run). `kl`:
+// the call wants the KL gradient.
+bool dq_from_ds(const Problem& prob, bool kl);
 
 // ---- the parameter chain
 SelectArgs select_args(const Problem& prob, const TensorRef& q_idx, const TensorRef& k_idx,
@@ -60,6 +63,9 @@ FwdArgs index_lse_args(const Problem& prob, const KlInputs& in, float* lse_idx, 
                        int64_t s1);
 BwdQArgs bwd_q_args(const Problem& prob, const BackwardParams& p, const float* delta);
 BwdKvArgs bwd_kv_args(const Problem& prob, const BackwardParams& p, const float* delta);
+// dq from dS over all query tiles (a pass sets its tokens and tile ids: set_dq_pass).
+BwdDqArgs bwd_dq_args(const Problem& prob, const BackwardParams& p);
+void set_dq_pass(BwdDqArgs* a, int64_t tok_lo, int64_t tok_hi);
 FwdKvArgs fwd_kv_args(const Problem& prob, const ForwardParams& p);
 KlArgs kl_args(const Problem& prob, const KlInputs& in);
 
@@ -98,13 +104,20 @@ struct Plan {
   int64_t fwd_tokens = 0;            // the KV-block forward: tokens per pass
   size_t part_o = 0, part_ml = 0;    // ... and its partial outputs of one pass
   size_t choice = 0;                 // ... and kAuto's two sums (pass_choice_kernel)
+  // dq from dS: the backward runs in passes of bwd_tokens tokens (0: dq by the query tiles),
+  // each with its own reverse index, dS tiles (`ds`) and dq pass; with several passes dK and dV
+  // are fp32 sums (`dk_sum`, `dv_sum`, [T, Hkv, D]) until the last.
+  int64_t bwd_tokens = 0;
+  int32_t bwd_passes = 0;
+  size_t ds = 0, dk_sum = 0, dv_sum = 0;
 };
 
 // main: the attention backward (delta, bwd_kv's work list); kl: the KL branch; grad: its
 // gradient (else the KL terms).
-// fwd_tokens > 0: the KV-block forward's plan for passes of that many tokens.
+// fwd_tokens > 0: the KV-block forward's plan for passes of that many tokens; bwd_tokens > 0:
+// the backward's passes of that many tokens (dq from dS).
 Status make_plan(const char* fn, const Problem& prob, int32_t nseq, bool sparse, bool main,
-                 bool kl, bool grad, Plan* out, int64_t fwd_tokens = 0);
+                 bool kl, bool grad, Plan* out, int64_t fwd_tokens = 0, int64_t bwd_tokens = 0);
 Status fwd_kv_plan(const char* fn, const Problem& prob, int32_t nseq, Plan* pl);
 Status backward_plan(const Problem& prob, const BackwardParams& p, Plan* pl);
 Status kl_plan(const char* fn, const Problem& prob, const KlInputs& in, Plan* pl);

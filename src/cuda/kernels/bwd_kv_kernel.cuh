@@ -36,6 +36,11 @@
 // cross CTAs are 64-bit fixed point (2^-32 units) added with integer atomics, so every run gives
 // the same bits.
 //
+// dq from dS (Options.dq_pass = kFromDs, args ds set; kNone and kTeacher): each entry's dS, the
+// values dK's product reads, also goes to the (token, index head, slot) tiles of the pass's tokens
+// for bwd_dq_kernel.cuh, 16-byte stores after a transpose inside each quad. Passes of tokens (args
+// dk_acc set): dK and dV are added to fp32 sums instead of written.
+//
 // With kTeacher (Options.kl_pass = kTeacher, sparse mode) the pass computes only the teacher of
 // the KL branch: pi of each entry (the butterfly sums above) goes from the warp's rows of the
 // teacher tile to global memory, [record][key][m] fp32 (KvSideArgs::teacher), and the index
@@ -315,12 +320,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor cSrc = make_tensor(cS.data(), acc_rowcol(cS.layout()));
   constexpr int kRows = decltype(size<0>(S))::value;
   constexpr int kCols = decltype(size<1>(S))::value;
-  int32_t col_tok[kCols];
-  if constexpr (!Traits::kHeadMean) {
-#pragma unroll
-    for (int c = 0; c < kCols; ++c) col_tok[c] = get<1>(cSrc(0, c)) / Gi;
-  }
-  const int gi_shift = __ffs(Gi) - 1;  // kHeadMean: Gi is a power of two
+  // A column's token, col / Gi: a shift where Gi is a power of two (kHeadMean), else
+  // (col * ceil(2^16 / Gi)) >> 16, exact for col < 64 and Gi < 1024 (the error col * (ceil - 2^16
+  // / Gi) / 2^16 stays under 1 / Gi); one register either way.
+  const int gi_shift = __ffs(Gi) - 1;
+  const int32_t gi_inv = (65536 + Gi - 1) / Gi;
 
   Tensor rP = make_tensor<Element>(tSrS.layout());
   Tensor rdS = make_tensor<Element>(tSrS.layout());
@@ -418,6 +422,45 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
   };
 
+  // The dS tiles of entry en from rdS (dq from dS; see the store in the loop). u[2j + a] holds
+  // columns 8j + 2q, 8j + 2q + 1 of row half a (q: the thread's place in its quad).
+  auto store_ds = [&](const EntryRecord& en) {
+    const uint32_t* u = reinterpret_cast<const uint32_t*>(rdS.data());
+    const int q = fresh_thread_index() & 3, a = q & 1;
+    const int key = a ? get<0>(cSrc(1, 0)) : get<0>(cSrc(0, 0));
+    const int32_t ih = r * ipk + en.seg - list.seg0;
+    const int64_t tile_elems = int64_t(kBlockN) * Gi;
+    auto tile_of = [&](int32_t t) {  // token t's tile of this block, at the thread's key
+      return as<Element>(p.ds) +
+             (((en.tok[t] - p.ds_tok_lo) * p.Hi + ih) * p.top_k + en.slot[t]) * tile_elems + key * Gi;
+    };
+    static_assert(kCols == 16, "an entry's 64 columns: 8 chunks of 8 per thread row");
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      uint32_t v[4] = {u[4 * m], u[4 * m + 1], u[4 * m + 2], u[4 * m + 3]};
+#pragma unroll
+      for (int x = 2; x >= 1; x >>= 1) {
+#pragma unroll
+        for (int c0 = 0; c0 < 4; ++c0) {
+          if (c0 & x) continue;
+          const bool hi = q & x;
+          const uint32_t got = __shfl_xor_sync(0xffffffffu, hi ? v[c0] : v[c0 | x], x);
+          if (hi) v[c0] = got; else v[c0 | x] = got;
+        }
+      }
+      // v: chunk 4m + q, i.e. columns 8j .. 8j + 7 of row half a, j = 2m + q / 2.
+      const int col0 = 8 * (2 * m + (q >> 1));
+      const int32_t t = col0 >> gi_shift;
+      if (Gi >= 8) {
+        if (entry_selects(en, t))
+          *reinterpret_cast<uint4*>(tile_of(t) + (col0 & (Gi - 1))) = make_uint4(v[0], v[1], v[2], v[3]);
+      } else {  // Gi = 4: two tokens' 4 heads
+        if (entry_selects(en, t)) *reinterpret_cast<uint2*>(tile_of(t)) = make_uint2(v[0], v[1]);
+        if (entry_selects(en, t + 1)) *reinterpret_cast<uint2*>(tile_of(t + 1)) = make_uint2(v[2], v[3]);
+      }
+    }
+  };
+
   Bar::wait(&ss.kv_full, 0);
   const int32_t entries = static_cast<int32_t>(e_end - e_begin);
   for (int32_t i = 0; i < entries; ++i) {
@@ -461,11 +504,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     wg_gemm<true>(mma_s, tSrK, tSrQ(_, _, _, st), tSrS);
     wg_gemm<true>(mma_s, tSrV, tSrdO(_, _, _, st), tSrdP);
     warpgroup_wait<0>();
-    // Column c's token: precomputed, or a shift when Gi is a power of two (kHeadMean: fewer
-    // live registers).
     auto col_token = [&](int c) {
       if constexpr (Traits::kHeadMean) return get<1>(cSrc(0, c)) >> gi_shift;
-      else return col_tok[c];
+      else return (get<1>(cSrc(0, c)) * gi_inv) >> 16;
     };
     // Column c (its token's position in the block: lim; -1: no token) sees the block's rows up
     // to lim. Columns outer: a column's limit, LSE and Delta are read once for its rows.
@@ -605,6 +646,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
     }
     warpgroup_wait<0>();
+    if constexpr (!Traits::kKl) {
+      // dq from dS (p.ds): the entry's dS, the values dK's product read, to the (token, index
+      // head, slot) tiles [key][head] of its columns, once the GEMMs are done (registers a GEMM
+      // in flight reads are not to be read, and a copy of them costs registers the kernel does
+      // not have). A quad's four threads hold the 8 columns 8j .. 8j + 7 of a row (key) as four
+      // pairs: a 4 x 4 transpose inside the quad (two shuffle rounds per group of four such
+      // chunks) gives each thread whole 16-byte chunks, one token's 8 heads (Gi >= 8) or two
+      // tokens' 4 (Gi = 4), so a warp writes 16 keys x 32 bytes of its columns per store.
+      if (p.ds != nullptr) store_ds(en);
+    }
     if constexpr (Traits::kKl) {
       run_dq();  // the entry before (its record stays in the ring until the stage is released)
       dq_use = uses++;
@@ -622,24 +673,35 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor cKVrc = make_tensor(cKV.data(), acc_rowcol(cKV.layout()));
   Tensor dK = make_tensor(tdKrdK.data(), acc_rowcol(tdKrdK.layout()));
   Tensor dV = make_tensor(tdVrdV.data(), acc_rowcol(tdVrdV.layout()));
+  // Two adjacent columns of the block's row `row` (its dK unscaled): to dk and dv, or (passes of
+  // tokens) added to their fp32 sums, which one CTA of each pass touches at a time.
+  auto emit = [&](int row, int col, float2 k2, float2 v2) {
+    if (p.dk_acc != nullptr) {
+      const int64_t off = ((key_base + row) * p.Hkv + r) * kHeadDim + col;
+      float2* ak = reinterpret_cast<float2*>(p.dk_acc + off);
+      float2* av = reinterpret_cast<float2*>(p.dv_acc + off);
+      const float2 ok = *ak, ov = *av;
+      *ak = make_float2(ok.x + k2.x, ok.y + k2.y);
+      *av = make_float2(ov.x + v2.x, ov.y + v2.y);
+      return;
+    }
+    cutlass::Array<Element, 2> a, b;
+    a[0] = static_cast<Element>(k2.x * p.scale);
+    a[1] = static_cast<Element>(k2.y * p.scale);
+    b[0] = static_cast<Element>(v2.x);
+    b[1] = static_cast<Element>(v2.y);
+    *reinterpret_cast<cutlass::Array<Element, 2>*>(as<Element>(p.dk) + (key_base + row) * p.dk_s0 + r * p.dk_s1 + col) = a;
+    *reinterpret_cast<cutlass::Array<Element, 2>*>(as<Element>(p.dv) + (key_base + row) * p.dv_s0 + r * p.dv_s1 + col) = b;
+  };
   if (it.chunks == 1) {
 #pragma unroll
     for (int i = 0; i < size<0>(dK); ++i) {
       const int row = get<0>(cKVrc(i, 0));
       if (row >= tile.count) continue;
-      Element* dk = as<Element>(p.dk) + (key_base + row) * p.dk_s0 + r * p.dk_s1;
-      Element* dv = as<Element>(p.dv) + (key_base + row) * p.dv_s0 + r * p.dv_s1;
 #pragma unroll
-      for (int c = 0; c < size<1>(dK); c += 2) {
-        const int col = get<1>(cKVrc(i, c));
-        cutlass::Array<Element, 2> a, b;
-        a[0] = static_cast<Element>(dK(i, c) * p.scale);
-        a[1] = static_cast<Element>(dK(i, c + 1) * p.scale);
-        b[0] = static_cast<Element>(dV(i, c));
-        b[1] = static_cast<Element>(dV(i, c + 1));
-        *reinterpret_cast<cutlass::Array<Element, 2>*>(dk + col) = a;
-        *reinterpret_cast<cutlass::Array<Element, 2>*>(dv + col) = b;
-      }
+      for (int c = 0; c < size<1>(dK); c += 2)
+        emit(row, get<1>(cKVrc(i, c)), make_float2(dK(i, c), dK(i, c + 1)),
+             make_float2(dV(i, c), dV(i, c + 1)));
     }
     return;
   }
@@ -675,14 +737,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       sv.x += b.x;
       sv.y += b.y;
     }
-    const int row = e / kHeadDim, col = e % kHeadDim;
-    cutlass::Array<Element, 2> a, b;
-    a[0] = static_cast<Element>(sk.x * p.scale);
-    a[1] = static_cast<Element>(sk.y * p.scale);
-    b[0] = static_cast<Element>(sv.x);
-    b[1] = static_cast<Element>(sv.y);
-    *reinterpret_cast<cutlass::Array<Element, 2>*>(as<Element>(p.dk) + (key_base + row) * p.dk_s0 + r * p.dk_s1 + col) = a;
-    *reinterpret_cast<cutlass::Array<Element, 2>*>(as<Element>(p.dv) + (key_base + row) * p.dv_s0 + r * p.dv_s1 + col) = b;
+    emit(e / kHeadDim, e % kHeadDim, sk, sv);
   }
 }
 

@@ -1,0 +1,259 @@
+// Attention backward, query side from dS: dQ = scale * sum_j dS(t, j) K[j] over the selected
+// blocks, where dS comes from memory: bwd_kv_kernel.cuh writes it (BwdKvArgs::ds) while it
+// computes dK, so S and dP are computed once, on the KV side, whatever the overlap of
+// neighbouring selections. bwd_q_kernel.cuh, which recomputes S and dP over the union of a
+// tile's selections, is the other route (Options.dq_pass).
+//
+// dS of (token t, index head i, block_idx column j) is a [Bk keys][Gi heads] tile (dS^T, as the
+// KV side holds it), so a consumer warpgroup's 64 rows (64 / Gi tokens x Gi heads) over one
+// block are the MN-major A operand of dQ += dS K: each key's 64 row values are 16-byte (Gi = 4:
+// 8-byte) pieces of its tokens' tiles.
+//
+// The tile, its block list and the K stream are the query-tile kernels' (device/kv_producer.cuh:
+// kBlockM = 128 rows = m tokens x the Gi query heads of one index head; warp 0 builds the union
+// of the tokens' selections and streams K by TMA; V is not read). Warp roles: the producer warp
+// and two consumer warpgroups of 64 rows each. Pipelines: kStages K stages (mbarriers), and per
+// consumer warpgroup kDsStages dS stages filled by its own cp.async, kDsStages - 1 blocks ahead.
+// Work: one query tile of one index head, over the tokens of the pass [tok_lo, tok_hi): a
+// warpgroup computes only the blocks one of its pass tokens selected (rows of its other tokens
+// are zero fills) and writes dQ of its pass tokens once, with no atomics.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/gemm/collective/builders/sm90_common.inl>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+#include "../device/block_list.cuh"
+#include "../device/epilogue.cuh"
+#include "../device/kv_producer.cuh"
+#include "../device/load.cuh"
+#include "../device/tile.cuh"
+#include "../device/utils.cuh"
+#include "../host/args.h"
+
+namespace msa::cuda::kern {
+
+using cuda::BwdDqArgs;
+
+template <class Element_, int kHeadDim_, int kBlockN_>
+struct BwdDqTraits : QueryTileTraits<Element_, kHeadDim_, kBlockN_> {
+  using Base = QueryTileTraits<Element_, kHeadDim_, kBlockN_>;
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_, kBlockN = kBlockN_, kBlockM = Base::kBlockM;
+  static_assert(kBlockM == cuda::kQueryTileRows);
+  static constexpr int kRows = 64;  // a consumer warpgroup's rows
+  // K stages, and dS stages per consumer warpgroup. A warpgroup also waits for the K stages of
+  // the blocks it skips, so K's depth bounds how far the two may drift apart: 3 and 3 measured
+  // faster than 2 and 4 (24.5 against 26.1 ms at 128K, paper heads, mixed selections).
+  static constexpr int kStages = 3;
+  static constexpr int kDsStages = 3;
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  using SmemLayoutKV = decltype(tile_to_shape(typename Base::SmemAtomKV{},
+                                              Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+  using SmemLayoutKt = decltype(composition(
+      SmemLayoutKV{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{},
+                                          Step<_2, _1, _3>{})));
+  // dS of a warpgroup's rows over one block: (rows, keys), rows contiguous; kDsStages stages
+  // per warpgroup, warpgroup-major.
+  using SmemAtomDs = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
+                              GMMA::Major::MN, Element, Int<kRows>, Int<kBlockN>>());
+  using SmemLayoutDs =
+      decltype(tile_to_shape(SmemAtomDs{}, Shape<Int<kRows>, Int<kBlockN>, Int<2 * kDsStages>>{}));
+  // dQ += dS K: rows x D over the keys, dS MN-major, the keys' block as the MN-major B operand.
+  using MmaDQ = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kRows>, Int<kHeadDim>, Int<kBlockN>>,
+                           GMMA::Major::MN, GMMA::Major::MN>()));
+
+  struct SharedStorage {
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutKV>> k;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutDs>> ds;
+    typename Pipeline::SharedStorage pipe_k;
+    typename Pipeline::SharedStorage pipe_v;  // the stream's; never used (no V)
+    int32_t num_blocks;
+  };
+  static constexpr size_t kUnionOffset = Base::template union_offset<SharedStorage>();
+};
+
+template <class Traits>
+struct BwdDqParams : BwdDqArgs {
+  typename Traits::Tma tma_k, tma_v;
+};
+
+// One warp's share of its warpgroup's dS stage: rows [16 w, 16 w + 16) of the 64, i.e. 32 bytes
+// of every key, in pieces of kPiece bytes (16, or 8 when Gi = 4). A lane's pieces all belong to
+// one token of the tile (`tok`, its row of block_idx held by lanes 0 .. k-1 in `row`) at a
+// fixed head offset; its keys step by kKeyStep, so its shared offsets step by a constant.
+template <class Traits>
+struct DsLoader {
+  using Element = typename Traits::Element;
+  static constexpr int kBlockN = Traits::kBlockN;
+  int32_t gi, ppk, piece_elems;
+  int32_t tok;      // the lane's token in the tile
+  int32_t head0;    // its first head
+  int32_t key0;     // its first key
+  int32_t key_step;
+  int32_t soff0, dsoff;  // shared offsets (elements) of its first piece and between pieces
+  int32_t iters;
+
+  template <class SmemTensor>
+  __device__ DsLoader(const SmemTensor& stage0, int32_t Gi, int wg, int warp, int lane) : gi(Gi) {
+    const int piece_bytes = Gi >= 8 ? 16 : 8;
+    piece_elems = piece_bytes / 2;
+    ppk = 32 / piece_bytes;  // pieces per key in a warp's 32 bytes
+    const int part = lane % ppk;
+    const int m0 = 16 * warp + part * piece_elems;  // row within the warpgroup
+    const int row = 64 * wg + m0;                   // row within the tile
+    tok = row / Gi;
+    head0 = row - tok * Gi;
+    key0 = lane / ppk;
+    key_step = 32 / ppk;
+    iters = kBlockN / key_step;
+    const auto* base = &stage0(0, 0);
+    soff0 = static_cast<int32_t>(&stage0(m0, key0) - base);
+    dsoff = static_cast<int32_t>(&stage0(m0, key0 + key_step) - base) - soff0;
+  }
+
+  // The lane's pieces of one block into the stage at dst: from src (the tile of its token, the
+  // block's column; then its first key and head), or zeros where `sel` is false.
+  __device__ void load(Element* dst, const Element* src, bool sel) const {
+    const Element* s = src + key0 * gi + head0;
+    const int64_t step = int64_t(key_step) * gi;
+    if (piece_elems == 8) {
+#pragma unroll 4
+      for (int n = 0; n < iters; ++n) cp_async16(dst + soff0 + n * dsoff, s + n * step, sel);
+    } else {
+#pragma unroll 4
+      for (int n = 0; n < iters; ++n) cp_async8(dst + soff0 + n * dsoff, s + n * step, sel);
+    }
+  }
+};
+
+// Warp roles, pipelines and work: see the top of the file.
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    bwd_dq_kernel(const __grid_constant__ BwdDqParams<Traits> p) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim, kRows = Traits::kRows;
+  constexpr int kDsStages = Traits::kDsStages;
+  using Pipeline = typename Traits::Pipeline;
+
+  extern __shared__ __align__(1024) char smem_raw[];
+  QueryTile tile = decode_tile(p.cu_seqlens, p.nseq, p.T, p.tile_tokens,
+                               p.tile_lo + p.num_tiles - 1 - blockIdx.x);
+  // The tile's tokens [a, b) of the pass (packed indices); none: nothing to do.
+  const int64_t tok0 = tile.seq_start + tile.first;
+  const int64_t a = tok0 > p.tok_lo ? tok0 : p.tok_lo;
+  const int64_t b = tok0 + tile.count < p.tok_hi ? tok0 + tile.count : p.tok_hi;
+  if (tile.count == 0 || a >= b) return;
+  QueryTileStream<Traits> kv(smem_raw, p);
+  auto& ss = kv.ss;
+  const int32_t ih = kv.ih;
+
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutKV{});
+  Tensor sKt = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutKt{});
+  Tensor sDs = make_tensor(make_smem_ptr(ss.ds.data()), typename Traits::SmemLayoutDs{});
+
+  if (kv.producer_done(p, tile, sK, sK, false)) return;
+
+  // ---------------------------------------------------------------- consumers
+  const int tidx = threadIdx.x - 128;
+  const int wg = tidx / 128, lt = tidx % 128, warp = lt / 32, lane = lt % 32;
+  const int32_t Gi = p.heads_per_idx, k = p.top_k;
+  // This warpgroup's pass tokens, as tile positions [lo_w, hi_w] (empty: lo_w > hi_w).
+  const int32_t lo_w = max<int32_t>(64 * wg / Gi, static_cast<int32_t>(a - tok0));
+  const int32_t hi_w = min<int32_t>((64 * wg + 63) / Gi, static_cast<int32_t>(b - tok0) - 1);
+
+  const DsLoader<Traits> ld(sDs(_, _, 0), Gi, wg, warp, lane);
+  // The lane's token: in the pass, its block_idx row (lanes 0 .. k-1 hold one entry each; the
+  // warp's tokens are at most 4 apart, and a lane ballots for its own) and its dS tiles.
+  const bool tok_ok = ld.tok >= lo_w && ld.tok <= hi_w;
+  const int32_t qpos = tile.pos0 + ld.tok;  // the lane's token's position in its sequence
+  constexpr int kWarpTokens = 4;            // a warp's 16 rows hold at most 16 / 4 tokens (Gi >= 4)
+  const int32_t wtok0 = (64 * wg + 16 * warp) / Gi;  // the warp's first token
+  const int my_wt = ld.tok - wtok0;
+  int32_t row[kWarpTokens];
+#pragma unroll
+  for (int w = 0; w < kWarpTokens; ++w) {
+    const int32_t t = wtok0 + w;
+    const bool ok = lane < k && t < tile.count && w * Gi < 16;
+    row[w] = ok ? p.block_idx[(tok0 + t) * p.bi_s0 + ih * p.bi_s1 + lane] : -1;
+  }
+  const Element* ds_tok =
+      as<Element>(p.ds) +
+      (tok_ok ? ((tok0 + ld.tok - p.tok_lo) * p.Hi + ih) * int64_t(k) * kBlockN * Gi : 0);
+
+  const int32_t n = kv.wait_list();
+  const auto list = kv.list(p);
+  auto needed = [&](int32_t u) { return lo_w <= hi_w && list.any_member(u, lo_w, hi_w); };
+  // The lane's pieces of list entry u into dS stage st of this warpgroup.
+  constexpr int kStageElems = kRows * kBlockN;
+  Element* ds_stages = ss.ds.data() + wg * kDsStages * kStageElems;
+  auto issue = [&](int32_t u, int st) {
+    const int32_t blk = list.block(u);
+    uint32_t mine = 0;
+#pragma unroll
+    for (int w = 0; w < kWarpTokens; ++w) {
+      const uint32_t hit = __ballot_sync(0xffffffffu, row[w] == blk);
+      if (w == my_wt) mine = hit;
+    }
+    const bool sel = tok_ok && mine != 0u && blk <= qpos / kBlockN;
+    const int32_t slot = sel ? __ffs(mine) - 1 : 0;
+    ld.load(ds_stages + st * kStageElems, ds_tok + int64_t(slot) * kBlockN * Gi, sel);
+  };
+  int32_t u_ahead = 0;  // the next list entry the prefetch looks at
+  auto prefetch = [&](int st) {
+    while (u_ahead < n && !needed(u_ahead)) ++u_ahead;
+    if (u_ahead < n) issue(u_ahead++, st);
+    cp_async_commit();
+  };
+  for (int st = 0; st < kDsStages - 1; ++st) prefetch(st);
+
+  typename Traits::MmaDQ mma_dq;
+  auto thr_dq = mma_dq.get_thread_slice(lt);
+  Tensor tdQrK = thr_dq.partition_fragment_B(sKt);
+  Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kRows>, Int<kHeadDim>>{});
+  clear(tdQrdQ);
+
+  typename Pipeline::PipelineState sk;
+  int32_t c = 0;  // blocks computed
+  for (int32_t u = 0; u < n; ++u) {
+    if (!needed(u)) {  // the other warpgroup may need it
+      kv.pipe_k.consumer_wait(sk);
+      kv.pipe_k.consumer_release(sk);
+      ++sk;
+      continue;
+    }
+    const int st = c % kDsStages;
+    // Block c's dS has landed for every thread of the warpgroup, and every thread is done with
+    // the stage the prefetch refills (block c - 1's).
+    cp_async_wait<kDsStages - 2>();
+    cutlass::arch::fence_view_async_shared();
+    cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(Barrier::kWarpGroup) + wg);
+    prefetch((c + kDsStages - 1) % kDsStages);
+    const int32_t key0 = list.block(u) * kBlockN;
+    kv.pipe_k.consumer_wait(sk);
+    // Keys past the sequence end: their dS is 0, but 0 * NaN is not (zero_tail_rows).
+    zero_tail_rows<kBlockN, kHeadDim>(sK(_, _, sk.index()), key0, tile.seq_len, lt, wg);
+    Tensor tdQrDs = thr_dq.partition_fragment_A(sDs(_, _, wg * kDsStages + st));
+    wg_gemm<false>(mma_dq, tdQrDs, tdQrK(_, _, _, sk.index()), tdQrdQ);
+    warpgroup_wait<0>();
+    kv.pipe_k.consumer_release(sk);
+    ++sk;
+    ++c;
+  }
+  cp_async_wait_all();
+
+  Tensor cQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kRows>, Int<kHeadDim>>{}));
+  Tensor cQrc = make_tensor(cQ.data(), acc_rowcol(cQ.layout()));
+  Tensor dQ = make_tensor(tdQrdQ.data(), acc_rowcol(tdQrdQ.layout()));
+#pragma unroll
+  for (int r = 0; r < size<0>(dQ); ++r) {
+    const int32_t row_w = 64 * wg + get<0>(cQrc(r, 0));
+    const int32_t t = row_w / Gi;
+    if (t < lo_w || t > hi_w) continue;
+    const int32_t head = ih * Gi + row_w - t * Gi;
+    store_row(as<Element>(p.dq) + (tok0 + t) * p.dq_s0 + head * p.dq_s1, dQ, cQrc, r, p.scale);
+  }
+}
+
+}  // namespace msa::cuda::kern
