@@ -38,7 +38,7 @@
 //
 // dq from dS (Options.dq_pass = kFromDs, args ds set; kNone and kTeacher): each entry's dS, the
 // values dK's product reads, also goes to the (token, index head, slot) tiles of the pass's tokens
-// for bwd_dq_kernel.cuh, 16-byte stores after a transpose inside each quad. Passes of tokens (args
+// for bwd_dq_kernel.cuh, staged in shared memory and written by bulk copies. Passes of tokens (args
 // dk_acc set): dK and dV are added to fp32 sums instead of written.
 //
 // With kTeacher (Options.kl_pass = kTeacher, sparse mode) the pass computes only the teacher of
@@ -149,6 +149,9 @@ struct BwdKVTraits : KvSideTraits<Element_, kHeadDim_, kBlockN_, kMode_ == KvKl:
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> v;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> dout;
+    // dq from dS: each consumer warpgroup's dS of one entry, [token][key][head] (its 64 keys),
+    // staged for the bulk copies to the tokens' tiles (none with the fused KL branch: no room).
+    alignas(128) Element ds_stage[kKl ? 8 : kWarpGroups * 64 * kBlockC];
     float lse[kStages][kBlockC];   // LSE (natural log) per column
     float delta[kStages][kBlockC];  // rowsum(dO * O) per column
     EntryRecord ring[kRing];
@@ -422,42 +425,40 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
   };
 
-  // The dS tiles of entry en from rdS (dq from dS; see the store in the loop). u[2j + a] holds
-  // columns 8j + 2q, 8j + 2q + 1 of row half a (q: the thread's place in its quad).
-  auto store_ds = [&](const EntryRecord& en) {
+  // The dS tiles of entry en (dq from dS; see the loop): rdS (u[2j + a]: columns 8j + 2q,
+  // 8j + 2q + 1 of row half a, q = lane % 4) into this warpgroup's staging tile as [token][key]
+  // [head], then one bulk copy per token to its tile (the warpgroup's 64 keys of it), issued by
+  // the warpgroup's first thread. The tile is free again once the copies issued for the entry
+  // before have read it.
+  auto stage_ds = [&](const EntryRecord& en) {
+    const int ltid = fresh_thread_index() % 128, lane = ltid & 31, q = lane & 3;
+    Element* stage = ss.ds_stage + wg * 64 * kBlockC;
     const uint32_t* u = reinterpret_cast<const uint32_t*>(rdS.data());
-    const int q = fresh_thread_index() & 3, a = q & 1;
-    const int key = a ? get<0>(cSrc(1, 0)) : get<0>(cSrc(0, 0));
-    const int32_t ih = r * ipk + en.seg - list.seg0;
-    const int64_t tile_elems = int64_t(kBlockN) * Gi;
-    auto tile_of = [&](int32_t t) {  // token t's tile of this block, at the thread's key
-      return as<Element>(p.ds) +
-             (((en.tok[t] - p.ds_tok_lo) * p.Hi + ih) * p.top_k + en.slot[t]) * tile_elems + key * Gi;
-    };
+    if (ltid == 0) tma_store_wait<0>();
+    cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(Barrier::kWarpGroup) + wg);
     static_assert(kCols == 16, "an entry's 64 columns: 8 chunks of 8 per thread row");
 #pragma unroll
-    for (int m = 0; m < 4; ++m) {
-      uint32_t v[4] = {u[4 * m], u[4 * m + 1], u[4 * m + 2], u[4 * m + 3]};
+    for (int j = 0; j < 8; ++j) {
+      const int col = 8 * j + 2 * q;
+      const int t = col >> gi_shift, head = col & (Gi - 1);
 #pragma unroll
-      for (int x = 2; x >= 1; x >>= 1) {
-#pragma unroll
-        for (int c0 = 0; c0 < 4; ++c0) {
-          if (c0 & x) continue;
-          const bool hi = q & x;
-          const uint32_t got = __shfl_xor_sync(0xffffffffu, hi ? v[c0] : v[c0 | x], x);
-          if (hi) v[c0] = got; else v[c0 | x] = got;
-        }
+      for (int a = 0; a < 2; ++a) {
+        const int key = 16 * (ltid >> 5) + (lane >> 2) + 8 * a;
+        *reinterpret_cast<uint32_t*>(stage + ((t * 64 + key) << gi_shift) + head) = u[2 * j + a];
       }
-      // v: chunk 4m + q, i.e. columns 8j .. 8j + 7 of row half a, j = 2m + q / 2.
-      const int col0 = 8 * (2 * m + (q >> 1));
-      const int32_t t = col0 >> gi_shift;
-      if (Gi >= 8) {
-        if (entry_selects(en, t))
-          *reinterpret_cast<uint4*>(tile_of(t) + (col0 & (Gi - 1))) = make_uint4(v[0], v[1], v[2], v[3]);
-      } else {  // Gi = 4: two tokens' 4 heads
-        if (entry_selects(en, t)) *reinterpret_cast<uint2*>(tile_of(t)) = make_uint2(v[0], v[1]);
-        if (entry_selects(en, t + 1)) *reinterpret_cast<uint2*>(tile_of(t + 1)) = make_uint2(v[2], v[3]);
-      }
+    }
+    cutlass::arch::fence_view_async_shared();
+    cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(Barrier::kWarpGroup) + wg);
+    if (ltid == 0) {
+      const int32_t ih = r * ipk + en.seg - list.seg0;
+      const int32_t bytes = 64 * Gi * static_cast<int32_t>(sizeof(Element));
+      for (int t = 0; t < en.count; ++t)
+        SM90_BULK_COPY_S2G::copy(stage + t * 64 * Gi,
+                                 as<Element>(p.ds) +
+                                     ((((en.tok[t] - p.ds_tok_lo) * p.Hi + ih) * p.top_k + en.slot[t]) * kBlockN +
+                                      64 * wg) * Gi,
+                                 bytes);
+      tma_store_arrive();
     }
   };
 
@@ -594,6 +595,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       clear(tSrSi);
       wg_gemm<true>(mma_si, tSrKi, tSrQi(_, _, _, st), tSrSi);
     }
+    if constexpr (!Traits::kKl) {
+      // dq from dS (p.ds): the entry's dS, the values dK's product reads, staged before the GEMMs
+      // take the registers (an operand of a GEMM in flight is not to be read); the bulk copies
+      // to the tokens' tiles then run under the GEMMs. Gi is a power of two >= 4 here.
+      if (p.ds != nullptr) stage_ds(en);
+    }
     wg_gemm<false, true>(mma_kv, tKVrP, tKVrdOt(_, _, _, st), tdVrdV);
     wg_gemm<false, true>(mma_kv, tKVrdS, tKVrQt(_, _, _, st), tdKrdK);
     if constexpr (Traits::kKl) {
@@ -646,16 +653,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
     }
     warpgroup_wait<0>();
-    if constexpr (!Traits::kKl) {
-      // dq from dS (p.ds): the entry's dS, the values dK's product read, to the (token, index
-      // head, slot) tiles [key][head] of its columns, once the GEMMs are done (registers a GEMM
-      // in flight reads are not to be read, and a copy of them costs registers the kernel does
-      // not have). A quad's four threads hold the 8 columns 8j .. 8j + 7 of a row (key) as four
-      // pairs: a 4 x 4 transpose inside the quad (two shuffle rounds per group of four such
-      // chunks) gives each thread whole 16-byte chunks, one token's 8 heads (Gi >= 8) or two
-      // tokens' 4 (Gi = 4), so a warp writes 16 keys x 32 bytes of its columns per store.
-      if (p.ds != nullptr) store_ds(en);
-    }
     if constexpr (Traits::kKl) {
       run_dq();  // the entry before (its record stays in the ring until the stage is released)
       dq_use = uses++;
@@ -667,6 +664,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   if constexpr (Traits::kKl) {
     run_dq();
     flush_batch();
+  } else {
+    // The last bulk copies of dS done (their shared source lives as long as the CTA).
+    if (p.ds != nullptr && fresh_thread_index() % 128 == 0)
+      asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
   }
 
   Tensor cKV = thr_kv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
