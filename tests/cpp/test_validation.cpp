@@ -364,6 +364,12 @@ TEST(Validation, OptionRangesAlwaysChecked) {
   b = v.backward();
   b.opts.kl_teacher_bytes = -1;
   expect_invalid(msa::backward(b), "kl_teacher_bytes", "kl_teacher_bytes -1");
+  b = v.backward();
+  b.opts.dq_pass = static_cast<msa::DqPass>(3);
+  expect_invalid(msa::backward(b), "dq_pass", "dq_pass 3");
+  b = v.backward();
+  b.opts.bwd_chunk_tokens = -1;
+  expect_invalid(msa::backward(b), "bwd_chunk_tokens", "bwd_chunk_tokens -1");
   f = v.forward();
   f.opts.fwd_pass = static_cast<msa::FwdPass>(3);
   expect_invalid(msa::forward(f), "fwd_pass", "fwd_pass 3");
