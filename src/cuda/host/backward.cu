@@ -229,6 +229,67 @@ Status finalize_kl_grad(const Problem& prob, const BackwardParams& p, const Plan
   return Status::Ok();
 }
 
+// The teacher route's gradient pass (kl_grad_kernel) over bwd_kv's lists, whose pointers the
+// caller sets per reverse index; bwd_kv writes the teacher it reads.
+KlArgs teacher_args(const Problem& prob, const KlInputs& in, const Plan& pl, void* ws, BwdKvArgs* kv) {
+  KlArgs g = kl_args(prob, in);
+  g.lse_idx = at<float>(ws, pl.lse_idx);
+  g.dq_idx = at<unsigned long long>(ws, pl.dq_acc);
+  g.dk_idx = at<unsigned long long>(ws, pl.dk_acc);
+  kv->teacher = g.teacher = at<float>(ws, pl.teacher_buf);
+  g.step_records = pl.step_records;
+  return g;
+}
+
+// The teacher route's LSE_idx partials zeroed ([T, Hi, k]: a slot no record writes reads as
+// holding no partial).
+Status zero_lse_part(const char* fn, const Plan& pl, const Problem& prob, void* ws, cudaStream_t stream) {
+  const cudaError_t e =
+      cudaMemsetAsync(at<void>(ws, pl.lse_part), 0, 8 * size_t(prob.T) * prob.Hi * size_t(prob.k), stream);
+  return e == cudaSuccess ? Status::Ok() : cuda_error(fn, e);
+}
+
+// LSE_idx of the rows of tokens [t0, t1) over their selected blocks: kl_grad's LSE pass over
+// every record of g's lists (the tokens' own), then the partials added in column order.
+template <class V>
+Status teacher_lse(const Plan& pl, const Problem& prob, KlArgs g, void* ws, int64_t t0, int64_t t1,
+                   cudaStream_t stream) {
+  g.pass_first = g.pass_end = 0;
+  g.lse_part = at<float>(ws, pl.lse_part);
+  MSA_TRY((launch_kl_grad<typename V::Element, V::kDim, V::kBlockN>(g, stream)));
+  const int64_t rows = (t1 - t0) * prob.Hi;
+  const int blocks = static_cast<int>(std::min<int64_t>((rows + 255) / 256, num_sms() * 32));
+  lse_combine_kernel<<<blocks, 256, 0, stream>>>(reinterpret_cast<const float2*>(g.lse_part) + t0 * prob.Hi * prob.k,
+                                                 rows, prob.k, at<float>(ws, pl.lse_idx) + t0 * prob.Hi);
+  return Status::Ok();
+}
+
+// bwd_kv over its work list, and with the teacher route kl_grad after it, in the plan's passes
+// over the records: each pass's teacher is written by bwd_kv and read by kl_grad before the next.
+template <class V>
+Status kv_side(const Plan& pl, BwdKvArgs& kv, KlArgs& g, cudaStream_t stream) {
+  for (int32_t pass = 0; pass < pl.passes; ++pass) {
+    if (pl.teacher) {
+      kv.pass_first = g.pass_first = pass * pl.pass_records;
+      kv.pass_end = g.pass_end = (pass + 1) * pl.pass_records;
+    }
+    MSA_TRY((launch_bwd_kv<typename V::Element, V::kDim, V::kBlockN>(kv, stream)));
+    if (pl.teacher) MSA_TRY((launch_kl_grad<typename V::Element, V::kDim, V::kBlockN>(g, stream)));
+  }
+  return Status::Ok();
+}
+
+// dk = scale * dk_sum, dv = dv_sum (finalize_dkv_kernel).
+template <class Element>
+void finalize_dkv(const Problem& prob, const BackwardParams& p, const BwdKvArgs& kv, cudaStream_t stream) {
+  const int64_t n = prob.T * prob.Hkv * prob.D / 2;
+  if (n == 0) return;
+  const int blocks = static_cast<int>(std::min<int64_t>((n + 255) / 256, num_sms() * 32));
+  finalize_dkv_kernel<Element><<<blocks, 256, 0, stream>>>(
+      kv.dk_acc, kv.dv_acc, prob.T, prob.Hkv, prob.D, static_cast<Element*>(p.dk.data), p.dk.stride[0],
+      p.dk.stride[1], static_cast<Element*>(p.dv.data), p.dv.stride[0], p.dv.stride[1], prob.opts.scale);
+}
+
 // The sparse backward with dq from dS (pl.bwd_tokens > 0; KL gradient, if any, by kTeacher), in
 // passes of pl.bwd_tokens tokens. Each pass: the reverse index of its rows and the work list;
 // with the KL gradient, LSE_idx of its rows (kl_grad's LSE pass over its records and the
@@ -240,20 +301,12 @@ Status backward_from_ds(const Problem& prob, const BackwardParams& p, const Plan
                         cudaStream_t stream) {
   const char* fn = "backward";
   void* ws = p.launch.workspace;
-  const bool grad_kl = pl.kl;  // by kTeacher (dq_from_ds)
   const KlInputs kl_in{p.q, p.k, p.lse, p.q_idx, p.k_idx, p.cu_seqlens, p.block_idx};
-  KlArgs g;
-  if (grad_kl) {
+  KlArgs g;  // the KL gradient, if any, takes the teacher route (dq_from_ds)
+  if (pl.teacher) {
     MSA_TRY(zero_kl_sums(fn, pl, prob, ws, stream));
-    g = kl_args(prob, kl_in);
-    g.lse_idx = at<float>(ws, pl.lse_idx);
-    g.dq_idx = at<unsigned long long>(ws, pl.dq_acc);
-    g.dk_idx = at<unsigned long long>(ws, pl.dk_acc);
-    kv.teacher = g.teacher = at<float>(ws, pl.teacher_buf);
-    g.step_records = pl.step_records;
-    const cudaError_t e = cudaMemsetAsync(at<void>(ws, pl.lse_part), 0,
-                                          8 * size_t(prob.T) * prob.Hi * size_t(prob.k), stream);
-    if (e != cudaSuccess) return cuda_error(fn, e);
+    MSA_TRY(zero_lse_part(fn, pl, prob, ws, stream));
+    g = teacher_args(prob, kl_in, pl, ws, &kv);
   }
   kv.ds = at<void>(ws, pl.ds);
   if (pl.bwd_passes > 1) {
@@ -274,46 +327,21 @@ Status backward_from_ds(const Problem& prob, const BackwardParams& p, const Plan
     set_dq_pass(&dq, c0, c1);
     MSA_TRY(dispatch(fn, "q", p.q.dtype, prob.D, prob.opts.block_size, [&](auto v) {
       using V = decltype(v);
-      if (grad_kl) {
+      if (pl.teacher) {
         g.list = kv.list;
         g.work = kv.work;
         g.grid = kv.grid;
-        KlArgs l = g;  // LSE_idx of the pass's rows over their selected blocks, every record
-        l.pass_first = l.pass_end = 0;
-        l.lse_part = at<float>(ws, pl.lse_part);
-        MSA_TRY((launch_kl_grad<typename V::Element, V::kDim, V::kBlockN>(l, stream)));
-        const int64_t rows = (c1 - c0) * prob.Hi;
-        const int blocks = static_cast<int>(std::min<int64_t>((rows + 255) / 256, num_sms() * 32));
-        lse_combine_kernel<<<blocks, 256, 0, stream>>>(
-            reinterpret_cast<const float2*>(l.lse_part) + c0 * prob.Hi * prob.k, rows, prob.k,
-            at<float>(ws, pl.lse_idx) + c0 * prob.Hi);
+        MSA_TRY(teacher_lse<V>(pl, prob, g, ws, c0, c1, stream));
       }
-      for (int32_t pass = 0; pass < pl.passes; ++pass) {
-        if (grad_kl) {
-          kv.pass_first = g.pass_first = pass * pl.pass_records;
-          kv.pass_end = g.pass_end = (pass + 1) * pl.pass_records;
-        }
-        MSA_TRY((launch_bwd_kv<typename V::Element, V::kDim, V::kBlockN>(kv, stream)));
-        if (grad_kl) MSA_TRY((launch_kl_grad<typename V::Element, V::kDim, V::kBlockN>(g, stream)));
-      }
+      MSA_TRY(kv_side<V>(pl, kv, g, stream));
       return launch_bwd_dq<typename V::Element, V::kDim, V::kBlockN>(dq, stream);
     }));
   }
   if (pl.bwd_passes > 1) {
-    const int64_t n = prob.T * prob.Hkv * prob.D / 2;
-    const int blocks = static_cast<int>(std::min<int64_t>((n + 255) / 256, num_sms() * 32));
-    if (p.q.dtype == DType::kBFloat16)
-      finalize_dkv_kernel<cutlass::bfloat16_t><<<blocks, 256, 0, stream>>>(
-          kv.dk_acc, kv.dv_acc, prob.T, prob.Hkv, prob.D, static_cast<cutlass::bfloat16_t*>(p.dk.data),
-          p.dk.stride[0], p.dk.stride[1], static_cast<cutlass::bfloat16_t*>(p.dv.data), p.dv.stride[0],
-          p.dv.stride[1], prob.opts.scale);
-    else
-      finalize_dkv_kernel<cutlass::half_t><<<blocks, 256, 0, stream>>>(
-          kv.dk_acc, kv.dv_acc, prob.T, prob.Hkv, prob.D, static_cast<cutlass::half_t*>(p.dk.data),
-          p.dk.stride[0], p.dk.stride[1], static_cast<cutlass::half_t*>(p.dv.data), p.dv.stride[0],
-          p.dv.stride[1], prob.opts.scale);
+    if (p.q.dtype == DType::kBFloat16) finalize_dkv<cutlass::bfloat16_t>(prob, p, kv, stream);
+    else finalize_dkv<cutlass::half_t>(prob, p, kv, stream);
   }
-  if (grad_kl) MSA_TRY(finalize_kl_grad(prob, p, pl, ws, stream));
+  if (pl.kl) MSA_TRY(finalize_kl_grad(prob, p, pl, ws, stream));
   const cudaError_t e = cudaGetLastError();
   return e == cudaSuccess ? Status::Ok() : cuda_error(fn, e);
 }
@@ -372,42 +400,18 @@ Status attention_backward(const Problem& prob, const BackwardParams& p) {
     kv.dk_idx = at<unsigned long long>(ws, pl.dk_acc);
   }
   if (pl.teacher) {
-    g = kl_args(prob, kl_in);
+    MSA_TRY(zero_lse_part(fn, pl, prob, ws, stream));
+    g = teacher_args(prob, kl_in, pl, ws, &kv);
     g.list = kv.list;
     g.work = kv.work;
     g.grid = kv.grid;
-    g.lse_idx = at<float>(ws, pl.lse_idx);
-    g.dq_idx = at<unsigned long long>(ws, pl.dq_acc);
-    g.dk_idx = at<unsigned long long>(ws, pl.dk_acc);
-    kv.teacher = g.teacher = at<float>(ws, pl.teacher_buf);
-    g.step_records = pl.step_records;
   }
   const BwdQArgs q = bwd_q_args(prob, p, delta);
   MSA_TRY(dispatch(fn, "q", p.q.dtype, prob.D, prob.opts.block_size, [&](auto v) {
     using V = decltype(v);
-    if (pl.teacher) {  // LSE_idx over the selected blocks: kl_grad's LSE pass over every record
-      KlArgs l = g;
-      l.lse_part = at<float>(ws, pl.lse_part);
-      const size_t bytes = 8 * size_t(prob.T) * prob.Hi * size_t(prob.k);
-      const cudaError_t e = cudaMemsetAsync(l.lse_part, 0, bytes, stream);
-      if (e != cudaSuccess) return cuda_error(fn, e);
-      MSA_TRY((launch_kl_grad<typename V::Element, V::kDim, V::kBlockN>(l, stream)));
-      const int64_t rows = prob.T * prob.Hi;
-      const int blocks = static_cast<int>(std::min<int64_t>((rows + 255) / 256, num_sms() * 32));
-      lse_combine_kernel<<<blocks, 256, 0, stream>>>(reinterpret_cast<const float2*>(l.lse_part), rows,
-                                                     prob.k, at<float>(ws, pl.lse_idx));
-    }
+    if (pl.teacher) MSA_TRY(teacher_lse<V>(pl, prob, g, ws, 0, prob.T, stream));
     MSA_TRY((launch_bwd_q<typename V::Element, V::kDim, V::kBlockN>(q, stream)));
-    // kTeacher: each pass's teacher is written by bwd_kv and read by kl_grad before the next.
-    for (int32_t pass = 0; pass < pl.passes; ++pass) {
-      if (pl.teacher) {
-        kv.pass_first = g.pass_first = pass * pl.pass_records;
-        kv.pass_end = g.pass_end = (pass + 1) * pl.pass_records;
-      }
-      MSA_TRY((launch_bwd_kv<typename V::Element, V::kDim, V::kBlockN>(kv, stream)));
-      if (pl.teacher) MSA_TRY((launch_kl_grad<typename V::Element, V::kDim, V::kBlockN>(g, stream)));
-    }
-    return Status::Ok();
+    return kv_side<V>(pl, kv, g, stream);
   }));
 
   if (pl.kl && !fused && !pl.teacher) {

@@ -80,14 +80,14 @@ struct BwdDqParams : BwdDqArgs {
 };
 
 // One warp's share of its warpgroup's dS stage: rows [16 w, 16 w + 16) of the 64, i.e. 32 bytes
-// of every key, in pieces of kPiece bytes (16, or 8 when Gi = 4). A lane's pieces all belong to
-// one token of the tile (`tok`, its row of block_idx held by lanes 0 .. k-1 in `row`) at a
-// fixed head offset; its keys step by kKeyStep, so its shared offsets step by a constant.
+// of every key, in pieces of 16 bytes (8 when Gi = 4). A lane's pieces all belong to one token of
+// the tile (`tok`) at a fixed head offset; its keys step by `key_step`, a multiple of the swizzle
+// atom's 8 rows, so its shared offsets step by a constant.
 template <class Traits>
 struct DsLoader {
   using Element = typename Traits::Element;
   static constexpr int kBlockN = Traits::kBlockN;
-  int32_t gi, ppk, piece_elems;
+  int32_t gi, piece_elems;
   int32_t tok;      // the lane's token in the tile
   int32_t head0;    // its first head
   int32_t key0;     // its first key
@@ -99,7 +99,7 @@ struct DsLoader {
   __device__ DsLoader(const SmemTensor& stage0, int32_t Gi, int wg, int warp, int lane) : gi(Gi) {
     const int piece_bytes = Gi >= 8 ? 16 : 8;
     piece_elems = piece_bytes / 2;
-    ppk = 32 / piece_bytes;  // pieces per key in a warp's 32 bytes
+    const int ppk = 32 / piece_bytes;  // pieces per key in a warp's 32 bytes
     const int part = lane % ppk;
     const int m0 = 16 * warp + part * piece_elems;  // row within the warpgroup
     const int row = 64 * wg + m0;                   // row within the tile
