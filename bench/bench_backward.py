@@ -255,7 +255,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda",
                     help="cuda, or cpu to exercise the script on the CPU backend (tiny shapes)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--fwd-pass", choices=["auto", "query_tile", "kv_block"], default="auto",
+    ap.add_argument("--fwd-pass", choices=["auto", "query_tile", "kv_block", "split"], default="auto",
                     help="how the sparse forward walks its work (Options.fwd_pass)")
     ap.add_argument("--dq-pass", choices=["auto", "query_tile", "from_ds"], default="auto",
                     help="how the backward computes dq (Options::dq_pass)")

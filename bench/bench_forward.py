@@ -162,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trained", default=None,
                    help="also time the forward over a trained model's saved selections (the "
                         "PREFIX_block_idx.pt of examples/train_retrieval.py) where T, Bk match")
-    p.add_argument("--fwd-pass", choices=["auto", "query_tile", "kv_block"], default="auto",
+    p.add_argument("--fwd-pass", choices=["auto", "query_tile", "kv_block", "split"], default="auto",
                    help="how the sparse forward walks its work (Options.fwd_pass)")
     p.add_argument("--out", default=None, help="write PREFIX.csv and PREFIX.json")
     p.add_argument("--skip-dense", action="store_true", help="no dense attention at all")

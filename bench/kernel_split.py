@@ -3,7 +3,7 @@
 (torch.profiler), on selections of each overlap level, for each forward pass.
 
     python bench/kernel_split.py --config paper --length 131072
-    python bench/kernel_split.py --config flash-msa --length 32768 --passes kv_block
+    python bench/kernel_split.py --config flash-msa --length 32768 --passes kv_block,split,auto
 
 One sequence of --length tokens; the index inputs and selections of ``selection_patterns``
 (sink 1, local 4 forced). Prints, per (level, pass), the overlap and union of the selection,
@@ -27,7 +27,7 @@ def main(argv=None) -> int:
     ap.add_argument("--config", choices=sorted(HEADS), default="paper")
     ap.add_argument("--length", type=int, default=131072)
     ap.add_argument("--levels", default="shared,mixed,random")
-    ap.add_argument("--passes", default="query_tile,kv_block")
+    ap.add_argument("--passes", default="query_tile,kv_block,split,auto")
     ap.add_argument("--top-k", type=int, default=16)
     ap.add_argument("--block-size", type=int, default=128)
     ap.add_argument("--head-dim", type=int, default=128)
@@ -57,11 +57,13 @@ def main(argv=None) -> int:
                   f"{fp}: {ms:.2f} ms")
             for kname, kms in profile_kernels(fn)[:8]:
                 print(f"    {kms:9.3f} ms  {kname}")
-        if "query_tile" in outs and "kv_block" in outs:
-            a, b = outs["query_tile"], outs["kv_block"]
-            print(f"    rel L2 diff between passes: {((a - b).norm() / b.norm()).item():.2e}")
+        if "query_tile" in outs:
+            for other in ("kv_block", "split"):
+                if other in outs:
+                    a, b = outs["query_tile"], outs[other]
+                    print(f"    rel L2 diff query_tile / {other}: {((a - b).norm() / b.norm()).item():.2e}")
         if "auto" in outs:  # which pass kAuto ran: its out is that pass's, bit for bit
-            ran = [fp for fp in ("query_tile", "kv_block") if fp in outs and torch.equal(outs[fp], outs["auto"])]
+            ran = [fp for fp in ("query_tile", "split") if fp in outs and torch.equal(outs[fp], outs["auto"])]
             print(f"    auto ran: {', '.join(ran) or '?'}")
         sys.stdout.flush()
     return 0

@@ -124,7 +124,8 @@ msa::FwdPass fwd_pass_arg(const std::string& s) {
   if (s == "auto") return msa::FwdPass::kAuto;
   if (s == "query_tile") return msa::FwdPass::kQueryTile;
   if (s == "kv_block") return msa::FwdPass::kKvBlock;
-  bad_arg("fwd_pass", "expected 'auto', 'query_tile' or 'kv_block', got '" + s + "'");
+  if (s == "split") return msa::FwdPass::kSplit;
+  bad_arg("fwd_pass", "expected 'auto', 'query_tile', 'kv_block' or 'split', got '" + s + "'");
 }
 
 msa::SelectScores select_scores_arg(const std::string& s) {

@@ -33,11 +33,14 @@ enum class KlPass : int32_t { kAuto = 0, kFused = 1, kSeparate = 2, kTeacher = 3
 // visits the union of its tokens' selections (fastest when neighbouring tokens select alike).
 // kKvBlock: each KV block visits the tokens that selected it, writing partial outputs that a
 // second kernel combines (its cost does not grow with the union; it needs workspace for the
-// partials of `fwd_chunk_tokens` tokens at a time). kAuto: the backend's choice (CUDA: both passes
-// are launched and the device runs the one its cost model picks from the selection, with no host
-// sync, when the call's workspace holds the KV-block plan; the query tile otherwise). The CPU
-// backend has one implementation and accepts every value.
-enum class FwdPass : int32_t { kAuto = 0, kQueryTile = 1, kKvBlock = 2 };
+// partials of `fwd_chunk_tokens` tokens at a time). kSplit: both, each on the work it does best:
+// a query tile computes the blocks that most of its tokens selected (at least tile tokens /
+// 2.1 of them, the measured cost ratio of the two) and the KV-block pass every other selected
+// (token, block); the same workspace as kKvBlock. kAuto: the backend's choice (CUDA: kQueryTile
+// and kSplit are both launched and the device runs the one its cost model picks from the
+// selection, with no host sync, when the call's workspace holds the kSplit plan; kQueryTile
+// otherwise). The CPU backend has one implementation and accepts every value.
+enum class FwdPass : int32_t { kAuto = 0, kQueryTile = 1, kKvBlock = 2, kSplit = 3 };
 
 // How a backend computes dq in the sparse backward. kQueryTile: a tile of query rows visits the
 // union of its tokens' selections and recomputes the scores S and dP there, so its cost grows
@@ -71,7 +74,7 @@ struct Options {
   bool deterministic = false;  // backward: bitwise-reproducible gradients
   KlPass kl_pass = KlPass::kAuto;
   FwdPass fwd_pass = FwdPass::kAuto;
-  // kKvBlock: query tokens per pass (0: as many as keep the partial outputs near 4 GiB).
+  // kKvBlock, kSplit: query tokens per pass (0: as many as keep the partial outputs near 4 GiB).
   int32_t fwd_chunk_tokens = 0;
   // kl_pass = kTeacher: workspace bytes for the teacher of one pass (0: 6 GiB); the KV side of
   // the backward runs in as many passes over its work as the selection's entries need.

@@ -221,12 +221,13 @@ def sparse_attention(
             "separate" (a pass of its own). Results agree to rounding; the CPU backend has one
             implementation.
         fwd_pass: how the sparse forward walks its work: "auto" (the backend's choice; CUDA:
-            the device picks one of the two below from the selection, no host sync),
+            the device picks "query_tile" or "split" from the selection, no host sync),
             "query_tile" (a tile of query rows visits the union of its tokens' selections:
-            fastest when neighbouring tokens select alike) or "kv_block" (each KV block visits
+            fastest when neighbouring tokens select alike), "kv_block" (each KV block visits
             the tokens that selected it and a second kernel combines the partial outputs: its
-            cost does not grow with how much neighbouring selections differ). The CPU backend
-            has one implementation.
+            cost does not grow with how much neighbouring selections differ) or "split" (the
+            query tiles take the blocks most of their tokens selected, the KV blocks the rest,
+            and the tiles merge the partials). The CPU backend has one implementation.
         select_scores: what the selection ranks blocks by: "input" (the index inputs' own
             scores) or "fp8" (E4M3 copies of them, a scale per q_idx row and per block of
             k_idx keys: half the bytes and twice the tensor-core rate at long contexts; the

@@ -94,15 +94,15 @@ def _need_int(name: str, value: int, lo: int, hi: int = _INT32_MAX) -> None:
 _KL_PASSES = ("auto", "fused", "separate", "teacher")
 
 
-_FWD_PASSES = ("auto", "query_tile", "kv_block")
+_FWD_PASSES = ("auto", "query_tile", "kv_block", "split")
 _DQ_PASSES = ("auto", "query_tile", "from_ds")
 _SELECT_SCORES = ("input", "fp8")
 
 
 def _need_fwd_pass(fwd_pass: str) -> None:
     if fwd_pass not in _FWD_PASSES:
-        raise ValueError(f"msa: argument 'fwd_pass': expected 'auto', 'query_tile' or "
-                         f"'kv_block', got {fwd_pass!r}")
+        raise ValueError(f"msa: argument 'fwd_pass': expected 'auto', 'query_tile', "
+                         f"'kv_block' or 'split', got {fwd_pass!r}")
 
 
 def _need_dq_pass(dq_pass: str) -> None:
@@ -204,7 +204,7 @@ def forward(
     ``select`` is set in sparse mode, else an empty [0] int32 tensor. ``kl`` is the exact KL
     value when ``want_kl`` is set, else 0. ``kl_pass`` is for the autograd backward (see
     ``msa::backward``); it is checked here. ``fwd_pass``: how the sparse forward walks its work
-    (Options.fwd_pass: "auto", "query_tile" or "kv_block"). ``select_scores``: the scores a
+    (Options.fwd_pass: "auto", "query_tile", "kv_block" or "split"). ``select_scores``: the scores a
     selection made here ranks blocks by (Options.select_scores: "input" or "fp8"), and
     ``fp8_rerank`` how many FP8-scored candidates beyond the free slots the inputs' scores rank
     again (Options.fp8_rerank). ``dq_pass`` and ``bwd_chunk_tokens`` are for the autograd

@@ -380,8 +380,8 @@ Status option_ranges(const Check& c, const Options& o) {
                        std::to_string(static_cast<int32_t>(o.kl_pass))));
   MSA_TRY(c.option("fwd_pass",
                    o.fwd_pass == FwdPass::kAuto || o.fwd_pass == FwdPass::kQueryTile ||
-                       o.fwd_pass == FwdPass::kKvBlock,
-                   "must be kAuto, kQueryTile or kKvBlock, got " +
+                       o.fwd_pass == FwdPass::kKvBlock || o.fwd_pass == FwdPass::kSplit,
+                   "must be kAuto, kQueryTile, kKvBlock or kSplit, got " +
                        std::to_string(static_cast<int32_t>(o.fwd_pass))));
   MSA_TRY(c.option("dq_pass",
                    o.dq_pass == DqPass::kAuto || o.dq_pass == DqPass::kQueryTile ||

@@ -743,17 +743,21 @@ TEST_P(CudaVsCpu, ForwardGivenBlockIdx) {
   expect_forward_close(g.out, g.lse, ref, cfg().dtype, what("forward, given block_idx"));
 }
 
-// The KV-block forward (Options.fwd_pass = kKvBlock) over a caller's block_idx in any legal form
-// (repeated blocks, -1 anywhere, empty rows), in one pass and in passes of 97 tokens (the
-// partials of a pass, then their combine), against the CPU.
+// The KV-block forward (Options.fwd_pass = kKvBlock) and the split (kSplit: the query tiles take
+// the blocks most of their tokens selected, the KV-block pass the rest) over a caller's block_idx
+// in any legal form (-1 anywhere, rows without their own block, empty rows), in one pass and in
+// passes of 97 tokens (a pass boundary inside a query tile), against the CPU.
 TEST_P(CudaVsCpu, ForwardKvBlock) {
   SKIP_UNLESS_BUILT(cfg(), true, false);
   HostTensor bi = scrambled_block_idx(p(), cfg().seed + 13);
   const FwdResult ref = run_forward(wide(), &bi, Mode::kSparse, false);
-  for (int32_t chunk : {0, 97}) {
-    const GpuForward g = gpu_forward(Mode::kSparse, &bi, false, msa::FwdPass::kKvBlock, chunk);
-    expect_forward_close(g.out, g.lse, ref, cfg().dtype,
-                         what("forward, kKvBlock, pass tokens " + std::to_string(chunk)));
+  for (msa::FwdPass pass : {msa::FwdPass::kKvBlock, msa::FwdPass::kSplit}) {
+    const std::string name = pass == msa::FwdPass::kSplit ? "kSplit" : "kKvBlock";
+    for (int32_t chunk : {0, 97}) {
+      const GpuForward g = gpu_forward(Mode::kSparse, &bi, false, pass, chunk);
+      expect_forward_close(g.out, g.lse, ref, cfg().dtype,
+                           what("forward, " + name + ", pass tokens " + std::to_string(chunk)));
+    }
   }
 }
 
@@ -1602,11 +1606,12 @@ TEST(Cuda, KlPassOption) {
 }
 
 
-// Options.fwd_pass = kAuto launches both forward passes and the device runs one (the sums of
-// device/pass_choice.cuh): on a selection where the tokens of a query tile agree it must give the
-// query-tile pass's bits, on one where they share little the KV-block pass's (the two passes
-// round differently, which the test checks first, so that it can tell them apart); and without
-// room for the KV-block plan in the workspace, kAuto runs the query tiles.
+// Options.fwd_pass = kAuto launches the plain query tiles and the split and the device runs one
+// (the sums of device/pass_choice.cuh): on a selection where the tokens of a query tile agree it
+// must give the query-tile pass's bits (there the split keeps every block with the tiles and
+// gives the same bits), on one where they share little the split's (which rounds differently
+// there, as the test checks first, so that it can tell them apart); and without room for the
+// split's plan in the workspace, kAuto runs the query tiles.
 TEST(Cuda, AutoPassRunsTheChosenPass) {
   SKIP_WITHOUT_CUDA();
   const Config c = shape({4096, 2000}, 16, 2, 128, 2, 1, 128, 128, 4, kBf16, 43);
@@ -1652,12 +1657,13 @@ TEST(Cuda, AutoPassRunsTheChosenPass) {
   for (auto [sel, kv, name] : {std::tuple{&agree, false, "agreeing tiles"},
                                       std::tuple{&scattered, true, "scattered selections"}}) {
     const auto tile = run(*sel, msa::FwdPass::kQueryTile, true);
-    const auto block = run(*sel, msa::FwdPass::kKvBlock, true);
-    ASSERT_FALSE(tile.first.bitwise_equal(block.first)) << name << ": the passes cannot be told apart";
+    const auto split = run(*sel, msa::FwdPass::kSplit, true);
+    ASSERT_EQ(tile.first.bitwise_equal(split.first), !kv)
+        << name << (kv ? ": the passes cannot be told apart" : ": the split kept every block, yet differs");
     const auto chosen = run(*sel, msa::FwdPass::kAuto, true);
-    const auto& want = kv ? block : tile;
+    const auto& want = kv ? split : tile;
     EXPECT_TRUE(chosen.first.bitwise_equal(want.first)) << name << ": kAuto's out is not the "
-                                                        << (kv ? "KV-block" : "query-tile") << " pass's";
+                                                        << (kv ? "split" : "query-tile") << " pass's";
     EXPECT_TRUE(chosen.second.bitwise_equal(want.second)) << name << ": kAuto's lse";
     const auto no_room = run(*sel, msa::FwdPass::kAuto, false);
     EXPECT_TRUE(no_room.first.bitwise_equal(tile.first)) << name << ": kAuto without workspace";

@@ -371,8 +371,8 @@ TEST(Validation, OptionRangesAlwaysChecked) {
   b.opts.bwd_chunk_tokens = -1;
   expect_invalid(msa::backward(b), "bwd_chunk_tokens", "bwd_chunk_tokens -1");
   f = v.forward();
-  f.opts.fwd_pass = static_cast<msa::FwdPass>(3);
-  expect_invalid(msa::forward(f), "fwd_pass", "fwd_pass 3");
+  f.opts.fwd_pass = static_cast<msa::FwdPass>(4);
+  expect_invalid(msa::forward(f), "fwd_pass", "fwd_pass 4");
   f = v.forward();
   f.opts.fwd_chunk_tokens = -1;
   expect_invalid(msa::forward(f), "fwd_chunk_tokens", "fwd_chunk_tokens -1");

@@ -401,12 +401,13 @@ def test_select_blocks_scale_does_not_change_ranking():
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fwd_pass", ["auto", "query_tile", "kv_block"])
+@pytest.mark.parametrize("fwd_pass", ["auto", "query_tile", "kv_block", "split"])
 @pytest.mark.parametrize("case", ATTN_CASES, ids=ATTN_IDS)
 @skip_unbuilt
 def test_forward_given_block_idx(case, fwd_pass):
     """Every forward pass: the query tile, the KV block (partial outputs per KV block, then their
-    combine) and the device's choice between them."""
+    combine), the split (query tiles over the blocks most of their tokens share, the KV block
+    over the rest) and the device's choice."""
     _, lengths, Hq, Hkv, Hi, Hik, D, Bk, top_k, dtype = case
     T = sum(lengths)
     q, k, v = rand(T, Hq, D, dtype=dtype), rand(T, Hkv, D, dtype=dtype), rand(T, Hkv, D, dtype=dtype)
@@ -742,7 +743,7 @@ def _agreeing_block_idx(lengths, Hi, k, Bk):
 def test_auto_forward_pass_follows_the_selection_under_graph_replay():
     """fwd_pass="auto" picks its pass on the device: a captured graph replayed with a selection
     whose tiles agree gives the query-tile pass's bits, and replayed with a scattered one the
-    KV-block pass's, with no host sync in between."""
+    split's, with no host sync in between."""
     lengths, Hq, Hkv, Hi, D, Bk, k = [4096, 2000], 16, 2, 2, 128, 128, 4
     dtype = torch.bfloat16
     T = sum(lengths)
@@ -764,13 +765,14 @@ def test_auto_forward_pass_follows_the_selection_under_graph_replay():
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         captured = fwd(static, "auto")
-    for bi, ran in ((scattered, "kv_block"), (agree, "query_tile"), (scattered, "kv_block")):
+    for bi, ran in ((scattered, "split"), (agree, "query_tile"), (scattered, "split")):
         static.copy_(bi)
         g.replay()
-        tile, block = fwd(bi, "query_tile"), fwd(bi, "kv_block")
+        tile, split = fwd(bi, "query_tile"), fwd(bi, "split")
         torch.cuda.synchronize()
-        assert not torch.equal(tile, block), "the two passes cannot be told apart"
-        assert torch.equal(captured, tile if ran == "query_tile" else block), \
+        # where the tiles agree the split keeps every block with them: the same bits
+        assert torch.equal(tile, split) == (ran == "query_tile"), "the two passes cannot be told apart"
+        assert torch.equal(captured, tile if ran == "query_tile" else split), \
             f"the replay did not run the {ran} pass"
 
 

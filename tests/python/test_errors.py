@@ -267,7 +267,7 @@ def test_fwd_pass(x):
     _raises("fwd_pass", msa.sparse_attention, q, k, v, qi, ki, 2, Bk, fwd_pass="kv")
     bi = msa.select_blocks(qi, ki, 2, Bk)
     ref, _ = msa.sparse_attention(q, k, v, None, None, block_idx=bi, block_size=Bk)
-    for fp in ("query_tile", "kv_block"):  # the CPU backend has one implementation
+    for fp in ("query_tile", "kv_block", "split"):  # the CPU backend has one implementation
         out, _ = msa.sparse_attention(q, k, v, None, None, block_idx=bi, block_size=Bk, fwd_pass=fp)
         assert torch.equal(out, ref)
     _raises("fwd_pass", _C.forward, q, k, v, None, bi, False, None, None, torch.empty_like(q),

@@ -136,4 +136,44 @@ __device__ inline int32_t build_block_union(const UnionSmem& u, const int32_t* r
   return n;
 }
 
+// The tokens of entry e: the set bits of its members row.
+__device__ __forceinline__ int32_t union_members(const UnionSmem& u, int32_t e) {
+  int32_t c = 0;
+  for (int32_t x = 0; x < u.mask_words; ++x) c += __popc(u.members[e * u.mask_words + x]);
+  return c;
+}
+
+// The split forward's query-tile part (device/pass_choice.cuh): keeps the n union entries that
+// at least `share` of the tile's tokens selected, compacted in place in ascending order; returns
+// their number. (pass_choice_kernel marks the same blocks from the same rows for the KV-block
+// pass to skip.)
+__device__ inline int32_t keep_shared_blocks(const UnionSmem& u, int32_t n, int32_t share, int lane) {
+  int32_t base = 0;
+  // Each round's lanes read their entries before any lane writes (to places at most theirs).
+  for (int32_t e0 = 0; e0 < n; e0 += 32) {
+    const int32_t e = e0 + lane;
+    const bool keep = e < n && union_members(u, e) >= share;
+    int32_t blk = 0;
+    uint32_t mem[4] = {0u, 0u, 0u, 0u};  // mask_words <= 4 (tiles of at most 128 tokens)
+    if (keep) {
+      blk = u.blocks[e];
+#pragma unroll
+      for (int32_t x = 0; x < 4; ++x)
+        if (x < u.mask_words) mem[x] = u.members[e * u.mask_words + x];
+    }
+    const uint32_t ballot = __ballot_sync(0xffffffffu, keep);
+    __syncwarp();
+    if (keep) {
+      const int32_t to = base + __popc(ballot & ((1u << lane) - 1u));
+      u.blocks[to] = blk;
+#pragma unroll
+      for (int32_t x = 0; x < 4; ++x)
+        if (x < u.mask_words) u.members[to * u.mask_words + x] = mem[x];
+    }
+    base += __popc(ballot);
+    __syncwarp();
+  }
+  return base;
+}
+
 }  // namespace msa::cuda::kern

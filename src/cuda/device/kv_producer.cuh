@@ -84,11 +84,13 @@ struct QueryTileTraits {
   };
 };
 
-// The CTA's tile: blockIdx.x counts from the last (heavy, late tiles first); count 0: nothing to do.
-// With a page table, the tile's tokens are the last tile.seq_len of their sequence's cached keys.
+// The CTA's tile, of the ids [tile_lo, tile_lo + num_tiles): blockIdx.x counts from the last
+// (heavy, late tiles first); count 0: nothing to do. With a page table, the tile's tokens are the
+// last tile.seq_len of their sequence's cached keys.
 template <class Params>
 __device__ QueryTile query_tile(const Params& p) {
-  QueryTile t = decode_tile(p.cu_seqlens, p.nseq, p.T, p.tile_tokens, p.num_tiles - 1 - blockIdx.x);
+  QueryTile t = decode_tile(p.cu_seqlens, p.nseq, p.T, p.tile_tokens,
+                            p.tile_lo + p.num_tiles - 1 - blockIdx.x);
   p.paged.place(t);
   return t;
 }
@@ -152,9 +154,11 @@ struct QueryTileStream {
     return true;
   }
 
+  // share > 0: the split forward keeps the union's blocks at least that many of the tile's tokens
+  // selected (keep_shared_blocks; sparse mode only).
   template <class Params, class TensorK, class TensorV>
   __device__ void produce(const Params& p, const QueryTile& tile, TensorK& sK, TensorV& sV,
-                          bool with_v) {
+                          bool with_v, int32_t share = 0) {
     constexpr int kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
     const int lane = threadIdx.x & 31;
     int32_t n;
@@ -163,6 +167,7 @@ struct QueryTileStream {
     } else {
       const int32_t* rows = p.block_idx + (tile.seq_start + tile.first) * p.bi_s0 + ih * p.bi_s1;
       n = build_block_union(us(p), rows, p.bi_s0, p.top_k, tile.pos0, tile.count, kBlockN, lane);
+      if (share > 0) n = keep_shared_blocks(us(p), n, share, lane);
     }
     if (lane == 0) ss.num_blocks = n;
     __syncwarp();

@@ -1,21 +1,39 @@
-// Options.fwd_pass = kAuto: the sparse forward's pass chosen on the device from the selection
-// itself, with no host sync. pass_choice_kernel (kernels/fwd_kv_kernel.cuh) sums
-//   sums[0]: the (token, block) pairs the query-tile pass computes: per query tile and index
-//            head, the union of its tokens' selected blocks times the tile's tokens;
-//   sums[1]: the (token, block) pairs selected (per token and index head, its valid entries);
-// both passes are launched, and each kernel returns at once where the rule picks the other.
-// The query-tile pass's cost follows sums[0]; the KV-block pass's follows sums[1] times about
-// kKvCost (its partial outputs are written and read back): measured on the H200 at 128K tokens,
-// paper and flash-msa heads, the KV-block pass takes 2.0-2.1x the query-tile pass's time on
-// selections whose neighbours agree (docs/perf.md, 2026-11-30, KV-block forward v2).
+// The split of the sparse forward (Options.fwd_pass = kSplit) and kAuto's choice of it.
+//
+// Split: a query tile (fwd_kernel.cuh) computes the blocks that at least share_min of its tokens
+// selected, over its rows as in the plain query-tile pass, and writes the result as one partial
+// output per (token, head); the KV-block pass (fwd_kv_kernel.cuh) computes every other selected
+// (token, block) and the combine adds them all. A block a tile visits costs the tile's rows
+// whatever number of its tokens selected it; a (token, block) the KV-block pass computes costs
+// about kKvCost times that token's rows (its partial output is written and read back), measured on
+// the H200 at 128K tokens, paper and flash-msa heads: the KV-block pass takes 2.0-2.1x the
+// query-tile pass's time on selections whose neighbours agree (docs/perf.md, 2026-11-30,
+// KV-block forward v2). So a block stays with the tile where members * kKvCost >= tile tokens.
+//
+// kAuto: pass_choice_kernel (kernels/pass_choice_kernel.cuh) sums over the query tiles
+//   sums[0]: the plain query-tile pass's cost: per tile and index head, the union of its
+//            tokens' selected blocks times the tile's tokens (x kKvCostDen);
+//   sums[1]: the split's cost: the blocks kept by the tile times its tokens (x kKvCostDen), plus
+//            the other selected (token, block) pairs x kKvCostNum;
+// every kernel of both is launched, and each returns at once where the rule picks the other
+// (no host sync).
 #pragma once
+
+#include <cstdint>
 
 namespace msa::cuda::kern {
 
 constexpr unsigned long long kKvCostNum = 21, kKvCostDen = 10;  // kKvCost = 2.1
 
-__device__ __forceinline__ bool kv_pass_chosen(const unsigned long long* sums) {
-  return sums[0] * kKvCostDen > sums[1] * kKvCostNum;
+// The fewest of a tile's `tile_tokens` tokens that keep a block with the tile.
+__host__ __device__ constexpr int32_t share_min(int32_t tile_tokens) {
+  return static_cast<int32_t>((uint64_t(tile_tokens) * kKvCostDen + kKvCostNum - 1) / kKvCostNum);
+}
+
+// Whether kAuto runs the split (its sums at least 10% below the plain query tile's: the split
+// also sorts its pairs and combines its partials).
+__device__ __forceinline__ bool split_chosen(const unsigned long long* sums) {
+  return sums[1] * 10 < sums[0] * 9;
 }
 
 }  // namespace msa::cuda::kern

@@ -53,8 +53,24 @@ struct QueryTileArgs : SeqArgs {
   int32_t top_k = 0;          // block_idx width (k)
   bool dense = false;
   kern::UnionLayout uni;  // the block-union arrays (zero in dense mode)
-  int64_t num_tiles = 0;  // grid.x
+  // The grid covers the tile ids [tile_lo, tile_lo + num_tiles) (grid.x = num_tiles); a pass of
+  // tokens [tok_lo, tok_hi) (set_tile_pass) writes only its tokens' rows, and tiles with none
+  // do nothing.
+  int64_t num_tiles = 0;
+  int64_t tile_lo = 0;
+  int64_t tok_lo = 0, tok_hi = 0;
   kern::PagedKeys paged;  // K and V in a paged cache (a serving prefill); default: packed
+};
+
+// The split forward (Options.fwd_pass = kSplit, device/pass_choice.cuh): a query tile keeps the
+// blocks at least share_min of its tokens selected; pass_choice_kernel marks those entries in
+// `taken` (all T tokens; the KV-block pass skips them), and the tile's epilogue merges the
+// partials the KV-block pass wrote for the pass's rows. part_o null: not split.
+struct FwdSplitArgs {
+  const void* part_o = nullptr;    // FwdKvArgs::part_o of the pass
+  const float* part_ml = nullptr;  // FwdKvArgs::part_ml of the pass
+  uint8_t* taken = nullptr;        // [T, Hi, k]: written by pass_choice_kernel
+  int32_t share_min = 0;
 };
 
 // Attention forward (kernels/fwd_kernel.cuh); also the index branch's LSE over a selection
@@ -70,8 +86,9 @@ struct FwdArgs : QueryTileArgs {
   float scale_log2 = 0.f;  // |scale| * log2(e)
   bool negate = false;     // the scale is negative: Q is negated on load and |scale| used
   bool lse_only = false;   // LSE only: no V, no out
-  // Options.fwd_pass = kAuto with the KV-block pass planned: the sums of pass_choice_kernel
-  // (kernels/fwd_kv_kernel.cuh); the kernel does nothing where they choose the KV-block pass.
+  FwdSplitArgs split;
+  // Options.fwd_pass = kAuto with the split planned: the sums of pass_choice_kernel; the kernel
+  // runs the split where they choose it, else the plain pass.
   const unsigned long long* choice = nullptr;
 };
 
@@ -201,14 +218,10 @@ struct BwdKvArgs : KvSideArgs {
 
 // dq from dS (kernels/bwd_dq_kernel.cuh): dq = scale * sum over the selected blocks of dS K for
 // the tokens [tok_lo, tok_hi) of a pass, from the dS tiles bwd_kv_kernel wrote (BwdKvArgs::ds).
-// The grid covers the query-tile ids [tile_lo, tile_lo + num_tiles); tiles with no token in the
-// pass do nothing.
 struct BwdDqArgs : QueryTileArgs {
   const void *k = nullptr, *v = nullptr;  // v: only for the K stream's descriptors (never read)
   int64_t k_s0 = 0, k_s1 = 0, v_s0 = 0, v_s1 = 0;
-  const void* ds = nullptr;
-  int64_t tok_lo = 0, tok_hi = 0;
-  int64_t tile_lo = 0;
+  const void* ds = nullptr;  // of the tokens [tok_lo, tok_hi)
   void* dq = nullptr;
   int64_t dq_s0 = 0, dq_s1 = 0;
   float scale = 0.f;  // signed
@@ -230,8 +243,11 @@ struct FwdKvArgs : KvSideArgs {
   int64_t tok_lo = 0, tok_hi = 0;
   int32_t block_size = 0;  // (top_k: KvSideArgs's)
   float scale_log2 = 0.f;  // signed
-  // kAuto: pass_choice_kernel's sums; the KV-block kernels do nothing unless they choose it.
+  // kAuto: pass_choice_kernel's sums; the KV-block kernels do nothing unless they choose the split.
   const unsigned long long* choice = nullptr;
+  // The split: the query tiles take the entries marked here ([tok_hi - tok_lo, Hi, k]; the
+  // reverse index skips them) and merge the partials themselves (no combine kernel).
+  const uint8_t* taken = nullptr;
 };
 
 // The KL branch as a pass of its own (kernels/kl_kernel.cuh): the gradient sums and/or the

@@ -324,7 +324,7 @@ Status backward_from_ds(const Problem& prob, const BackwardParams& p, const Plan
     MSA_TRY(build_entries(fn, pl, prob, p.block_idx, kv.cu_seqlens, kv.nseq, c0, c1, ws, stream, &kv.list));
     MSA_TRY(build_work(fn, pl, pl.kv, prob, kv.list, kv.cu_seqlens, kv.nseq, ws, stream, &kv.work, &kv.grid));
     kv.ds_tok_lo = c0;
-    set_dq_pass(&dq, c0, c1);
+    set_tile_pass(&dq, c0, c1);
     MSA_TRY(dispatch(fn, "q", p.q.dtype, prob.D, prob.opts.block_size, [&](auto v) {
       using V = decltype(v);
       if (pl.teacher) {

@@ -25,42 +25,17 @@ Status run_select(const char* fn, const Problem& prob, const SelectArgs& a, DTyp
   });
 }
 
-// The KV-block forward (Options.fwd_pass = kKvBlock) over the caller's or the just-made
-// selection, in passes of pl.fwd_tokens tokens: the reverse index of the pass's rows, its work
-// list, the partials and their combine.
-// choice: kAuto's sums (the pass's kernels do nothing where they choose the query tiles).
-Status run_forward_kv(const char* fn, const Problem& prob, const ForwardParams& p, const Plan& pl,
-                      const unsigned long long* choice, cudaStream_t stream) {
-  void* ws = p.launch.workspace;
-  FwdKvArgs a = fwd_kv_args(prob, p);
-  a.part_o = at<void>(ws, pl.part_o);
-  a.part_ml = at<float>(ws, pl.part_ml);
-  a.choice = choice;
-  for (int64_t c0 = 0; c0 < prob.T; c0 += pl.fwd_tokens) {
-    const int64_t c1 = std::min<int64_t>(prob.T, c0 + pl.fwd_tokens);
-    MSA_TRY(build_entries(fn, pl, prob, p.block_idx, a.cu_seqlens, a.nseq, c0, c1, ws, stream, &a.list,
-                          choice));
-    MSA_TRY(build_work(fn, pl, pl.kv, prob, a.list, a.cu_seqlens, a.nseq, ws, stream, &a.work, &a.grid));
-    a.tok_lo = c0;
-    a.tok_hi = c1;
-    MSA_TRY(dispatch(fn, "q", p.q.dtype, prob.D, prob.opts.block_size, [&](auto v) {
-      using V = decltype(v);
-      return launch_fwd_kv<typename V::Element, V::kDim, V::kBlockN>(a, stream);
-    }));
-  }
-  return Status::Ok();
-}
-
-// kAuto: the sums that choose the pass (device/pass_choice.cuh), zeroed then summed over the
-// query tiles of `a` into the plan's workspace; returns them through *sums.
+// The split's marks (p.split.taken of `a`) and kAuto's sums that choose between the plain query
+// tiles and the split (device/pass_choice.cuh), zeroed then summed over the query tiles of `a`
+// into the plan's workspace; returns them through *sums.
 Status choose_pass(const char* fn, const Problem& prob, const FwdArgs& a, const Plan& pl, void* ws,
                    cudaStream_t stream, const unsigned long long** sums) {
   auto* s = at<unsigned long long>(ws, pl.choice);
   cudaError_t e = cudaMemsetAsync(s, 0, 2 * sizeof(unsigned long long), stream);
   if (e != cudaSuccess) return cuda_error(fn, e);
-  const size_t bitmap = 4 * size_t(std::max(a.uni.bitmap_words, 1));
-  const int warps = static_cast<int>(std::clamp<size_t>((96 << 10) / bitmap, 1, 8));
-  const size_t smem = warps * bitmap;
+  const size_t counts = 32 * size_t(std::max(a.uni.bitmap_words, 1));  // a byte per block, per warp
+  const int warps = static_cast<int>(std::clamp<size_t>((96 << 10) / counts, 1, 8));
+  const size_t smem = warps * counts;
   e = cudaFuncSetAttribute(kern::pass_choice_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            static_cast<int>(smem));
   if (e != cudaSuccess) return cuda_error(fn, e);
@@ -70,6 +45,52 @@ Status choose_pass(const char* fn, const Problem& prob, const FwdArgs& a, const 
   e = cudaGetLastError();
   if (e != cudaSuccess) return cuda_error(fn, e);
   *sums = s;
+  return Status::Ok();
+}
+
+// The sparse forward in passes of pl.fwd_tokens tokens over the caller's or the just-made
+// selection, by the KV-block pass (Options.fwd_pass = kKvBlock: per pass the reverse index of its
+// rows, its work list, the partials and their combine), the split (kSplit: pass_choice_kernel
+// marks the entries of the blocks the query tiles keep; per pass the KV-block pass over the
+// other entries, then the query tiles holding the pass's tokens, which merge its partials), or
+// kAuto (the sums of the same kernel pick the split or the plain query tiles on the device; the
+// kernels of the other return at once).
+Status run_forward_passes(const char* fn, const Problem& prob, const ForwardParams& p, const Plan& pl,
+                          bool split, bool automatic, cudaStream_t stream) {
+  void* ws = p.launch.workspace;
+  FwdKvArgs a = fwd_kv_args(prob, p);
+  a.part_o = at<void>(ws, pl.part_o);
+  a.part_ml = at<float>(ws, pl.part_ml);
+  FwdArgs q = forward_args(prob, p);
+  uint8_t* taken = nullptr;
+  if (split || automatic) {
+    taken = at<uint8_t>(ws, pl.taken);
+    q.split.part_o = a.part_o;
+    q.split.part_ml = a.part_ml;
+    q.split.taken = taken;
+    q.split.share_min = kern::share_min(q.tile_tokens);
+    const unsigned long long* sums = nullptr;
+    MSA_TRY(choose_pass(fn, prob, q, pl, ws, stream, &sums));
+    if (automatic) q.choice = a.choice = sums;
+  }
+  const int64_t row = int64_t(prob.Hi) * prob.k;  // taken entries per token
+  for (int64_t c0 = 0; c0 < prob.T; c0 += pl.fwd_tokens) {
+    const int64_t c1 = std::min<int64_t>(prob.T, c0 + pl.fwd_tokens);
+    if (taken != nullptr) a.taken = taken + c0 * row;
+    MSA_TRY(build_entries(fn, pl, prob, p.block_idx, a.cu_seqlens, a.nseq, c0, c1, ws, stream, &a.list,
+                          a.choice, a.taken));
+    MSA_TRY(build_work(fn, pl, pl.kv, prob, a.list, a.cu_seqlens, a.nseq, ws, stream, &a.work, &a.grid));
+    a.tok_lo = c0;
+    a.tok_hi = c1;
+    MSA_TRY(dispatch(fn, "q", p.q.dtype, prob.D, prob.opts.block_size, [&](auto v) {
+      using V = decltype(v);
+      return launch_fwd_kv<typename V::Element, V::kDim, V::kBlockN>(a, stream);
+    }));
+    if (taken != nullptr) {
+      set_tile_pass(&q, c0, c1);
+      MSA_TRY(run_forward(fn, "q", q, p.q.dtype, prob.D, prob.opts.block_size, stream));
+    }
+  }
   return Status::Ok();
 }
 
@@ -119,15 +140,18 @@ Status attention_forward(const Problem& prob, const ForwardParams& p) {
   const char* fn = "forward";
   const bool dense = prob.opts.mode == Mode::kDense;
   MSA_TRY(can_forward(fn, prob, p));
-  const bool kv_block = kv_block_forward(prob);
+  const bool kv_block = kv_block_forward(prob), split = split_forward(prob);
   Plan kvp;
-  bool auto_kv = false;  // kAuto: both passes launched, the device picks one
-  if (kv_block) {
+  bool automatic = false;  // kAuto: the plain query tiles and the split launched, the device picks
+  if (kv_block || split) {
     MSA_TRY(fwd_kv_plan(fn, prob, num_seqs(p.cu_seqlens), &kvp));
     MSA_TRY(need_workspace(fn, kvp, p.launch));
   } else if (auto_forward(prob) && fwd_kv_plan(fn, prob, num_seqs(p.cu_seqlens), &kvp).ok()) {
-    // Without room for the KV-block plan, kAuto runs the query tiles.
-    auto_kv = p.launch.workspace != nullptr && p.launch.workspace_bytes >= kvp.total;
+    // Without room for the split's plan (or, past about 100M keys, for choose_pass's byte per
+    // block in shared memory), kAuto runs the plain query tiles.
+    const int64_t blocks = (int64_t(prob.T) + prob.opts.block_size - 1) / prob.opts.block_size;
+    automatic = p.launch.workspace != nullptr && p.launch.workspace_bytes >= kvp.total &&
+                blocks <= (int64_t(192) << 10);
   }
   if (p.kl.defined()) {
     Plan pl;
@@ -147,13 +171,8 @@ Status attention_forward(const Problem& prob, const ForwardParams& p) {
       if (prob.opts.select_scores == SelectScores::kFp8) set_select_fp8(prob, p.launch.workspace, &sa);
       MSA_TRY(run_select(fn, prob, sa, p.q_idx.dtype, stream));
     }
-    if (kv_block) {
-      MSA_TRY(run_forward_kv(fn, prob, p, kvp, nullptr, stream));
-    } else if (auto_kv) {
-      FwdArgs a = forward_args(prob, p);
-      MSA_TRY(choose_pass(fn, prob, a, kvp, p.launch.workspace, stream, &a.choice));
-      MSA_TRY(run_forward(fn, "q", a, p.q.dtype, prob.D, prob.opts.block_size, stream));
-      MSA_TRY(run_forward_kv(fn, prob, p, kvp, a.choice, stream));
+    if (kv_block || split || automatic) {
+      MSA_TRY(run_forward_passes(fn, prob, p, kvp, split, automatic, stream));
     } else {
       MSA_TRY(run_forward(fn, "q", forward_args(prob, p), p.q.dtype, prob.D, prob.opts.block_size, stream));
     }
@@ -168,7 +187,7 @@ size_t forward_workspace(const Problem& prob, const ForwardParams& p) {
   // The KV-block forward and the KL value run one after the other: the larger plan.
   size_t bytes = 0;
   Plan pl;
-  if ((kv_block_forward(prob) || auto_forward(prob)) &&
+  if ((kv_block_forward(prob) || split_forward(prob) || auto_forward(prob)) &&
       fwd_kv_plan("forward", prob, num_seqs(p.cu_seqlens), &pl).ok())
     bytes = pl.total;
   if (p.kl.defined() &&

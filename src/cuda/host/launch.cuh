@@ -186,7 +186,9 @@ Status launch_fwd_kv(const FwdKvArgs& a, cudaStream_t stream) {
   const Status st = detail::launch_kv_side<Traits, kern::FwdKvParams<Traits>>(
       "forward", kern::fwd_kv_kernel<Traits>, a, stream);
   if (!st.ok()) return st;
-  kern::fwd_combine_kernel<Element, kHeadDim><<<grid(pairs * (kHeadDim / 8)), 256, 0, stream>>>(a);
+  // The split: the query tiles that run next merge the partials.
+  if (a.taken == nullptr)
+    kern::fwd_combine_kernel<Element, kHeadDim><<<grid(pairs * (kHeadDim / 8)), 256, 0, stream>>>(a);
   const cudaError_t e = cudaGetLastError();
   return e == cudaSuccess ? Status::Ok() : detail::launch_error("forward", e);
 }

@@ -356,6 +356,7 @@ PrefillPlan prefill_plan(const Problem& prob, const PagedForwardParams& p) {
   a.paged = paged_keys(p.cache, p.cache.k, bk);
   a.uni = kern::UnionLayout::make(dense, a.paged.key_cap, bk, a.tile_tokens, prob.k);
   a.num_tiles = kern::num_tile_ids(a.nseq, a.T, a.tile_tokens);
+  a.tok_hi = a.T;
   a.q = p.q.data;
   a.q_s0 = p.q.stride[0];
   a.q_s1 = p.q.stride[1];

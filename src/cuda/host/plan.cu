@@ -77,6 +77,7 @@ void set_query_tile(QueryTileArgs* a, const Problem& prob, const TensorRef& cu, 
   }
   a->uni = kern::UnionLayout::make(dense, prob.T, prob.opts.block_size, a->tile_tokens, prob.k);
   a->num_tiles = kern::num_tile_ids(a->nseq, prob.T, a->tile_tokens);
+  a->tok_hi = prob.T;
 }
 
 int bits_for(uint64_t v) {  // bits needed to hold values 0..v
@@ -124,6 +125,10 @@ Status can_forward(const char* fn, const Problem& prob, const ForwardParams& p) 
 
 bool kv_block_forward(const Problem& prob) {
   return prob.opts.mode == Mode::kSparse && prob.opts.fwd_pass == FwdPass::kKvBlock;
+}
+
+bool split_forward(const Problem& prob) {
+  return prob.opts.mode == Mode::kSparse && prob.opts.fwd_pass == FwdPass::kSplit;
 }
 
 bool auto_forward(const Problem& prob) {
@@ -484,11 +489,10 @@ BwdDqArgs bwd_dq_args(const Problem& prob, const BackwardParams& p) {
   a.dq_s0 = p.dq.stride[0];
   a.dq_s1 = p.dq.stride[1];
   a.scale = prob.opts.scale;
-  a.tok_hi = prob.T;
   return a;
 }
 
-void set_dq_pass(BwdDqArgs* a, int64_t tok_lo, int64_t tok_hi) {
+void set_tile_pass(QueryTileArgs* a, int64_t tok_lo, int64_t tok_hi) {
   // Token x of sequence s is in tile s + cu[s] / m + (x - cu[s]) / m, which lies in
   // [x / m - 1, x / m + nseq - 1] (floor(u) + floor(v) is floor(u + v) or one less).
   const int64_t m = a->tile_tokens;
@@ -672,6 +676,7 @@ Status make_plan(const char* fn, const Problem& prob, int32_t nseq, bool sparse,
     p.part_o = take(2 * slots * prob.D);
     p.part_ml = take(8 * slots);
     p.choice = take(2 * sizeof(unsigned long long));
+    p.taken = take(size_t(prob.T) * prob.Hi * size_t(prob.k));
   }
   if (bwd_tokens > 0) {
     p.bwd_tokens = bwd_tokens;

@@ -33,6 +33,8 @@ Status can_kl(const char* fn, const Problem& prob, const KlInputs& in);
 // Whether the sparse forward walks KV blocks (Options.fwd_pass; kAuto: the query-tile forward),
 // and that kernel's own limits (k <= 32, Hq / Hi <= 64; failures name 'fwd_pass').
 bool kv_block_forward(const Problem& prob);
+// Options.fwd_pass = kSplit (sparse mode).
+bool split_forward(const Problem& prob);
 // Options.fwd_pass = kAuto in sparse mode where the KV-block pass can run: the pass is chosen on
 // the device (pass_choice_kernel) when the call's workspace holds the KV-block plan.
 bool auto_forward(const Problem& prob);
@@ -63,9 +65,10 @@ FwdArgs index_lse_args(const Problem& prob, const KlInputs& in, float* lse_idx, 
                        int64_t s1);
 BwdQArgs bwd_q_args(const Problem& prob, const BackwardParams& p, const float* delta);
 BwdKvArgs bwd_kv_args(const Problem& prob, const BackwardParams& p, const float* delta);
-// dq from dS over all query tiles (a pass sets its tokens and tile ids: set_dq_pass).
+// dq from dS over all query tiles (a pass sets its tokens and tile ids: set_tile_pass).
 BwdDqArgs bwd_dq_args(const Problem& prob, const BackwardParams& p);
-void set_dq_pass(BwdDqArgs* a, int64_t tok_lo, int64_t tok_hi);
+// A query-tile kernel's pass over the tokens [tok_lo, tok_hi): the tile ids that may hold them.
+void set_tile_pass(QueryTileArgs* a, int64_t tok_lo, int64_t tok_hi);
 FwdKvArgs fwd_kv_args(const Problem& prob, const ForwardParams& p);
 KlArgs kl_args(const Problem& prob, const KlInputs& in);
 
@@ -104,6 +107,7 @@ struct Plan {
   int64_t fwd_tokens = 0;            // the KV-block forward: tokens per pass
   size_t part_o = 0, part_ml = 0;    // ... and its partial outputs of one pass
   size_t choice = 0;                 // ... and kAuto's two sums (pass_choice_kernel)
+  size_t taken = 0;                  // ... and the split's taken entries [T, Hi, k]
   // dq from dS: the backward runs in passes of bwd_tokens tokens (0: dq by the query tiles),
   // each with its own reverse index, dS tiles (`ds`) and dq pass; with several passes dK and dV
   // are fp32 sums (`dk_sum`, `dv_sum`, [T, Hkv, D]) until the last.

@@ -17,14 +17,15 @@ namespace {
 // One reverse-index key per (token, index head, slot) of the tokens [t_lo, t_hi): the segment
 // (KV tile of the selected block, KV head, index head of that KV head), the token's packed
 // index and the slot (the block's column in the row). Slots outside [0, blk(t)] get `invalid`
-// (sorted past every real key).
+// (sorted past every real key), as do the entries `taken` marks (the split forward's query
+// tiles computed them).
 __global__ void key_kernel(const int32_t* block_idx, int64_t bi_s0, int64_t bi_s1,
                            const int32_t* cu, int32_t nseq, int64_t T, int64_t t_lo, int64_t t_hi,
                            int32_t Hi, int32_t k, int32_t Bk, int32_t Hkv, int32_t ipk, int tbits,
                            int sbits, uint64_t invalid, const unsigned long long* choice,
-                           uint64_t* keys) {
+                           const uint8_t* taken, uint64_t* keys) {
   // kAuto chose the query-tile forward: no entries (the sort still runs, on invalid keys).
-  const bool none = choice != nullptr && !kern::kv_pass_chosen(choice);
+  const bool none = choice != nullptr && !kern::split_chosen(choice);
   const int64_t n = (t_hi - t_lo) * Hi * k;
   for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -45,7 +46,7 @@ __global__ void key_kernel(const int32_t* block_idx, int64_t bi_s0, int64_t bi_s
       end = kern::clamp_offset(cu[s + 1], start, T);
     }
     uint64_t key = invalid;
-    if (!none && t >= start && t < end) {
+    if (!none && t >= start && t < end && (taken == nullptr || taken[e] == 0)) {
       const int64_t pos = t - start;
       const int32_t b = block_idx[t * bi_s0 + i * bi_s1 + slot];
       if (b >= 0 && b <= pos / Bk) {
@@ -139,7 +140,7 @@ __global__ void chunk_kernel(kern::EntryListParams list, const int32_t* cu, int3
 Status build_entries(const char* fn, const Plan& pl, const Problem& prob, const TensorRef& bi,
                      const int32_t* cu, int32_t nseq, int64_t t_lo, int64_t t_hi, void* ws,
                      cudaStream_t stream, kern::EntryListParams* out,
-                     const unsigned long long* choice) {
+                     const unsigned long long* choice, const uint8_t* taken) {
   uint64_t* ka = at<uint64_t>(ws, pl.keys_a);
   uint64_t* kb = at<uint64_t>(ws, pl.keys_b);
   uint8_t* flags = at<uint8_t>(ws, pl.flags);
@@ -154,7 +155,7 @@ Status build_entries(const char* fn, const Plan& pl, const Problem& prob, const 
     key_kernel<<<blocks, threads, 0, stream>>>(
         static_cast<const int32_t*>(bi.data), bi.stride[0], bi.stride[1], cu, nseq, prob.T, t_lo,
         t_hi, prob.Hi, prob.k, prob.opts.block_size, prob.Hkv, ipk, pl.tbits, pl.sbits,
-        pl.invalid, choice, ka);
+        pl.invalid, choice, taken, ka);
   }
   cub::DoubleBuffer<uint64_t> keys(ka, kb);
   size_t bytes = pl.cub_bytes;

@@ -138,8 +138,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   using Pipeline = typename Traits::Pipeline;
 
   extern __shared__ __align__(1024) char smem_raw[];
-  QueryTile tile = decode_tile(p.cu_seqlens, p.nseq, p.T, p.tile_tokens,
-                               p.tile_lo + p.num_tiles - 1 - blockIdx.x);
+  const QueryTile tile = query_tile(p);
   // The tile's tokens [a, b) of the pass (packed indices); none: nothing to do.
   const int64_t tok0 = tile.seq_start + tile.first;
   const int64_t a = tok0 > p.tok_lo ? tok0 : p.tok_lo;

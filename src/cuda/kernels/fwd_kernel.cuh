@@ -8,6 +8,12 @@
 // and V blocks with TMA through two mbarrier pipelines; two consumer warpgroups own 64 rows
 // each, compute S = Q K^T and O += P V with wgmma and keep the online softmax in registers.
 // Dense (warmup) mode visits every causal block with no membership mask.
+//
+// Split (Options.fwd_pass = kSplit, or kAuto's sums choosing it; device/pass_choice.cuh): the
+// tile keeps only the union's blocks that at least share_min of its tokens selected; the
+// KV-block pass (fwd_kv_kernel.cuh), run before it, wrote the partial outputs of every other
+// selected (token, block) of the pass, and the epilogue merges them with the tile's own result
+// (its own first, then the slots in block_idx column order) into out and lse.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -72,9 +78,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   using Pipeline = typename Traits::Pipeline;
 
   extern __shared__ __align__(1024) char smem_raw[];
-  if (p.choice != nullptr && kv_pass_chosen(p.choice)) return;  // kAuto chose the KV-block pass
+  const bool split = p.split.part_o != nullptr && (p.choice == nullptr || split_chosen(p.choice));
   const QueryTile tile = query_tile(p);
-  if (tile.count == 0) return;
+  // The tile's tokens in the pass: [j_lo, j_hi) of its rows (all of them outside passes).
+  const int64_t tok0 = tile.seq_start + tile.first;
+  const int32_t j_lo = static_cast<int32_t>(max<int64_t>(0, p.tok_lo - tok0));
+  const int32_t j_hi = static_cast<int32_t>(min<int64_t>(tile.count, p.tok_hi - tok0));
+  if (tile.count == 0 || j_lo >= j_hi) return;
   QueryTileStream<Traits> kv(smem_raw, p);
   auto& ss = kv.ss;
   const int32_t ih = kv.ih;
@@ -86,7 +96,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   if (kv.producer) {
     cutlass::arch::warpgroup_reg_dealloc<40>();
-    if (cutlass::canonical_warp_idx_sync() == 0) kv.produce(p, tile, sK, sV, !p.lse_only);
+    if (cutlass::canonical_warp_idx_sync() == 0)
+      kv.produce(p, tile, sK, sV, !p.lse_only, split ? p.split.share_min : 0);
     return;
   }
   const UnionSmem us = kv.us(p);
@@ -132,13 +143,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor O = make_tensor(tOrO.data(), acc_rowcol(tOrO.layout()));
   constexpr int kRows = decltype(size<0>(S))::value;
 
+  // A row is real when its token is one of the tile's tokens in the pass (rows of the other
+  // tokens are masked like padding rows and never written).
   int32_t row_tok[kRows];
   bool row_ok[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     const int row = get<0>(cSrc(r, 0));
     row_tok[r] = row / Gi;
-    row_ok[r] = row < rows_used && row_tok[r] < tile.count;
+    row_ok[r] = row < rows_used && row_tok[r] >= j_lo && row_tok[r] < j_hi;
   }
 
   OnlineSoftmax<kRows> softmax(p.scale_log2);
@@ -159,10 +172,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         const uint32_t word = us.members[u * p.uni.mask_words + (row_tok[r] >> 5)];
         member = (word >> (row_tok[r] & 31)) & 1u;
       }
-      const int32_t qpos = tile.pos0 + row_tok[r];
+      // The row's last visible column, relative to the thread's first: the scores past it are
+      // masked (all of them where the row's token did not select the block). Score c of a row is
+      // column first + (c / 2) * 8 + c % 2 (the wgmma accumulator's column pairs, 8 apart), so
+      // each score costs one compare with an immediate and a select. (Written as
+      // !member || (causal && col > qpos), ptxas made the mask branchy or kept every column in
+      // a register, and the mainloop ran 1.55x slower.)
+      const int32_t last = (!member ? -1 : causal ? tile.pos0 + row_tok[r] - key0 : kBlockN) -
+                           get<1>(cSrc(r, 0));
 #pragma unroll
       for (int c = 0; c < size<1>(S); ++c) {
-        if (!member || (causal && key0 + get<1>(cSrc(r, c)) > qpos)) S(r, c) = -INFINITY;
+        if ((c / 2) * 8 + c % 2 > last) S(r, c) = -INFINITY;
       }
     }
     softmax.update(S, corr);
@@ -229,11 +249,67 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     kv.pipe_v.consumer_release(sv);
   }
 
+  Tensor cO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor cOrc = make_tensor(cO.data(), acc_rowcol(cO.layout()));
+  if (p.split.part_o != nullptr && (p.choice == nullptr || split_chosen(p.choice))) {
+    // The split's epilogue: each row's own (max, sum, O) merged with the partials the KV-block
+    // pass wrote for the row's other blocks (slots with a positive sum, in column order).
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const float own_sum = quad_sum(softmax.row_sum[r]);  // every lane of the warp takes part
+      if (!row_ok[r]) continue;
+      const int row = get<0>(cOrc(r, 0));
+      const int64_t t = tile.seq_start + tile.first + row_tok[r];
+      const int64_t head = (int64_t)ih * Gi + (row - row_tok[r] * Gi);
+      const int64_t pair = (t - p.tok_lo) * p.Hq + head;
+      const float2* ml = reinterpret_cast<const float2*>(p.split.part_ml) + pair * p.top_k;
+      const float own_m = softmax.row_max[r] == -INFINITY ? -INFINITY : softmax.row_max[r] * p.scale_log2;
+      float mx = own_m;
+      uint32_t valid = 0;
+      for (int j = 0; j < p.top_k; ++j) {
+        const float2 v = ml[j];
+        if (v.y > 0.f) {
+          valid |= 1u << j;
+          mx = fmaxf(mx, v.x);
+        }
+      }
+      const float w = own_m == -INFINITY ? 0.f : fast_exp2(own_m - mx);
+      float sum = w * own_sum;
+#pragma unroll
+      for (int c = 0; c < size<1>(O); ++c) O(r, c) *= w;
+      const Element* po = as<Element>(p.split.part_o) + pair * p.top_k * kHeadDim;
+      while (valid != 0u) {
+        const int j = __ffs(valid) - 1;
+        valid &= valid - 1u;
+        const float2 v = ml[j];
+        const float wj = fast_exp2(v.x - mx);
+        sum += wj * v.y;
+#pragma unroll
+        for (int c = 0; c < size<1>(O); c += 2) {
+          const cutlass::Array<Element, 2> two =
+              *reinterpret_cast<const cutlass::Array<Element, 2>*>(po + j * kHeadDim + get<1>(cOrc(r, c)));
+          O(r, c) += wj * static_cast<float>(two[0]);
+          O(r, c + 1) += wj * static_cast<float>(two[1]);
+        }
+      }
+      const float inv = sum > 0.f ? 1.f / sum : 0.f;
+      if ((tidx & 3) == 0)
+        p.lse[t * p.lse_s0 + head * p.lse_s1] = sum > 0.f ? (mx + log2f(sum)) * 0.69314718055994531f : -INFINITY;
+      Element* dst = as<Element>(p.out) + t * p.o_s0 + head * p.o_s1;
+#pragma unroll
+      for (int c = 0; c < size<1>(O); c += 2) {
+        cutlass::Array<Element, 2> two;
+        two[0] = static_cast<Element>(O(r, c) * inv);
+        two[1] = static_cast<Element>(O(r, c + 1) * inv);
+        *reinterpret_cast<cutlass::Array<Element, 2>*>(dst + get<1>(cOrc(r, c))) = two;
+      }
+    }
+    return;
+  }
+
   // Epilogue: normalise, write out (bf16/fp16 pairs) and the natural-log LSE.
   float lse[kRows];
   softmax.finalize(O, p.scale, lse);
-  Tensor cO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  Tensor cOrc = make_tensor(cO.data(), acc_rowcol(cO.layout()));
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     if (!row_ok[r]) continue;

@@ -86,7 +86,7 @@ struct FwdKvParams : FwdKvArgs {};
 // Warp roles: two consumer warpgroups, each with its own half of the chunk and its own entry
 // stream. Pipelines: per warpgroup, kStages stages of entries (cp.async), and S / softmax of the
 // next entry under P V of the current one. Work: one chunk of one (KV block, KV head) entry list;
-// nothing where kAuto's sums chose the query tiles.
+// nothing where kAuto's sums chose the plain query tiles.
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     fwd_kv_kernel(const __grid_constant__ FwdKvParams<Traits> p) {
@@ -97,7 +97,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   extern __shared__ __align__(1024) char smem_raw[];
   SharedStorage& ss = *reinterpret_cast<SharedStorage*>(smem_raw);
 
-  if (p.choice != nullptr && !kv_pass_chosen(p.choice)) return;  // kAuto chose the query tiles
+  if (p.choice != nullptr && !split_chosen(p.choice)) return;  // kAuto chose the plain query tiles
   WorkItem it;
   QueryTile tile;
   EntryList list;
@@ -351,7 +351,7 @@ __device__ void combine_pair(const FwdKvArgs& p, int64_t g, int lane) {
 template <class Element, int kHeadDim>
 __global__ void fwd_combine_kernel(const __grid_constant__ FwdKvArgs p) {
   constexpr int kLanes = kHeadDim / 8;
-  if (p.choice != nullptr && !kv_pass_chosen(p.choice)) return;
+  if (p.choice != nullptr && !split_chosen(p.choice)) return;
   const int lane = threadIdx.x % kLanes;
   const int64_t pairs = (p.tok_hi - p.tok_lo) * p.Hq;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x / kLanes;
@@ -364,7 +364,7 @@ __global__ void fwd_combine_kernel(const __grid_constant__ FwdKvArgs p) {
 // reads as holding no partial); nothing where kAuto chose the query tiles.
 template <class Element>
 __global__ void fwd_zero_kernel(const __grid_constant__ FwdKvArgs p) {
-  if (p.choice != nullptr && !kv_pass_chosen(p.choice)) return;
+  if (p.choice != nullptr && !split_chosen(p.choice)) return;
   const int64_t n = (p.tok_hi - p.tok_lo) * p.Hq * p.top_k / 2;  // float4: two slots
   float4* dst = reinterpret_cast<float4*>(p.part_ml);
   for (int64_t x = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; x < n;

@@ -1,5 +1,7 @@
-// kAuto's choice of the sparse forward's pass (device/pass_choice.cuh): the sums over a call's
-// query tiles that the query-tile and KV-block kernels read. Launched by host/forward.cu only.
+// The split forward's marks and kAuto's choice (device/pass_choice.cuh): per query tile, the
+// tokens selecting each block; the entries of the blocks the tile keeps marked for the KV-block
+// pass to skip; the sums that the query-tile and KV-block kernels read. Launched by
+// host/forward.cu only.
 #pragma once
 
 #include <cstdint>
@@ -12,51 +14,78 @@ namespace msa::cuda::kern {
 
 using cuda::FwdArgs;
 
-// kAuto's sums (device/pass_choice.cuh) over the query tiles of `p` (the query-tile forward's
-// arguments): one warp per (tile, index head), its union counted on a bitmap of the sequence's
-// blocks in shared memory (bitmap_words words per warp), the block's warps summed before two
-// atomic adds. `sums` is zero before the launch.
+// One warp per (tile, index head) of `p` (the query-tile forward's arguments, split set): it
+// counts the tokens selecting each block (a block repeated in a row counts once) in one byte per
+// block of the sequence (8 * bitmap_words words of shared memory per warp), writes
+// p.split.taken[t, ih, slot] = (the slot's block has at least share_min tokens) for the tile's
+// tokens, and adds kAuto's sums (device/pass_choice.cuh); the block's warps are summed before
+// two atomic adds. `sums` is zero before the launch.
 __global__ void pass_choice_kernel(const __grid_constant__ FwdArgs p, int32_t bk,
                                    unsigned long long* sums) {
-  extern __shared__ uint32_t bitmaps[];
+  extern __shared__ uint32_t counts[];
   __shared__ unsigned long long block_sums[2];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (threadIdx.x < 2) block_sums[threadIdx.x] = 0ull;
   __syncthreads();
   const int64_t w = int64_t(blockIdx.x) * (blockDim.x / 32) + warp;
-  unsigned long long visit = 0, selected = 0;
+  unsigned long long plain = 0, split = 0;
   if (w < p.num_tiles * p.Hi) {
     const int64_t tile_id = w / p.Hi;
     const int32_t ih = static_cast<int32_t>(w % p.Hi);
     const QueryTile tile = decode_tile(p.cu_seqlens, p.nseq, p.T, p.tile_tokens, tile_id);
     if (tile.count > 0) {
-      uint32_t* bm = bitmaps + warp * p.uni.bitmap_words;
-      const int32_t nwords = (tile.first + tile.count - 1) / bk / 32 + 1;
-      for (int32_t x = lane; x < nwords; x += 32) bm[x] = 0u;
+      uint32_t* cw = counts + warp * 8 * p.uni.bitmap_words;  // block b: byte b % 4 of word b / 4
+      const int32_t nwords = (tile.first + tile.count - 1) / bk / 4 + 1;
+      for (int32_t x = lane; x < nwords; x += 32) cw[x] = 0u;
       __syncwarp();
-      const int32_t* rows = p.block_idx + (tile.seq_start + tile.first) * p.bi_s0 + ih * p.bi_s1;
-      const int32_t total = tile.count * p.top_k;
-      for (int32_t e = lane; e < total; e += 32) {
-        const int32_t tok = e / p.top_k;
-        const int32_t b = rows[tok * p.bi_s0 + (e - tok * p.top_k)];
-        if (b >= 0 && b <= (tile.first + tok) / bk) {
-          atomicOr(&bm[b >> 5], 1u << (b & 31));
-          ++selected;
+      const int64_t tok0 = tile.seq_start + tile.first;
+      const int32_t* rows = p.block_idx + tok0 * p.bi_s0 + ih * p.bi_s1;
+      const int32_t k = p.top_k, total = tile.count * k;
+      // The slot's block, or -1 where it is invalid or repeats an earlier slot of the row.
+      auto block_of = [&](int32_t e, bool first_only) {
+        const int32_t tok = e / k, s = e - tok * k;
+        const int32_t* row = rows + tok * p.bi_s0;
+        const int32_t b = row[s];
+        if (b < 0 || b > (tile.first + tok) / bk) return -1;
+        if (first_only)
+          for (int32_t s2 = 0; s2 < s; ++s2)
+            if (row[s2] == b) return -1;
+        return b;
+      };
+      // a tile's tokens count at most 128 < 256 per block: no carry into the next byte
+      for (int32_t e = lane; e < total; e += 32)
+        if (const int32_t b = block_of(e, true); b >= 0) atomicAdd(&cw[b >> 2], 1u << (8 * (b & 3)));
+      __syncwarp();
+      const uint32_t keep = static_cast<uint32_t>(p.split.share_min);
+      if (p.split.taken != nullptr) {
+        for (int32_t e = lane; e < total; e += 32) {
+          const int32_t tok = e / k, s = e - tok * k;
+          const int32_t b = block_of(e, false);
+          const bool kept = b >= 0 && ((cw[b >> 2] >> (8 * (b & 3))) & 0xffu) >= keep;
+          p.split.taken[((tok0 + tok) * p.Hi + ih) * k + s] = kept;
         }
       }
-      __syncwarp();
-      for (int32_t x = lane; x < nwords; x += 32) visit += __popc(bm[x]);
-      visit *= static_cast<unsigned long long>(p.tile_tokens);
+      const unsigned long long tile_cost = static_cast<unsigned long long>(p.tile_tokens) * kKvCostDen;
+      for (int32_t x = lane; x < nwords; x += 32) {
+        const uint32_t word = cw[x];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const uint32_t c = (word >> (8 * j)) & 0xffu;
+          if (c == 0u) continue;
+          plain += tile_cost;
+          split += c >= keep ? tile_cost : c * kKvCostNum;
+        }
+      }
     }
   }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
-    visit += __shfl_xor_sync(0xffffffffu, visit, o);
-    selected += __shfl_xor_sync(0xffffffffu, selected, o);
+    plain += __shfl_xor_sync(0xffffffffu, plain, o);
+    split += __shfl_xor_sync(0xffffffffu, split, o);
   }
-  if (lane == 0 && (visit | selected) != 0ull) {
-    atomicAdd(&block_sums[0], visit);
-    atomicAdd(&block_sums[1], selected);
+  if (lane == 0 && (plain | split) != 0ull) {
+    atomicAdd(&block_sums[0], plain);
+    atomicAdd(&block_sums[1], split);
   }
   __syncthreads();
   if (threadIdx.x == 0 && (block_sums[0] | block_sums[1]) != 0ull) {
