@@ -253,48 +253,118 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor cOrc = make_tensor(cO.data(), acc_rowcol(cO.layout()));
   if (p.split.part_o != nullptr && (p.choice == nullptr || split_chosen(p.choice))) {
     // The split's epilogue: each row's own (max, sum, O) merged with the partials the KV-block
-    // pass wrote for the row's other blocks (slots with a positive sum, in column order).
+    // pass wrote for the row's other blocks (slots with a positive sum, in column order). The
+    // partial rows come in through shared memory (the K and V stages, free once every consumer
+    // is done with them): per slot, this warpgroup's 64 rows by 16-byte cp.async, kMergeStages
+    // slots in flight.
+    constexpr int kRowElems = kHeadDim + 8;  // rows 16 bytes apart in the banks
+    constexpr int kStageElems = 64 * kRowElems;
+    constexpr int kMergeStages = cute::min(3, int(cosize_v<typename Traits::SmemLayoutKV>) / kStageElems);
+    static_assert(kMergeStages >= 1);
+    constexpr int kChunks = kHeadDim / 8, kLoadRows = 128 / kChunks, kLoads = 64 / kLoadRows;
+    const int lt = tidx % 128;
+    Element* stages = wg == 0 ? ss.k.data() : ss.v.data();
+    uint32_t* row_valid = reinterpret_cast<uint32_t*>(ss.q.data()) + 64 * wg;  // Q, once read no more
+    const float2* ml[kRows];
+    float mx[kRows], sum[kRows];
+    uint32_t valid[kRows];
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       const float own_sum = quad_sum(softmax.row_sum[r]);  // every lane of the warp takes part
-      if (!row_ok[r]) continue;
       const int row = get<0>(cOrc(r, 0));
       const int64_t t = tile.seq_start + tile.first + row_tok[r];
-      const int64_t head = (int64_t)ih * Gi + (row - row_tok[r] * Gi);
-      const int64_t pair = (t - p.tok_lo) * p.Hq + head;
-      const float2* ml = reinterpret_cast<const float2*>(p.split.part_ml) + pair * p.top_k;
+      const int64_t pair = (t - p.tok_lo) * p.Hq + int64_t(ih) * Gi + (row - row_tok[r] * Gi);
+      ml[r] = reinterpret_cast<const float2*>(p.split.part_ml) + (row_ok[r] ? pair * p.top_k : 0);
       const float own_m = softmax.row_max[r] == -INFINITY ? -INFINITY : softmax.row_max[r] * p.scale_log2;
-      float mx = own_m;
-      uint32_t valid = 0;
-      for (int j = 0; j < p.top_k; ++j) {
-        const float2 v = ml[j];
+      mx[r] = own_m;
+      valid[r] = 0u;
+      for (int j = 0; row_ok[r] && j < p.top_k; ++j) {
+        const float2 v = ml[r][j];
         if (v.y > 0.f) {
-          valid |= 1u << j;
-          mx = fmaxf(mx, v.x);
+          valid[r] |= 1u << j;
+          mx[r] = fmaxf(mx[r], v.x);
         }
       }
-      const float w = own_m == -INFINITY ? 0.f : fast_exp2(own_m - mx);
-      float sum = w * own_sum;
+      const float w = own_m == -INFINITY ? 0.f : fast_exp2(own_m - mx[r]);
+      sum[r] = w * own_sum;
 #pragma unroll
       for (int c = 0; c < size<1>(O); ++c) O(r, c) *= w;
-      const Element* po = as<Element>(p.split.part_o) + pair * p.top_k * kHeadDim;
-      while (valid != 0u) {
-        const int j = __ffs(valid) - 1;
-        valid &= valid - 1u;
-        const float2 v = ml[j];
-        const float wj = fast_exp2(v.x - mx);
-        sum += wj * v.y;
+    }
+    // This thread's loads: chunk lt % kChunks of the rows lt / kChunks + kLoadRows * i.
+    const Element* src[kLoads];
+#pragma unroll
+    for (int i = 0; i < kLoads; ++i) {
+      const int row = 64 * wg + lt / kChunks + kLoadRows * i;
+      const int tok = row / Gi;
+      const int64_t pair =
+          (tile.seq_start + tile.first + tok - p.tok_lo) * p.Hq + int64_t(ih) * Gi + (row - tok * Gi);
+      src[i] = as<Element>(p.split.part_o) + (row < rows_used && tok >= j_lo && tok < j_hi ? pair : 0) *
+                                                 p.top_k * kHeadDim + (lt % kChunks) * 8;
+    }
+    // Every consumer is done with Q, K and V; then each row's slots go to shared memory.
+    cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, static_cast<uint32_t>(Barrier::kConsumers));
+    const uint32_t wg_bar = static_cast<uint32_t>(Barrier::kVTail) + wg;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+      if ((tidx & 3) == 0) row_valid[get<0>(cOrc(r, 0)) - 64 * wg] = valid[r];
+    cutlass::arch::NamedBarrier::sync(128, wg_bar);
+    // The slots any row of the warpgroup has a partial in, walked in order: stage s holds the
+    // s-th of them (mod kMergeStages).
+    uint32_t slots = 0u;
+#pragma unroll 8
+    for (int i = 0; i < 64; ++i) slots |= row_valid[i];
+    uint32_t to_issue = slots;
+    int issued = 0;
+    auto issue = [&]() {
+      if (to_issue != 0u) {
+        const int j = __ffs(to_issue) - 1;
+        to_issue &= to_issue - 1u;
+        Element* dst = stages + (issued % kMergeStages) * kStageElems + (lt / kChunks) * kRowElems +
+                       (lt % kChunks) * 8;
+#pragma unroll
+        for (int i = 0; i < kLoads; ++i)
+          if ((row_valid[lt / kChunks + kLoadRows * i] >> j) & 1u)
+            cp_async16(dst + kLoadRows * i * kRowElems, src[i] + j * kHeadDim, true);
+      }
+      ++issued;
+      cp_async_commit();  // empty past the last slot: the count of groups in flight stays fixed
+    };
+#pragma unroll
+    for (int s = 0; s < kMergeStages - 1; ++s) issue();
+    for (int s = 0; slots != 0u; ++s) {
+      const int j = __ffs(slots) - 1;
+      slots &= slots - 1u;
+      issue();
+      cp_async_wait<kMergeStages - 1>();
+      cutlass::arch::NamedBarrier::sync(128, wg_bar);
+      const Element* stage = stages + (s % kMergeStages) * kStageElems;
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        if (!((valid[r] >> j) & 1u)) continue;
+        const float2 v = ml[r][j];
+        const float wj = fast_exp2(v.x - mx[r]);
+        sum[r] += wj * v.y;
+        const Element* prow = stage + (get<0>(cOrc(r, 0)) - 64 * wg) * kRowElems;
 #pragma unroll
         for (int c = 0; c < size<1>(O); c += 2) {
           const cutlass::Array<Element, 2> two =
-              *reinterpret_cast<const cutlass::Array<Element, 2>*>(po + j * kHeadDim + get<1>(cOrc(r, c)));
+              *reinterpret_cast<const cutlass::Array<Element, 2>*>(prow + get<1>(cOrc(r, c)));
           O(r, c) += wj * static_cast<float>(two[0]);
           O(r, c + 1) += wj * static_cast<float>(two[1]);
         }
       }
-      const float inv = sum > 0.f ? 1.f / sum : 0.f;
+      cutlass::arch::NamedBarrier::sync(128, wg_bar);  // the stage is refilled next
+    }
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      if (!row_ok[r]) continue;
+      const int row = get<0>(cOrc(r, 0));
+      const int64_t t = tile.seq_start + tile.first + row_tok[r];
+      const int64_t head = (int64_t)ih * Gi + (row - row_tok[r] * Gi);
+      const float inv = sum[r] > 0.f ? 1.f / sum[r] : 0.f;
       if ((tidx & 3) == 0)
-        p.lse[t * p.lse_s0 + head * p.lse_s1] = sum > 0.f ? (mx + log2f(sum)) * 0.69314718055994531f : -INFINITY;
+        p.lse[t * p.lse_s0 + head * p.lse_s1] =
+            sum[r] > 0.f ? (mx[r] + log2f(sum[r])) * 0.69314718055994531f : -INFINITY;
       Element* dst = as<Element>(p.out) + t * p.o_s0 + head * p.o_s1;
 #pragma unroll
       for (int c = 0; c < size<1>(O); c += 2) {
