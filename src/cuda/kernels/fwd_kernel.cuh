@@ -251,8 +251,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   Tensor cO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor cOrc = make_tensor(cO.data(), acc_rowcol(cO.layout()));
+  // Epilogue: normalise, write out (bf16/fp16 pairs) and the natural-log LSE.
+  float lse[kRows];
   if (p.split.part_o != nullptr && (p.choice == nullptr || split_chosen(p.choice))) {
-    // The split's epilogue: each row's own (max, sum, O) merged with the partials the KV-block
+    // The split: each row's own (max, sum, O) merged with the partials the KV-block
     // pass wrote for the row's other blocks (slots with a positive sum, in column order). The
     // partial rows come in through shared memory (the K and V stages, free once every consumer
     // is done with them): per slot, this warpgroup's 64 rows by 16-byte cp.async, kMergeStages
@@ -357,29 +359,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
-      if (!row_ok[r]) continue;
-      const int row = get<0>(cOrc(r, 0));
-      const int64_t t = tile.seq_start + tile.first + row_tok[r];
-      const int64_t head = (int64_t)ih * Gi + (row - row_tok[r] * Gi);
       const float inv = sum[r] > 0.f ? 1.f / sum[r] : 0.f;
-      if ((tidx & 3) == 0)
-        p.lse[t * p.lse_s0 + head * p.lse_s1] =
-            sum[r] > 0.f ? (mx[r] + log2f(sum[r])) * 0.69314718055994531f : -INFINITY;
-      Element* dst = as<Element>(p.out) + t * p.o_s0 + head * p.o_s1;
+      lse[r] = sum[r] > 0.f ? (mx[r] + log2f(sum[r])) * 0.69314718055994531f : -INFINITY;
 #pragma unroll
-      for (int c = 0; c < size<1>(O); c += 2) {
-        cutlass::Array<Element, 2> two;
-        two[0] = static_cast<Element>(O(r, c) * inv);
-        two[1] = static_cast<Element>(O(r, c + 1) * inv);
-        *reinterpret_cast<cutlass::Array<Element, 2>*>(dst + get<1>(cOrc(r, c))) = two;
-      }
+      for (int c = 0; c < size<1>(O); ++c) O(r, c) *= inv;
     }
-    return;
+  } else {
+    softmax.finalize(O, p.scale, lse);
   }
-
-  // Epilogue: normalise, write out (bf16/fp16 pairs) and the natural-log LSE.
-  float lse[kRows];
-  softmax.finalize(O, p.scale, lse);
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     if (!row_ok[r]) continue;
