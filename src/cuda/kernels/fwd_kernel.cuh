@@ -58,15 +58,20 @@ struct FwdParams : FwdArgs {
 
 // Warp roles: the first warpgroup produces (warp 0: the block list, then TMA of K and V; the
 // other three warps leave); warpgroups 1 and 2 consume 64 rows each.
-// Pipelines: pipe_k, pipe_v (kStages each), producer -> consumers (QueryTileStream).
-// Work: one tile (blockIdx.x, late tiles first) of one head group (blockIdx.y).
+// Pipelines: pipe_k, pipe_v (kStages each), producer -> consumers (QueryTileStream); in the
+// split's epilogue, kMergeStages cp.async stages of partial rows per warpgroup.
+// Work: one tile (blockIdx.x over the tile ids [tile_lo, tile_lo + num_tiles), late tiles first)
+// of one head group (blockIdx.y), for its tokens in the pass [tok_lo, tok_hi).
 //
 // The consumers' Q load, mask, tail zeroing and epilogue are written out here rather than
 // calling the helpers of device/ that bwd_q uses (load_head_rows, BlockList, row_sees,
 // zero_tail_rows, store_row): measured on the H200, taking load_head_rows alone for the Q load
 // made this mainloop 1.55x slower (paper heads, 128K, shared selections: 278 against 437
 // effective TFLOP/s; dense mode 353 against 550), with the same 168 registers, no spill and
-// nearly the same PTX. Keep this kernel's SASS under watch when touching it. Likewise, letting
+// nearly the same PTX. Keep this kernel's SASS under watch when touching it: changes elsewhere
+// (the parameter struct, the producer) once turned the mask into a branch per score (BSSY in the
+// mainloop) and cost 1.55x again; at bf16/D128/Bk128 the mainloop is 896 instructions with no
+// BSSY between its two GEMM groups and no local memory. Likewise, letting
 // each warpgroup skip the blocks none of its tokens selected (as bwd_q_kernel.cuh does) made
 // ptxas serialise the mainloop's wgmma (warning C7518: a divergent path) and cost 1.6x on shared
 // selections (paper heads, 128K: 267 against 445 TFLOP/s), more than it saved on diverse ones.
