@@ -69,9 +69,10 @@ struct FwdParams : FwdArgs {
 // made this mainloop 1.55x slower (paper heads, 128K, shared selections: 278 against 437
 // effective TFLOP/s; dense mode 353 against 550), with the same 168 registers, no spill and
 // nearly the same PTX. Keep this kernel's SASS under watch when touching it: changes elsewhere
-// (the parameter struct, the producer) once turned the mask into a branch per score (BSSY in the
-// mainloop) and cost 1.55x again; at bf16/D128/Bk128 the mainloop is 896 instructions with no
-// BSSY between its two GEMM groups and no local memory. Likewise, letting
+// (the parameter struct, the producer) once turned the mask into branches (66 BSSY in the
+// mainloop, 1255 instructions) and cost 1.55x again; at bf16/D128/Bk128 the mainloop is 896
+// instructions with 4 BSSY (the V tail and the membership lookup) and no local memory. Likewise,
+// letting
 // each warpgroup skip the blocks none of its tokens selected (as bwd_q_kernel.cuh does) made
 // ptxas serialise the mainloop's wgmma (warning C7518: a divergent path) and cost 1.6x on shared
 // selections (paper heads, 128K: 267 against 445 TFLOP/s), more than it saved on diverse ones.
