@@ -144,14 +144,14 @@ Status attention_forward(const Problem& prob, const ForwardParams& p) {
   Plan kvp;
   bool automatic = false;  // kAuto: the plain query tiles and the split launched, the device picks
   if (kv_block || split) {
+    if (split) MSA_TRY(can_split(fn, prob));
     MSA_TRY(fwd_kv_plan(fn, prob, num_seqs(p.cu_seqlens), &kvp));
     MSA_TRY(need_workspace(fn, kvp, p.launch));
   } else if (auto_forward(prob) && fwd_kv_plan(fn, prob, num_seqs(p.cu_seqlens), &kvp).ok()) {
-    // Without room for the split's plan (or, past about 100M keys, for choose_pass's byte per
-    // block in shared memory), kAuto runs the plain query tiles.
-    const int64_t blocks = (int64_t(prob.T) + prob.opts.block_size - 1) / prob.opts.block_size;
+    // Without room for the split's plan, or past the split's limits, kAuto runs the plain query
+    // tiles.
     automatic = p.launch.workspace != nullptr && p.launch.workspace_bytes >= kvp.total &&
-                blocks <= (int64_t(192) << 10);
+                can_split(fn, prob).ok();
   }
   if (p.kl.defined()) {
     Plan pl;

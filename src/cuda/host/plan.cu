@@ -147,6 +147,17 @@ Status can_fwd_kv(const char* fn, const Problem& prob) {
   return Status::Ok();
 }
 
+Status can_split(const char* fn, const Problem& prob) {
+  MSA_TRY(can_fwd_kv(fn, prob));
+  // pass_choice_kernel counts a tile's tokens per block in a byte per block of the sequence in
+  // shared memory: 192K blocks (25M keys at Bk = 128) per warp at most.
+  const int64_t blocks = (int64_t(prob.T) + prob.opts.block_size - 1) / prob.opts.block_size;
+  if (blocks > (int64_t(192) << 10))
+    return fail(fn, "fwd_pass", "the split forward takes at most 196608 key blocks, got " +
+                                    std::to_string(blocks));
+  return Status::Ok();
+}
+
 Status can_kl(const char* fn, const Problem& prob, const KlInputs& in) {
   MSA_TRY(can_main(fn, prob, in.q, in.k, TensorRef{}));
   MSA_TRY(check_half(fn, "q_idx", in.q_idx));

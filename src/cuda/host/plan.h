@@ -39,6 +39,9 @@ bool split_forward(const Problem& prob);
 // the device (pass_choice_kernel) when the call's workspace holds the KV-block plan.
 bool auto_forward(const Problem& prob);
 Status can_fwd_kv(const char* fn, const Problem& prob);
+// The split's limits: the KV-block pass's, and the key blocks its counting kernel holds (failures
+// name 'fwd_pass').
+Status can_split(const char* fn, const Problem& prob);
 // How the backward computes the KL gradient (Options.kl_pass): inside the KV-side pass (kFused),
 // from the teacher that pass writes (kTeacher: sparse mode), or by a pass of its own. The first
 // two need the teacher's head mean as a butterfly over accumulator columns (Hq / Hi a power of

@@ -71,11 +71,11 @@ struct FwdParams : FwdArgs {
 // nearly the same PTX. Keep this kernel's SASS under watch when touching it: changes elsewhere
 // (the parameter struct, the producer) once turned the mask into branches (66 BSSY in the
 // mainloop, 1255 instructions) and cost 1.55x again; at bf16/D128/Bk128 the mainloop is 896
-// instructions with 4 BSSY (the V tail and the membership lookup) and no local memory. Likewise,
-// letting
-// each warpgroup skip the blocks none of its tokens selected (as bwd_q_kernel.cuh does) made
-// ptxas serialise the mainloop's wgmma (warning C7518: a divergent path) and cost 1.6x on shared
-// selections (paper heads, 128K: 267 against 445 TFLOP/s), more than it saved on diverse ones.
+// instructions with 4 BSSY (the V tail and the membership lookup) and no local memory.
+// Likewise, letting each warpgroup skip the blocks none of its tokens selected (as
+// bwd_q_kernel.cuh does) made ptxas serialise the mainloop's wgmma (warning C7518: a divergent
+// path) and cost 1.6x on shared selections (paper heads, 128K: 267 against 445 TFLOP/s), more
+// than it saved on diverse ones.
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     fwd_kernel(const __grid_constant__ FwdParams<Traits> p) {
@@ -259,6 +259,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor cOrc = make_tensor(cO.data(), acc_rowcol(cO.layout()));
   // Epilogue: normalise, write out (bf16/fp16 pairs) and the natural-log LSE.
   float lse[kRows];
+  // The same test as `split` above, read again rather than kept in a register across the mainloop.
   if (p.split.part_o != nullptr && (p.choice == nullptr || split_chosen(p.choice))) {
     // The split: each row's own (max, sum, O) merged with the partials the KV-block
     // pass wrote for the row's other blocks (slots with a positive sum, in column order). The
