@@ -17,7 +17,9 @@ timed with CUDA events, value checks off (as PagedMSAWrapper.run):
 
 --fp8: the MSA side of every decode row reads float8 E4M3 copies of the caches (k, v and k_idx,
 a scale per page: the page's largest magnitude / 448), while dense and SDPA keep the bf16
-cache; bytes count one byte per E4M3 element.
+cache; bytes count one byte per E4M3 element. Those rows also time FP8 queries (Q8KV8: q as
+E4M3 codes with a scale per (token, head), its largest magnitude / 448): the attention call
+(q8 attend) and the graph-replayed step (q8 graph).
 
 Prefill: chunks of new tokens against a cached prefix, index inputs of mixed overlap
 (bench/selection_patterns.index_inputs); effective TFLOP/s count the selected work only
@@ -198,6 +200,16 @@ def decode_case(cache: Cache, ctx: int, batch: int, q_len: int, bw: float, graph
         with msa.value_checks(False):
             t_index_graph = timed(graph_of(lambda: serving.paged_select_blocks(
                 q_idx, m["k_idx"], page_table, seq_lens, cu, K, k_idx_scale=m["k_idx_scale"], **kw)).replay)
+    t_attend_q8 = t_graph_q8 = float("nan")
+    if fp8:  # FP8 queries over the same E4M3 caches
+        q_scale = q.float().abs().amax(dim=2).clamp(min=1e-12) / 448.0
+        q8 = (q.float() / q_scale.unsqueeze(2)).to(torch.float8_e4m3fn)
+        with msa.value_checks(False):
+            t_attend_q8 = timed(lambda: serving.paged_forward(q8, m["k"], m["v"], page_table, seq_lens, cu,
+                                                              block_idx=bi, k_scale=m["k_scale"],
+                                                              v_scale=m["v_scale"], q_scale=q_scale, **kw))
+        if graphs:
+            t_graph_q8 = timed(graph_of(lambda: w.run(q8, page_table, seq_lens, cu, q_idx, q_scale=q_scale)).replay)
     t_sdpa = float("nan")
     if q_len == 1 and batch * ctx <= (8 << 20):
         kc = cache.k[page_table.long()].view(batch, per * BK, HKV, D)[:, :ctx].transpose(1, 2).contiguous()
@@ -220,7 +232,7 @@ def decode_case(cache: Cache, ctx: int, batch: int, q_len: int, bw: float, graph
     return dict(kind="decode", cache="e4m3" if fp8 else "bf16", ctx=ctx, batch=batch, q_len=q_len,
                 union_blocks=round(union, 1),
                 indexer_ms=t_index, indexer_graph_ms=t_index_graph, attend_ms=t_attend, step_ms=t_step,
-                graph_ms=t_graph,
+                graph_ms=t_graph, attend_q8_ms=t_attend_q8, graph_q8_ms=t_graph_q8,
                 dense_ms=t_dense, sdpa_ms=t_sdpa,
                 indexer_bw=idx_bytes / (t_index * 1e-3) / bw,
                 indexer_graph_bw=idx_bytes / (t_index_graph * 1e-3) / bw,
@@ -329,14 +341,16 @@ def main(argv=None) -> int:
           f" HBM copy {bw / 1e12:.2f} TB/s; decode times in ms (eager calls, and graph: one CUDA-graph"
           f" replay; x sdpa: the graph-replayed step against SDPA)")
     print(f"{'cache':>5} {'ctx':>8} {'B':>3} {'q':>3} {'index ms':>9} {'%HBM':>5} {'graph':>7} {'%HBM':>5}"
-          f" {'attend':>7} {'step':>7} {'graph':>7} {'dense':>7} {'sdpa':>7} {'x dense':>7} {'x sdpa':>6}")
+          f" {'attend':>7} {'step':>7} {'graph':>7} {'dense':>7} {'sdpa':>7} {'x dense':>7} {'x sdpa':>6}"
+          f" {'q8 att':>7} {'q8 grph':>7}")
     for r in rows:
         if r["kind"] != "decode":
             continue
         print(f"{r['cache']:>5} {r['ctx']:>8} {r['batch']:>3} {r['q_len']:>3} {r['indexer_ms']:>9.3f} {100 * r['indexer_bw']:>5.0f}"
               f" {r['indexer_graph_ms']:>7.3f} {100 * r['indexer_graph_bw']:>5.0f}"
               f" {r['attend_ms']:>7.3f} {r['step_ms']:>7.3f} {r['graph_ms']:>7.3f} {r['dense_ms']:>7.3f}"
-              f" {r['sdpa_ms']:>7.3f} {r['speedup_dense']:>7.2f} {r['speedup_sdpa_graph']:>6.2f}")
+              f" {r['sdpa_ms']:>7.3f} {r['speedup_dense']:>7.2f} {r['speedup_sdpa_graph']:>6.2f}"
+              f" {r['attend_q8_ms']:>7.3f} {r['graph_q8_ms']:>7.3f}")
     for r in rows:
         if r["kind"] == "prefill":
             print(f"prefill {r['q_len']} tokens at {r['ctx']}: overlap {r['overlap']} union {r['union']};"

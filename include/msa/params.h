@@ -227,7 +227,8 @@ struct PagedSelectParams {
 // FP8 queries (Q8KV8): over E4M3 caches k and v, q may be DType::kFloat8E4M3 with q_scale
 // (float32 [1] per tensor or [Tq, Hq] per token and head, finite and positive): the call computes
 // over the dequantised queries float32(e4m3 value * q_scale[t, h]), and `out` gives its dtype
-// (any float dtype; q_idx, when given, has that dtype too). The CPU backend implements it.
+// (any float dtype; q_idx, when given, has that dtype too). Both backends implement it (the
+// CUDA one with a bfloat16 or float16 out).
 struct PagedForwardParams {
   TensorRef q;             // in  [Tq, Hq, D], dtype of cache.k (any float dtype for E4M3; E4M3: Q8KV8)
   TensorRef q_scale;       // in  [1] or [Tq, Hq] fp32, iff q is E4M3

@@ -210,15 +210,17 @@ def _paged_forward_into_op(
     k_scale: Optional[Tensor] = None,
     v_scale: Optional[Tensor] = None,
     k_idx_scale: Optional[Tensor] = None,
+    q_scale: Optional[Tensor] = None,
 ) -> None:
     """paged_forward into caller buffers (PagedMSAWrapper.run): ``out``, ``lse`` and, with
     ``select``, ``block_idx`` are written; ``workspace`` (uint8, at least the planned size) is
-    the call's whole device workspace, so nothing is allocated."""
+    the call's whole device workspace, so nothing is allocated. ``q_scale``: float8 queries'
+    scales (Q8KV8)."""
     sel = (not dense) and select
     _run_paged_forward(q, cu_seqlens_q, k_cache, v_cache, k_idx_cache, page_table, seq_lens,
                        q_idx, None if dense else block_idx, out, lse, max_q_len, dense, sel,
                        block_size, top_k, sink_blocks, local_blocks, scale, scale_idx,
-                       k_scale, v_scale, k_idx_scale, check_values=check_values,
+                       k_scale, v_scale, k_idx_scale, q_scale, check_values=check_values,
                        workspace=workspace)
 
 
@@ -226,7 +228,7 @@ def _paged_forward_into_op(
 def _(q, cu_seqlens_q, k_cache, v_cache, k_idx_cache, page_table, seq_lens, q_idx, block_idx,
       out, lse, workspace, max_q_len, dense, select, block_size, top_k, sink_blocks,
       local_blocks, scale, scale_idx, check_values, k_scale=None, v_scale=None,
-      k_idx_scale=None):
+      k_idx_scale=None, q_scale=None):
     return None
 
 
@@ -632,10 +634,13 @@ class PagedMSAWrapper:
                           scale_idx=scale_idx_v, dense=bool(dense))
 
     def run(self, q: Tensor, page_table: Tensor, seq_lens: Tensor, cu_seqlens_q: Tensor,
-            q_idx: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+            q_idx: Optional[Tensor] = None,
+            q_scale: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
         """``(out, lse, block_idx)``: the planned buffers, written (``block_idx`` is None with
         ``dense``). Inputs must have the planned shapes; ``page_table``, ``seq_lens``,
-        ``cu_seqlens_q`` int32. Their values are the caller's responsibility (no check)."""
+        ``cu_seqlens_q`` int32. Their values are the caller's responsibility (no check).
+        Over a float8 cache ``q`` may be ``torch.float8_e4m3fn`` with ``q_scale`` (float32 [1]
+        or [Tq, Hq]; Q8KV8), the outputs keeping the planned dtype."""
         p = self._plan
         if p is None:
             raise RuntimeError("msa: PagedMSAWrapper.run before plan")
@@ -657,5 +662,5 @@ class PagedMSAWrapper:
             p["max_q_len"], p["dense"], not p["dense"], c.page_size, p["top_k"],
             p["sink_blocks"], p["local_blocks"], p["scale"], p["scale_idx"], False,
             _scale_of(c, "k_scale"), _scale_of(c, "v_scale"),
-            None if p["dense"] else _scale_of(c, "k_idx_scale"))
+            None if p["dense"] else _scale_of(c, "k_idx_scale"), q_scale)
         return self.out, self.lse, self.block_idx

@@ -155,7 +155,8 @@ Status paged_forward(const PagedForwardParams& p) {
     if (p.q.device.type != DeviceType::kCpu) {
 #ifdef MSA_WITH_CUDA
       if (p.q.device.type == DeviceType::kCuda) {
-        MSA_TRY(cuda_ready("paged_forward", "q", prob));
+        // FP8 queries: the call's dtype is out's.
+        MSA_TRY(cuda_ready("paged_forward", p.q.dtype == DType::kFloat8E4M3 ? "out" : "q", prob));
         return cuda::paged_forward(prob, p);
       }
 #endif

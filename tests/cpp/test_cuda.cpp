@@ -2338,6 +2338,91 @@ TEST(CudaPagedE4M3, AttentionQueriesAndScalesFloat16CannotHold) {
   }
 }
 
+// FP8 queries (Q8KV8) over E4M3 caches: q holds the E4M3 codes nearest to q / q_scale, with
+// q_scale per (token, head) (drawn in [0.004, 0.02], so the codes span the format) or one for
+// the tensor. The oracle is the CPU backend over the dequantised twin whose queries are
+// float32(value * q_scale), as the contract defines the call. The column layout (max_q_len 1),
+// the row layout (4) and a prefill chunk (0, which takes the paged kernels over E4M3 caches),
+// sparse over the GPU's selection and dense. On the device a q_scale that is not positive is
+// named, and a float32 out (the kernels write 16-bit outputs) is refused naming 'out'.
+TEST(CudaPagedE4M3, FloatQueriesQ8KV8) {
+  SKIP_WITHOUT_CUDA();
+  const PagedCase cases[] = {
+      paged_gpu_case({3000, 2000, 129, 0}, {1, 1, 1, 0}, 32, 2, 2, 1, 128, 128, 6, kBf16, 1, 91),
+      paged_gpu_case({3000, 2000, 900}, {4, 1, 3}, 32, 2, 2, 1, 128, 128, 6, kBf16, 4, 92),
+      with_forced(paged_gpu_case({3000, 700, 1}, {600, 200, 1}, 16, 2, 2, 1, 128, 128, 6, kBf16, 0, 93), 1, 2),
+      paged_gpu_case({2100, 90}, {2, 16}, 8, 2, 2, 1, 64, 64, 5, kFp16, 16, 94),
+  };
+  for (const PagedCase& cs : cases) {
+    SCOPED_TRACE(cs.str());
+    if (!kernels_built(cs.config(), true, true)) continue;  // a variant not in this build
+    const bool per_row = cs.seed % 2 == 1;
+    SCOPED_TRACE(per_row ? "q_scale [Tq, Hq]" : "q_scale [1]");
+    Stream st(true);
+    PagedBatch b(cs), w(wide_case(cs));
+    E4M3Caches c = quantise(b, w, true, cs.seed + 3);
+    // The queries' codes and scales; the twin's queries dequantised.
+    HostTensor q8(kE4M3, b.q.shape()), qs(DType::kFloat32, per_row ? std::vector<int64_t>{b.Tq, cs.Hq}
+                                                                    : std::vector<int64_t>{1});
+    std::mt19937_64 rng(cs.seed);
+    std::uniform_real_distribution<double> u(0.004, 0.02);
+    for (int64_t x = 0; x < qs.numel(); ++x) qs.set(x, u(rng));
+    uint8_t* codes = static_cast<uint8_t*>(q8.ref().data);
+    const int64_t qrow = int64_t{cs.Hq} * cs.D;
+    for (int64_t x = 0; x < b.q.numel(); ++x) {
+      const float sc = static_cast<float>(qs.get(per_row ? x / cs.D : 0));
+      codes[x] = nearest_e4m3(b.q.get(x) / sc);
+      const double deq = static_cast<double>(static_cast<float>(e4m3_values()[codes[x]]) * sc);
+      w.q.set(x, deq);
+      w.full.q.set(b.new_rows[static_cast<size_t>(x / qrow)] * qrow + x % qrow, deq);
+    }
+    DeviceE4M3 d(b, c, st.get());
+    DeviceTensor dq8 = DeviceTensor::upload(q8, st.get()), dqs = DeviceTensor::upload(qs, st.get());
+    DeviceTensor bi = DeviceTensor::poisoned(DType::kInt32, {b.Tq, cs.Hi, cs.k}, st.get());
+    msa::PagedSelectParams sp = paged_select_params(cs, d.refs(), bi.ref());
+    sp.cache = d.with_scales(sp.cache);
+    Workspace ws_sel(msa::workspace_size(sp));
+    ws_sel.attach(sp);
+    sp.launch.stream = st.get();
+    require_ok(msa::paged_select_blocks(sp));
+    HostTensor sel = bi.download(st.get());
+    auto params = [&](Mode mode, const msa::TensorRef& out, const msa::TensorRef& lse, const msa::TensorRef& scale) {
+      msa::PagedForwardParams fp = paged_forward_params(cs, d.refs(), mode, false,
+                                                        mode == Mode::kSparse ? bi.ref() : msa::TensorRef{}, out, lse);
+      fp.cache = d.with_scales(fp.cache);
+      fp.q = dq8.ref();
+      fp.q_scale = scale;
+      fp.launch.stream = st.get();
+      return fp;
+    };
+    for (Mode mode : {Mode::kSparse, Mode::kDense}) {
+      const bool sparse = mode == Mode::kSparse;
+      DeviceTensor out = DeviceTensor::poisoned(cs.dtype, {b.Tq, cs.Hq, cs.D}, st.get());
+      DeviceTensor lse = DeviceTensor::poisoned(DType::kFloat32, {b.Tq, cs.Hq}, st.get());
+      msa::PagedForwardParams fp = params(mode, out.ref(), lse.ref(), dqs.ref());
+      Workspace ws(msa::workspace_size(fp));
+      ws.attach(fp);
+      require_ok(msa::paged_forward(fp));
+      expect_forward_close(out.download(st.get()), lse.download(st.get()),
+                           cpu_forward_over(cs, w, sparse ? &sel : nullptr, mode), cs.dtype,
+                           sparse ? "paged_forward(block_idx), Q8KV8" : "paged_forward(kDense), Q8KV8");
+    }
+    // A q_scale of 0 (the last one), and a float32 out.
+    HostTensor zero = qs;
+    zero.set(zero.numel() - 1, 0.0);
+    DeviceTensor dzero = DeviceTensor::upload(zero, st.get());
+    DeviceTensor out = DeviceTensor::poisoned(cs.dtype, {b.Tq, cs.Hq, cs.D}, st.get());
+    msa::PagedForwardParams fp = params(Mode::kDense, out.ref(), {}, dzero.ref());
+    Workspace ws(msa::workspace_size(fp));
+    ws.attach(fp);
+    expect_error(msa::paged_forward(fp), StatusCode::kInvalidArgument, "argument 'q_scale'", "q_scale 0");
+    DeviceTensor out32 = DeviceTensor::poisoned(DType::kFloat32, {b.Tq, cs.Hq, cs.D}, st.get());
+    fp = params(Mode::kDense, out32.ref(), {}, dqs.ref());
+    ws.attach(fp);
+    expect_error(msa::paged_forward(fp), StatusCode::kNotSupported, "argument 'out'", "float32 out");
+  }
+}
+
 // Every code's value through the attention kernel: one cached token per sequence (a softmax over
 // one key is exactly 1), so each output row is that token's v row; bfloat16 holds every E4M3
 // value, so the outputs equal the codes' values exactly (NaN for the two NaN codes).

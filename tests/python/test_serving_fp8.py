@@ -111,8 +111,7 @@ def test_calls_equal_the_dequantised_cache(per_page):
 def test_fp8_queries_equal_the_dequantised_queries(per_row):
     """Q8KV8 on the CPU backend: float8 queries with q_scale ([Tq, Hq] or [1]) over E4M3 caches
     compute exactly the call with float32(value * q_scale) as float32 queries (out_dtype
-    float32), and bfloat16 outputs are those results rounded once; the CUDA backend refuses
-    float8 queries naming 'q'."""
+    float32), and bfloat16 outputs are those results rounded once."""
     gen = torch.Generator().manual_seed(17)
     pages, Bk, Hkv, Hq, D, Hi, Di, top_k = 12, 32, 2, 4, 32, 2, 16, 3
     lens = torch.tensor([150, 33, 64], dtype=torch.int32)
@@ -151,11 +150,6 @@ def test_fp8_queries_equal_the_dequantised_queries(per_row):
     with pytest.raises(ValueError, match="out_dtype"):
         serving.paged_forward(q32, kc, vc, table, lens, cu, dense=True, k_scale=ks, v_scale=vs,
                               out_dtype=torch.bfloat16)
-    if CUDA:
-        d = lambda t: t.cuda()  # noqa: E731
-        with pytest.raises((ValueError, NotImplementedError, RuntimeError), match="'q'"):
-            serving.paged_forward(d(q8), d(kc), d(vc), d(table), d(lens), d(cu), dense=True,
-                                  k_scale=d(ks), v_scale=d(vs), q_scale=d(qs))
 
 
 def test_cache_and_wrapper_with_e4m3():
@@ -185,6 +179,14 @@ def test_cache_and_wrapper_with_e4m3():
     assert out.dtype == torch.bfloat16
     ulp = torch.finfo(torch.bfloat16).eps * want.float().abs().clamp(min=1e-30)
     assert ((out.float() - want.float()).abs() <= ulp).all()
+    # FP8 queries through the same plan: the planned bfloat16 outputs, equal to paged_forward's.
+    qs = q.float().abs().amax(dim=2).clamp(min=1e-12) / 448
+    q8 = (q.float() / qs.unsqueeze(2)).to(FP8)
+    want8 = serving.paged_forward(q8, cache.k, cache.v, table, lens, cu, q_idx=qi, k_idx_cache=cache.k_idx,
+                                  k_scale=cache.k_scale, v_scale=cache.v_scale,
+                                  k_idx_scale=cache.k_idx_scale, q_scale=qs, **kw)
+    out8, _, _ = w.run(q8, table, lens, cu, qi, q_scale=qs)
+    assert out8.dtype == torch.bfloat16 and torch.equal(out8, want8)
 
 
 def _error(fn, arg):
@@ -275,3 +277,51 @@ def test_cuda_equals_the_cpu_on_e4m3_caches(max_q_len):
         a8, b8 = a.cpu().view(torch.uint8), b.view(torch.uint8)
         nan = (b8 & 0x7F) == 0x7F
         assert torch.equal(a8[~nan], b8[~nan]) and bool(((a8[nan] & 0x7F) == 0x7F).all())
+
+
+@pytest.mark.skipif(not CUDA, reason="the library has no usable CUDA backend")
+@pytest.mark.parametrize("max_q_len,per_row", [(1, True), (4, False), (0, True)])
+def test_cuda_fp8_queries_equal_the_cpu(max_q_len, per_row):
+    """Q8KV8 on the CUDA backend (the query codes converted exactly to bfloat16, q_scale in each
+    row's score scale) against the CPU backend over the same codes and scales, in decode's column
+    layout (one token x 8 heads), its row layout and a prefill chunk: the same selection, out and
+    lse within bfloat16 rounding; a q_scale that is not positive is named from the device's value
+    check, and a float32 out is refused naming 'out'."""
+    gen = torch.Generator().manual_seed(29 + max_q_len)
+    pages, Bk, Hkv, Hq, D, Hi, Di = 40, 128, 2, 16, 128, 2, 128
+    lens = torch.tensor([1500, 129, 700], dtype=torch.int32)
+    nq = {1: [1, 1, 1], 4: [4, 1, 3], 0: [300, 129, 64]}[max_q_len]
+    T = sum(nq)
+    table = _table(3, 12, pages, gen)
+    cu = torch.tensor([0, nq[0], nq[0] + nq[1], T], dtype=torch.int32)
+
+    def codes(*shape):
+        return (torch.randn(*shape, generator=gen) * 100).clamp(-448, 448).to(FP8)
+
+    kc, vc, kic = codes(pages, Bk, Hkv, D), codes(pages, Bk, Hkv, D), codes(pages, Bk, 1, Di)
+    ks, vs = (torch.rand(pages, generator=gen) * 0.05 + 0.001 for _ in range(2))
+    kis = torch.rand(1, generator=gen) * 0.05 + 0.001
+    q8 = codes(T, Hq, D)
+    qs = torch.rand((T, Hq) if per_row else (1,), generator=gen) * 0.02 + 0.001
+    qi = torch.randn(T, Hi, Di, generator=gen).bfloat16()
+    kw = dict(top_k=4, sink_blocks=1, local_blocks=2, max_q_len=max_q_len, return_lse=True,
+              return_block_idx=True)
+    cpu = dict(q_scale=qs, q_idx=qi, k_idx_cache=kic, k_scale=ks, v_scale=vs, k_idx_scale=kis)
+    dev = {n: t.cuda() for n, t in cpu.items()}
+    args = (table, lens, cu)
+    dargs = tuple(t.cuda() for t in args)
+    want, want_lse, want_bi = serving.paged_forward(q8, kc, vc, *args, **cpu, **kw)
+    got, got_lse, got_bi = serving.paged_forward(q8.cuda(), kc.cuda(), vc.cuda(), *dargs, **dev, **kw)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got_bi.cpu(), want_bi)
+    err = (got.float().cpu() - want.float()).norm() / want.float().norm()
+    assert err < 1e-2, err
+    assert (got_lse.cpu() - want_lse).abs().max() < 1e-3
+    bad = dev["q_scale"].clone()
+    bad.view(-1)[-1] = 0.0
+    _error(lambda: serving.paged_forward(q8.cuda(), kc.cuda(), vc.cuda(), *dargs, **{**dev, "q_scale": bad},
+                                         **kw), "q_scale")
+    with pytest.raises(NotImplementedError, match="'out'"):  # dense: no q_idx, which has out's dtype
+        serving.paged_forward(q8.cuda(), kc.cuda(), vc.cuda(), *dargs, dense=True, q_scale=dev["q_scale"],
+                              k_scale=dev["k_scale"], v_scale=dev["v_scale"], max_q_len=max_q_len,
+                              out_dtype=torch.float32)

@@ -45,6 +45,15 @@ __device__ __forceinline__ uint2 e4m3x4_to(uint32_t w) {
   }
 }
 
+// Sixteen E4M3 codes (w) as Element values: codes 0-7 into the 16-byte chunk lo, 8-15 into hi.
+template <class Element>
+__device__ __forceinline__ void e4m3x16_store(const uint4& w, void* lo, void* hi) {
+  const uint2 a = e4m3x4_to<Element>(w.x), b = e4m3x4_to<Element>(w.y);
+  const uint2 x = e4m3x4_to<Element>(w.z), y = e4m3x4_to<Element>(w.w);
+  *reinterpret_cast<uint4*>(lo) = make_uint4(a.x, a.y, b.x, b.y);
+  *reinterpret_cast<uint4*>(hi) = make_uint4(x.x, x.y, y.x, y.y);
+}
+
 // Converts the codes of `raw` (E4M3SmemLayout<kRows, kDim>) into `dst` (the 16-bit tile,
 // Sm80SmemLayout<Element, kRows, kDim>), 16 codes per step of each of nthreads threads.
 template <class Element, int kRows, int kDim, class Raw, class Dst>
@@ -52,11 +61,22 @@ __device__ inline void convert_e4m3_tile(const Raw& raw, Dst& dst, int tid, int 
   constexpr int kChunks = kDim / 16;
   for (int e = tid; e < kRows * kChunks; e += nthreads) {
     const int row = e / kChunks, c = e % kChunks;
-    const uint4 w = *reinterpret_cast<const uint4*>(&raw(row, c * 8));
-    const uint2 a = e4m3x4_to<Element>(w.x), b = e4m3x4_to<Element>(w.y);
-    const uint2 x = e4m3x4_to<Element>(w.z), y = e4m3x4_to<Element>(w.w);
-    *reinterpret_cast<uint4*>(&dst(row, c * 16)) = make_uint4(a.x, a.y, b.x, b.y);
-    *reinterpret_cast<uint4*>(&dst(row, c * 16 + 8)) = make_uint4(x.x, x.y, y.x, y.y);
+    e4m3x16_store<Element>(*reinterpret_cast<const uint4*>(&raw(row, c * 8)), &dst(row, c * 16), &dst(row, c * 16 + 8));
+  }
+}
+
+// FP8 queries: rows of E4M3 codes read from global memory (row_ptr(r): row r's kDim codes,
+// 16-byte aligned; null: a zero row) into the 16-bit tile dst (Sm80SmemLayout<Element, kRows,
+// kDim>), converted exactly. Plain loads and stores: a barrier before the tile's readers
+// publishes it.
+template <class Element, int kRows, int kDim, class Dst, class RowPtr>
+__device__ inline void load_e4m3_rows(Dst& dst, RowPtr row_ptr, int tid, int nthreads) {
+  constexpr int kChunks = kDim / 16;
+  for (int e = tid; e < kRows * kChunks; e += nthreads) {
+    const int row = e / kChunks, c = e % kChunks;
+    const uint8_t* src = row_ptr(row);
+    const uint4 w = src != nullptr ? *reinterpret_cast<const uint4*>(src + c * 16) : make_uint4(0, 0, 0, 0);
+    e4m3x16_store<Element>(w, &dst(row, c * 16), &dst(row, c * 16 + 8));
   }
 }
 

@@ -310,6 +310,10 @@ struct PagedAttnArgs : PagedArgs {
   int64_t k_s0 = 0, k_s1 = 0, k_s2 = 0, v_s0 = 0, v_s1 = 0, v_s2 = 0;
   const float *k_scale = nullptr, *v_scale = nullptr;  // E4M3 k and v: their scales (null: 16-bit)
   int64_t k_scale_step = 0, v_scale_step = 0;          // the scale of page p: scale[p * step]
+  // FP8 queries (Q8KV8, over E4M3 k and v): q holds E4M3 codes, and row (t, h) is scaled by
+  // q_scale[t * qs_s0 + h * qs_s1] (strides 0: one scale); null: 16-bit queries.
+  const float* q_scale = nullptr;
+  int64_t qs_s0 = 0, qs_s1 = 0;
   int32_t Hq = 0, Hkv = 0, Hi = 0;
   int32_t group = 0;          // G = Hq / Hkv
   int32_t heads_per_idx = 0;  // Hq / Hi

@@ -28,7 +28,7 @@ enum Kind : unsigned long long {
   kLenLong = 6,     // index: s, seq_lens[s] > max_pages * Bk
   kQLen = 7,        // index: s, n_s > max_q_len
   kPage = 8,        // index: s * max_pages + b, a used page id outside [0, pages)
-  kScale = 9,       // kScale + w (k, v, k_idx), index: i, scale[i] not finite and positive
+  kScale = 9,       // kScale + w (k, v, k_idx, q), index: i, scale[i] not finite and positive
 };
 
 __device__ void report(unsigned long long* verdict, Kind kind, long long index) {
@@ -87,9 +87,14 @@ struct PagedCheck {
   const int32_t* bi = nullptr;
   int64_t bi_s0 = 0, bi_s1 = 0;
   int32_t Hi = 0, k = 0;
-  // The scales of E4M3 cache tensors (k, v, k_idx; null: none).
-  const float* scale[3] = {nullptr, nullptr, nullptr};
-  int64_t scale_n[3] = {0, 0, 0}, scale_s[3] = {0, 0, 0};
+  // The scales of E4M3 cache tensors (k, v, k_idx) and queries (q_scale; null: none). Scale i
+  // of w is scale[w][(i / scale_cols[w]) * scale_s[w] + (i % scale_cols[w]) * scale_s1[w]].
+  static constexpr int kScales = 4;
+  const float* scale[kScales] = {};
+  int64_t scale_n[kScales] = {}, scale_s[kScales] = {}, scale_s1[kScales] = {}, scale_cols[kScales] = {1, 1, 1, 1};
+  __host__ __device__ int64_t scale_at(int w, int64_t i) const {
+    return i / scale_cols[w] * scale_s[w] + i % scale_cols[w] * scale_s1[w];
+  }
 };
 
 __global__ void paged_check_kernel(const PagedCheck c, unsigned long long* verdict) {
@@ -106,10 +111,10 @@ __global__ void paged_check_kernel(const PagedCheck c, unsigned long long* verdi
     else if (c.lens[s] < n || c.lens[s] < 0) report(verdict, kLenShort, s);
     if (c.max_q_len > 0 && n > c.max_q_len) report(verdict, kQLen, s);
   }
-  for (int w = 0; w < 3; ++w) {
+  for (int w = 0; w < PagedCheck::kScales; ++w) {
     if (c.scale[w] == nullptr) continue;
     for (int64_t i = first; i < c.scale_n[w]; i += stride) {
-      const float x = c.scale[w][i * c.scale_s[w]];
+      const float x = c.scale[w][c.scale_at(w, i)];
       if (!(isfinite(x) && x > 0.f)) report(verdict, static_cast<Kind>(kScale + w), i);
     }
   }
@@ -244,7 +249,7 @@ Status check_values(const char* fn, const Problem& prob, const TensorRef& cu_seq
 
 Status check_paged_values(const char* fn, const Problem& prob, const TensorRef& cu_seqlens_q,
                           const PagedCache& cache, const TensorRef& block_idx, int32_t max_q_len,
-                          const Launch& launch) {
+                          const Launch& launch, const TensorRef& q_scale) {
   if (!launch.check_values) return Status::Ok();
   const cudaStream_t stream = static_cast<cudaStream_t>(launch.stream);
   PagedCheck c;
@@ -273,10 +278,19 @@ Status check_paged_values(const char* fn, const Problem& prob, const TensorRef& 
     c.scale_n[w] = scales[w]->shape[0];
     c.scale_s[w] = scales[w]->stride[0];
   }
+  if (q_scale.defined()) {  // [1] or [Tq, Hq]
+    c.scale[3] = static_cast<const float*>(q_scale.data);
+    c.scale_n[3] = q_scale.rank == 2 ? q_scale.shape[0] * q_scale.shape[1] : q_scale.shape[0];
+    c.scale_s[3] = q_scale.stride[0];
+    if (q_scale.rank == 2) {
+      c.scale_s1[3] = q_scale.stride[1];
+      c.scale_cols[3] = std::max<int64_t>(q_scale.shape[1], 1);
+    }
+  }
   unsigned long long v = 0;
   MSA_TRY(run_check(fn, stream, "cu_seqlens_q, the cache's seq_lens, page_table and scales and block_idx",
                     std::max<int64_t>({int64_t(c.Tq) * c.Hi * c.k, int64_t(c.nseq) * c.max_pages, c.nseq + 1,
-                                       c.scale_n[0], c.scale_n[1], c.scale_n[2]}),
+                                       c.scale_n[0], c.scale_n[1], c.scale_n[2], c.scale_n[3]}),
                     [&](int blocks, unsigned long long* verdict) {
                       paged_check_kernel<<<blocks, 256, 0, stream>>>(c, verdict);
                     },
@@ -303,12 +317,15 @@ Status check_paged_values(const char* fn, const Problem& prob, const TensorRef& 
     return bad("cache.seq_lens", "seq_lens[" + s + "] = " + std::to_string(len) + " is less than the sequence's " +
                                      std::to_string(n) + " new tokens (cu_seqlens_q)");
   }
-  if (kind >= kScale && kind < kScale + 3) {
+  if (kind >= kScale && kind < kScale + PagedCheck::kScales) {
     const int w = static_cast<int>(kind - kScale);
-    const char* names[3] = {"cache.k_scale", "cache.v_scale", "cache.k_idx_scale"};
+    const char* names[PagedCheck::kScales] = {"cache.k_scale", "cache.v_scale", "cache.k_idx_scale", "q_scale"};
     float x = 0.f;
-    MSA_TRY(read(fn, &x, c.scale[w] + index * c.scale_s[w], 1, stream));
-    return bad(names[w], "scale[" + std::to_string(index) + "] = " + std::to_string(x) +
+    MSA_TRY(read(fn, &x, c.scale[w] + c.scale_at(w, index), 1, stream));
+    const std::string at = w == 3 && q_scale.rank == 2
+                               ? std::to_string(index / c.scale_cols[w]) + ", " + std::to_string(index % c.scale_cols[w])
+                               : std::to_string(index);
+    return bad(names[w], (w == 3 ? "q_scale[" : "scale[") + at + "] = " + std::to_string(x) +
                              " is not a finite positive number");
   }
   if (kind == kPage) {

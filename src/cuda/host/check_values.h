@@ -18,9 +18,10 @@ Status check_values(const char* fn, const Problem& prob, const TensorRef& cu_seq
 // A paged call (docs/contract.md §6): cu_seqlens_q starts at 0, never decreases and ends at Tq;
 // every sequence's new tokens fit in its seq_lens, which fit in its page table row; n_s <=
 // max_q_len (when > 0); the pages of every cached block are pages of the cache; a caller's
-// block_idx (undefined: none) holds -1 or blocks up to each token's own, none twice.
+// block_idx (undefined: none) holds -1 or blocks up to each token's own, none twice; the
+// scales of E4M3 caches and q_scale (FP8 queries; undefined: none) are finite and positive.
 Status check_paged_values(const char* fn, const Problem& prob, const TensorRef& cu_seqlens_q,
                           const PagedCache& cache, const TensorRef& block_idx, int32_t max_q_len,
-                          const Launch& launch);
+                          const Launch& launch, const TensorRef& q_scale = TensorRef{});
 
 }  // namespace msa::cuda

@@ -16,7 +16,8 @@
 //
 // E4M3 caches (docs/contract.md §6): the score and attention kernels' E4M3 instances read the
 // codes and apply the page scales (device/e4m3.cuh). A prefill over E4M3 caches takes them too
-// (the training kernels read 16-bit K, V and k_idx by TMA).
+// (the training kernels read 16-bit K, V and k_idx by TMA), as do FP8 queries (Q8KV8: codes
+// converted to out's 16-bit type, q_scale in each row's score scale).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -221,10 +222,16 @@ struct AttnPlan {
   size_t part_o = 0, part_lse = 0, bytes = 0;
 };
 
+bool fp8_queries(const PagedForwardParams& p) { return p.q.dtype == DType::kFloat8E4M3; }
+
+// The attention kernels' element type: q's, or for FP8 queries out's (the codes are converted to
+// it exactly); named by its argument.
+DType attn_dtype(const PagedForwardParams& p) { return fp8_queries(p) ? p.out.dtype : p.q.dtype; }
+const char* attn_dtype_arg(const PagedForwardParams& p) { return fp8_queries(p) ? "out" : "q"; }
+
 Status can_paged_attn(const char* fn, const Problem& prob, const PagedForwardParams& p) {
-  if (p.q.dtype == DType::kFloat8E4M3)
-    return fail(fn, "q", "float8_e4m3 queries (Q8KV8) run on the CPU backend only so far");
-  MSA_TRY(check_half(fn, "q", p.q));
+  // FP8 queries come over E4M3 caches (validated), so the E4M3 kernels take them.
+  MSA_TRY(check_half(fn, attn_dtype_arg(p), fp8_queries(p) ? p.out : p.q));
   MSA_TRY(check_aligned(fn, "q", p.q));
   MSA_TRY(check_cache(fn, "cache.k", p.cache.k));
   MSA_TRY(check_cache(fn, "cache.v", p.cache.v));
@@ -276,6 +283,13 @@ AttnPlan attn_plan(const Problem& prob, const PagedForwardParams& p) {
     a.k_scale_step = scale_step(p.cache.k_scale);
     a.v_scale = static_cast<const float*>(p.cache.v_scale.data);
     a.v_scale_step = scale_step(p.cache.v_scale);
+  }
+  if (fp8_queries(p)) {  // q_scale [1] or [Tq, Hq]
+    a.q_scale = static_cast<const float*>(p.q_scale.data);
+    if (p.q_scale.rank == 2) {
+      a.qs_s0 = p.q_scale.stride[0];
+      a.qs_s1 = p.q_scale.stride[1];
+    }
   }
   a.Hq = prob.Hq;
   a.Hkv = prob.Hkv;
@@ -483,7 +497,8 @@ Status paged_forward(const Problem& prob, const PagedForwardParams& p) {
   if (prob.T == 0) return Status::Ok();
   DeviceGuard guard(p.q.device.index);
   MSA_TRY(check_paged_values(fn, prob, p.cu_seqlens_q, p.cache,
-                             dense || select ? TensorRef{} : p.block_idx, p.max_q_len, p.launch));
+                             dense || select ? TensorRef{} : p.block_idx, p.max_q_len, p.launch,
+                             fp8_queries(p) ? p.q_scale : TensorRef{}));
   const cudaStream_t stream = static_cast<cudaStream_t>(p.launch.stream);
   void* ws = p.launch.workspace;
   if (select) MSA_TRY(run_select(fn, prob, sp, ws, p.q_idx.dtype, stream));
@@ -498,7 +513,7 @@ Status paged_forward(const Problem& prob, const PagedForwardParams& p) {
     ap.attn.part_o = at<float>(ws, ap.part_o);
     ap.attn.part_lse = at<float>(ws, ap.part_lse);
   }
-  return dispatch(fn, "q", p.q.dtype, prob.D, prob.opts.block_size, [&](auto v) {
+  return dispatch(fn, attn_dtype_arg(p), attn_dtype(p), prob.D, prob.opts.block_size, [&](auto v) {
     using V = decltype(v);
     return launch_paged_attn<typename V::Element, V::kDim, V::kBlockN>(ap.attn, stream);
   });

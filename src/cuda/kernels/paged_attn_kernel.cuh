@@ -26,6 +26,9 @@
 // whole tile in the row layout, so converting it once in shared memory beats converting in each
 // warp's registers); the page's K scale goes into the block's score scale and its V scale into P
 // (after the row sums). Shared memory stays that of the 16-bit kernel.
+// FP8 queries (Q8KV8, E4M3 instances only: a.q_scale set): the tile's query codes are read and
+// converted exactly into the 16-bit Q tile, and each row's q_scale goes into its score scale
+// (PagedRowState::qs) next to the page's K scale.
 #pragma once
 
 #include <cub/block/block_scan.cuh>
@@ -199,12 +202,12 @@ __device__ __forceinline__ PagedRow paged_row(const PagedAttnArgs& a, const Page
           head, j};
 }
 
-// Per MMA row of this thread: its key position (-1: no token), its (token, index head) pair, the
-// running max (log2 units) and sum of the online softmax.
+// Per MMA row of this thread: its key position (-1: no token), its (token, index head) pair, its
+// query scale (FP8 queries; else 1), the running max (log2 units) and sum of the online softmax.
 template <int kRowsPerThread>
 struct PagedRowState {
   int32_t pos[kRowsPerThread], pair[kRowsPerThread];
-  float max[kRowsPerThread], sum[kRowsPerThread];
+  float qs[kRowsPerThread], max[kRowsPerThread], sum[kRowsPerThread];
 
   template <class TC>  // cSrc: the scores' (row, column) coordinates of this thread
   __device__ PagedRowState(const PagedAttnArgs& a, const PagedAttnWork& w, const TC& cSrc) {
@@ -213,6 +216,9 @@ struct PagedRowState {
       const PagedRow pr = paged_row(a, w, get<0>(cSrc(r, 0)));
       pos[r] = pr.pos;
       pair[r] = pr.pair;
+      qs[r] = a.q_scale != nullptr && pr.pos >= 0
+                  ? a.q_scale[(w.t0 + pr.j) * a.qs_s0 + int64_t(pr.head) * a.qs_s1]
+                  : 1.f;
       max[r] = -INFINITY;
       sum[r] = 0.f;
     }
@@ -229,11 +235,12 @@ __device__ __forceinline__ void paged_softmax_step(TS& S, const TC& cSrc, TO& O,
 #pragma unroll
   for (int r = 0; r < kRowsPerThread; ++r) {
     const bool sel = st.pos[r] >= 0 && ((mask >> st.pair[r]) & 1);
+    const float row_scale = scale_log2 * st.qs[r];
     float mx = -INFINITY;
 #pragma unroll
     for (int c = 0; c < size<1>(S); ++c) {
       const bool ok = sel && key0 + get<1>(cSrc(r, c)) <= st.pos[r];
-      S(r, c) = ok ? S(r, c) * scale_log2 : -INFINITY;
+      S(r, c) = ok ? S(r, c) * row_scale : -INFINITY;
       mx = fmaxf(mx, S(r, c));
     }
     mx = quad_max(mx);
@@ -628,16 +635,22 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kCtasPerSm)
   w.u_mask = u_mask;
   const int tid = threadIdx.x;
 
-  // ---- Q (its own cp.async group, the first) and the block list
+  // ---- Q (its own cp.async group, the first; FP8 queries: converted by plain loads, the group
+  // empty) and the block list
   Tensor sQ = make_tensor(make_smem_ptr(ss.t.q.data()), typename Traits::SmemLayoutQ{});
   const int32_t G = a.group;
-  const Element* q_base = as<Element>(a.q) + w.t0 * a.q_s0 + int64_t(w.kv) * G * a.q_s1;
-  load_rows_async<kRows, kHeadDim>(
-      sQ,
-      [&](int r) -> const Element* {
-        return r < w.count * G ? q_base + (r / G) * a.q_s0 + (r % G) * a.q_s1 : nullptr;
-      },
-      tid, kThreads);
+  const int64_t q_off = w.t0 * a.q_s0 + int64_t(w.kv) * G * a.q_s1;  // in elements of q's dtype
+  auto q_row = [&](const auto* base, int r) -> decltype(base) {
+    return r < w.count * G ? base + q_off + (r / G) * a.q_s0 + (r % G) * a.q_s1 : nullptr;
+  };
+  bool q_codes = false;
+  if constexpr (Traits::kE4M3) q_codes = a.q_scale != nullptr;
+  if (q_codes) {
+    load_e4m3_rows<Element, kRows, kHeadDim>(
+        sQ, [&](int r) { return q_row(static_cast<const uint8_t*>(a.q), r); }, tid, kThreads);
+  } else {
+    load_rows_async<kRows, kHeadDim>(sQ, [&](int r) { return q_row(as<Element>(a.q), r); }, tid, kThreads);
+  }
   cp_async_commit();
   const int32_t num_union =
       build_block_union<kThreads, kBlockN>(a, w.pt, w.kv * a.idx_per_kv, u_mask, u_key, u_block, tid);
