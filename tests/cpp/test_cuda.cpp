@@ -2171,6 +2171,17 @@ struct DeviceE4M3 {
   }
 };
 
+// paged_select_blocks on the GPU over the E4M3 index keys of d into bi; returns bi's values.
+HostTensor select_on_gpu(const PagedCase& cs, const DeviceE4M3& d, DeviceTensor& bi, cudaStream_t s) {
+  msa::PagedSelectParams sp = paged_select_params(cs, d.refs(), bi.ref());
+  sp.cache = d.with_scales(sp.cache);
+  Workspace ws(msa::workspace_size(sp));
+  ws.attach(sp);
+  sp.launch.stream = s;
+  require_ok(msa::paged_select_blocks(sp));
+  return bi.download(s);
+}
+
 // The CPU backend's paged forward over the dequantised twin w (float64).
 FwdResult cpu_forward_over(const PagedCase& cs, PagedBatch& w, HostTensor* bi, Mode mode) {
   FwdResult r{HostTensor(DType::kFloat64, {w.Tq, cs.Hq, cs.D}), HostTensor(DType::kFloat32, {w.Tq, cs.Hq}), {}};
@@ -2213,13 +2224,7 @@ TEST_P(PagedE4M3CudaVsCpu, SelectAndForward) {
 
   // The selection: the contract's rule over the dequantised index keys.
   DeviceTensor bi = DeviceTensor::poisoned(DType::kInt32, {b.Tq, cs.Hi, cs.k}, st.get());
-  msa::PagedSelectParams sp = paged_select_params(cs, r, bi.ref());
-  sp.cache = d.with_scales(sp.cache);
-  Workspace ws_sel(msa::workspace_size(sp));
-  ws_sel.attach(sp);
-  sp.launch.stream = st.get();
-  require_ok(msa::paged_select_blocks(sp));
-  HostTensor sel = bi.download(st.get());
+  HostTensor sel = select_on_gpu(cs, d, bi, st.get());
   const Failures fs = check_selection(w.full, IndexScores(w.full), to_full_rows(sel, b, -1), nullptr, b.new_rows);
   EXPECT_EQ(fs.count, 0) << "paged_select_blocks over E4M3 index keys:" << fs.first;
 
@@ -2313,13 +2318,7 @@ TEST(CudaPagedE4M3, AttentionQueriesAndScalesFloat16CannotHold) {
     E4M3Caches c = quantise(b, w, true, 85, 16);
     DeviceE4M3 d(b, c, st.get());
     DeviceTensor bi = DeviceTensor::poisoned(DType::kInt32, {b.Tq, cs.Hi, cs.k}, st.get());
-    msa::PagedSelectParams sp = paged_select_params(cs, d.refs(), bi.ref());
-    sp.cache = d.with_scales(sp.cache);
-    Workspace ws_sel(msa::workspace_size(sp));
-    ws_sel.attach(sp);
-    sp.launch.stream = st.get();
-    require_ok(msa::paged_select_blocks(sp));
-    HostTensor sel = bi.download(st.get());
+    HostTensor sel = select_on_gpu(cs, d, bi, st.get());
     for (Mode mode : {Mode::kSparse, Mode::kDense}) {
       const bool sparse = mode == Mode::kSparse;
       DeviceTensor out = DeviceTensor::poisoned(cs.dtype, {b.Tq, cs.Hq, cs.D}, st.get());
@@ -2379,13 +2378,7 @@ TEST(CudaPagedE4M3, FloatQueriesQ8KV8) {
     DeviceE4M3 d(b, c, st.get());
     DeviceTensor dq8 = DeviceTensor::upload(q8, st.get()), dqs = DeviceTensor::upload(qs, st.get());
     DeviceTensor bi = DeviceTensor::poisoned(DType::kInt32, {b.Tq, cs.Hi, cs.k}, st.get());
-    msa::PagedSelectParams sp = paged_select_params(cs, d.refs(), bi.ref());
-    sp.cache = d.with_scales(sp.cache);
-    Workspace ws_sel(msa::workspace_size(sp));
-    ws_sel.attach(sp);
-    sp.launch.stream = st.get();
-    require_ok(msa::paged_select_blocks(sp));
-    HostTensor sel = bi.download(st.get());
+    HostTensor sel = select_on_gpu(cs, d, bi, st.get());
     auto params = [&](Mode mode, const msa::TensorRef& out, const msa::TensorRef& lse, const msa::TensorRef& scale) {
       msa::PagedForwardParams fp = paged_forward_params(cs, d.refs(), mode, false,
                                                         mode == Mode::kSparse ? bi.ref() : msa::TensorRef{}, out, lse);
