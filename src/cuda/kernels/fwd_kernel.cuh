@@ -275,27 +275,42 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     Element* stages = wg == 0 ? ss.k.data() : ss.v.data();
     uint32_t* row_valid = reinterpret_cast<uint32_t*>(ss.q.data()) + 64 * wg;  // Q, once read no more
     const float2* ml[kRows];
-    float mx[kRows], sum[kRows];
+    float mx[kRows], sum[kRows], own_m[kRows];
     uint32_t valid[kRows];
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
-      const float own_sum = quad_sum(softmax.row_sum[r]);  // every lane of the warp takes part
+      sum[r] = quad_sum(softmax.row_sum[r]);  // every lane of the warp takes part
       const int row = get<0>(cOrc(r, 0));
       const int64_t t = tile.seq_start + tile.first + row_tok[r];
       const int64_t pair = (t - p.tok_lo) * p.Hq + int64_t(ih) * Gi + (row - row_tok[r] * Gi);
       ml[r] = reinterpret_cast<const float2*>(p.split.part_ml) + (row_ok[r] ? pair * p.top_k : 0);
-      const float own_m = softmax.row_max[r] == -INFINITY ? -INFINITY : softmax.row_max[r] * p.scale_log2;
-      mx[r] = own_m;
+      own_m[r] = softmax.row_max[r] == -INFINITY ? -INFINITY : softmax.row_max[r] * p.scale_log2;
+      mx[r] = own_m[r];
       valid[r] = 0u;
-      for (int j = 0; row_ok[r] && j < p.top_k; ++j) {
-        const float2 v = ml[r][j];
-        if (v.y > 0.f) {
-          valid[r] |= 1u << j;
-          mx[r] = fmaxf(mx[r], v.x);
-        }
-      }
-      const float w = own_m == -INFINITY ? 0.f : fast_exp2(own_m - mx[r]);
-      sum[r] = w * own_sum;
+    }
+    // The rows' (max, sum) slots, kMlChunk of each row requested at once (one round trip for
+    // all of them, rather than one per slot).
+    constexpr int kMlChunk = 8;
+    for (int j0 = 0; j0 < p.top_k; j0 += kMlChunk) {
+      float2 v[kRows][kMlChunk];
+#pragma unroll
+      for (int r = 0; r < kRows; ++r)
+#pragma unroll
+        for (int i = 0; i < kMlChunk; ++i)
+          v[r][i] = row_ok[r] && j0 + i < p.top_k ? ml[r][j0 + i] : make_float2(0.f, 0.f);
+#pragma unroll
+      for (int r = 0; r < kRows; ++r)
+#pragma unroll
+        for (int i = 0; i < kMlChunk; ++i)
+          if (v[r][i].y > 0.f) {
+            valid[r] |= 1u << (j0 + i);
+            mx[r] = fmaxf(mx[r], v[r][i].x);
+          }
+    }
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const float w = own_m[r] == -INFINITY ? 0.f : fast_exp2(own_m[r] - mx[r]);
+      sum[r] *= w;
 #pragma unroll
       for (int c = 0; c < size<1>(O); ++c) O(r, c) *= w;
     }
@@ -340,9 +355,18 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     };
 #pragma unroll
     for (int s = 0; s < kMergeStages - 1; ++s) issue();
+    // The rows' (max, sum) of slot j (-1: none), requested a slot ahead of their use.
+    auto slot_ml = [&](int j, float2 (&v)[kRows]) {
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) v[r] = j >= 0 && ((valid[r] >> j) & 1u) ? ml[r][j] : make_float2(0.f, 0.f);
+    };
+    float2 v_cur[kRows];
+    slot_ml(slots != 0u ? __ffs(slots) - 1 : -1, v_cur);
     for (int s = 0; slots != 0u; ++s) {
       const int j = __ffs(slots) - 1;
       slots &= slots - 1u;
+      float2 v_next[kRows];
+      slot_ml(slots != 0u ? __ffs(slots) - 1 : -1, v_next);
       issue();
       cp_async_wait<kMergeStages - 1>();
       cutlass::arch::NamedBarrier::sync(128, wg_bar);
@@ -350,7 +374,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
         if (!((valid[r] >> j) & 1u)) continue;
-        const float2 v = ml[r][j];
+        const float2 v = v_cur[r];
         const float wj = fast_exp2(v.x - mx[r]);
         sum[r] += wj * v.y;
         const Element* prow = stage + (get<0>(cOrc(r, 0)) - 64 * wg) * kRowElems;
@@ -363,6 +387,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         }
       }
       cutlass::arch::NamedBarrier::sync(128, wg_bar);  // the stage is refilled next
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) v_cur[r] = v_next[r];
     }
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
