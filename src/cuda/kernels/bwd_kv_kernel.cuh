@@ -427,14 +427,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   // The dS tiles of entry en (dq from dS; see the loop): rdS (u[2j + a]: columns 8j + 2q,
   // 8j + 2q + 1 of row half a, q = lane % 4) into this warpgroup's staging tile as [token][key]
-  // [head], then one bulk copy per token to its tile (the warpgroup's 64 keys of it), issued by
-  // the warpgroup's first thread. The tile is free again once the copies issued for the entry
-  // before have read it.
+  // [head], then one bulk copy per token to its tile (the warpgroup's 64 keys of it): token t
+  // by lane t / 4 of warp t % 4, so that no thread issues more than one copy per entry (an
+  // entry holds up to 16 tokens). The tile is free again once the copies issued for the entry
+  // before have read it (each issuing thread waits for its own).
   auto stage_ds = [&](const EntryRecord& en) {
     const int ltid = fresh_thread_index() % 128, lane = ltid & 31, q = lane & 3;
     Element* stage = ss.ds_stage + wg * 64 * kBlockC;
     const uint32_t* u = reinterpret_cast<const uint32_t*>(rdS.data());
-    if (ltid == 0) tma_store_wait<0>();
+    static_assert(kEntryTokens <= 16, "four issuing lanes per warp");
+    const bool issuer = lane < 4;
+    if (issuer) tma_store_wait<0>();
     cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(Barrier::kWarpGroup) + wg);
     static_assert(kCols == 16, "an entry's 64 columns: 8 chunks of 8 per thread row");
 #pragma unroll
@@ -449,15 +452,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
     cutlass::arch::fence_view_async_shared();
     cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(Barrier::kWarpGroup) + wg);
-    if (ltid == 0) {
+    const int t = lane * 4 + (ltid >> 5);
+    if (issuer && t < en.count) {
       const int32_t ih = r * ipk + en.seg - list.seg0;
       const int32_t bytes = 64 * Gi * static_cast<int32_t>(sizeof(Element));
-      for (int t = 0; t < en.count; ++t)
-        SM90_BULK_COPY_S2G::copy(stage + t * 64 * Gi,
-                                 as<Element>(p.ds) +
-                                     ((((en.tok[t] - p.ds_tok_lo) * p.Hi + ih) * p.top_k + en.slot[t]) * kBlockN +
-                                      64 * wg) * Gi,
-                                 bytes);
+      SM90_BULK_COPY_S2G::copy(stage + t * 64 * Gi,
+                               as<Element>(p.ds) +
+                                   ((((en.tok[t] - p.ds_tok_lo) * p.Hi + ih) * p.top_k + en.slot[t]) * kBlockN +
+                                    64 * wg) * Gi,
+                               bytes);
       tma_store_arrive();
     }
   };
@@ -665,9 +668,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     run_dq();
     flush_batch();
   } else {
-    // The last bulk copies of dS done (their shared source lives as long as the CTA).
-    if (p.ds != nullptr && fresh_thread_index() % 128 == 0)
-      asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+    // The last bulk copies of dS done (their shared source lives as long as the CTA), by each
+    // thread that issued some.
+    if (p.ds != nullptr && (fresh_thread_index() & 31) < 4) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
   }
 
   Tensor cKV = thr_kv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
