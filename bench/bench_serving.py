@@ -263,8 +263,11 @@ def prefill_case(cache: Cache, prefix: int, chunk: int, dev, alpha: float = 0.44
         bi = serving.paged_select_blocks(q_idx, cache.k_idx, page_table, seq_lens, cu, K, **kw)
         t_index = timed(lambda: serving.paged_select_blocks(q_idx, cache.k_idx, page_table, seq_lens,
                                                             cu, K, **kw), iters=5, warmup=1)
-        t_attend = timed(lambda: serving.paged_forward(q, cache.k, cache.v, page_table, seq_lens, cu,
-                                                       block_idx=bi, **kw), iters=5, warmup=1)
+        # The library's choice (auto), and each walk of the training forward it chooses among.
+        t_pass = {fp: timed(lambda: serving.paged_forward(q, cache.k, cache.v, page_table, seq_lens, cu,
+                                                          block_idx=bi, fwd_pass=fp, **kw), iters=5, warmup=1)
+                  for fp in ("auto", "query_tile", "split", "kv_block")}
+        t_attend = t_pass["auto"]
     stats = sp.selection_stats(bi, torch.tensor([0, chunk], dtype=torch.int32, device=dev), k=K)
     # Support size of every (token, index head) row: its valid blocks, the own block partial.
     pos = torch.arange(prefix, total, device=dev)
@@ -277,7 +280,10 @@ def prefill_case(cache: Cache, prefix: int, chunk: int, dev, alpha: float = 0.44
     index_flops = 2 * DI * HI * float((pos + 1).sum())
     return dict(kind="prefill", ctx=total, batch=1, q_len=chunk, overlap=round(stats["overlap"], 3),
                 union=round(stats["union"], 2), indexer_ms=t_index, attend_ms=t_attend,
+                attend_query_tile_ms=t_pass["query_tile"], attend_split_ms=t_pass["split"],
+                attend_kv_block_ms=t_pass["kv_block"],
                 step_ms=t_index + t_attend, attend_tflops=flops / (t_attend * 1e-3) / 1e12,
+                attend_query_tile_tflops=flops / (t_pass["query_tile"] * 1e-3) / 1e12,
                 indexer_tflops=index_flops / (t_index * 1e-3) / 1e12)
 
 
@@ -355,7 +361,9 @@ def main(argv=None) -> int:
         if r["kind"] == "prefill":
             print(f"prefill {r['q_len']} tokens at {r['ctx']}: overlap {r['overlap']} union {r['union']};"
                   f" indexer {r['indexer_ms']:.1f} ms ({r['indexer_tflops']:.0f} TF/s), attention"
-                  f" {r['attend_ms']:.1f} ms ({r['attend_tflops']:.0f} TF/s effective)")
+                  f" {r['attend_ms']:.2f} ms ({r['attend_tflops']:.0f} TF/s effective; query tiles"
+                  f" {r['attend_query_tile_ms']:.2f}, split {r['attend_split_ms']:.2f}, KV block"
+                  f" {r['attend_kv_block_ms']:.2f})")
     return 0
 
 

@@ -441,11 +441,13 @@ NB_MODULE(_C, m) {
          const nb::int_& mode, const nb::int_& block_size, const nb::int_& top_k, const nb::int_& sink_blocks,
          const nb::int_& local_blocks, float scale, float scale_idx, uintptr_t stream, bool check_values,
          const nb::object& workspace_alloc, const OptArray& workspace, const OptArray& k_scale,
-         const OptArray& v_scale, const OptArray& k_idx_scale, const OptArray& q_scale) {
+         const OptArray& v_scale, const OptArray& k_idx_scale, const OptArray& q_scale,
+         const std::string& fwd_pass) {
         msa::PagedForwardParams p = paged_forward_params(
             q, cu_seqlens_q, k_cache, v_cache, k_idx_cache, page_table, seq_lens, block_idx, select, q_idx, out,
             lse, max_q_len, mode, block_size, top_k, sink_blocks, local_blocks, scale, scale_idx,
             {k_scale, v_scale, k_idx_scale}, q_scale);
+        p.opts.fwd_pass = fwd_pass_arg(fwd_pass);
         run(p, stream, check_values, workspace_alloc,
             [](const msa::PagedForwardParams& x) { return msa::paged_forward(x); }, workspace);
       },
@@ -457,7 +459,8 @@ NB_MODULE(_C, m) {
       nb::arg("scale_idx") = 0.f, nb::arg("stream") = 0, nb::arg("check_values") = true,
       nb::arg("workspace_alloc") = nb::none(), nb::arg("workspace").none() = nb::none(),
       nb::arg("k_scale").none() = nb::none(), nb::arg("v_scale").none() = nb::none(),
-      nb::arg("k_idx_scale").none() = nb::none(), nb::arg("q_scale").none() = nb::none());
+      nb::arg("k_idx_scale").none() = nb::none(), nb::arg("q_scale").none() = nb::none(),
+      nb::arg("fwd_pass") = "auto");
 
   m.def(
       "paged_forward_workspace_size",

@@ -100,7 +100,7 @@ def _out_dtype(q: Tensor, out_dtype: Optional[torch.dtype]) -> torch.dtype:
 def _run_paged_forward(q, cu_seqlens_q, k_cache, v_cache, k_idx_cache, page_table, seq_lens,
                        q_idx, block_idx, out, lse, max_q_len, dense, sel, block_size, top_k,
                        sink_blocks, local_blocks, scale, scale_idx, k_scale=None, v_scale=None,
-                       k_idx_scale=None, q_scale=None, **launch):
+                       k_idx_scale=None, q_scale=None, fwd_pass="auto", **launch):
     """The binding's paged_forward into out / lse (and block_idx when ``sel``); ``launch``:
     msa._ops._launch's check_values and workspace."""
     _launch(_C.paged_forward, q.device, _lc(q), _lc(cu_seqlens_q), _lc(k_cache), _lc(v_cache),
@@ -109,7 +109,8 @@ def _run_paged_forward(q, cu_seqlens_q, k_cache, v_cache, k_idx_cache, page_tabl
             mode=_ops._MODE_DENSE if dense else _ops._MODE_SPARSE, block_size=block_size,
             top_k=top_k, sink_blocks=sink_blocks, local_blocks=local_blocks, scale=scale,
             scale_idx=scale_idx, k_scale=_lc(k_scale), v_scale=_lc(v_scale),
-            k_idx_scale=_lc(k_idx_scale) if sel else None, q_scale=_lc(q_scale), **launch)
+            k_idx_scale=_lc(k_idx_scale) if sel else None, q_scale=_lc(q_scale), fwd_pass=fwd_pass,
+            **launch)
 
 
 @torch.library.custom_op("msa::paged_forward", mutates_args=())
@@ -137,13 +138,16 @@ def _paged_forward_op(
     k_idx_scale: Optional[Tensor] = None,
     q_scale: Optional[Tensor] = None,
     out_dtype: Optional[torch.dtype] = None,
+    fwd_pass: str = "auto",
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """(out [Tq, Hq, D] dtype of q (``out_dtype`` for float8 queries), lse [Tq, Hq] fp32,
     block_idx).
 
     ``block_idx`` (output) is the selection written by this call, [Tq, Hi, top_k] int32, when
-    ``select`` is set in sparse mode, else an empty [0] int32 tensor.
+    ``select`` is set in sparse mode, else an empty [0] int32 tensor. ``fwd_pass``: a sparse
+    prefill's walk (Options.fwd_pass, as in ``msa.msa_attention``).
     """
+    _ops._need_fwd_pass(fwd_pass)
     _ops._need_rank("q", q, 3, "[Tq, Hq, D]")
     Tq, Hq, _ = q.shape
     dev = q.device
@@ -164,14 +168,14 @@ def _paged_forward_op(
     _run_paged_forward(q, cu_seqlens_q, k_cache, v_cache, k_idx_cache, page_table, seq_lens,
                        q_idx, bi, out, lse, max_q_len, dense, sel, block_size, top_k,
                        sink_blocks, local_blocks, scale, scale_idx, k_scale, v_scale, k_idx_scale,
-                       q_scale)
+                       q_scale, fwd_pass)
     return out, lse, bi_out
 
 
 @_paged_forward_op.register_fake
 def _(q, cu_seqlens_q, k_cache, v_cache, k_idx_cache, page_table, seq_lens, q_idx, block_idx,
       max_q_len, dense, select, block_size, top_k, sink_blocks, local_blocks, scale, scale_idx,
-      k_scale=None, v_scale=None, k_idx_scale=None, q_scale=None, out_dtype=None):
+      k_scale=None, v_scale=None, k_idx_scale=None, q_scale=None, out_dtype=None, fwd_pass="auto"):
     Tq, Hq, D = q.shape
     out = q.new_empty((Tq, Hq, D), dtype=_out_dtype(q, out_dtype))
     lse = q.new_empty((Tq, Hq), dtype=torch.float32)
@@ -354,6 +358,7 @@ def paged_forward(
     k_idx_scale: Optional[Tensor] = None,
     q_scale: Optional[Tensor] = None,
     out_dtype: Optional[torch.dtype] = None,
+    fwd_pass: str = "auto",
 ):
     """Attention of the new tokens ``q [Tq, Hq, D]`` over the cache (contract §3 at their
     positions). ``torch.float8_e4m3fn`` cache tensors need their scales (float32 [1] or
@@ -361,10 +366,12 @@ def paged_forward(
     with ``q`` and ``out`` in q's float dtype. Over E4M3 k and v caches ``q`` may be
     ``torch.float8_e4m3fn`` too (Q8KV8) with ``q_scale`` (float32 [1] or [Tq, Hq]): the call
     computes over ``float32(value * q_scale[t, h])``, and ``out`` has ``out_dtype`` (default
-    bfloat16); the CPU backend implements it, the CUDA backend not yet. Sparse (default): over ``block_idx`` [Tq, Hi, k] when given, else over the
+    bfloat16). Sparse (default): over ``block_idx`` [Tq, Hi, k] when given, else over the
     selection computed first from ``q_idx`` and ``k_idx_cache``. ``dense=True``: dense causal
     attention over every cached key up to each token's position (the baseline). ``Bk`` is the
-    cache's dim 1. Not differentiable.
+    cache's dim 1. ``fwd_pass``: how a sparse prefill (``max_q_len`` 0) walks its work, as
+    ``msa.msa_attention``'s ("auto", "query_tile", "kv_block", "split"; the CUDA backend's
+    "auto" picks the split or the query tiles on the device). Not differentiable.
 
     Returns ``out`` [Tq, Hq, D] (dtype of q, or ``out_dtype``), then ``lse`` [Tq, Hq] float32
     and ``block_idx`` when asked for.
@@ -387,7 +394,7 @@ def paged_forward(
         q_idx if select else None, None if (select or dense) else block_idx, max_q_len,
         bool(dense), select, k_cache.shape[1], top_k, sink_blocks, local_blocks,
         _scale("scale", scale), _scale("scale_idx", scale_idx), k_scale, v_scale,
-        k_idx_scale if select else None, q_scale, out_dtype)
+        k_idx_scale if select else None, q_scale, out_dtype, fwd_pass)
     result = (out,)
     if return_lse:
         result += (lse,)

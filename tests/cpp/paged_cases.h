@@ -32,6 +32,8 @@ struct PagedCase {
   int extra_table_cols = 1;  // page table columns past the longest sequence (holding -1)
   DType dtype = DType::kFloat32;
   uint64_t seed = 1;
+  msa::FwdPass fwd_pass = msa::FwdPass::kAuto;  // the sparse forward's walk (a backend's choice)
+  int fwd_chunk_tokens = 0;
 
   std::string str() const {
     std::ostringstream os;
@@ -68,6 +70,8 @@ struct PagedCase {
     o.top_k = k;
     o.sink_blocks = sink;
     o.local_blocks = local;
+    o.fwd_pass = fwd_pass;
+    o.fwd_chunk_tokens = fwd_chunk_tokens;
     return o;
   }
 };

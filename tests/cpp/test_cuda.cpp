@@ -1850,6 +1850,53 @@ TEST_P(PagedCudaVsCpu, SelectAndForward) {
 INSTANTIATE_TEST_SUITE_P(Shapes, PagedCudaVsCpu, ::testing::ValuesIn(kPagedCases),
                          [](const ::testing::TestParamInfo<PagedCase>& i) { return "case" + std::to_string(i.index); });
 
+// A sparse prefill by each walk of the training forward over the paged cache (the query tiles,
+// the KV-block pass over the pages, the split of the two, kAuto with the workspace it asks for),
+// in one pass and in passes of 97 tokens (pass boundaries inside query tiles and sequences),
+// against the CPU backend over the same selection: prefixes ending inside, at and after block
+// edges, a sequence without new tokens, one of a single token.
+TEST(CudaPaged, PrefillByEachForwardPass) {
+  SKIP_WITHOUT_CUDA();
+  const PagedCase cases[] = {
+      with_forced(paged_gpu_case({3000, 700, 1, 500, 1280}, {600, 200, 1, 0, 129}, 16, 2, 2, 1, 128, 128, 6, kBf16, 0, 51),
+                  1, 2),
+      // paper-like heads (G = 16: 8 tokens per query tile), two index key heads
+      paged_gpu_case({5000, 257}, {700, 257}, 32, 2, 2, 2, 128, 128, 8, kBf16, 0, 52),
+      // other variants (skipped when not built)
+      paged_gpu_case({1500, 64}, {300, 64}, 8, 2, 4, 1, 64, 64, 4, kFp16, 0, 53),
+  };
+  const msa::FwdPass passes[] = {msa::FwdPass::kQueryTile, msa::FwdPass::kKvBlock, msa::FwdPass::kSplit,
+                                 msa::FwdPass::kAuto};
+  for (const PagedCase& base : cases) {
+    SCOPED_TRACE(base.str());
+    if (!kernels_built(base.config(), true, true)) continue;
+    Stream st(true);
+    PagedBatch b(base);
+    DevicePaged d(b, st.get());
+    const PagedRefs r = d.refs();
+    DeviceTensor bi = DeviceTensor::poisoned(DType::kInt32, {b.Tq, base.Hi, base.k}, st.get());
+    msa::PagedSelectParams sp = paged_select_params(base, r, bi.ref());
+    Workspace ws_sel(msa::workspace_size(sp));
+    ws_sel.attach(sp);
+    sp.launch.stream = st.get();
+    require_ok(msa::paged_select_blocks(sp));
+    HostTensor sel = bi.download(st.get());
+    const FwdResult want = cpu_paged_forward(base, b, &sel, Mode::kSparse);
+    for (const msa::FwdPass pass : passes) {
+      for (const int chunk : {0, 97}) {
+        PagedCase cs = base;
+        cs.fwd_pass = pass;
+        cs.fwd_chunk_tokens = chunk;
+        SCOPED_TRACE("fwd_pass " + std::to_string(static_cast<int>(pass)) + ", fwd_chunk_tokens " +
+                     std::to_string(chunk));
+        PagedForwardRun fwd(cs, r, Mode::kSparse, false, bi.ref(), b.Tq, st.get());
+        expect_forward_close(fwd.out.download(st.get()), fwd.lse.download(st.get()), want, cs.dtype,
+                             "paged_forward(block_idx)");
+      }
+    }
+  }
+}
+
 // paged_append writes exactly the new tokens' rows, as the CPU backend does.
 TEST(CudaPaged, AppendMatchesCpu) {
   SKIP_WITHOUT_CUDA();

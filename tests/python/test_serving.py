@@ -374,3 +374,63 @@ def test_cuda_matches_cpu_and_graph_replay():
                                     static["cu"].cpu(), block_idx=got[2].cpu(), max_q_len=4)
         err = (got[0].cpu().float() - cpu.float()).norm() / cpu.float().norm()
         assert err < 2e-2, f"relative L2 error {err:.3e} against the CPU backend"
+
+
+@cuda_only
+def test_cuda_prefill_by_each_forward_pass():
+    """A sparse prefill by each walk of the training forward over the pages (fwd_pass) against
+    the CPU backend over the same selection; "auto" gives the bits of one of the two walks it
+    chooses between. Then a PagedMSAWrapper prefill captured in a CUDA graph (the split's sorts
+    and work lists inside) and replayed with new lengths equals the eager call."""
+    torch.manual_seed(1)
+    Bk, top_k = 128, 6
+    b = Batch([3000, 700, 1, 500], [600, 200, 1, 0], Bk=Bk, Hq=16, Hkv=2, Hi=2, Hik=1, D=128,
+              Di=128, dtype=torch.bfloat16, device="cuda")
+    q, qi = b.new(b.q), b.new(b.q_idx)
+    kw = dict(sink_blocks=1, local_blocks=2)
+    bi = serving.paged_select_blocks(qi, b.k_idx_cache, b.table, b.seq_lens, b.cu_q, top_k, **kw)
+    cpu = serving.paged_forward(q.cpu(), b.k_cache.cpu(), b.v_cache.cpu(), b.table.cpu(),
+                                b.seq_lens.cpu(), b.cu_q.cpu(), block_idx=bi.cpu(), **kw).float()
+    got = {}
+    for fp in ("query_tile", "kv_block", "split", "auto"):
+        got[fp] = serving.paged_forward(q, b.k_cache, b.v_cache, b.table, b.seq_lens, b.cu_q,
+                                        block_idx=bi, fwd_pass=fp, **kw)
+        err = (got[fp].cpu().float() - cpu).norm() / cpu.norm()
+        assert err < 1e-2, f"fwd_pass {fp}: relative L2 error {err:.3e} against the CPU backend"
+    assert torch.equal(got["auto"], got["split"]) or torch.equal(got["auto"], got["query_tile"])
+    with pytest.raises(ValueError, match="fwd_pass"):
+        serving.paged_forward(q, b.k_cache, b.v_cache, b.table, b.seq_lens, b.cu_q, block_idx=bi,
+                              fwd_pass="rows")
+
+    # The planned prefill under a CUDA graph: the same shapes, other lengths between replays.
+    cache = serving.PagedKVCache(b.k_cache.shape[0], Bk, 2, 128, num_idx_heads=1,
+                                 idx_head_dim=128, dtype=torch.bfloat16, device="cuda")
+    cache.k.copy_(b.k_cache)
+    cache.v.copy_(b.v_cache)
+    cache.k_idx.copy_(b.k_idx_cache)
+    w = serving.PagedMSAWrapper(cache)
+    nseq, Tq, max_pages = len(b.lens), q.shape[0], b.max_pages
+    w.plan(nseq=nseq, num_tokens=Tq, num_qo_heads=16, max_pages=max_pages, num_idx_heads=2,
+           top_k=top_k, **kw)
+    lens = b.seq_lens.clone()
+
+    def call():
+        return w.run(q, b.table, lens, b.cu_q, q_idx=qi)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        call()
+    for shift in (0, -300):  # the same new tokens at earlier positions: a shorter prefix
+        lens.copy_(b.seq_lens + torch.tensor([shift, 0, 0, shift], device="cuda", dtype=torch.int32))
+        g.replay()
+        want = serving.paged_forward(q, cache.k, cache.v, b.table, lens, b.cu_q, q_idx=qi,
+                                     k_idx_cache=cache.k_idx, top_k=top_k, return_lse=True,
+                                     return_block_idx=True, **kw)
+        torch.cuda.synchronize()
+        for a, c in zip((w.out, w.lse, w.block_idx), want):
+            assert torch.equal(a, c), f"graph replay (prefix shift {shift}) differs from the eager call"

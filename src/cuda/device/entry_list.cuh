@@ -23,6 +23,8 @@
 #include <cutlass/arch/barrier.h>
 
 #include <cstdint>
+#include <type_traits>
+#include <utility>
 
 #include "load.cuh"
 #include "tile.cuh"
@@ -180,12 +182,28 @@ __device__ inline WorkItem decode_work(const WorkListParams& p, int32_t Hkv, int
 // pass (kernels that never run in passes leave the test out of their code). Params: the KV-side
 // kernel's parameters (work, list, cu_seqlens, nseq, T, Hkv, idx_per_kv, group_tokens,
 // pass_first, pass_end).
+// Params with a `paged` member (kern::PagedKeys: the KV-block forward of a prefill) take their
+// KV tiles from it where it holds a page table (PagedKeys::kv_tile).
+template <class P, class = void>
+struct HasPagedKeys : std::false_type {};
+template <class P>
+struct HasPagedKeys<P, std::void_t<decltype(std::declval<P>().paged)>> : std::true_type {};
+
+// KV tile x of a KV-side pass: Bk keys of a packed sequence, or of a paged one.
+template <int kBlockN, class Params>
+__device__ inline QueryTile kv_tile_of(const Params& p, int64_t x) {
+  if constexpr (HasPagedKeys<Params>::value) {
+    if (p.paged.page_table != nullptr) return p.paged.kv_tile(p.cu_seqlens, p.nseq, p.T, kBlockN, x);
+  }
+  return decode_tile(p.cu_seqlens, p.nseq, p.T, kBlockN, x);
+}
+
 template <int kBlockN, bool kPasses = false, class Params>
 __device__ inline bool kv_chunk(const Params& p, WorkItem* it, QueryTile* tile, EntryList* list,
                                 int64_t* begin, int64_t* end) {
   *it = decode_work(p.work, p.Hkv, blockIdx.x);
   if (it->item < 0) return false;
-  *tile = decode_tile(p.cu_seqlens, p.nseq, p.T, kBlockN, it->x);
+  *tile = kv_tile_of<kBlockN>(p, it->x);
   if (tile->count == 0) return false;
   *list = EntryList(p.list, *tile, it->x, it->r, p.Hkv, p.idx_per_kv, p.group_tokens);
   *begin = min<int64_t>(int64_t(it->c) * p.work.chunk, list->n);

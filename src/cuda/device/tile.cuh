@@ -52,6 +52,18 @@ struct PagedKeys {
   __device__ const int32_t* pages(const QueryTile& t) const {
     return page_table != nullptr ? page_table + t.seq * pt_s0 : nullptr;
   }
+  // KV-side passes (the KV-block forward of a prefill): KV tile x is block b = x % max_pages of
+  // sequence s = x / max_pages (max_pages = key_cap / bk), kv_tiles(nseq, bk) ids in all.
+  __host__ __device__ int64_t kv_tiles(int32_t nseq, int32_t bk) const { return int64_t(nseq) * (key_cap / bk); }
+  // KV tile x as a QueryTile of its sequence's new tokens (seq, seq_start, seq_len), whose keys
+  // are first = b * bk .. first + count - 1 (count 0: past the cached keys, or no new token),
+  // pos0 the position of the sequence's first new token and key_len its cached keys.
+  __device__ QueryTile kv_tile(const int32_t* cu, int32_t nseq, int64_t T, int32_t bk, int64_t x) const;
+  // The row in the key tensors of the first key of KV tile `t` (kv_tile's), its page clamped.
+  __device__ int64_t kv_row(const QueryTile& t, int32_t bk) const {
+    const int32_t p = page_table[t.seq * pt_s0 + t.first / bk], pages = kv_rows / bk;
+    return int64_t(p < 0 ? 0 : (p >= pages ? pages - 1 : p)) * bk;
+  }
 };
 
 // cu_seqlens == nullptr: one sequence of T tokens.
@@ -106,6 +118,25 @@ __device__ inline int32_t paged_position(const int32_t* cu_q, int32_t nseq, int3
   const int64_t base = len - n > 0 ? len - n : 0;
   if (seq != nullptr) *seq = lo;
   return static_cast<int32_t>(base + (t - start));
+}
+
+__device__ inline QueryTile PagedKeys::kv_tile(const int32_t* cu, int32_t nseq, int64_t T, int32_t bk,
+                                               int64_t x) const {
+  QueryTile t{0, 0, 0, 0, 0, 0, 0};
+  const int32_t max_pages = key_cap / bk;
+  const int64_t s = x / max_pages;
+  if (s >= nseq) return t;
+  t.seq = static_cast<int32_t>(s);
+  const int64_t start = cu != nullptr ? clamp_offset(cu[s], 0, T) : 0;
+  t.seq_start = start;
+  t.seq_len = static_cast<int32_t>((cu != nullptr ? clamp_offset(cu[s + 1], start, T) : T) - start);
+  const int32_t len = static_cast<int32_t>(clamp_offset(seq_lens[s], 0, key_cap));
+  t.first = static_cast<int32_t>(x - s * max_pages) * bk;
+  if (t.seq_len == 0 || t.first >= len) return t;
+  t.count = len - t.first < bk ? len - t.first : bk;
+  t.pos0 = len > t.seq_len ? len - t.seq_len : 0;
+  t.key_len = len;
+  return t;
 }
 
 inline int64_t num_tile_ids(int32_t nseq, int64_t T, int32_t m) { return nseq + T / m + 1; }

@@ -248,6 +248,9 @@ struct FwdKvArgs : KvSideArgs {
   // The split: the query tiles take the entries marked here ([tok_hi - tok_lo, Hi, k]; the
   // reverse index skips them) and merge the partials themselves (no combine kernel).
   const uint8_t* taken = nullptr;
+  // K and V in a paged cache (a serving prefill: KV tiles are the sequences' pages,
+  // PagedKeys::kv_tile); default: packed.
+  kern::PagedKeys paged;
 };
 
 // The KL branch as a pass of its own (kernels/kl_kernel.cuh): the gradient sums and/or the

@@ -48,6 +48,8 @@ Status choose_pass(const char* fn, const Problem& prob, const FwdArgs& a, const 
   return Status::Ok();
 }
 
+}  // namespace
+
 // The sparse forward in passes of pl.fwd_tokens tokens over the caller's or the just-made
 // selection, by the KV-block pass (Options.fwd_pass = kKvBlock: per pass the reverse index of its
 // rows, its work list, the partials and their combine), the split (kSplit: pass_choice_kernel
@@ -55,13 +57,11 @@ Status choose_pass(const char* fn, const Problem& prob, const FwdArgs& a, const 
 // other entries, then the query tiles holding the pass's tokens, which merge its partials), or
 // kAuto (the sums of the same kernel pick the split or the plain query tiles on the device; the
 // kernels of the other return at once).
-Status run_forward_passes(const char* fn, const Problem& prob, const ForwardParams& p, const Plan& pl,
-                          bool split, bool automatic, cudaStream_t stream) {
-  void* ws = p.launch.workspace;
-  FwdKvArgs a = fwd_kv_args(prob, p);
+Status run_forward_passes(const char* fn, const Problem& prob, DType dt, FwdKvArgs a, FwdArgs q,
+                          const TensorRef& block_idx, const Plan& pl, bool split, bool automatic,
+                          void* ws, cudaStream_t stream) {
   a.part_o = at<void>(ws, pl.part_o);
   a.part_ml = at<float>(ws, pl.part_ml);
-  FwdArgs q = forward_args(prob, p);
   uint8_t* taken = nullptr;
   if (split || automatic) {
     taken = at<uint8_t>(ws, pl.taken);
@@ -77,24 +77,23 @@ Status run_forward_passes(const char* fn, const Problem& prob, const ForwardPara
   for (int64_t c0 = 0; c0 < prob.T; c0 += pl.fwd_tokens) {
     const int64_t c1 = std::min<int64_t>(prob.T, c0 + pl.fwd_tokens);
     if (taken != nullptr) a.taken = taken + c0 * row;
-    MSA_TRY(build_entries(fn, pl, prob, p.block_idx, a.cu_seqlens, a.nseq, c0, c1, ws, stream, &a.list,
-                          a.choice, a.taken));
-    MSA_TRY(build_work(fn, pl, pl.kv, prob, a.list, a.cu_seqlens, a.nseq, ws, stream, &a.work, &a.grid));
+    MSA_TRY(build_entries(fn, pl, prob, block_idx, a.cu_seqlens, a.nseq, c0, c1, ws, stream, &a.list,
+                          a.choice, a.taken, a.paged));
+    MSA_TRY(build_work(fn, pl, pl.kv, prob, a.list, a.cu_seqlens, a.nseq, ws, stream, &a.work, &a.grid,
+                       a.paged));
     a.tok_lo = c0;
     a.tok_hi = c1;
-    MSA_TRY(dispatch(fn, "q", p.q.dtype, prob.D, prob.opts.block_size, [&](auto v) {
+    MSA_TRY(dispatch(fn, "q", dt, prob.D, prob.opts.block_size, [&](auto v) {
       using V = decltype(v);
       return launch_fwd_kv<typename V::Element, V::kDim, V::kBlockN>(a, stream);
     }));
     if (taken != nullptr) {
       set_tile_pass(&q, c0, c1);
-      MSA_TRY(run_forward(fn, "q", q, p.q.dtype, prob.D, prob.opts.block_size, stream));
+      MSA_TRY(run_forward(fn, "q", q, dt, prob.D, prob.opts.block_size, stream));
     }
   }
   return Status::Ok();
 }
-
-}  // namespace
 
 Status run_forward(const char* fn, const char* arg, const FwdArgs& a, DType dt, int32_t dim,
                    int32_t bk, cudaStream_t stream) {
@@ -172,7 +171,9 @@ Status attention_forward(const Problem& prob, const ForwardParams& p) {
       MSA_TRY(run_select(fn, prob, sa, p.q_idx.dtype, stream));
     }
     if (kv_block || split || automatic) {
-      MSA_TRY(run_forward_passes(fn, prob, p, kvp, split, automatic, stream));
+      const FwdArgs q = forward_args(prob, p);
+      MSA_TRY(run_forward_passes(fn, prob, p.q.dtype, fwd_kv_args(prob, q), q, p.block_idx, kvp, split,
+                                 automatic, p.launch.workspace, stream));
     } else {
       MSA_TRY(run_forward(fn, "q", forward_args(prob, p), p.q.dtype, prob.D, prob.opts.block_size, stream));
     }

@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include "args.h"
+#include "plan.h"
 #include "msa/types.h"
 
 namespace msa::cuda {
@@ -44,5 +45,13 @@ Status launch_paged_attn(const PagedAttnArgs& a, cudaStream_t stream);
 // dtype and head dim pick it.
 Status run_forward(const char* fn, const char* arg, const FwdArgs& a, DType dt, int32_t dim,
                    int32_t bk, cudaStream_t stream);
+
+// The sparse forward over a selection in passes of pl.fwd_tokens tokens (forward.cu): the
+// KV-block pass, the split, or kAuto's choice between the split and the plain query tiles of
+// `q` (automatic), the plan `pl` (fwd_kv_plan) in `ws`; `a` and `q` the two passes' arguments
+// over the same tokens and keys (packed, or a prefill's paged cache); dt: q's dtype.
+Status run_forward_passes(const char* fn, const Problem& prob, DType dt, FwdKvArgs a, FwdArgs q,
+                          const TensorRef& block_idx, const Plan& pl, bool split, bool automatic,
+                          void* ws, cudaStream_t stream);
 
 }  // namespace msa::cuda

@@ -8,9 +8,9 @@
 //                        (select_kernel) with the page table as its block iterator; decode:
 //                        paged_score_kernel (block scores, in passes of tokens that bound the
 //                        score buffer) -> paged_topk_kernel
-//   paged_forward        [selection] -> a prefill (max_q_len = 0): the training forward's
-//                        query-tile kernel (fwd_kernel) with the page table as its block
-//                        iterator; decode: paged_attn_kernel (split over the tile's block union
+//   paged_forward        [selection] -> a prefill (max_q_len = 0): the training forward
+//                        (fwd_kernel's query tiles, and in sparse mode its KV-block passes,
+//                        kAuto's split) with the page table as its block iterator; decode: paged_attn_kernel (split over the tile's block union
 //                        when the grid would not fill the GPU) -> [paged_combine_kernel]
 //   paged_append         one copy kernel for k, v and k_idx (quantising into E4M3 caches)
 //
@@ -334,10 +334,20 @@ AttnPlan attn_plan(const Problem& prob, const PagedForwardParams& p) {
 // (max_q_len = 0) whose cache pages are whole row ranges (page stride = Bk rows, so the pages
 // are one TMA tensor of pages * Bk rows) and whose heads one query tile packs; decode keeps
 // paged_attn_kernel, which packs a few tokens' rows and splits the union over CTAs.
+//
+// A sparse prefill takes the training forward's passes (run_forward_passes) over the same paged
+// keys: with fwd_pass kKvBlock or kSplit, or kAuto where the call's workspace holds their plan
+// (paged_forward_workspace asks for it), the KV-block pass walks the sequences' pages
+// (kern::PagedKeys::kv_tile) and kAuto picks the split or the plain query tiles on the device.
 struct PrefillPlan {
   bool use = false;
   FwdArgs fwd;
   size_t bytes = 0;  // a scratch LSE [Tq, Hq] when the call asks for none (the kernel writes it)
+  // The KV-block passes: planned (their limits hold), and asked for by fwd_pass (else kAuto's);
+  // their plan lies in the workspace after the scratch LSE.
+  bool passes = false, asked = false;
+  Plan plan;
+  size_t total() const { return bytes + (passes ? plan.total : 0); }
 };
 
 PrefillPlan prefill_plan(const Problem& prob, const PagedForwardParams& p) {
@@ -389,7 +399,21 @@ PrefillPlan prefill_plan(const Problem& prob, const PagedForwardParams& p) {
   a.scale = std::fabs(prob.opts.scale);
   a.scale_log2 = a.scale * 1.4426950408889634f;
   a.negate = prob.opts.scale < 0.f;
+  pp.asked = kv_block_forward(prob) || split_forward(prob);
+  if (pp.asked || auto_forward(prob)) {
+    const char* fn = "paged_forward";
+    pp.passes = fwd_kv_plan(fn, prob, a.nseq, &pp.plan, a.paged.kv_tiles(a.nseq, bk)).ok() &&
+                (kv_block_forward(prob) || can_split(fn, prob, a.paged.key_cap).ok());
+  }
   return pp;
+}
+
+// Why a prefill cannot take the passes fwd_pass asks for (ok: it can).
+Status can_prefill_passes(const char* fn, const Problem& prob, const PrefillPlan& pp) {
+  if (!pp.asked || pp.passes) return Status::Ok();
+  Plan pl;
+  MSA_TRY(fwd_kv_plan(fn, prob, pp.fwd.nseq, &pl, pp.fwd.paged.kv_tiles(pp.fwd.nseq, prob.opts.block_size)));
+  return can_split(fn, prob, pp.fwd.paged.key_cap);
 }
 
 Status need(const char* fn, size_t bytes, const Launch& launch) {
@@ -491,9 +515,13 @@ Status paged_forward(const Problem& prob, const PagedForwardParams& p) {
   }
   PrefillPlan pf = prefill_plan(prob, p);
   AttnPlan ap;
+  if (pf.use) MSA_TRY(can_prefill_passes(fn, prob, pf));
   if (!pf.use) ap = attn_plan(prob, p);
+  // kAuto's passes where the workspace holds them (else the plain query tiles).
+  const bool passes = pf.use && pf.passes &&
+                      (pf.asked || (p.launch.workspace != nullptr && p.launch.workspace_bytes >= pf.total()));
   // Selection and attention run one after the other: the larger of the two workspaces.
-  MSA_TRY(need(fn, std::max(sp.bytes, pf.use ? pf.bytes : ap.bytes), p.launch));
+  MSA_TRY(need(fn, std::max(sp.bytes, pf.use ? (passes ? pf.total() : pf.bytes) : ap.bytes), p.launch));
   if (prob.T == 0) return Status::Ok();
   DeviceGuard guard(p.q.device.index);
   MSA_TRY(check_paged_values(fn, prob, p.cu_seqlens_q, p.cache,
@@ -504,6 +532,9 @@ Status paged_forward(const Problem& prob, const PagedForwardParams& p) {
   if (select) MSA_TRY(run_select(fn, prob, sp, ws, p.q_idx.dtype, stream));
   if (pf.use) {
     if (pf.fwd.lse == nullptr) pf.fwd.lse = static_cast<float*>(ws);
+    if (passes)
+      return run_forward_passes(fn, prob, p.q.dtype, fwd_kv_args(prob, pf.fwd), pf.fwd, p.block_idx, pf.plan,
+                                split_forward(prob), !pf.asked, static_cast<char*>(ws) + pf.bytes, stream);
     return dispatch(fn, "q", p.q.dtype, prob.D, prob.opts.block_size, [&](auto v) {
       using V = decltype(v);
       return launch_forward<typename V::Element, V::kDim, V::kBlockN>(pf.fwd, stream);
@@ -582,7 +613,7 @@ size_t paged_select_workspace(const Problem& prob, const PagedSelectParams& p) {
 size_t paged_forward_workspace(const Problem& prob, const PagedForwardParams& p) {
   if (!can_paged_attn("paged_forward", prob, p).ok()) return 0;
   const PrefillPlan pf = prefill_plan(prob, p);
-  size_t bytes = pf.use ? pf.bytes : attn_plan(prob, p).bytes;
+  size_t bytes = pf.use ? pf.total() : attn_plan(prob, p).bytes;
   if (prob.opts.mode == Mode::kSparse && p.select && can_paged_select("paged_forward", prob, select_part(p)).ok())
     bytes = std::max(bytes, select_plan(prob, select_part(p)).bytes);
   return bytes;

@@ -147,11 +147,11 @@ Status can_fwd_kv(const char* fn, const Problem& prob) {
   return Status::Ok();
 }
 
-Status can_split(const char* fn, const Problem& prob) {
+Status can_split(const char* fn, const Problem& prob, int64_t keys) {
   MSA_TRY(can_fwd_kv(fn, prob));
   // pass_choice_kernel counts a tile's tokens per block in a byte per block of the sequence in
   // shared memory: 192K blocks (25M keys at Bk = 128) per warp at most.
-  const int64_t blocks = (int64_t(prob.T) + prob.opts.block_size - 1) / prob.opts.block_size;
+  const int64_t blocks = ((keys > 0 ? keys : int64_t(prob.T)) + prob.opts.block_size - 1) / prob.opts.block_size;
   if (blocks > (int64_t(192) << 10))
     return fail(fn, "fwd_pass", "the split forward takes at most 196608 key blocks, got " +
                                     std::to_string(blocks));
@@ -515,15 +515,37 @@ void set_tile_pass(QueryTileArgs* a, int64_t tok_lo, int64_t tok_hi) {
   a->num_tiles = std::max<int64_t>(0, hi - a->tile_lo);
 }
 
-FwdKvArgs fwd_kv_args(const Problem& prob, const ForwardParams& p) {
+FwdKvArgs fwd_kv_args(const Problem& prob, const FwdArgs& q) {
   FwdKvArgs a;
-  set_kv_side(&a, prob, p.cu_seqlens, /*sparse=*/true, /*kl=*/false);
-  set_forward_tensors(&a, p);
-  a.block_idx = static_cast<const int32_t*>(p.block_idx.data);
-  a.bi_s0 = p.block_idx.stride[0];
-  a.bi_s1 = p.block_idx.stride[1];
+  static_cast<SeqArgs&>(a) = q;
+  a.Hq = prob.Hq;
+  a.Hkv = prob.Hkv;
+  a.Hi = prob.Hi;
+  a.heads_per_idx = prob.Hq / prob.Hi;
+  a.idx_per_kv = prob.Hi / prob.Hkv;
+  a.group_tokens = kern::group_tokens(a.heads_per_idx);
+  a.top_k = prob.k;
+  a.q = q.q;
+  a.k = q.k;
+  a.v = q.v;
+  a.q_s0 = q.q_s0;
+  a.q_s1 = q.q_s1;
+  a.k_s0 = q.k_s0;
+  a.k_s1 = q.k_s1;
+  a.v_s0 = q.v_s0;
+  a.v_s1 = q.v_s1;
+  a.out = q.out;
+  a.o_s0 = q.o_s0;
+  a.o_s1 = q.o_s1;
+  a.lse = q.lse;
+  a.lse_s0 = q.lse_s0;
+  a.lse_s1 = q.lse_s1;
+  a.block_idx = q.block_idx;
+  a.bi_s0 = q.bi_s0;
+  a.bi_s1 = q.bi_s1;
   a.block_size = prob.opts.block_size;
   a.scale_log2 = prob.opts.scale * static_cast<float>(M_LOG2E);
+  a.paged = q.paged;
   return a;
 }
 
@@ -565,7 +587,8 @@ KlArgs kl_args(const Problem& prob, const KlInputs& in) {
 // ------------------------------------------------------------------------------ workspace
 
 Status make_plan(const char* fn, const Problem& prob, int32_t nseq, bool sparse, bool main,
-                 bool kl, bool grad, Plan* out, int64_t fwd_tokens, int64_t bwd_tokens) {
+                 bool kl, bool grad, Plan* out, int64_t fwd_tokens, int64_t bwd_tokens,
+                 int64_t paged_kv_tiles) {
   Plan p;
   p.sparse = sparse;
   p.kl = kl;
@@ -587,7 +610,7 @@ Status make_plan(const char* fn, const Problem& prob, int32_t nseq, bool sparse,
     return at;
   };
   if (main) p.delta = take(sizeof(float) * size_t(prob.T) * prob.Hq);
-  const int64_t kv_tiles = kern::num_tile_ids(nseq, prob.T, Bk);
+  const int64_t kv_tiles = paged_kv_tiles > 0 ? paged_kv_tiles : kern::num_tile_ids(nseq, prob.T, Bk);
   if (sparse) {
     p.n = (fwd_tokens > 0 ? fwd_tokens : bwd_tokens > 0 ? bwd_tokens : prob.T) * prob.Hi * int64_t(prob.k);
     if (p.n >= (int64_t(1) << 31))
@@ -712,7 +735,7 @@ Status make_plan(const char* fn, const Problem& prob, int32_t nseq, bool sparse,
   return Status::Ok();
 }
 
-Status fwd_kv_plan(const char* fn, const Problem& prob, int32_t nseq, Plan* pl) {
+Status fwd_kv_plan(const char* fn, const Problem& prob, int32_t nseq, Plan* pl, int64_t paged_kv_tiles) {
   MSA_TRY(can_fwd_kv(fn, prob));
   int64_t tokens = prob.opts.fwd_chunk_tokens;
   if (tokens <= 0) {
@@ -721,7 +744,7 @@ Status fwd_kv_plan(const char* fn, const Problem& prob, int32_t nseq, Plan* pl) 
   }
   tokens = std::max<int64_t>(1, std::min<int64_t>(tokens, prob.T));
   return make_plan(fn, prob, nseq, /*sparse=*/true, /*main=*/false, /*kl=*/false, /*grad=*/false, pl,
-                   tokens);
+                   tokens, 0, paged_kv_tiles);
 }
 
 Status backward_plan(const Problem& prob, const BackwardParams& p, Plan* pl) {

@@ -40,8 +40,8 @@ bool split_forward(const Problem& prob);
 bool auto_forward(const Problem& prob);
 Status can_fwd_kv(const char* fn, const Problem& prob);
 // The split's limits: the KV-block pass's, and the key blocks its counting kernel holds (failures
-// name 'fwd_pass').
-Status can_split(const char* fn, const Problem& prob);
+// name 'fwd_pass'). keys: of the longest sequence's key space (0: the T packed tokens').
+Status can_split(const char* fn, const Problem& prob, int64_t keys = 0);
 // How the backward computes the KL gradient (Options.kl_pass): inside the KV-side pass (kFused),
 // from the teacher that pass writes (kTeacher: sparse mode), or by a pass of its own. The first
 // two need the teacher's head mean as a butterfly over accumulator columns (Hq / Hi a power of
@@ -72,7 +72,9 @@ BwdKvArgs bwd_kv_args(const Problem& prob, const BackwardParams& p, const float*
 BwdDqArgs bwd_dq_args(const Problem& prob, const BackwardParams& p);
 // A query-tile kernel's pass over the tokens [tok_lo, tok_hi): the tile ids that may hold them.
 void set_tile_pass(QueryTileArgs* a, int64_t tok_lo, int64_t tok_hi);
-FwdKvArgs fwd_kv_args(const Problem& prob, const ForwardParams& p);
+// The KV-block forward over the tensors, selection and keys of the query-tile forward's `q`
+// (sparse mode).
+FwdKvArgs fwd_kv_args(const Problem& prob, const FwdArgs& q);
 KlArgs kl_args(const Problem& prob, const KlInputs& in);
 
 // ---- workspace
@@ -122,10 +124,12 @@ struct Plan {
 // main: the attention backward (delta, bwd_kv's work list); kl: the KL branch; grad: its
 // gradient (else the KL terms).
 // fwd_tokens > 0: the KV-block forward's plan for passes of that many tokens; bwd_tokens > 0:
-// the backward's passes of that many tokens (dq from dS).
+// the backward's passes of that many tokens (dq from dS). paged_kv_tiles > 0: the KV tiles of
+// a prefill's paged keys (kern::PagedKeys::kv_tiles) instead of the packed tokens'.
 Status make_plan(const char* fn, const Problem& prob, int32_t nseq, bool sparse, bool main,
-                 bool kl, bool grad, Plan* out, int64_t fwd_tokens = 0, int64_t bwd_tokens = 0);
-Status fwd_kv_plan(const char* fn, const Problem& prob, int32_t nseq, Plan* pl);
+                 bool kl, bool grad, Plan* out, int64_t fwd_tokens = 0, int64_t bwd_tokens = 0,
+                 int64_t paged_kv_tiles = 0);
+Status fwd_kv_plan(const char* fn, const Problem& prob, int32_t nseq, Plan* pl, int64_t paged_kv_tiles = 0);
 Status backward_plan(const Problem& prob, const BackwardParams& p, Plan* pl);
 Status kl_plan(const char* fn, const Problem& prob, const KlInputs& in, Plan* pl);
 // A caller's workspace holds the plan.

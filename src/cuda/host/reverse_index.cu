@@ -23,7 +23,7 @@ __global__ void key_kernel(const int32_t* block_idx, int64_t bi_s0, int64_t bi_s
                            const int32_t* cu, int32_t nseq, int64_t T, int64_t t_lo, int64_t t_hi,
                            int32_t Hi, int32_t k, int32_t Bk, int32_t Hkv, int32_t ipk, int tbits,
                            int sbits, uint64_t invalid, const unsigned long long* choice,
-                           const uint8_t* taken, uint64_t* keys) {
+                           const uint8_t* taken, kern::PagedKeys paged, uint64_t* keys) {
   // kAuto chose the query-tile forward: no entries (the sort still runs, on invalid keys).
   const bool none = choice != nullptr && !kern::split_chosen(choice);
   const int64_t n = (t_hi - t_lo) * Hi * k;
@@ -47,10 +47,17 @@ __global__ void key_kernel(const int32_t* block_idx, int64_t bi_s0, int64_t bi_s
     }
     uint64_t key = invalid;
     if (!none && t >= start && t < end && (taken == nullptr || taken[e] == 0)) {
-      const int64_t pos = t - start;
+      // The token's position and its sequence's first KV tile (paged keys: the tokens are the
+      // last new ones of the sequence's cached keys, and its KV tiles its max_pages blocks).
+      int64_t pos = t - start, x0 = s + start / Bk;
+      if (paged.page_table != nullptr) {
+        const int64_t len = kern::clamp_offset(paged.seq_lens[s], 0, paged.key_cap);
+        pos += len > end - start ? len - (end - start) : 0;
+        x0 = int64_t(s) * (paged.key_cap / Bk);
+      }
       const int32_t b = block_idx[t * bi_s0 + i * bi_s1 + slot];
       if (b >= 0 && b <= pos / Bk) {
-        const int64_t x = s + start / Bk + b;
+        const int64_t x = x0 + b;
         const uint64_t seg = static_cast<uint64_t>((x * Hkv + i / ipk) * ipk + i % ipk);
         key = (((seg << tbits) | static_cast<uint64_t>(t)) << sbits) | static_cast<uint64_t>(slot);
       }
@@ -118,12 +125,14 @@ __global__ void record_kernel(const uint64_t* keys, const int32_t* count, const 
 // so that a block nobody selected still gets its zero dk, dv) and its partial slots (split items).
 __global__ void chunk_kernel(kern::EntryListParams list, const int32_t* cu, int32_t nseq, int64_t T,
                              int32_t Bk, int32_t Hkv, int32_t ipk, int32_t m, int32_t items,
-                             int32_t chunk, int32_t* num_chunks, int32_t* num_slots) {
+                             int32_t chunk, kern::PagedKeys paged, int32_t* num_chunks,
+                             int32_t* num_slots) {
   const int32_t item = blockIdx.x * blockDim.x + threadIdx.x;
   if (item >= items) return;
   const int64_t x = item / Hkv;
   const int32_t r = item % Hkv;
-  const kern::QueryTile tile = kern::decode_tile(cu, nseq, T, Bk, x);
+  const kern::QueryTile tile = paged.page_table != nullptr ? paged.kv_tile(cu, nseq, T, Bk, x)
+                                                           : kern::decode_tile(cu, nseq, T, Bk, x);
   int32_t n = 0;
   if (tile.count > 0) {
     const kern::EntryList l(list, tile, x, r, Hkv, ipk, m);
@@ -140,7 +149,8 @@ __global__ void chunk_kernel(kern::EntryListParams list, const int32_t* cu, int3
 Status build_entries(const char* fn, const Plan& pl, const Problem& prob, const TensorRef& bi,
                      const int32_t* cu, int32_t nseq, int64_t t_lo, int64_t t_hi, void* ws,
                      cudaStream_t stream, kern::EntryListParams* out,
-                     const unsigned long long* choice, const uint8_t* taken) {
+                     const unsigned long long* choice, const uint8_t* taken,
+                     const kern::PagedKeys& paged) {
   uint64_t* ka = at<uint64_t>(ws, pl.keys_a);
   uint64_t* kb = at<uint64_t>(ws, pl.keys_b);
   uint8_t* flags = at<uint8_t>(ws, pl.flags);
@@ -155,7 +165,7 @@ Status build_entries(const char* fn, const Plan& pl, const Problem& prob, const 
     key_kernel<<<blocks, threads, 0, stream>>>(
         static_cast<const int32_t*>(bi.data), bi.stride[0], bi.stride[1], cu, nseq, prob.T, t_lo,
         t_hi, prob.Hi, prob.k, prob.opts.block_size, prob.Hkv, ipk, pl.tbits, pl.sbits,
-        pl.invalid, choice, taken, ka);
+        pl.invalid, choice, taken, paged, ka);
   }
   cub::DoubleBuffer<uint64_t> keys(ka, kb);
   size_t bytes = pl.cub_bytes;
@@ -197,12 +207,13 @@ Status build_entries(const char* fn, const Plan& pl, const Problem& prob, const 
 // The KV-side work list of the plan.
 Status build_work(const char* fn, const Plan& pl, const Plan::Work& w, const Problem& prob,
                   const kern::EntryListParams& list, const int32_t* cu, int32_t nseq, void* ws,
-                  cudaStream_t stream, kern::WorkListParams* out, int64_t* grid) {
+                  cudaStream_t stream, kern::WorkListParams* out, int64_t* grid,
+                  const kern::PagedKeys& paged) {
   int32_t* num_chunks = at<int32_t>(ws, w.num_chunks);
   int32_t* num_slots = at<int32_t>(ws, w.num_slots);
   chunk_kernel<<<(pl.items + 255) / 256, 256, 0, stream>>>(
       list, cu, nseq, prob.T, prob.opts.block_size, prob.Hkv, pl.Hi_group / prob.Hkv, pl.m,
-      pl.items, w.chunk, num_chunks, num_slots);
+      pl.items, w.chunk, paged, num_chunks, num_slots);
   size_t bytes = pl.cub_bytes;
   cudaError_t e = cub::DeviceScan::ExclusiveSum(at<void>(ws, pl.cub), bytes, num_chunks,
                                                 at<int32_t>(ws, w.chunk_start), pl.items, stream);

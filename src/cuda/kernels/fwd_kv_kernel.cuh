@@ -22,6 +22,10 @@
 // while O = P V of entry e does. O leaves through a per-warpgroup staging tile in shared memory,
 // as whole 16-byte chunks of 256-byte rows. The only CTA-wide barrier follows the K and V load.
 //
+// A serving prefill runs the same kernel over a paged cache (FwdKvArgs::paged): its KV tiles
+// are the sequences' pages (PagedKeys::kv_tile) and its tokens the last new ones of each
+// sequence.
+//
 // fwd_zero_kernel clears the pass's (max, sum) slots first: a slot no entry writes keeps sum 0.
 //
 // fwd_combine_kernel: D / 8 threads per (token, head): the partials of the token's slots that
@@ -105,7 +109,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   if (!kv_chunk<kBlockN>(p, &it, &tile, &list, &e_begin, &e_end)) return;
   if (e_begin >= e_end) return;  // no token of this pass selected the block
   const int32_t r = it.r;
-  const int64_t key_base = tile.seq_start + tile.first;  // packed index of the block's first key
+  // The block's first key: its row in K and V, and the packed index of the token at its position
+  // (a token t sees key j of the block where t - key_base >= j). Packed keys: both the block's
+  // first token. A prefill's paged keys: the block's page row, and seq_start + first - pos0
+  // (pos0: the position of the sequence's first new token).
+  const bool paged = p.paged.page_table != nullptr;
+  const int64_t key_row = paged ? p.paged.kv_row(tile, kBlockN) : tile.seq_start + tile.first;
+  const int64_t key_base = paged ? tile.seq_start + tile.first - tile.pos0 : key_row;
   const int tid = threadIdx.x, wg = tid / 128, lt = tid % 128;
   const int32_t Gi = p.heads_per_idx, ipk = p.idx_per_kv;
 
@@ -117,9 +127,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // K and V of the block, by every thread; keys past the sequence end are zero rows (no token
   // sees them, and 0 * a zero row adds nothing).
   load_block_rows_async<kBlockN, kHeadDim>(
-      sK, as<Element>(p.k) + key_base * p.k_s0 + r * p.k_s1, p.k_s0, tile.count, tid, Traits::kThreads);
+      sK, as<Element>(p.k) + key_row * p.k_s0 + r * p.k_s1, p.k_s0, tile.count, tid, Traits::kThreads);
   load_block_rows_async<kBlockN, kHeadDim>(
-      sV, as<Element>(p.v) + key_base * p.v_s0 + r * p.v_s1, p.v_s0, tile.count, tid, Traits::kThreads);
+      sV, as<Element>(p.v) + key_row * p.v_s0 + r * p.v_s1, p.v_s0, tile.count, tid, Traits::kThreads);
   cp_async_commit();
 
   // This warpgroup's half of the chunk. The stream's constructor waits for all of the thread's

@@ -32,10 +32,11 @@ __global__ void pass_choice_kernel(const __grid_constant__ FwdArgs p, int32_t bk
   if (w < p.num_tiles * p.Hi) {
     const int64_t tile_id = w / p.Hi;
     const int32_t ih = static_cast<int32_t>(w % p.Hi);
-    const QueryTile tile = decode_tile(p.cu_seqlens, p.nseq, p.T, p.tile_tokens, tile_id);
+    QueryTile tile = decode_tile(p.cu_seqlens, p.nseq, p.T, p.tile_tokens, tile_id);
+    p.paged.place(tile);  // a prefill's tokens: positions after their cached keys
     if (tile.count > 0) {
       uint32_t* cw = counts + warp * 8 * p.uni.bitmap_words;  // block b: byte b % 4 of word b / 4
-      const int32_t nwords = (tile.first + tile.count - 1) / bk / 4 + 1;
+      const int32_t nwords = (tile.pos0 + tile.count - 1) / bk / 4 + 1;
       for (int32_t x = lane; x < nwords; x += 32) cw[x] = 0u;
       __syncwarp();
       const int64_t tok0 = tile.seq_start + tile.first;
@@ -46,7 +47,7 @@ __global__ void pass_choice_kernel(const __grid_constant__ FwdArgs p, int32_t bk
         const int32_t tok = e / k, s = e - tok * k;
         const int32_t* row = rows + tok * p.bi_s0;
         const int32_t b = row[s];
-        if (b < 0 || b > (tile.first + tok) / bk) return -1;
+        if (b < 0 || b > (tile.pos0 + tok) / bk) return -1;
         if (first_only)
           for (int32_t s2 = 0; s2 < s; ++s2)
             if (row[s2] == b) return -1;
