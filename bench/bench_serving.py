@@ -243,6 +243,35 @@ def decode_case(cache: Cache, ctx: int, batch: int, q_len: int, bw: float, graph
                 speedup_sdpa_graph=t_sdpa / t_graph if t_sdpa == t_sdpa else float("nan"))
 
 
+def split_model(bi: torch.Tensor, pos0: int):
+    """kAuto's cost model (src/cuda/device/pass_choice.cuh) over one sequence's selection bi
+    [Tq, HI, K] whose first token sits at position pos0: (plain, split without the work items'
+    term, work items), in its units (a tile's token visiting a block: 10)."""
+    m = 128 // (HQ // HI)  # tokens of a query tile
+    keep = -(-m * 10 // 21)
+    Tq = bi.shape[0]
+    pos = torch.arange(pos0, pos0 + Tq, device=bi.device)
+    b = bi.long()
+    ok = (b >= 0) & (b <= (pos // BK)[:, None, None])
+    # a block repeated in a row counts once
+    dup = torch.zeros_like(ok)
+    for j in range(1, K):
+        dup[:, :, j] = (b[:, :, j:j + 1] == b[:, :, :j]).any(-1)
+    ok &= ~dup
+    nb = int(b.max()) + 1
+    tile = (torch.arange(Tq, device=bi.device) // m)[:, None, None].expand_as(b)
+    head = torch.arange(HI, device=bi.device)[None, :, None].expand_as(b)
+    key = ((tile * HI + head) * nb + b)[ok]
+    uk, cnt = torch.unique(key, return_counts=True)
+    plain = 10 * m * uk.numel()
+    kept = cnt >= keep
+    split = 10 * m * int(kept.sum()) + 21 * int(cnt[~kept].sum())
+    blk = uk[~kept] % nb
+    kvh = (uk[~kept] // nb) % HI // (HI // HKV)
+    items = torch.unique(blk * HKV + kvh).numel()
+    return plain, split, items
+
+
 def prefill_case(cache: Cache, prefix: int, chunk: int, dev, alpha: float = 0.44):
     total = prefix + chunk
     per = -(-total // BK)
@@ -269,6 +298,7 @@ def prefill_case(cache: Cache, prefix: int, chunk: int, dev, alpha: float = 0.44
                   for fp in ("auto", "query_tile", "split", "kv_block")}
         t_attend = t_pass["auto"]
     stats = sp.selection_stats(bi, torch.tensor([0, chunk], dtype=torch.int32, device=dev), k=K)
+    plain, split, items = split_model(bi, prefix)
     # Support size of every (token, index head) row: its valid blocks, the own block partial.
     pos = torch.arange(prefix, total, device=dev)
     own = (pos // BK)[:, None, None]
@@ -282,6 +312,7 @@ def prefill_case(cache: Cache, prefix: int, chunk: int, dev, alpha: float = 0.44
                 union=round(stats["union"], 2), indexer_ms=t_index, attend_ms=t_attend,
                 attend_query_tile_ms=t_pass["query_tile"], attend_split_ms=t_pass["split"],
                 attend_kv_block_ms=t_pass["kv_block"],
+                model_plain=plain, model_split_pairs=split, model_items=items,
                 step_ms=t_index + t_attend, attend_tflops=flops / (t_attend * 1e-3) / 1e12,
                 attend_query_tile_tflops=flops / (t_pass["query_tile"] * 1e-3) / 1e12,
                 indexer_tflops=index_flops / (t_index * 1e-3) / 1e12)
@@ -363,7 +394,8 @@ def main(argv=None) -> int:
                   f" indexer {r['indexer_ms']:.1f} ms ({r['indexer_tflops']:.0f} TF/s), attention"
                   f" {r['attend_ms']:.2f} ms ({r['attend_tflops']:.0f} TF/s effective; query tiles"
                   f" {r['attend_query_tile_ms']:.2f}, split {r['attend_split_ms']:.2f}, KV block"
-                  f" {r['attend_kv_block_ms']:.2f})")
+                  f" {r['attend_kv_block_ms']:.2f}; kAuto's model: query tiles {r['model_plain']:.3g},"
+                  f" split {r['model_split_pairs']:.3g} + {r['model_items']} items)")
     return 0
 
 

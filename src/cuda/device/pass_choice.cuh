@@ -14,7 +14,10 @@
 //   sums[0]: the plain query-tile pass's cost: per tile and index head, the union of its
 //            tokens' selected blocks times the tile's tokens (x kKvCostDen);
 //   sums[1]: the split's cost: the blocks kept by the tile times its tokens (x kKvCostDen), plus
-//            the other selected (token, block) pairs x kKvCostNum;
+//            the other selected (token, block) pairs x kKvCostNum, plus kKvItemCost per (KV
+//            block, KV head) work item the KV-block pass gets (its block's K and V loaded, its
+//            entries' last one part full: what the pairs' term misses where few tokens share
+//            a block, as in a prefill of a few thousand tokens after a 1M-token prefix);
 // every kernel of both is launched, and each returns at once where the rule picks the other
 // (no host sync).
 #pragma once
@@ -24,6 +27,13 @@
 namespace msa::cuda::kern {
 
 constexpr unsigned long long kKvCostNum = 21, kKvCostDen = 10;  // kKvCost = 2.1
+// A work item's cost in the same units (a tile's token visiting a block: kKvCostDen), fitted on
+// the H200 to the split's times of prefills of 8K and 32K tokens after 128K and 1M cached ones
+// (docs/perf.md, 2026-12-02; a least-squares fit of the time to the split's sum and its items:
+// 0.35 us an item, the query tiles' rate being 0.2 ns a unit). Where few tokens share a block
+// (8K new tokens after 1M) it makes kAuto take the faster query tiles; training shapes give an
+// item hundreds of pairs, so the term moves their sums by a few percent.
+constexpr unsigned long long kKvItemCost = 1770;
 
 // The fewest of a tile's `tile_tokens` tokens that keep a block with the tile.
 __host__ __device__ constexpr int32_t share_min(int32_t tile_tokens) {

@@ -31,7 +31,9 @@ Status run_select(const char* fn, const Problem& prob, const SelectArgs& a, DTyp
 Status choose_pass(const char* fn, const Problem& prob, const FwdArgs& a, const Plan& pl, void* ws,
                    cudaStream_t stream, const unsigned long long** sums) {
   auto* s = at<unsigned long long>(ws, pl.choice);
+  auto* seen = at<uint32_t>(ws, pl.items_seen);
   cudaError_t e = cudaMemsetAsync(s, 0, 2 * sizeof(unsigned long long), stream);
+  if (e == cudaSuccess) e = cudaMemsetAsync(seen, 0, pl.items_seen_bytes(), stream);
   if (e != cudaSuccess) return cuda_error(fn, e);
   const size_t counts = 32 * size_t(std::max(a.uni.bitmap_words, 1));  // a byte per block, per warp
   const int warps = static_cast<int>(std::clamp<size_t>((96 << 10) / counts, 1, 8));
@@ -41,7 +43,7 @@ Status choose_pass(const char* fn, const Problem& prob, const FwdArgs& a, const 
   if (e != cudaSuccess) return cuda_error(fn, e);
   const int64_t n = a.num_tiles * a.Hi;
   const unsigned blocks = static_cast<unsigned>((n + warps - 1) / warps);
-  kern::pass_choice_kernel<<<blocks, 32 * warps, smem, stream>>>(a, prob.opts.block_size, s);
+  kern::pass_choice_kernel<<<blocks, 32 * warps, smem, stream>>>(a, prob.opts.block_size, s, seen);
   e = cudaGetLastError();
   if (e != cudaSuccess) return cuda_error(fn, e);
   *sums = s;

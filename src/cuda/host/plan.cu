@@ -710,6 +710,7 @@ Status make_plan(const char* fn, const Problem& prob, int32_t nseq, bool sparse,
     p.part_o = take(2 * slots * prob.D);
     p.part_ml = take(8 * slots);
     p.choice = take(2 * sizeof(unsigned long long));
+    p.items_seen = take(p.items_seen_bytes());
     p.taken = take(size_t(prob.T) * prob.Hi * size_t(prob.k));
   }
   if (bwd_tokens > 0) {

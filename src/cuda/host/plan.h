@@ -112,6 +112,8 @@ struct Plan {
   int64_t fwd_tokens = 0;            // the KV-block forward: tokens per pass
   size_t part_o = 0, part_ml = 0;    // ... and its partial outputs of one pass
   size_t choice = 0;                 // ... and kAuto's two sums (pass_choice_kernel)
+  size_t items_seen = 0;             // ... and its bit per work item
+  size_t items_seen_bytes() const { return 4 * ((size_t(items) + 31) / 32); }
   size_t taken = 0;                  // ... and the split's taken entries [T, Hi, k]
   // dq from dS: the backward runs in passes of bwd_tokens tokens (0: dq by the query tiles),
   // each with its own reverse index, dS tiles (`ds`) and dq pass; with several passes dK and dV

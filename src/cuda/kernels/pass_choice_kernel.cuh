@@ -19,9 +19,10 @@ using cuda::FwdArgs;
 // block of the sequence (8 * bitmap_words words of shared memory per warp), writes
 // p.split.taken[t, ih, slot] = (the slot's block has at least share_min tokens) for the tile's
 // tokens, and adds kAuto's sums (device/pass_choice.cuh); the block's warps are summed before
-// two atomic adds. `sums` is zero before the launch.
+// two atomic adds. `sums` is zero before the launch, as is `seen`, a bit per KV-side work item
+// (KV tile x, KV head r: bit x * Hkv + r) set by the first tile that sends it a pair.
 __global__ void pass_choice_kernel(const __grid_constant__ FwdArgs p, int32_t bk,
-                                   unsigned long long* sums) {
+                                   unsigned long long* sums, uint32_t* seen) {
   extern __shared__ uint32_t counts[];
   __shared__ unsigned long long block_sums[2];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -67,6 +68,11 @@ __global__ void pass_choice_kernel(const __grid_constant__ FwdArgs p, int32_t bk
         }
       }
       const unsigned long long tile_cost = static_cast<unsigned long long>(p.tile_tokens) * kKvCostDen;
+      // The work item of block b: KV tile x0 + b (the reverse index's numbering: packed keys,
+      // or a prefill's pages) of KV head r.
+      const int64_t x0 = p.paged.page_table != nullptr ? int64_t(tile.seq) * (p.paged.key_cap / bk)
+                                                       : tile.seq + tile.seq_start / bk;
+      const int32_t r = ih / p.idx_per_kv;
       for (int32_t x = lane; x < nwords; x += 32) {
         const uint32_t word = cw[x];
 #pragma unroll
@@ -74,7 +80,14 @@ __global__ void pass_choice_kernel(const __grid_constant__ FwdArgs p, int32_t bk
           const uint32_t c = (word >> (8 * j)) & 0xffu;
           if (c == 0u) continue;
           plain += tile_cost;
-          split += c >= keep ? tile_cost : c * kKvCostNum;
+          if (c >= keep) {
+            split += tile_cost;
+          } else {
+            split += c * kKvCostNum;
+            const int64_t item = (x0 + 4 * x + j) * p.Hkv + r;
+            const uint32_t bit = 1u << (item & 31);
+            if ((atomicOr(seen + (item >> 5), bit) & bit) == 0u) split += kKvItemCost;
+          }
         }
       }
     }
