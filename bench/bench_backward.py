@@ -178,7 +178,8 @@ def bench_case(msa, cfg: str, L: int, B: int, args, timer: Timer, device, dtype,
 
         def fwd():
             return msa.sparse_attention(q, kk, v, None, None, block_idx=bi, block_size=Bk,
-                                        cu_seqlens=cu, kl_value=False, fwd_pass=args.fwd_pass)
+                                        cu_seqlens=cu, kl_value=False, fwd_pass=args.fwd_pass,
+                                        fwd_chunk_tokens=args.fwd_chunk_tokens)
 
         def bwd(kl: bool, det: bool = False):
             return lambda: torch.ops.msa.backward(
@@ -192,6 +193,7 @@ def bench_case(msa, cfg: str, L: int, B: int, args, timer: Timer, device, dtype,
                 o, kl = msa.sparse_attention(*xs, k, Bk, kl_value=klv, kl_pass=args.kl_pass,
                                              fwd_pass=args.fwd_pass, dq_pass=args.dq_pass,
                                              bwd_chunk_tokens=args.bwd_chunk_tokens,
+                                             fwd_chunk_tokens=args.fwd_chunk_tokens,
                                              select_scores=args.select_scores, **opts)
                 torch.autograd.backward([o, kl], [dout, torch.ones((), device=device)])
             return run
@@ -206,6 +208,7 @@ def bench_case(msa, cfg: str, L: int, B: int, args, timer: Timer, device, dtype,
         row["select_scores"] = args.select_scores
         row["dq_pass"] = args.dq_pass
         row["bwd_chunk_tokens"] = args.bwd_chunk_tokens
+        row["fwd_chunk_tokens"] = args.fwd_chunk_tokens
         row["fwd_tflops"] = bf.tflops(fl, row["fwd_ms"])
         row["bwd_tflops"] = bf.tflops(2.5 * fl, row["bwd_ms"])
         row["bwd_kl_tflops"] = bf.tflops(2.5 * fl, row["bwd_kl_ms"])
@@ -261,6 +264,9 @@ def main(argv=None) -> int:
                     help="how the backward computes dq (Options::dq_pass)")
     ap.add_argument("--bwd-chunk-tokens", type=int, default=0,
                     help="tokens of one backward pass with dq from dS (Options::bwd_chunk_tokens; "
+                         "0: the library's choice)")
+    ap.add_argument("--fwd-chunk-tokens", type=int, default=0,
+                    help="tokens of one pass of the split or KV-block forward (Options::fwd_chunk_tokens; "
                          "0: the library's choice)")
     ap.add_argument("--select-scores", choices=["input", "fp8"], default="input",
                     help="what the step's and the select column's selection ranks blocks by "

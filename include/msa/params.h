@@ -74,7 +74,8 @@ struct Options {
   bool deterministic = false;  // backward: bitwise-reproducible gradients
   KlPass kl_pass = KlPass::kAuto;
   FwdPass fwd_pass = FwdPass::kAuto;
-  // kKvBlock, kSplit: query tokens per pass (0: as many as keep the partial outputs near 4 GiB).
+  // kKvBlock, kSplit: query tokens per pass (0: as many as keep the partial outputs near 8 GiB,
+  // the backward's default dS budget, so that a training step's peak workspace stays the backward's).
   int32_t fwd_chunk_tokens = 0;
   // kl_pass = kTeacher: workspace bytes for the teacher of one pass (0: 6 GiB); the KV side of
   // the backward runs in as many passes over its work as the selection's entries need.

@@ -186,6 +186,7 @@ def sparse_attention(
     fp8_rerank: int = 4,
     dq_pass: str = "auto",
     bwd_chunk_tokens: int = 0,
+    fwd_chunk_tokens: int = 0,
 ):
     """MSA training attention: index selection, sparse attention, KL loss (contract §2-§4).
 
@@ -228,6 +229,8 @@ def sparse_attention(
             cost does not grow with how much neighbouring selections differ) or "split" (the
             query tiles take the blocks most of their tokens selected, the KV blocks the rest,
             and the tiles merge the partials). The CPU backend has one implementation.
+        fwd_chunk_tokens: with "kv_block", "split" or "auto", the tokens of one pass of the
+            forward (0: as many as keep one pass's partial outputs near 8 GiB).
         select_scores: what the selection ranks blocks by: "input" (the index inputs' own
             scores) or "fp8" (E4M3 copies of them, a scale per q_idx row and per block of
             k_idx keys: half the bytes and twice the tensor-core rate at long contexts; the
@@ -279,7 +282,8 @@ def sparse_attention(
         q, k, v, q_idx, k_idx, None if select else block_idx, cu, False, select, block_size,
         top_k, sink_blocks, local_blocks, _scale("scale", scale), _scale("scale_idx", scale_idx),
         bool(kl_value) and has_idx, bool(deterministic), kl_pass, fwd_pass, select_scores,
-        _int("fp8_rerank", fp8_rerank, 0, 64), dq_pass, _int("bwd_chunk_tokens", bwd_chunk_tokens, 0))
+        _int("fp8_rerank", fp8_rerank, 0, 64), dq_pass, _int("bwd_chunk_tokens", bwd_chunk_tokens, 0),
+        _int("fwd_chunk_tokens", fwd_chunk_tokens, 0))
     result = (out, kl)
     if return_lse:
         result += (lse,)

@@ -197,6 +197,7 @@ def forward(
     fp8_rerank: int = 4,
     dq_pass: str = "auto",
     bwd_chunk_tokens: int = 0,
+    fwd_chunk_tokens: int = 0,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(out [T, Hq, D] dtype of q, lse [T, Hq] fp32, block_idx, kl 0-dim fp32).
 
@@ -208,13 +209,15 @@ def forward(
     selection made here ranks blocks by (Options.select_scores: "input" or "fp8"), and
     ``fp8_rerank`` how many FP8-scored candidates beyond the free slots the inputs' scores rank
     again (Options.fp8_rerank). ``dq_pass`` and ``bwd_chunk_tokens`` are for the autograd
-    backward (see ``msa::backward``); they are checked here.
+    backward (see ``msa::backward``); they are checked here. ``fwd_chunk_tokens``: the tokens
+    of one pass of the KV-block forward (Options.fwd_chunk_tokens).
     """
     _need_kl_pass(kl_pass)
     _need_fwd_pass(fwd_pass)
     _need_select_scores(select_scores)
     _need_dq_pass(dq_pass)
     _need_int("bwd_chunk_tokens", bwd_chunk_tokens, 0)
+    _need_int("fwd_chunk_tokens", fwd_chunk_tokens, 0)
     _need_rank("q", q, 3, "[T, Hq, D]")
     T, Hq, _ = q.shape
     dev = q.device
@@ -240,19 +243,21 @@ def forward(
             mode=_MODE_DENSE if dense else _MODE_SPARSE, block_size=block_size,
             top_k=top_k, sink_blocks=sink_blocks, local_blocks=local_blocks, scale=scale,
             scale_idx=scale_idx, deterministic=deterministic, fwd_pass=fwd_pass,
-            select_scores=select_scores, fp8_rerank=fp8_rerank)
+            fwd_chunk_tokens=fwd_chunk_tokens, select_scores=select_scores, fp8_rerank=fp8_rerank)
     return out, lse, bi_out, kl
 
 
 @forward.register_fake
 def _(q, k, v, q_idx, k_idx, block_idx, cu_seqlens, dense, select, block_size, top_k,
       sink_blocks, local_blocks, scale, scale_idx, want_kl, deterministic, kl_pass="auto",
-      fwd_pass="auto", select_scores="input", fp8_rerank=4, dq_pass="auto", bwd_chunk_tokens=0):
+      fwd_pass="auto", select_scores="input", fp8_rerank=4, dq_pass="auto", bwd_chunk_tokens=0,
+      fwd_chunk_tokens=0):
     _need_kl_pass(kl_pass)
     _need_fwd_pass(fwd_pass)
     _need_select_scores(select_scores)
     _need_dq_pass(dq_pass)
     _need_int("bwd_chunk_tokens", bwd_chunk_tokens, 0)
+    _need_int("fwd_chunk_tokens", fwd_chunk_tokens, 0)
     T, Hq, D = q.shape
     out = q.new_empty((T, Hq, D))
     lse = q.new_empty((T, Hq), dtype=torch.float32)

@@ -1715,6 +1715,16 @@ struct PagedForwardRun {
   }
 };
 
+// paged_select_blocks on the device with `sp` (its block_idx: bi) and a workspace of its own;
+// returns bi's values.
+HostTensor paged_select_on_gpu(msa::PagedSelectParams sp, DeviceTensor& bi, cudaStream_t s) {
+  Workspace ws(msa::workspace_size(sp));
+  ws.attach(sp);
+  sp.launch.stream = s;
+  require_ok(msa::paged_select_blocks(sp));
+  return bi.download(s);
+}
+
 // A [Tq, ...] result scattered to the rows of the contiguous problem (new_rows), for the checks
 // written against whole problems; other rows hold `fill`.
 HostTensor to_full_rows(const HostTensor& t, const PagedBatch& b, double fill) {
@@ -1804,12 +1814,7 @@ TEST_P(PagedCudaVsCpu, SelectAndForward) {
 
   // The selection alone: the contract's rule at every new token.
   DeviceTensor bi = DeviceTensor::poisoned(DType::kInt32, {b.Tq, cs.Hi, cs.k}, st.get());
-  msa::PagedSelectParams sp = paged_select_params(cs, r, bi.ref());
-  Workspace ws_sel(msa::workspace_size(sp));
-  ws_sel.attach(sp);
-  sp.launch.stream = st.get();
-  require_ok(msa::paged_select_blocks(sp));
-  HostTensor sel = bi.download(st.get());
+  HostTensor sel = paged_select_on_gpu(paged_select_params(cs, r, bi.ref()), bi, st.get());
   const Failures fs = check_selection(full, sc, to_full_rows(sel, b, -1), nullptr, b.new_rows);
   EXPECT_EQ(fs.count, 0) << "paged_select_blocks:" << fs.first;
 
@@ -1875,12 +1880,7 @@ TEST(CudaPaged, PrefillByEachForwardPass) {
     DevicePaged d(b, st.get());
     const PagedRefs r = d.refs();
     DeviceTensor bi = DeviceTensor::poisoned(DType::kInt32, {b.Tq, base.Hi, base.k}, st.get());
-    msa::PagedSelectParams sp = paged_select_params(base, r, bi.ref());
-    Workspace ws_sel(msa::workspace_size(sp));
-    ws_sel.attach(sp);
-    sp.launch.stream = st.get();
-    require_ok(msa::paged_select_blocks(sp));
-    HostTensor sel = bi.download(st.get());
+    HostTensor sel = paged_select_on_gpu(paged_select_params(base, r, bi.ref()), bi, st.get());
     const FwdResult want = cpu_paged_forward(base, b, &sel, Mode::kSparse);
     for (const msa::FwdPass pass : passes) {
       for (const int chunk : {0, 97}) {
@@ -2222,11 +2222,7 @@ struct DeviceE4M3 {
 HostTensor select_on_gpu(const PagedCase& cs, const DeviceE4M3& d, DeviceTensor& bi, cudaStream_t s) {
   msa::PagedSelectParams sp = paged_select_params(cs, d.refs(), bi.ref());
   sp.cache = d.with_scales(sp.cache);
-  Workspace ws(msa::workspace_size(sp));
-  ws.attach(sp);
-  sp.launch.stream = s;
-  require_ok(msa::paged_select_blocks(sp));
-  return bi.download(s);
+  return paged_select_on_gpu(sp, bi, s);
 }
 
 // The CPU backend's paged forward over the dequantised twin w (float64).
@@ -2329,14 +2325,8 @@ TEST(CudaPagedE4M3, QueriesFloat16CannotHold) {
   E4M3Caches c = quantise(b, w, true, 77);
   DeviceE4M3 d(b, c, st.get());
   DeviceTensor bi = DeviceTensor::poisoned(DType::kInt32, {b.Tq, cs.Hi, cs.k}, st.get());
-  msa::PagedSelectParams sp = paged_select_params(cs, d.refs(), bi.ref());
-  sp.cache = d.with_scales(sp.cache);
-  Workspace ws(msa::workspace_size(sp));
-  ws.attach(sp);
-  sp.launch.stream = st.get();
-  require_ok(msa::paged_select_blocks(sp));
-  const Failures f = check_selection(w.full, IndexScores(w.full), to_full_rows(bi.download(st.get()), b, -1),
-                                     nullptr, b.new_rows);
+  const HostTensor sel = select_on_gpu(cs, d, bi, st.get());
+  const Failures f = check_selection(w.full, IndexScores(w.full), to_full_rows(sel, b, -1), nullptr, b.new_rows);
   EXPECT_EQ(f.count, 0) << "paged_select_blocks, queries float16 cannot hold:" << f.first;
 }
 

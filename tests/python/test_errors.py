@@ -268,8 +268,12 @@ def test_fwd_pass(x):
     bi = msa.select_blocks(qi, ki, 2, Bk)
     ref, _ = msa.sparse_attention(q, k, v, None, None, block_idx=bi, block_size=Bk)
     for fp in ("query_tile", "kv_block", "split"):  # the CPU backend has one implementation
-        out, _ = msa.sparse_attention(q, k, v, None, None, block_idx=bi, block_size=Bk, fwd_pass=fp)
+        out, _ = msa.sparse_attention(q, k, v, None, None, block_idx=bi, block_size=Bk, fwd_pass=fp,
+                                      fwd_chunk_tokens=7)
         assert torch.equal(out, ref)
+    _raises("fwd_chunk_tokens", msa.sparse_attention, q, k, v, qi, ki, 2, Bk, fwd_chunk_tokens=-1)
+    _raises("fwd_chunk_tokens", torch.ops.msa.forward, q, k, v, None, None, bi, None, False, False,
+            Bk, 2, 0, 1, 0.0, 0.0, False, False, fwd_chunk_tokens=-3)
     _raises("fwd_pass", _C.forward, q, k, v, None, bi, False, None, None, torch.empty_like(q),
             torch.empty(q.shape[:2]), block_size=Bk, fwd_pass="KV")
 

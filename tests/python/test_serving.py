@@ -304,6 +304,19 @@ def test_opcheck_paged_ops():
         assert all(v == "SUCCESS" for v in result.values()), result
 
 
+def graph_of(fn):
+    """fn() captured into a CUDA graph (after one call on a side stream, as torch asks)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
 @cuda_only
 def test_cuda_matches_cpu_and_graph_replay():
     """The CUDA backend: an eager call against the CPU backend on the same block_idx; then a CUDA
@@ -349,14 +362,7 @@ def test_cuda_matches_cpu_and_graph_replay():
                      q_idx=static["qi"])
 
     load([500, 100, 60])
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        call()
+    g = graph_of(call)
     for prefix in ([700, 200, 100], [996, 296, 126]):
         load(prefix)
         g.replay()
@@ -417,14 +423,7 @@ def test_cuda_prefill_by_each_forward_pass():
     def call():
         return w.run(q, b.table, lens, b.cu_q, q_idx=qi)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        call()
+    g = graph_of(call)
     for shift in (0, -300):  # the same new tokens at earlier positions: a shorter prefix
         lens.copy_(b.seq_lens + torch.tensor([shift, 0, 0, shift], device="cuda", dtype=torch.int32))
         g.replay()

@@ -741,7 +741,7 @@ Status fwd_kv_plan(const char* fn, const Problem& prob, int32_t nseq, Plan* pl, 
   int64_t tokens = prob.opts.fwd_chunk_tokens;
   if (tokens <= 0) {
     const int64_t per_token = int64_t(prob.Hq) * prob.k * (2 * int64_t(prob.D) + 8);
-    tokens = std::max<int64_t>(1, (int64_t(4) << 30) / std::max<int64_t>(per_token, 1));
+    tokens = std::max<int64_t>(1, (int64_t(8) << 30) / std::max<int64_t>(per_token, 1));
   }
   tokens = std::max<int64_t>(1, std::min<int64_t>(tokens, prob.T));
   return make_plan(fn, prob, nseq, /*sparse=*/true, /*main=*/false, /*kl=*/false, /*grad=*/false, pl,
