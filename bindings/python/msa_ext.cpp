@@ -442,12 +442,13 @@ NB_MODULE(_C, m) {
          const nb::int_& local_blocks, float scale, float scale_idx, uintptr_t stream, bool check_values,
          const nb::object& workspace_alloc, const OptArray& workspace, const OptArray& k_scale,
          const OptArray& v_scale, const OptArray& k_idx_scale, const OptArray& q_scale,
-         const std::string& fwd_pass) {
+         const std::string& fwd_pass, const nb::int_& fwd_chunk_tokens) {
         msa::PagedForwardParams p = paged_forward_params(
             q, cu_seqlens_q, k_cache, v_cache, k_idx_cache, page_table, seq_lens, block_idx, select, q_idx, out,
             lse, max_q_len, mode, block_size, top_k, sink_blocks, local_blocks, scale, scale_idx,
             {k_scale, v_scale, k_idx_scale}, q_scale);
         p.opts.fwd_pass = fwd_pass_arg(fwd_pass);
+        p.opts.fwd_chunk_tokens = int32_arg("fwd_chunk_tokens", fwd_chunk_tokens);
         run(p, stream, check_values, workspace_alloc,
             [](const msa::PagedForwardParams& x) { return msa::paged_forward(x); }, workspace);
       },
@@ -460,7 +461,7 @@ NB_MODULE(_C, m) {
       nb::arg("workspace_alloc") = nb::none(), nb::arg("workspace").none() = nb::none(),
       nb::arg("k_scale").none() = nb::none(), nb::arg("v_scale").none() = nb::none(),
       nb::arg("k_idx_scale").none() = nb::none(), nb::arg("q_scale").none() = nb::none(),
-      nb::arg("fwd_pass") = "auto");
+      nb::arg("fwd_pass") = "auto", nb::arg("fwd_chunk_tokens") = 0);
 
   m.def(
       "paged_forward_workspace_size",
@@ -469,11 +470,14 @@ NB_MODULE(_C, m) {
          bool select, const OptArray& q_idx, const Array& out, const OptArray& lse, const nb::int_& max_q_len,
          const nb::int_& mode, const nb::int_& block_size, const nb::int_& top_k, const nb::int_& sink_blocks,
          const nb::int_& local_blocks, float scale, float scale_idx, const OptArray& k_scale,
-         const OptArray& v_scale, const OptArray& k_idx_scale, const OptArray& q_scale) {
-        const msa::PagedForwardParams p = paged_forward_params(
+         const OptArray& v_scale, const OptArray& k_idx_scale, const OptArray& q_scale,
+         const std::string& fwd_pass, const nb::int_& fwd_chunk_tokens) {
+        msa::PagedForwardParams p = paged_forward_params(
             q, cu_seqlens_q, k_cache, v_cache, k_idx_cache, page_table, seq_lens, block_idx, select, q_idx, out,
             lse, max_q_len, mode, block_size, top_k, sink_blocks, local_blocks, scale, scale_idx,
             {k_scale, v_scale, k_idx_scale}, q_scale);
+        p.opts.fwd_pass = fwd_pass_arg(fwd_pass);
+        p.opts.fwd_chunk_tokens = int32_arg("fwd_chunk_tokens", fwd_chunk_tokens);
         return msa::workspace_size(p);
       },
       nb::arg("q"), nb::arg("cu_seqlens_q"), nb::arg("k_cache"), nb::arg("v_cache"),
@@ -483,7 +487,7 @@ NB_MODULE(_C, m) {
       nb::arg("sink_blocks") = 0, nb::arg("local_blocks") = 1, nb::arg("scale") = 0.f,
       nb::arg("scale_idx") = 0.f, nb::arg("k_scale").none() = nb::none(),
       nb::arg("v_scale").none() = nb::none(), nb::arg("k_idx_scale").none() = nb::none(),
-      nb::arg("q_scale").none() = nb::none());
+      nb::arg("q_scale").none() = nb::none(), nb::arg("fwd_pass") = "auto", nb::arg("fwd_chunk_tokens") = 0);
 
   m.def(
       "paged_append",

@@ -100,7 +100,8 @@ def _out_dtype(q: Tensor, out_dtype: Optional[torch.dtype]) -> torch.dtype:
 def _run_paged_forward(q, cu_seqlens_q, k_cache, v_cache, k_idx_cache, page_table, seq_lens,
                        q_idx, block_idx, out, lse, max_q_len, dense, sel, block_size, top_k,
                        sink_blocks, local_blocks, scale, scale_idx, k_scale=None, v_scale=None,
-                       k_idx_scale=None, q_scale=None, fwd_pass="auto", **launch):
+                       k_idx_scale=None, q_scale=None, fwd_pass="auto", fwd_chunk_tokens=0,
+                       **launch):
     """The binding's paged_forward into out / lse (and block_idx when ``sel``); ``launch``:
     msa._ops._launch's check_values and workspace."""
     _launch(_C.paged_forward, q.device, _lc(q), _lc(cu_seqlens_q), _lc(k_cache), _lc(v_cache),
@@ -110,7 +111,7 @@ def _run_paged_forward(q, cu_seqlens_q, k_cache, v_cache, k_idx_cache, page_tabl
             top_k=top_k, sink_blocks=sink_blocks, local_blocks=local_blocks, scale=scale,
             scale_idx=scale_idx, k_scale=_lc(k_scale), v_scale=_lc(v_scale),
             k_idx_scale=_lc(k_idx_scale) if sel else None, q_scale=_lc(q_scale), fwd_pass=fwd_pass,
-            **launch)
+            fwd_chunk_tokens=fwd_chunk_tokens, **launch)
 
 
 @torch.library.custom_op("msa::paged_forward", mutates_args=())
@@ -139,15 +140,18 @@ def _paged_forward_op(
     q_scale: Optional[Tensor] = None,
     out_dtype: Optional[torch.dtype] = None,
     fwd_pass: str = "auto",
+    fwd_chunk_tokens: int = 0,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """(out [Tq, Hq, D] dtype of q (``out_dtype`` for float8 queries), lse [Tq, Hq] fp32,
     block_idx).
 
     ``block_idx`` (output) is the selection written by this call, [Tq, Hi, top_k] int32, when
-    ``select`` is set in sparse mode, else an empty [0] int32 tensor. ``fwd_pass``: a sparse
-    prefill's walk (Options.fwd_pass, as in ``msa.msa_attention``).
+    ``select`` is set in sparse mode, else an empty [0] int32 tensor. ``fwd_pass``,
+    ``fwd_chunk_tokens``: a sparse prefill's walk and its pass size (Options.fwd_pass,
+    Options.fwd_chunk_tokens).
     """
     _ops._need_fwd_pass(fwd_pass)
+    _ops._need_int("fwd_chunk_tokens", fwd_chunk_tokens, 0)
     _ops._need_rank("q", q, 3, "[Tq, Hq, D]")
     Tq, Hq, _ = q.shape
     dev = q.device
@@ -168,14 +172,15 @@ def _paged_forward_op(
     _run_paged_forward(q, cu_seqlens_q, k_cache, v_cache, k_idx_cache, page_table, seq_lens,
                        q_idx, bi, out, lse, max_q_len, dense, sel, block_size, top_k,
                        sink_blocks, local_blocks, scale, scale_idx, k_scale, v_scale, k_idx_scale,
-                       q_scale, fwd_pass)
+                       q_scale, fwd_pass, fwd_chunk_tokens)
     return out, lse, bi_out
 
 
 @_paged_forward_op.register_fake
 def _(q, cu_seqlens_q, k_cache, v_cache, k_idx_cache, page_table, seq_lens, q_idx, block_idx,
       max_q_len, dense, select, block_size, top_k, sink_blocks, local_blocks, scale, scale_idx,
-      k_scale=None, v_scale=None, k_idx_scale=None, q_scale=None, out_dtype=None, fwd_pass="auto"):
+      k_scale=None, v_scale=None, k_idx_scale=None, q_scale=None, out_dtype=None, fwd_pass="auto",
+      fwd_chunk_tokens=0):
     Tq, Hq, D = q.shape
     out = q.new_empty((Tq, Hq, D), dtype=_out_dtype(q, out_dtype))
     lse = q.new_empty((Tq, Hq), dtype=torch.float32)
@@ -215,24 +220,26 @@ def _paged_forward_into_op(
     v_scale: Optional[Tensor] = None,
     k_idx_scale: Optional[Tensor] = None,
     q_scale: Optional[Tensor] = None,
+    fwd_pass: str = "auto",
+    fwd_chunk_tokens: int = 0,
 ) -> None:
     """paged_forward into caller buffers (PagedMSAWrapper.run): ``out``, ``lse`` and, with
     ``select``, ``block_idx`` are written; ``workspace`` (uint8, at least the planned size) is
     the call's whole device workspace, so nothing is allocated. ``q_scale``: float8 queries'
-    scales (Q8KV8)."""
+    scales (Q8KV8). ``fwd_pass``, ``fwd_chunk_tokens``: as planned."""
     sel = (not dense) and select
     _run_paged_forward(q, cu_seqlens_q, k_cache, v_cache, k_idx_cache, page_table, seq_lens,
                        q_idx, None if dense else block_idx, out, lse, max_q_len, dense, sel,
                        block_size, top_k, sink_blocks, local_blocks, scale, scale_idx,
-                       k_scale, v_scale, k_idx_scale, q_scale, check_values=check_values,
-                       workspace=workspace)
+                       k_scale, v_scale, k_idx_scale, q_scale, fwd_pass, fwd_chunk_tokens,
+                       check_values=check_values, workspace=workspace)
 
 
 @_paged_forward_into_op.register_fake
 def _(q, cu_seqlens_q, k_cache, v_cache, k_idx_cache, page_table, seq_lens, q_idx, block_idx,
       out, lse, workspace, max_q_len, dense, select, block_size, top_k, sink_blocks,
       local_blocks, scale, scale_idx, check_values, k_scale=None, v_scale=None,
-      k_idx_scale=None, q_scale=None):
+      k_idx_scale=None, q_scale=None, fwd_pass="auto", fwd_chunk_tokens=0):
     return None
 
 
@@ -359,6 +366,7 @@ def paged_forward(
     q_scale: Optional[Tensor] = None,
     out_dtype: Optional[torch.dtype] = None,
     fwd_pass: str = "auto",
+    fwd_chunk_tokens: int = 0,
 ):
     """Attention of the new tokens ``q [Tq, Hq, D]`` over the cache (contract §3 at their
     positions). ``torch.float8_e4m3fn`` cache tensors need their scales (float32 [1] or
@@ -371,7 +379,9 @@ def paged_forward(
     attention over every cached key up to each token's position (the baseline). ``Bk`` is the
     cache's dim 1. ``fwd_pass``: how a sparse prefill (``max_q_len`` 0) walks its work, as
     ``msa.msa_attention``'s ("auto", "query_tile", "kv_block", "split"; the CUDA backend's
-    "auto" picks the split or the query tiles on the device). Not differentiable.
+    "auto" picks the split or the query tiles on the device), and ``fwd_chunk_tokens`` the new
+    tokens of one of its passes (0: as many as keep the split's partial outputs near 8 GiB; the
+    call's workspace holds one pass's). Not differentiable.
 
     Returns ``out`` [Tq, Hq, D] (dtype of q, or ``out_dtype``), then ``lse`` [Tq, Hq] float32
     and ``block_idx`` when asked for.
@@ -394,7 +404,7 @@ def paged_forward(
         q_idx if select else None, None if (select or dense) else block_idx, max_q_len,
         bool(dense), select, k_cache.shape[1], top_k, sink_blocks, local_blocks,
         _scale("scale", scale), _scale("scale_idx", scale_idx), k_scale, v_scale,
-        k_idx_scale if select else None, q_scale, out_dtype, fwd_pass)
+        k_idx_scale if select else None, q_scale, out_dtype, fwd_pass, fwd_chunk_tokens)
     result = (out,)
     if return_lse:
         result += (lse,)
@@ -604,9 +614,16 @@ class PagedMSAWrapper:
     def plan(self, nseq: int, num_tokens: int, num_qo_heads: int, *, max_pages: int,
              max_q_len: int = 0, num_idx_heads: Optional[int] = None, top_k: int = 16,
              sink_blocks: int = 0, local_blocks: int = 1, scale: Optional[float] = None,
-             scale_idx: Optional[float] = None, dense: bool = False) -> None:
+             scale_idx: Optional[float] = None, dense: bool = False, fwd_pass: str = "auto",
+             fwd_chunk_tokens: int = 0) -> None:
+        """The batch shape and options (see the class); a prefill plan (``max_q_len`` 0)
+        in sparse mode also sizes the workspace of the split's passes (``fwd_pass``,
+        ``fwd_chunk_tokens`` as in :func:`paged_forward`): one pass's partial outputs,
+        ``fwd_chunk_tokens`` bounding them."""
         from . import _int, _scale
         c = self.cache
+        _ops._need_fwd_pass(fwd_pass)
+        _int("fwd_chunk_tokens", fwd_chunk_tokens, 0)
         _int("nseq", nseq, 1)
         _int("num_tokens", num_tokens, 0)
         _int("num_qo_heads", num_qo_heads, 1)
@@ -633,12 +650,14 @@ class PagedMSAWrapper:
             mode=_ops._MODE_DENSE if dense else _ops._MODE_SPARSE, block_size=c.page_size,
             top_k=top_k, sink_blocks=sink_blocks, local_blocks=local_blocks, scale=scale_v,
             scale_idx=scale_idx_v, k_scale=_scale_of(c, "k_scale"), v_scale=_scale_of(c, "v_scale"),
-            k_idx_scale=None if dense else _scale_of(c, "k_idx_scale"))
+            k_idx_scale=None if dense else _scale_of(c, "k_idx_scale"), fwd_pass=fwd_pass,
+            fwd_chunk_tokens=fwd_chunk_tokens)
         self.workspace = torch.empty((int(need),), dtype=torch.uint8, device=dev)
         self._plan = dict(nseq=nseq, num_tokens=num_tokens, num_qo_heads=num_qo_heads,
                           max_pages=max_pages, max_q_len=max_q_len, Hi=Hi, top_k=top_k,
                           sink_blocks=sink_blocks, local_blocks=local_blocks, scale=scale_v,
-                          scale_idx=scale_idx_v, dense=bool(dense))
+                          scale_idx=scale_idx_v, dense=bool(dense), fwd_pass=fwd_pass,
+                          fwd_chunk_tokens=fwd_chunk_tokens)
 
     def run(self, q: Tensor, page_table: Tensor, seq_lens: Tensor, cu_seqlens_q: Tensor,
             q_idx: Optional[Tensor] = None,
@@ -669,5 +688,6 @@ class PagedMSAWrapper:
             p["max_q_len"], p["dense"], not p["dense"], c.page_size, p["top_k"],
             p["sink_blocks"], p["local_blocks"], p["scale"], p["scale_idx"], False,
             _scale_of(c, "k_scale"), _scale_of(c, "v_scale"),
-            None if p["dense"] else _scale_of(c, "k_idx_scale"), q_scale)
+            None if p["dense"] else _scale_of(c, "k_idx_scale"), q_scale, p["fwd_pass"],
+            p["fwd_chunk_tokens"])
         return self.out, self.lse, self.block_idx

@@ -252,6 +252,13 @@ def test_errors_name_the_argument():
                                                b.table, b.seq_lens, qi, None, 17, False, True,
                                                64, 2, 0, 1, 0.0, 0.0), "max_q_len")
     _error(lambda: fwd(max_q_len=8), "max_q_len")
+    _error(lambda: fwd(fwd_pass="tiles"), "fwd_pass")
+    _error(lambda: fwd(fwd_chunk_tokens=-1), "fwd_chunk_tokens")
+    w = serving.PagedMSAWrapper(serving.PagedKVCache(8, 64, 2, 16, num_idx_heads=1, idx_head_dim=16))
+    _error(lambda: w.plan(2, 15, 4, max_pages=4, num_idx_heads=2, top_k=2, fwd_chunk_tokens=-5),
+           "fwd_chunk_tokens")
+    _error(lambda: w.plan(2, 15, 4, max_pages=4, num_idx_heads=2, top_k=2, fwd_pass="kv"),
+           "fwd_pass")
     # Bk is the k cache's dim 1: another page size in the v cache is a wrong page shape.
     _error(lambda: serving.paged_forward(q, b.k_cache, b.v_cache[:, :32], b.table, b.seq_lens,
                                          b.cu_q, dense=True), "cache.v")
@@ -433,3 +440,17 @@ def test_cuda_prefill_by_each_forward_pass():
         torch.cuda.synchronize()
         for a, c in zip((w.out, w.lse, w.block_idx), want):
             assert torch.equal(a, c), f"graph replay (prefix shift {shift}) differs from the eager call"
+
+    # A plan bounded to passes of 128 new tokens: a smaller workspace, the eager call's bits.
+    small = serving.PagedMSAWrapper(cache)
+    small.plan(nseq=nseq, num_tokens=Tq, num_qo_heads=16, max_pages=max_pages, num_idx_heads=2,
+               top_k=top_k, fwd_pass="split", fwd_chunk_tokens=128, **kw)
+    assert small.workspace.numel() < w.workspace.numel()
+    got = small.run(q, b.table, b.seq_lens, b.cu_q, q_idx=qi)
+    want = serving.paged_forward(q, cache.k, cache.v, b.table, b.seq_lens, b.cu_q, q_idx=qi,
+                                 k_idx_cache=cache.k_idx, top_k=top_k, return_lse=True,
+                                 return_block_idx=True, fwd_pass="split", fwd_chunk_tokens=128, **kw)
+    for a, c in zip(got, want):
+        assert torch.equal(a, c), "a plan of 128-token passes differs from the eager call"
+    err = (got[0].cpu().float() - cpu).norm() / cpu.norm()
+    assert err < 1e-2, f"128-token passes: relative L2 error {err:.3e} against the CPU backend"
