@@ -12,7 +12,9 @@ overlap the level's selections measured (its range over the lengths); x: sequenc
   of the sparse forward, the backward, the backward with the KL gradient and the whole step.
 * bench_serving.py CSV (its decode rows): per (context, batch, q_len), the graph-replayed decode
   step of each cache dtype next to SDPA and dense paged attention (ms, log scale), and the step's
-  speedup over SDPA.
+  speedup over SDPA. A CSV of prefill rows only (``--no-decode``): per chunk, the effective
+  TFLOP/s of the attention by each walk of the forward (query tiles, split, KV block, and the
+  library's choice), labelled with the overlap of the timed selection.
 
     python bench/plot_bench.py bench-out/forward.csv bench-out/backward.csv
 
@@ -163,13 +165,50 @@ def plot_serving(rows: List[Dict[str, str]], path: str, out: Optional[str] = Non
     return _save(fig, path, out)
 
 
+PREFILL_WALKS = [("query tiles", "attend_query_tile_ms"), ("split", "attend_split_ms"),
+                 ("KV block", "attend_kv_block_ms"), ("auto (the library's choice)", "attend_ms")]
+
+
+def plot_prefill(rows: List[Dict[str, str]], path: str, out: Optional[str] = None) -> str:
+    """The prefill rows of a bench_serving.py CSV: per chunk (new tokens after a prefix), bars of
+    the attention's effective TFLOP/s by each walk (the selected work over each walk's time)."""
+    pre = [r for r in rows if r.get("kind") == "prefill"]
+    if not pre:
+        raise ValueError(f"{path}: no prefill rows")
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(pre) + 2), 4.0))
+    width = 0.8 / len(PREFILL_WALKS)
+    xs = list(range(len(pre)))
+    for i, (name, col) in enumerate(PREFILL_WALKS):
+        pts = []
+        for x, r in zip(xs, pre):
+            ms, rate, auto_ms = _num(r.get(col)), _num(r.get("attend_tflops")), _num(r.get("attend_ms"))
+            if ms and rate is not None and auto_ms:
+                pts.append((x, rate * auto_ms / ms))  # the same work over this walk's time
+        if pts:
+            ax.bar([x - 0.4 + (i + 0.5) * width for x, _ in pts], [y for _, y in pts], width, label=name)
+    labels = []
+    for r in pre:
+        q, ctx = int(float(r["q_len"])), int(float(r["ctx"]))
+        labels.append(f"{_fmt_tokens(q)} after {_fmt_tokens(ctx - q)}\noverlap {r.get('overlap', '?')}")
+    ax.set_xticks(xs)
+    ax.set_xticklabels(labels, fontsize=8)
+    ax.set_ylabel("effective TFLOP/s")
+    ax.set_title("sparse prefill attention over the pages, by walk", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    if ax.patches:
+        ax.legend(fontsize=8)
+    return _save(fig, path, out)
+
+
 def plot_csv(path: str, out: Optional[str] = None) -> str:
     """Plots one benchmark CSV; returns the PNG's path (``out``, else the CSV's with .png)."""
     rows = read_rows(path)
     if not rows:
         raise ValueError(f"{path}: no rows")
     if "kind" in rows[0] and "ctx" in rows[0]:
-        return plot_serving(rows, path, out)
+        if any(r.get("kind") == "decode" for r in rows):
+            return plot_serving(rows, path, out)
+        return plot_prefill(rows, path, out)
     s = series(rows)
     panels = BACKWARD_PANELS if s["backward"] else FORWARD_PANELS
     configs = list(s["data"])

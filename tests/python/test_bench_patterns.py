@@ -255,6 +255,16 @@ def test_plot_bench_writes_png(tmp_path):
     assert (tmp_path / "srv.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="no decode rows"):
         plot_bench.plot_serving([srv[-1]], str(tmp_path / "srv.csv"))
+    # prefill rows only (--no-decode): a bar per walk and chunk, one walk's cell missing
+    pre = [dict(kind="prefill", ctx=ctx + q, batch=1, q_len=q, overlap=0.5, attend_ms=2.0,
+                attend_tflops=200.0, attend_query_tile_ms=2.5, attend_split_ms=2.0,
+                attend_kv_block_ms="" if q == 8192 else 2.2)
+           for ctx in (131072, 1 << 20) for q in (8192, 32768)]
+    _write_csv(tmp_path / "pre.csv", pre)
+    assert plot_bench.main([str(tmp_path / "pre.csv")]) == 0
+    assert (tmp_path / "pre.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="no prefill rows"):
+        plot_bench.plot_prefill(srv[:2], str(tmp_path / "srv.csv"))
     s = plot_bench.series(plot_bench.read_rows(str(tmp_path / "fwd.csv")))
     assert not s["backward"] and set(s["data"]) == {"paper", "flash-msa"}
     pts = s["data"]["paper"]["mixed"]
