@@ -10,8 +10,9 @@
 //                        score buffer) -> paged_topk_kernel
 //   paged_forward        [selection] -> a prefill (max_q_len = 0): the training forward
 //                        (fwd_kernel's query tiles, and in sparse mode its KV-block passes,
-//                        kAuto's split) with the page table as its block iterator; decode: paged_attn_kernel (split over the tile's block union
-//                        when the grid would not fill the GPU) -> [paged_combine_kernel]
+//                        kAuto's split) with the page table as its block iterator; decode:
+//                        paged_attn_kernel (split over the tile's block union when the grid
+//                        would not fill the GPU) -> [paged_combine_kernel]
 //   paged_append         one copy kernel for k, v and k_idx (quantising into E4M3 caches)
 //
 // E4M3 caches (docs/contract.md §6): the score and attention kernels' E4M3 instances read the
@@ -343,9 +344,10 @@ struct PrefillPlan {
   bool use = false;
   FwdArgs fwd;
   size_t bytes = 0;  // a scratch LSE [Tq, Hq] when the call asks for none (the kernel writes it)
-  // The KV-block passes: planned (their limits hold), and asked for by fwd_pass (else kAuto's);
-  // their plan lies in the workspace after the scratch LSE.
+  // The KV-block passes: planned (their limits hold; else `why` says which fails), and asked
+  // for by fwd_pass (else kAuto's); their plan lies in the workspace after the scratch LSE.
   bool passes = false, asked = false;
+  Status why;
   Plan plan;
   size_t total() const { return bytes + (passes ? plan.total : 0); }
 };
@@ -402,18 +404,11 @@ PrefillPlan prefill_plan(const Problem& prob, const PagedForwardParams& p) {
   pp.asked = kv_block_forward(prob) || split_forward(prob);
   if (pp.asked || auto_forward(prob)) {
     const char* fn = "paged_forward";
-    pp.passes = fwd_kv_plan(fn, prob, a.nseq, &pp.plan, a.paged.kv_tiles(a.nseq, bk)).ok() &&
-                (kv_block_forward(prob) || can_split(fn, prob, a.paged.key_cap).ok());
+    pp.why = fwd_kv_plan(fn, prob, a.nseq, &pp.plan, a.paged.kv_tiles(a.nseq, bk));
+    if (pp.why.ok() && !kv_block_forward(prob)) pp.why = can_split(fn, prob, a.paged.key_cap);
+    pp.passes = pp.why.ok();
   }
   return pp;
-}
-
-// Why a prefill cannot take the passes fwd_pass asks for (ok: it can).
-Status can_prefill_passes(const char* fn, const Problem& prob, const PrefillPlan& pp) {
-  if (!pp.asked || pp.passes) return Status::Ok();
-  Plan pl;
-  MSA_TRY(fwd_kv_plan(fn, prob, pp.fwd.nseq, &pl, pp.fwd.paged.kv_tiles(pp.fwd.nseq, prob.opts.block_size)));
-  return can_split(fn, prob, pp.fwd.paged.key_cap);
 }
 
 Status need(const char* fn, size_t bytes, const Launch& launch) {
@@ -515,7 +510,7 @@ Status paged_forward(const Problem& prob, const PagedForwardParams& p) {
   }
   PrefillPlan pf = prefill_plan(prob, p);
   AttnPlan ap;
-  if (pf.use) MSA_TRY(can_prefill_passes(fn, prob, pf));
+  if (pf.use && pf.asked) MSA_TRY(pf.why);  // the passes fwd_pass asks for cannot run
   if (!pf.use) ap = attn_plan(prob, p);
   // kAuto's passes where the workspace holds them (else the plain query tiles).
   const bool passes = pf.use && pf.passes &&

@@ -430,8 +430,7 @@ FwdArgs index_lse_args(const Problem& prob, const KlInputs& in, float* lse_idx, 
 
 namespace {
 // The KV side's column groups: index heads (sparse mode, or with the KL branch), else KV heads.
-void set_kv_side(KvSideArgs* a, const Problem& prob, const TensorRef& cu, bool sparse, bool kl) {
-  set_seqs(a, prob, cu);
+void set_kv_heads(KvSideArgs* a, const Problem& prob, bool sparse, bool kl) {
   a->Hq = prob.Hq;
   a->Hkv = prob.Hkv;
   a->Hi = (sparse || kl) ? prob.Hi : prob.Hkv;
@@ -439,6 +438,10 @@ void set_kv_side(KvSideArgs* a, const Problem& prob, const TensorRef& cu, bool s
   a->idx_per_kv = a->Hi / prob.Hkv;
   a->group_tokens = kern::group_tokens(a->heads_per_idx);
   a->top_k = prob.k;
+}
+void set_kv_side(KvSideArgs* a, const Problem& prob, const TensorRef& cu, bool sparse, bool kl) {
+  set_seqs(a, prob, cu);
+  set_kv_heads(a, prob, sparse, kl);
 }
 void set_index(KvSideArgs* a, const Problem& prob, const TensorRef& q_idx, const TensorRef& k_idx) {
   a->q_idx = q_idx.data;
@@ -518,13 +521,7 @@ void set_tile_pass(QueryTileArgs* a, int64_t tok_lo, int64_t tok_hi) {
 FwdKvArgs fwd_kv_args(const Problem& prob, const FwdArgs& q) {
   FwdKvArgs a;
   static_cast<SeqArgs&>(a) = q;
-  a.Hq = prob.Hq;
-  a.Hkv = prob.Hkv;
-  a.Hi = prob.Hi;
-  a.heads_per_idx = prob.Hq / prob.Hi;
-  a.idx_per_kv = prob.Hi / prob.Hkv;
-  a.group_tokens = kern::group_tokens(a.heads_per_idx);
-  a.top_k = prob.k;
+  set_kv_heads(&a, prob, /*sparse=*/true, /*kl=*/false);
   a.q = q.q;
   a.k = q.k;
   a.v = q.v;
