@@ -88,6 +88,13 @@ void Support::rows_of_block(int32_t i, int64_t gb, std::vector<int64_t>* out) co
   for (int64_t x = rev_ptr_[bucket]; x < rev_ptr_[bucket + 1]; ++x) out->push_back(rev_rows_[x]);
 }
 
+float fp8_scale(float amax) { return amax > 0.f && std::isfinite(amax) ? 16.f / amax : 1.f; }
+
+double fp8_value(float x, float s) {
+  const float y = x * s;
+  return to_double(e4m3_from_double(static_cast<double>(y))) / static_cast<double>(s);
+}
+
 void choose_blocks(const Options& o, int32_t k, int64_t t, const std::vector<double>& rank,
                    const std::vector<double>* rerank, int32_t m, std::vector<int32_t>* chosen) {
   thread_local std::vector<int32_t> cand;

@@ -165,6 +165,54 @@ void select_row(const Options& o, int32_t k, int32_t Di, double scale_idx, const
   if (lse_idx) *lse_idx = static_cast<float>(support_logsumexp(score, chosen, t, o.block_size));
 }
 
+// Contract §2, FP8 scores: the scale of a group whose largest |x| (NaN ignored) is amax, and a
+// value's dequantised E4M3 copy under it (one fp32 product, then nearest-even E4M3, saturated).
+float fp8_scale(float amax);
+double fp8_value(float x, float s);
+
+// The largest |x| of a row of Di values and `a` (NaN never compares greater).
+template <class E>
+float abs_max(float a, const E* row, int32_t Di) {
+  for (int32_t d = 0; d < Di; ++d) {
+    const float x = std::fabs(static_cast<float>(to_double(row[d])));
+    if (x > a) a = x;
+  }
+  return a;
+}
+
+// A row of Di values as its dequantised E4M3 copy under scale s.
+template <class E>
+void fp8_copy_row(const E* row, int32_t Di, float s, double* out) {
+  for (int32_t d = 0; d < Di; ++d) out[d] = fp8_value(static_cast<float>(to_double(row[d])), s);
+}
+
+// The dequantised E4M3 copy of the `n` key rows key_row(j0) .. key_row(j0 + n - 1) (one group:
+// a block of one sequence and index key head) into out[(j - j0) * stride ...].
+template <class KeyRow>
+void fp8_copy_block(int32_t Di, int64_t j0, int64_t n, const KeyRow& key_row, double* out, int64_t stride) {
+  float amax = 0.f;
+  for (int64_t j = j0; j < j0 + n; ++j) amax = abs_max(amax, key_row(j), Di);
+  const float sc = fp8_scale(amax);
+  for (int64_t j = j0; j < j0 + n; ++j) fp8_copy_row(key_row(j), Di, sc, out + (j - j0) * stride);
+}
+
+// Contract §2 for one row with FP8 scores: the copies' block maxima (q8_row, key_row8(j): the
+// dequantised E4M3 copies) rank, and with fp8_rerank > 0 shortlist for the inputs' own scores
+// (q_row, key_row(j)), which also give lse_idx when it is asked for.
+template <class E, class KeyRow, class KeyRow8>
+void select_row_fp8(const Options& o, int32_t k, int32_t Di, double scale_idx, const double* q8_row, const E* q_row,
+                    int64_t t, const KeyRow& key_row, const KeyRow8& key_row8, int32_t* out, int64_t stride,
+                    float* lse_idx) {
+  thread_local std::vector<double> score, block_max, score8, block_max8;
+  thread_local std::vector<int32_t> chosen;
+  const int32_t m = o.fp8_rerank;
+  block_maxima(Di, o.block_size, scale_idx, q8_row, t, key_row8, &score8, &block_max8);
+  if (m > 0 || lse_idx) block_maxima(Di, o.block_size, scale_idx, q_row, t, key_row, &score, &block_max);
+  choose_blocks(o, k, t, block_max8, m > 0 ? &block_max : nullptr, m, &chosen);
+  write_row(chosen, k, out, stride);
+  if (lse_idx) *lse_idx = static_cast<float>(support_logsumexp(score, chosen, t, o.block_size));
+}
+
 // Contract §3 for one (query, query head) row over the key positions `keys`: `key_row(j)` and
 // `val_row(j)` are key j's rows of the query head's KV head (D elements). Writes out_row and,
 // when given, *lse (-inf and a zero row for an empty support).

@@ -77,15 +77,51 @@ struct E4M3Rows {
 
 bool is_e4m3(const TensorRef& t) { return t.defined() && t.dtype == DType::kFloat8E4M3; }
 
+// kFp8 scores (contract §2, §6): the dequantised E4M3 copies of the new tokens' q_idx rows and,
+// per sequence with new tokens, of its index keys 0 .. seq_lens[s] - 1, a group per page (a block
+// of the sequence, as select_blocks groups them) and index key head: [len, Hik, Di] in double.
+template <class E>
+struct Fp8Copies {
+  std::vector<double> q8;
+  std::vector<std::vector<double>> k8;  // per sequence
+  Fp8Copies(const Problem& prob, const NewTokens& tok, const Rows<const E>& q_idx, const PagedRows<const E>& k_idx,
+            const PagedCache& cache) {
+    const int32_t Di = prob.Di, Bk = prob.opts.block_size;
+    q8.resize(static_cast<size_t>(prob.T) * prob.Hi * Di);
+    parallel_for(prob.T, [&](int64_t g, int) {
+      for (int32_t i = 0; i < prob.Hi; ++i) {
+        const E* row = q_idx.row(g, i);
+        fp8_copy_row(row, Di, fp8_scale(abs_max(0.f, row, Di)), q8.data() + (g * prob.Hi + i) * Di);
+      }
+    });
+    const int32_t* lens = static_cast<const int32_t*>(cache.seq_lens.data);
+    k8.resize(prob.num_seqs());
+    for (int64_t s = 0; s < prob.num_seqs(); ++s) {
+      if (prob.cu[s + 1] == prob.cu[s]) continue;
+      const int64_t len = lens[s * cache.seq_lens.stride[0]];
+      std::vector<double>& k = k8[s];
+      k.resize(static_cast<size_t>(len) * prob.Hik * Di);
+      parallel_for((len + Bk - 1) / Bk, [&](int64_t b, int) {
+        const int64_t j0 = b * Bk, n = std::min<int64_t>(Bk, len - j0);
+        for (int32_t ik = 0; ik < prob.Hik; ++ik)
+          fp8_copy_block(Di, j0, n, [&](int64_t j) { return k_idx.row(s, j, ik); },
+                         k.data() + (j0 * prob.Hik + ik) * Di, int64_t(prob.Hik) * Di);
+      });
+    }
+  }
+};
+
 template <class E>
 void select_impl(const Problem& prob, const NewTokens& tok, const TensorRef& q_idx_t, const PagedCache& cache,
                  const TensorRef& bi_t) {
   const PageTable pt(cache.page_table, prob.opts.block_size);
   const Rows<const E> q_idx = rows<const E>(q_idx_t);
-  const bool fp8 = is_e4m3(cache.k_idx);
+  const bool e4m3 = is_e4m3(cache.k_idx);
   const PagedRows<const E> k_idx(cache.k_idx, pt);
   std::optional<E4M3Rows> k_idx8;
-  if (fp8) k_idx8.emplace(cache.k_idx, cache.k_idx_scale, pt);
+  if (e4m3) k_idx8.emplace(cache.k_idx, cache.k_idx_scale, pt);
+  std::optional<Fp8Copies<E>> copies;
+  if (prob.opts.select_scores == SelectScores::kFp8) copies.emplace(prob, tok, q_idx, k_idx, cache);
   int32_t* bi = static_cast<int32_t*>(bi_t.data);
   parallel_for(prob.T, [&](int64_t g, int) {
     thread_local std::vector<float> buf;
@@ -93,12 +129,18 @@ void select_impl(const Problem& prob, const NewTokens& tok, const TensorRef& q_i
     for (int32_t i = 0; i < prob.Hi; ++i) {
       const int32_t ik = i / prob.idx_per_key();
       int32_t* out = bi + g * bi_t.stride[0] + i * bi_t.stride[1];
-      if (fp8)
+      const auto key_row = [&](int64_t j) { return k_idx.row(s, j, ik); };
+      if (e4m3)
         select_row(prob.opts, prob.k, prob.Di, prob.opts.scale_idx, q_idx.row(g, i), tok.pos[g],
                    [&](int64_t j) { return k_idx8->row(s, j, ik, &buf); }, out, bi_t.stride[2], nullptr);
+      else if (copies)
+        select_row_fp8(prob.opts, prob.k, prob.Di, prob.opts.scale_idx,
+                       copies->q8.data() + (g * prob.Hi + i) * prob.Di, q_idx.row(g, i), tok.pos[g], key_row,
+                       [&](int64_t j) { return copies->k8[s].data() + (j * prob.Hik + ik) * prob.Di; }, out,
+                       bi_t.stride[2], nullptr);
       else
-        select_row(prob.opts, prob.k, prob.Di, prob.opts.scale_idx, q_idx.row(g, i), tok.pos[g],
-                   [&](int64_t j) { return k_idx.row(s, j, ik); }, out, bi_t.stride[2], nullptr);
+        select_row(prob.opts, prob.k, prob.Di, prob.opts.scale_idx, q_idx.row(g, i), tok.pos[g], key_row, out,
+                   bi_t.stride[2], nullptr);
     }
   });
 }

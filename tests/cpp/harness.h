@@ -231,7 +231,8 @@ struct Problem {
 
 inline void expect_ok(const msa::Status& s) { ASSERT_TRUE(s.ok()) << s.message; }
 
-inline HostTensor run_select(Problem& p, HostTensor* lse_idx = nullptr) {
+// select_blocks over `p` with its options (or `opts`).
+inline HostTensor run_select(Problem& p, HostTensor* lse_idx = nullptr, const msa::Options* opts = nullptr) {
   HostTensor bi(DType::kInt32, {p.T, p.cfg.Hi, p.cfg.k});
   bi.fill(-7);  // poison
   msa::SelectParams sp;
@@ -244,7 +245,7 @@ inline HostTensor run_select(Problem& p, HostTensor* lse_idx = nullptr) {
     lse_idx->fill(NAN);
     sp.lse_idx = lse_idx->ref();
   }
-  sp.opts = p.options();
+  sp.opts = opts != nullptr ? *opts : p.options();
   msa::Status s = msa::select_blocks(sp);
   EXPECT_TRUE(s.ok()) << s.message;
   return bi;

@@ -34,6 +34,8 @@ struct PagedCase {
   uint64_t seed = 1;
   msa::FwdPass fwd_pass = msa::FwdPass::kAuto;  // the sparse forward's walk (a backend's choice)
   int fwd_chunk_tokens = 0;
+  msa::SelectScores select_scores = msa::SelectScores::kInput;  // kFp8: a prefill's E4M3 copies
+  int fp8_rerank = 4;
 
   std::string str() const {
     std::ostringstream os;
@@ -44,6 +46,7 @@ struct PagedCase {
     os << "] Hq=" << Hq << " Hkv=" << Hkv << " D=" << D << " Hi=" << Hi << " Hik=" << Hik << " Di=" << Di
        << " Bk=" << Bk << " k=" << k << " sink=" << sink << " local=" << local << " max_q_len=" << max_q_len
        << " dtype=" << msa::dtype_name(dtype) << " seed=" << seed;
+    if (select_scores == msa::SelectScores::kFp8) os << " select_scores=kFp8 fp8_rerank=" << fp8_rerank;
     return os.str();
   }
   Config config() const {
@@ -72,6 +75,8 @@ struct PagedCase {
     o.local_blocks = local;
     o.fwd_pass = fwd_pass;
     o.fwd_chunk_tokens = fwd_chunk_tokens;
+    o.select_scores = select_scores;
+    o.fp8_rerank = fp8_rerank;
     return o;
   }
 };
@@ -220,7 +225,8 @@ inline msa::PagedAppendParams paged_append_params(const msa::TensorRef& k, const
   return a;
 }
 
-// The contiguous oracle: the training API over the full sequences, rows of the new tokens.
+// The contiguous oracle: the training API over the full sequences (the case's selection
+// options), rows of the new tokens.
 struct PagedOracle {
   HostTensor block_idx;  // [Tq, Hi, k]: msa::select_blocks
   HostTensor out, lse;   // msa::forward over that selection (kSparse) or dense causal (kDense)
@@ -228,7 +234,10 @@ struct PagedOracle {
 
 inline PagedOracle paged_oracle(PagedBatch& b, Mode mode) {
   PagedOracle o;
-  HostTensor bi = run_select(b.full);
+  msa::Options so = b.full.options();
+  so.select_scores = b.cs.select_scores;
+  so.fp8_rerank = b.cs.fp8_rerank;
+  HostTensor bi = run_select(b.full, nullptr, &so);
   FwdResult f = run_forward(b.full, &bi, mode, false);
   o.block_idx = gather_rows(bi, b.new_rows);
   o.out = gather_rows(f.out, b.new_rows);

@@ -101,6 +101,47 @@ TEST_P(PagedVsContiguous, SelectAndForward) {
 
 INSTANTIATE_TEST_SUITE_P(Cases, PagedVsContiguous, ::testing::ValuesIn(oracle_cases()));
 
+// FP8 scores in a prefill (select_scores = kFp8, fp8_rerank 0 and 4): the E4M3 copies of each
+// page of a sequence's index keys are select_blocks's copies of that sequence's blocks, so the
+// new tokens select exactly as their positions do in select_blocks with kFp8 over the contiguous
+// sequences (paged_select_blocks, and paged_forward with select, whose out follows). The FP8
+// selection must also differ from kInput's somewhere in these cases, or the comparison would not
+// show that the copies were used.
+TEST(Paged, Fp8ScoresInAPrefill) {
+  PagedCase chunks = make_case({3000, 700, 1}, {300, 200, 1}, 128, 5, 4);
+  chunks.sink = 1;
+  chunks.local = 2;
+  PagedCase bf16 = make_case({513, 64, 200, 0}, {100, 64, 3, 0}, 64, 4, 6);  // whole sequences as new
+  bf16.dtype = DType::kBFloat16;
+  bf16.Hi = 4;
+  bf16.Hik = 2;
+  int64_t differ = 0;
+  for (PagedCase cs : {chunks, bf16}) {
+    PagedBatch plain(cs);
+    const HostTensor input_bi = paged_oracle(plain, Mode::kSparse).block_idx;
+    for (int m : {0, 4}) {
+      cs.select_scores = msa::SelectScores::kFp8;
+      cs.fp8_rerank = m;
+      SCOPED_TRACE(cs.str());
+      PagedBatch b(cs);
+      const PagedRefs r = host_refs(b);
+      const PagedOracle o = paged_oracle(b, Mode::kSparse);
+      if (m == 0)
+        for (int64_t x = 0; x < o.block_idx.numel(); ++x) differ += o.block_idx.get(x) != input_bi.get(x);
+      PagedOutputs x(b);
+      expect_ok(msa::paged_select_blocks(paged_select_params(cs, r, x.block_idx.ref())));
+      EXPECT_EQ(first_difference(x.block_idx, o.block_idx), "") << "paged_select_blocks";
+      PagedOutputs y(b);
+      expect_ok(msa::paged_forward(
+          paged_forward_params(cs, r, Mode::kSparse, true, y.block_idx.ref(), y.out.ref(), y.lse.ref())));
+      EXPECT_EQ(first_difference(y.block_idx, o.block_idx), "") << "paged_forward(select) block_idx";
+      EXPECT_EQ(first_difference(y.out, o.out), "") << "paged_forward(select) out";
+      EXPECT_EQ(first_difference(y.lse, o.lse), "") << "paged_forward(select) lse";
+    }
+  }
+  EXPECT_GT(differ, 0) << "kFp8 chose as kInput everywhere: the cases do not tell the scores apart";
+}
+
 // A row of a page the sequence does not own, or a row past its length, is never read: poisoning
 // them with NaN (as the builder does) would show in every output; here a sequence's own pages
 // hold another sequence's data after its end, and its outputs must not change.
@@ -374,8 +415,10 @@ TEST(PagedValidation, Select) {
       {"block_idx width", "block_idx", [](P& p, ValidPaged&) { p.block_idx.shape[2] = 1; }},
       {"block_idx missing", "block_idx", [](P& p, ValidPaged&) { p.block_idx = {}; }},
       {"block_idx aliasing q_idx", "block_idx", [](P& p, ValidPaged&) { p.block_idx.data = p.q_idx.data; }},
-      {"FP8 copies of the index inputs", "select_scores",
-       [](P& p, ValidPaged&) { p.opts.select_scores = msa::SelectScores::kFp8; }},
+      {"FP8 scores in decode", "select_scores",
+       [](P& p, ValidPaged&) { p.opts.select_scores = msa::SelectScores::kFp8; p.max_q_len = 16; }},
+      {"FP8 scores over an E4M3 k_idx cache", "select_scores",
+       [](P& p, ValidPaged&) { p.opts.select_scores = msa::SelectScores::kFp8; p.cache.k_idx.dtype = DType::kFloat8E4M3; }},
   };
   cases.insert(cases.end(), own.begin(), own.end());
   run_cases<P>(cases, [](ValidPaged& v) { return v.select(); }, [](const P& p) { return msa::paged_select_blocks(p); });
@@ -407,8 +450,10 @@ TEST(PagedValidation, Forward) {
       {"out aliasing the cache", "out", [](P& p, ValidPaged&) { p.out.data = p.cache.v.data; }},
       {"block_idx width vs top_k", "block_idx", [](P& p, ValidPaged&) { p.opts.top_k = 1; p.opts.local_blocks = 1; }},
       {"scale", "scale", [](P& p, ValidPaged&) { p.opts.scale = NAN; }},
-      {"FP8 copies of the index inputs", "select_scores",
-       [](P& p, ValidPaged&) { p.opts.select_scores = msa::SelectScores::kFp8; }},
+      {"FP8 scores in decode", "select_scores",
+       [](P& p, ValidPaged&) { p.opts.select_scores = msa::SelectScores::kFp8; p.max_q_len = 16; }},
+      {"FP8 scores over an E4M3 k_idx cache", "select_scores",
+       [](P& p, ValidPaged&) { p.opts.select_scores = msa::SelectScores::kFp8; p.cache.k_idx.dtype = DType::kFloat8E4M3; }},
   };
   cases.insert(cases.end(), own.begin(), own.end());
   run_cases<P>(cases, [](ValidPaged& v) { return v.forward(true); }, [](const P& p) { return msa::paged_forward(p); });
