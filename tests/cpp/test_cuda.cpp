@@ -1897,6 +1897,79 @@ TEST(CudaPaged, PrefillByEachForwardPass) {
   }
 }
 
+// FP8 scores in a prefill (select_scores = kFp8, fp8_rerank 0 and 4): the E4M3 copies of each
+// page are select_blocks's copies of that sequence's block, so paged_select_blocks (and
+// paged_forward's selection) over a shuffled page table, with a poisoned workspace, must equal
+// select_blocks with kFp8 on the contiguous sequences bit for bit; and follow the contract's
+// rule over the CPU reference's FP8 scores (fp8_scored: the tests' own quantiser).
+TEST(CudaPaged, PrefillFp8ScoresEqualSelectBlocks) {
+  SKIP_WITHOUT_CUDA();
+  const PagedCase cases[] = {
+      with_forced(paged_gpu_case({3000, 700, 1, 500, 1280}, {600, 200, 1, 0, 129}, 16, 2, 2, 1, 128, 128, 6, kBf16, 0, 61),
+                  1, 2),
+      // paper-like heads (G = 16), two index key heads, the whole of one sequence new
+      paged_gpu_case({5000, 257}, {700, 257}, 32, 2, 2, 2, 128, 128, 8, kBf16, 0, 62),
+      // other variants (skipped when not built)
+      paged_gpu_case({1500, 64}, {300, 64}, 8, 2, 4, 1, 64, 64, 4, kFp16, 0, 63),
+  };
+  for (const PagedCase& base : cases) {
+    if (!kernels_built(base.config(), false, true)) continue;
+    Stream st(true);
+    PagedBatch b(base);
+    DevicePaged d(b, st.get());
+    const PagedRefs r = d.refs();
+    Problem& full = b.full;
+    const Problem q8 = fp8_scored(full);
+    const IndexScores own(full), own8(q8);
+    DeviceTensor fq = DeviceTensor::upload(full.q_idx, st.get()), fk = DeviceTensor::upload(full.k_idx, st.get());
+    DeviceTensor fcu = DeviceTensor::upload(full.cu, st.get());
+    for (const int m : {0, 4}) {
+      PagedCase cs = base;
+      cs.select_scores = msa::SelectScores::kFp8;
+      cs.fp8_rerank = m;
+      SCOPED_TRACE(cs.str());
+      // select_blocks on the contiguous sequences, the new tokens' rows.
+      DeviceTensor fbi = DeviceTensor::poisoned(DType::kInt32, {full.T, cs.Hi, cs.k}, st.get());
+      msa::SelectParams sp;
+      sp.q_idx = fq.ref();
+      sp.k_idx = fk.ref();
+      sp.cu_seqlens = fcu.ref();
+      sp.block_idx = fbi.ref();
+      sp.opts = cs.options();
+      sp.launch.stream = st.get();
+      DeviceTensor fws = DeviceTensor::poisoned(DType::kInt32, {static_cast<int64_t>(msa::workspace_size(sp) / 4 + 1)}, st.get());
+      sp.launch.workspace = fws.ref().data;
+      sp.launch.workspace_bytes = msa::workspace_size(sp);
+      require_ok(msa::select_blocks(sp));
+      const HostTensor want = gather_rows(fbi.download(st.get()), b.new_rows);
+      // The paged selection, its workspace poisoned.
+      DeviceTensor bi = DeviceTensor::poisoned(DType::kInt32, {b.Tq, cs.Hi, cs.k}, st.get());
+      msa::PagedSelectParams ps = paged_select_params(cs, r, bi.ref());
+      const size_t bytes = msa::workspace_size(ps);
+      ASSERT_GT(bytes, 0u);
+      DeviceTensor ws = DeviceTensor::poisoned(DType::kInt32, {static_cast<int64_t>(bytes / 4 + 1)}, st.get());
+      ps.launch.workspace = ws.ref().data;
+      ps.launch.workspace_bytes = bytes;
+      ps.launch.stream = st.get();
+      require_ok(msa::paged_select_blocks(ps));
+      const HostTensor got = bi.download(st.get());
+      EXPECT_EQ(first_difference(got, want), "") << "paged_select_blocks against select_blocks";
+      const Failures f = m == 0 ? check_selection(q8, own8, to_full_rows(got, b, -1), nullptr, b.new_rows)
+                                : check_selection(full, own, to_full_rows(got, b, -1), nullptr, b.new_rows, &own8, m);
+      EXPECT_EQ(f.count, 0) << "paged_select_blocks, the contract's rule:" << f.first;
+      // paged_forward's selection.
+      DeviceTensor bi2 = DeviceTensor::poisoned(DType::kInt32, {b.Tq, cs.Hi, cs.k}, st.get());
+      DeviceTensor out2 = DeviceTensor::poisoned(cs.dtype, {b.Tq, cs.Hq, cs.D}, st.get());
+      msa::PagedForwardParams fp = paged_forward_params(cs, r, Mode::kSparse, true, bi2.ref(), out2.ref(), {});
+      Workspace ws2(msa::workspace_size(fp));
+      ws2.attach(fp);
+      fp.launch.stream = st.get();
+      require_ok(msa::paged_forward(fp));
+      EXPECT_EQ(first_difference(bi2.download(st.get()), want), "") << "paged_forward's selection";
+    }
+  }
+}
+
 // paged_append writes exactly the new tokens' rows, as the CPU backend does.
 TEST(CudaPaged, AppendMatchesCpu) {
   SKIP_WITHOUT_CUDA();

@@ -192,9 +192,7 @@ struct HasPagedKeys<P, std::void_t<decltype(std::declval<P>().paged)>> : std::tr
 // KV tile x of a KV-side pass: Bk keys of a packed sequence, or of a paged one.
 template <int kBlockN, class Params>
 __device__ inline QueryTile kv_tile_of(const Params& p, int64_t x) {
-  if constexpr (HasPagedKeys<Params>::value) {
-    if (p.paged.page_table != nullptr) return p.paged.kv_tile(p.cu_seqlens, p.nseq, p.T, kBlockN, x);
-  }
+  if constexpr (HasPagedKeys<Params>::value) return p.paged.tile_of(p.cu_seqlens, p.nseq, p.T, kBlockN, x);
   return decode_tile(p.cu_seqlens, p.nseq, p.T, kBlockN, x);
 }
 

@@ -60,9 +60,19 @@ struct PagedKeys {
   // pos0 the position of the sequence's first new token and key_len its cached keys.
   __device__ QueryTile kv_tile(const int32_t* cu, int32_t nseq, int64_t T, int32_t bk, int64_t x) const;
   // The row in the key tensors of the first key of KV tile `t` (kv_tile's), its page clamped.
-  __device__ int64_t kv_row(const QueryTile& t, int32_t bk) const {
-    const int32_t p = page_table[t.seq * pt_s0 + t.first / bk], pages = kv_rows / bk;
+  __device__ int64_t kv_row(const QueryTile& t, int32_t bk) const { return page_row(t.seq, t.first / bk, bk); }
+  // The first row of block b of sequence s: its page's, the page id clamped.
+  __device__ int64_t page_row(int32_t s, int32_t b, int32_t bk) const {
+    const int32_t p = page_table[s * pt_s0 + b], pages = kv_rows / bk;
     return int64_t(p < 0 ? 0 : (p >= pages ? pages - 1 : p)) * bk;
+  }
+  // KV tile x of either layout: kv_tile's with a page table, else decode_tile's (bk keys of a
+  // packed sequence).
+  __device__ QueryTile tile_of(const int32_t* cu, int32_t nseq, int64_t T, int32_t bk, int64_t x) const;
+  // The KV tile id of block 0 of sequence `seq` (whose tokens start at packed row `seq_start`):
+  // the KV-side passes' numbering, seq * max_pages with a page table, else decode_tile's.
+  __host__ __device__ int64_t first_kv_tile(int32_t seq, int64_t seq_start, int32_t bk) const {
+    return page_table != nullptr ? int64_t(seq) * (key_cap / bk) : seq + seq_start / bk;
   }
 };
 
@@ -137,6 +147,11 @@ __device__ inline QueryTile PagedKeys::kv_tile(const int32_t* cu, int32_t nseq, 
   t.pos0 = len > t.seq_len ? len - t.seq_len : 0;
   t.key_len = len;
   return t;
+}
+
+__device__ inline QueryTile PagedKeys::tile_of(const int32_t* cu, int32_t nseq, int64_t T, int32_t bk,
+                                               int64_t x) const {
+  return page_table != nullptr ? kv_tile(cu, nseq, T, bk, x) : decode_tile(cu, nseq, T, bk, x);
 }
 
 inline int64_t num_tile_ids(int32_t nseq, int64_t T, int32_t m) { return nseq + T / m + 1; }

@@ -98,9 +98,12 @@ struct Fp8CopyArgs : SeqArgs {
   int64_t q_s0 = 0, q_s1 = 0, k_s0 = 0, k_s1 = 0;
   int32_t Hi = 0, Hik = 0, block_size = 0;
   bool negate = false;  // scale_idx < 0: the q_idx codes' signs flipped
-  uint8_t *q8 = nullptr, *k8 = nullptr;  // [T, Hi, Di], [T, Hik, Di] codes, packed
-  float* k_factor = nullptr;             // [T, Hik]: written at each block's first row
-  int64_t num_blocks = 0;                // grid.x of fp8_blocks_kernel: block tile ids
+  uint8_t *q8 = nullptr, *k8 = nullptr;  // [T, Hi, Di], [key rows, Hik, Di] codes
+  float* k_factor = nullptr;             // [key rows, Hik]: written at each block's first row
+  int64_t num_blocks = 0;                // grid.x of fp8_blocks_kernel: KV tile ids
+  // k_idx in a paged cache (a prefill): KV tile x = block b of sequence s (PagedKeys::kv_tile)
+  // is copied from its page to key rows x * Bk ... (the select kernel's slot of that block).
+  kern::PagedKeys paged;
 };
 
 // The re-ranking of FP8 shortlists (Options.fp8_rerank = m > 0; kernels/rerank_kernel.cuh).
@@ -146,11 +149,24 @@ struct SelectArgs : SeqArgs {
   int64_t num_tiles = 0;
   kern::PagedKeys paged;  // k_idx in a paged cache (a serving prefill); default: packed
   // Options.select_scores = kFp8: the E4M3 copies `copy` makes first (into the workspace)
-  // replace q_idx and k_idx (then packed codes), and each block's maxima are scaled by its
-  // copy.k_factor.
+  // replace q_idx and k_idx (then codes: packed like the keys, or a prefill's pages as KV tile
+  // slots), and each block's maxima are scaled by its copy.k_factor.
   bool fp8 = false;
   Fp8CopyArgs copy;
   RerankArgs rerank;  // FP8 scores with fp8_rerank > 0
+
+  // Rows of the key tensor the select kernel reads: T packed keys (or their copies), the pages'
+  // rows, or the copies of a prefill's pages: nseq * max_pages slots of Bk rows.
+  __host__ __device__ int32_t key_rows() const {
+    return paged.page_table == nullptr ? T : (fp8 ? nseq * paged.key_cap : paged.kv_rows);
+  }
+  // The key row of block 0 of the tile's sequence in that tensor (0 where a page table places
+  // each block); k_factor is indexed from it as well.
+  __host__ __device__ int64_t key_row0(const kern::QueryTile& t) const {
+    return paged.page_table == nullptr ? t.seq_start : (fp8 ? int64_t(t.seq) * paged.key_cap : 0);
+  }
+  // Block b's page (null: block b is tile b from key_row0).
+  __device__ const int32_t* pages(const kern::QueryTile& t) const { return fp8 ? nullptr : paged.pages(t); }
 };
 
 // Attention backward, query side (kernels/bwd_q_kernel.cuh).

@@ -124,7 +124,7 @@ Status launch_select(const SelectArgs& a, cudaStream_t stream) {
     kern::SelectKernelParams<Traits> p{};
     static_cast<SelectArgs&>(p) = a;
     auto g = make_tensor(make_gmem_ptr(static_cast<E const*>(a.k_idx)),
-                         make_layout(make_shape(a.paged.rows(a.T), int32_t(kDim), a.Hik),
+                         make_layout(make_shape(a.key_rows(), int32_t(kDim), a.Hik),
                                      make_stride(a.k_s0, _1{}, a.k_s1)));
     p.tma_k = make_tma_copy(SM90_TMA_LOAD{}, g, take<0, 2>(typename Traits::SmemLayoutK{}),
                             Shape<Int<kBlockN>, Int<kDim>>{}, _1{});

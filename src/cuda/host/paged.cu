@@ -5,7 +5,8 @@
 // and page tables.
 //
 //   paged_select_blocks  a prefill (max_q_len = 0): the training selection kernel
-//                        (select_kernel) with the page table as its block iterator; decode:
+//                        (select_kernel) with the page table as its block iterator (FP8
+//                        scores: over E4M3 copies of each sequence's pages); decode:
 //                        paged_score_kernel (block scores, in passes of tokens that bound the
 //                        score buffer) -> paged_topk_kernel
 //   paged_forward        [selection] -> a prefill (max_q_len = 0): the training forward
@@ -118,6 +119,15 @@ Status can_paged_select(const char* fn, const Problem& prob, const PagedSelectPa
                                  " index heads per index key head, got " + std::to_string(prob.idx_per_key()));
   if (prob.k > 256)
     return fail(fn, "top_k", "the CUDA serving kernels take at most 256, got " + std::to_string(prob.k));
+  if (prob.opts.select_scores == SelectScores::kFp8) {  // a prefill over a 16-bit cache (validated)
+    MSA_TRY(can_select(fn, prob, p.q_idx, p.cache.k_idx, false));
+    if (prob.k > kTileSelectMaxK)
+      return fail(fn, "top_k", "FP8 scores in a CUDA prefill take at most " + std::to_string(kTileSelectMaxK) +
+                                   " (the selection kernel's candidate lists), got " + std::to_string(prob.k));
+    if (!pages_are_rows(p.cache.k_idx, prob.opts.block_size))
+      return fail(fn, "cache.k_idx", "FP8 scores in a CUDA prefill read pages that are whole row ranges "
+                                     "(page stride = block_size rows)");
+  }
   return Status::Ok();
 }
 
@@ -187,12 +197,15 @@ SelectPlan select_plan(const Problem& prob, const PagedSelectParams& p) {
     s.k_s0 = p.cache.k_idx.stride[1];
     s.k_s1 = p.cache.k_idx.stride[2];
     s.paged = paged_keys(p.cache, p.cache.k_idx, bk);
+    // FP8 scores: E4M3 copies of q_idx and of the sequences' pages, in the workspace.
+    sp.bytes = select_fp8_bytes(prob, s.nseq, s.paged);
   }
   return sp;
 }
 
 Status run_select(const char* fn, const Problem& prob, SelectPlan sp, void* ws, DType dt,
                   cudaStream_t stream) {
+  if (sp.query_tile && prob.opts.select_scores == SelectScores::kFp8) set_select_fp8(prob, ws, &sp.tile);
   if (sp.query_tile)
     return dispatch(fn, "q_idx", dt, prob.Di, prob.opts.block_size, [&](auto v) {
       using V = decltype(v);

@@ -268,17 +268,29 @@ int32_t rerank_width(const Problem& prob) {
 }
 
 namespace {
+// The key side of an FP8 selection: the rows of the k_idx copy and the KV tile ids its blocks
+// have (packed keys: T rows, decode_tile's ids; a prefill's pages: a slot of Bk rows per
+// block of each sequence, PagedKeys::kv_tile's ids).
+struct Fp8Keys {
+  int64_t rows = 0, tiles = 0;
+  Fp8Keys(const Problem& prob, int32_t nseq, const kern::PagedKeys& paged) {
+    const int32_t bk = prob.opts.block_size;
+    rows = paged.page_table != nullptr ? int64_t(nseq) * paged.key_cap : prob.T;
+    tiles = paged.page_table != nullptr ? paged.kv_tiles(nseq, bk) : kern::num_tile_ids(nseq, prob.T, bk);
+  }
+};
+
 // The re-ranking's buffers (RerankArgs), in this order: cand, rows, seg_count, seg_start,
 // chunk_start, entries, score, CUB's temporary bytes.
 struct RerankLayout {
   size_t cand = 0, rows = 0, seg = 0, chunk = 0, entries = 0, cub = 0;
   int64_t nseg = 0;
   int32_t ranges = 1, range_shift = 12;  // at least 4096 tokens a range, at most 64 ranges
-  RerankLayout(const Problem& prob, int32_t nseq) {
+  RerankLayout(const Problem& prob, const Fp8Keys& keys) {
     const int32_t w = rerank_width(prob);
     if (w == 0) return;
     const size_t n = size_t(prob.T) * prob.Hi * w;
-    nseg = kern::num_tile_ids(nseq, prob.T, prob.opts.block_size) * prob.Hik;
+    nseg = keys.tiles * prob.Hik;
     while ((prob.T >> range_shift) >= 64) ++range_shift;
     ranges = static_cast<int32_t>((prob.T >> range_shift) + 1);
     cand = align_up(4 * n);
@@ -292,13 +304,16 @@ struct RerankLayout {
 };
 }  // namespace
 
-// Codes of q_idx [T, Hi, Di], of k_idx [T, Hik, Di], then k_factor [T, Hik] fp32; then the
-// re-ranking's buffers.
-size_t select_fp8_bytes(const Problem& prob, const TensorRef& cu) {
+// Codes of q_idx [T, Hi, Di], of k_idx [key rows, Hik, Di], then k_factor [key rows, Hik] fp32;
+// then the re-ranking's buffers.
+size_t select_fp8_bytes(const Problem& prob, int32_t nseq, const kern::PagedKeys& paged) {
   if (prob.opts.select_scores != SelectScores::kFp8 || prob.opts.mode != Mode::kSparse) return 0;
-  return align_up(size_t(prob.T) * prob.Hi * prob.Di) + align_up(size_t(prob.T) * prob.Hik * prob.Di) +
-         align_up(sizeof(float) * size_t(prob.T) * prob.Hik) + RerankLayout(prob, seqs(cu)).bytes();
+  const Fp8Keys keys(prob, nseq, paged);
+  return align_up(size_t(prob.T) * prob.Hi * prob.Di) + align_up(size_t(keys.rows) * prob.Hik * prob.Di) +
+         align_up(sizeof(float) * size_t(keys.rows) * prob.Hik) + RerankLayout(prob, keys).bytes();
 }
+
+size_t select_fp8_bytes(const Problem& prob, const TensorRef& cu) { return select_fp8_bytes(prob, seqs(cu), {}); }
 
 namespace {
 // The index inputs' pointers and strides from the selection's Args (before the copies replace them).
@@ -321,15 +336,17 @@ void set_select_fp8(const Problem& prob, void* ws, SelectArgs* a) {
   c.Hik = prob.Hik;
   c.block_size = prob.opts.block_size;
   c.negate = a->negate;
+  c.paged = a->paged;
+  const Fp8Keys keys(prob, a->nseq, a->paged);
   char* base = static_cast<char*>(ws);
   c.q8 = reinterpret_cast<uint8_t*>(base);
   base += align_up(size_t(prob.T) * prob.Hi * prob.Di);
   c.k8 = reinterpret_cast<uint8_t*>(base);
-  base += align_up(size_t(prob.T) * prob.Hik * prob.Di);
+  base += align_up(size_t(keys.rows) * prob.Hik * prob.Di);
   c.k_factor = reinterpret_cast<float*>(base);
-  base += align_up(sizeof(float) * size_t(prob.T) * prob.Hik);
-  c.num_blocks = kern::num_tile_ids(a->nseq, prob.T, prob.opts.block_size);
-  const RerankLayout l(prob, a->nseq);
+  base += align_up(sizeof(float) * size_t(keys.rows) * prob.Hik);
+  c.num_blocks = keys.tiles;
+  const RerankLayout l(prob, keys);
   if (l.nseg > 0) {
     RerankArgs& r = a->rerank;
     r.m = prob.opts.fp8_rerank;

@@ -56,7 +56,9 @@ bool dq_from_ds(const Problem& prob, bool kl);
 SelectArgs select_args(const Problem& prob, const TensorRef& q_idx, const TensorRef& k_idx,
                        const TensorRef& cu, const TensorRef& block_idx);
 // Options.select_scores = kFp8: the workspace of the E4M3 copies (0 otherwise), and the Args
-// that make them there and select over them (`ws`: at least select_fp8_bytes).
+// that make them there and select over them (`ws`: at least select_fp8_bytes; packed keys, or
+// a prefill's pages `paged`, as the Args hold them).
+size_t select_fp8_bytes(const Problem& prob, int32_t nseq, const kern::PagedKeys& paged);
 size_t select_fp8_bytes(const Problem& prob, const TensorRef& cu_seqlens);
 // kFp8 with fp8_rerank > 0 (sparse mode): the width of a shortlist row, top_k + fp8_rerank; else 0.
 int32_t rerank_width(const Problem& prob);

@@ -49,11 +49,11 @@ __global__ void key_kernel(const int32_t* block_idx, int64_t bi_s0, int64_t bi_s
     if (!none && t >= start && t < end && (taken == nullptr || taken[e] == 0)) {
       // The token's position and its sequence's first KV tile (paged keys: the tokens are the
       // last new ones of the sequence's cached keys, and its KV tiles its max_pages blocks).
-      int64_t pos = t - start, x0 = s + start / Bk;
+      int64_t pos = t - start;
+      const int64_t x0 = paged.first_kv_tile(s, start, Bk);
       if (paged.page_table != nullptr) {
         const int64_t len = kern::clamp_offset(paged.seq_lens[s], 0, paged.key_cap);
         pos += len > end - start ? len - (end - start) : 0;
-        x0 = int64_t(s) * (paged.key_cap / Bk);
       }
       const int32_t b = block_idx[t * bi_s0 + i * bi_s1 + slot];
       if (b >= 0 && b <= pos / Bk) {
@@ -131,8 +131,7 @@ __global__ void chunk_kernel(kern::EntryListParams list, const int32_t* cu, int3
   if (item >= items) return;
   const int64_t x = item / Hkv;
   const int32_t r = item % Hkv;
-  const kern::QueryTile tile = paged.page_table != nullptr ? paged.kv_tile(cu, nseq, T, Bk, x)
-                                                           : kern::decode_tile(cu, nseq, T, Bk, x);
+  const kern::QueryTile tile = paged.tile_of(cu, nseq, T, Bk, x);
   int32_t n = 0;
   if (tile.count > 0) {
     const kern::EntryList l(list, tile, x, r, Hkv, ipk, m);

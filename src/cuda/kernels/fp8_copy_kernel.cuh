@@ -9,7 +9,10 @@
 // row's scores. A negative scale_idx is folded in as a sign flip of the codes (exact).
 // fp8_blocks_kernel: one CTA of 128 threads per (key block of a sequence, index key head): the
 // block's amax (16-byte loads, a CTA reduction), then the codes; 1 / s goes to k_factor at the
-// block's first row, where select_kernel reads it to scale the block's maxima.
+// block's first row, where select_kernel reads it to scale the block's maxima. A prefill's keys
+// in pages: block b of sequence s (KV tile x = s * max_pages + b, PagedKeys::kv_tile) is read
+// from its page and written to rows x * Bk ... of the copy, the rows past the sequence's last
+// key zeroed; blocks past it, and sequences without new tokens, are skipped.
 #pragma once
 
 #include <cutlass/array.h>
@@ -55,11 +58,14 @@ template <class Element, int kDim>
 __global__ void __launch_bounds__(128) fp8_blocks_kernel(const __grid_constant__ Fp8CopyArgs a) {
   constexpr int kChunks = kDim / 8;  // 8 elements (16 bytes) per load
   using Vec = cutlass::AlignedArray<Element, 8>;
-  const QueryTile blk = decode_tile(a.cu_seqlens, a.nseq, a.T, a.block_size, blockIdx.x);
+  const QueryTile blk = a.paged.tile_of(a.cu_seqlens, a.nseq, a.T, a.block_size, blockIdx.x);
   if (blk.count == 0) return;
   const int32_t ik = blockIdx.y;
-  const int64_t r0 = blk.seq_start + blk.first;
-  const Element* src = static_cast<const Element*>(a.k_idx) + r0 * a.k_s0 + ik * a.k_s1;
+  const bool paged = a.paged.page_table != nullptr;
+  // The block's first row in the keys, and in the copy.
+  const int64_t src0 = paged ? a.paged.kv_row(blk, a.block_size) : blk.seq_start + blk.first;
+  const int64_t r0 = paged ? int64_t(blockIdx.x) * a.block_size : src0;
+  const Element* src = static_cast<const Element*>(a.k_idx) + src0 * a.k_s0 + ik * a.k_s1;
   const int n = blk.count * kChunks;
   float amax = 0.f;
   for (int e = threadIdx.x; e < n; e += 128) {
@@ -84,6 +90,9 @@ __global__ void __launch_bounds__(128) fp8_blocks_kernel(const __grid_constant__
     for (int j = 0; j < 8; ++j) out[j] = e4m3_from_float(__fmul_rn(static_cast<float>(v[j]), s));
     *reinterpret_cast<cutlass::AlignedArray<uint8_t, 8>*>(dst + int64_t(r) * a.Hik * kDim + c * 8) = out;
   }
+  if (!paged) return;  // packed: the rows after the block are the next block's
+  for (int e = n + threadIdx.x; e < a.block_size * kChunks; e += 128)
+    *reinterpret_cast<uint64_t*>(dst + int64_t(e / kChunks) * a.Hik * kDim + (e % kChunks) * 8) = 0;
 }
 
 }  // namespace msa::cuda::kern

@@ -70,8 +70,7 @@ __global__ void pass_choice_kernel(const __grid_constant__ FwdArgs p, int32_t bk
       const unsigned long long tile_cost = static_cast<unsigned long long>(p.tile_tokens) * kKvCostDen;
       // The work item of block b: KV tile x0 + b (the reverse index's numbering: packed keys,
       // or a prefill's pages) of KV head r.
-      const int64_t x0 = p.paged.page_table != nullptr ? int64_t(tile.seq) * (p.paged.key_cap / bk)
-                                                       : tile.seq + tile.seq_start / bk;
+      const int64_t x0 = p.paged.first_kv_tile(tile.seq, tile.seq_start, bk);
       const int32_t r = ih / p.idx_per_kv;
       for (int32_t x = lane; x < nwords; x += 32) {
         const uint32_t word = cw[x];

@@ -78,7 +78,7 @@ __global__ void __launch_bounds__(Traits::kThreads) rerank_score_kernel(const __
   const int32_t e0 = r.seg_start[seg * nr] + (chunk - r.chunk_start[seg]) * kRows;
   const int32_t count = min(kRows, r.seg_start[(seg + 1) * nr] - e0);
   const int32_t ik = static_cast<int32_t>(seg % a.Hik);
-  const QueryTile blk = decode_tile(a.cu_seqlens, a.nseq, a.T, kBlockN, seg / a.Hik);
+  const QueryTile blk = a.paged.tile_of(a.cu_seqlens, a.nseq, a.T, kBlockN, seg / a.Hik);
   const int32_t Hi = a.Hik * a.idx_per_key;
 
   extern __shared__ __align__(1024) char smem_raw[];
@@ -87,7 +87,9 @@ __global__ void __launch_bounds__(Traits::kThreads) rerank_score_kernel(const __
   Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutK{});
   const int tidx = threadIdx.x;
   const Element* q_idx = as<Element>(r.q_idx);
-  const Element* keys = as<Element>(r.k_idx) + (blk.seq_start + blk.first) * r.k_s0 + ik * r.k_s1;
+  // The block's keys: packed, or a prefill's page.
+  const int64_t key0 = a.paged.page_table != nullptr ? a.paged.kv_row(blk, kBlockN) : blk.seq_start + blk.first;
+  const Element* keys = as<Element>(r.k_idx) + key0 * r.k_s0 + ik * r.k_s1;
   // One thread copies the same 16 bytes of rows row0, row0 + step, ... of both tiles.
   const BlockRowLoader<kBlockN, kDim, Traits::kThreads> k_load(sK, tidx);
   const BlockRowLoader<kRows, kDim, Traits::kThreads> q_load(sQ, tidx);

@@ -15,6 +15,8 @@
 // them, see the block loop), and each block's maxima are scaled by the block's k_factor; the
 // candidate lists are the same. With fp8_rerank = m > 0 a row's list holds m candidates more than
 // its free slots, and the kernel leaves that shortlist to rerank_kernel.cuh instead of choosing.
+// A prefill over paged k_idx reads block b of sequence s from page page_table[s, b], or with
+// FP8 scores from the copies' slot of that block (SelectArgs::key_row0: KV tile s * max_pages + b).
 #pragma once
 
 #include <cuda_fp16.h>
@@ -120,10 +122,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   if (producer) {
     cutlass::arch::warpgroup_reg_dealloc<40>();
     if (threadIdx.x != 0) return;
-    Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.paged.rows(p.T), kDim, p.Hik));
-    // Block b: tile b of the sequence's rows, or page pages[b] (ids out of range read zeros).
-    const int32_t* pages = p.paged.pages(tile);
-    const int32_t seq0 = pages != nullptr ? 0 : static_cast<int32_t>(tile.seq_start);
+    Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.key_rows(), kDim, p.Hik));
+    // Block b: tile b of the sequence's rows (or of its pages' copies), or page pages[b] (ids
+    // out of range read zeros).
+    const int32_t* pages = p.pages(tile);
+    const int32_t seq0 = static_cast<int32_t>(p.key_row0(tile));
     Tensor gK = local_tile(domain_offset(make_coord(seq0, _0{}), mK(_, _, ik)),
                            Shape<Int<kBlockN>, Int<kDim>>{}, make_coord(_, _0{}));
     auto [tKg, tKs] = tma_partition(p.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
@@ -271,7 +274,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     Tensor tSrS2 = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
     Tensor S2 = make_tensor(tSrS2.data(), acc_rowcol(tSrS2.layout()));
     clear(tSrS2);  // defined before any GEMM is in flight
-    const float* k_factor = p.copy.k_factor + tile.seq_start * p.Hik + ik;
+    const float* k_factor = p.copy.k_factor + p.key_row0(tile) * p.Hik + ik;
     float factor = k_factor[0];
     typename Pipeline::PipelineState done = state;  // the stage of the block taken next
     pipe.consumer_wait(state);
@@ -335,7 +338,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // chosen ones (-1 until the pick fills them).
     const RerankArgs& r = p.rerank;
     const int64_t row = token * (int64_t(p.Hik) * Gk) + head;
-    const int32_t base = tile.seq + static_cast<int32_t>(tile.seq_start / kBlockN);  // block 0's KV tile id
+    const int32_t base = static_cast<int32_t>(p.paged.first_kv_tile(tile.seq, tile.seq_start, kBlockN));
     int32_t* cand = r.cand + row * r.width;
     int32_t c = 0;
     for (int i = 0; i < slots; ++i)
