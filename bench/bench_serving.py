@@ -23,7 +23,9 @@ E4M3 codes with a scale per (token, head), its largest magnitude / 448): the att
 
 Prefill: chunks of new tokens against a cached prefix, index inputs of mixed overlap
 (bench/selection_patterns.index_inputs); effective TFLOP/s count the selected work only
-(4 * D * Hq * the support size of every row).
+(4 * D * Hq * the support size of every row). The indexer is timed with the inputs' bf16 scores
+and with FP8 scores (select_scores="fp8": E4M3 copies of q_idx and of the pages, re-ranked with
+fp8_rerank 4 and alone with 0), each FP8 selection's recall of the bf16 one reported.
 
     python bench/bench_serving.py --out docs/bench-serving-h200     # everything (a few minutes)
     python bench/bench_serving.py --quick                           # fewer shapes
@@ -44,6 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import msa  # noqa: E402
 from msa import serving  # noqa: E402
 import selection_patterns as sp  # noqa: E402
+from bench_select_fp8 import recall  # noqa: E402
 
 HQ, HKV, HI, HIK, D, DI, BK, K = 64, 4, 4, 1, 128, 128, 128, 16
 SINK, LOCAL = 1, 4
@@ -297,6 +300,14 @@ def prefill_case(cache: Cache, prefix: int, chunk: int, dev, alpha: float = 0.44
                                                           block_idx=bi, fwd_pass=fp, **kw), iters=5, warmup=1)
                   for fp in ("auto", "query_tile", "split", "kv_block")}
         t_attend = t_pass["auto"]
+        # FP8 index scores (E4M3 copies of q_idx and of the pages), re-ranked (4) and alone (0).
+        t_fp8, bi_fp8 = {}, {}
+        for m in (4, 0):
+            bi_fp8[m] = serving.paged_select_blocks(q_idx, cache.k_idx, page_table, seq_lens, cu, K,
+                                                    select_scores="fp8", fp8_rerank=m, **kw)
+            t_fp8[m] = timed(lambda: serving.paged_select_blocks(
+                q_idx, cache.k_idx, page_table, seq_lens, cu, K, select_scores="fp8", fp8_rerank=m, **kw),
+                iters=5, warmup=1)
     stats = sp.selection_stats(bi, torch.tensor([0, chunk], dtype=torch.int32, device=dev), k=K)
     plain, split, items = split_model(bi, prefix)
     # Support size of every (token, index head) row: its valid blocks, the own block partial.
@@ -307,6 +318,8 @@ def prefill_case(cache: Cache, prefix: int, chunk: int, dev, alpha: float = 0.44
     has_own = (bi == own).any(-1)
     support = full_blocks * BK + has_own * (pos % BK + 1)[:, None]
     flops = 4 * D * (HQ // HI) * float(support.sum())
+    forced = ((bi <= own) & (bi > own - LOCAL)) | ((bi >= 0) & (bi < SINK))
+    rec = {m: recall(bi_fp8[m], bi, forced) for m in bi_fp8}
     index_flops = 2 * DI * HI * float((pos + 1).sum())
     return dict(kind="prefill", ctx=total, batch=1, q_len=chunk, overlap=round(stats["overlap"], 3),
                 union=round(stats["union"], 2), indexer_ms=t_index, attend_ms=t_attend,
@@ -315,7 +328,11 @@ def prefill_case(cache: Cache, prefix: int, chunk: int, dev, alpha: float = 0.44
                 model_plain=plain, model_split_pairs=split, model_items=items,
                 step_ms=t_index + t_attend, attend_tflops=flops / (t_attend * 1e-3) / 1e12,
                 attend_query_tile_tflops=flops / (t_pass["query_tile"] * 1e-3) / 1e12,
-                indexer_tflops=index_flops / (t_index * 1e-3) / 1e12)
+                indexer_tflops=index_flops / (t_index * 1e-3) / 1e12,
+                indexer_fp8_ms=t_fp8[4], indexer_fp8_tflops=index_flops / (t_fp8[4] * 1e-3) / 1e12,
+                recall_fp8=rec[4][0], recall_free_fp8=rec[4][1],
+                indexer_fp8_alone_ms=t_fp8[0], indexer_fp8_alone_tflops=index_flops / (t_fp8[0] * 1e-3) / 1e12,
+                recall_fp8_alone=rec[0][0], recall_free_fp8_alone=rec[0][1], step_fp8_ms=t_fp8[4] + t_attend)
 
 
 def main(argv=None) -> int:
@@ -395,7 +412,11 @@ def main(argv=None) -> int:
                   f" {r['attend_ms']:.2f} ms ({r['attend_tflops']:.0f} TF/s effective; query tiles"
                   f" {r['attend_query_tile_ms']:.2f}, split {r['attend_split_ms']:.2f}, KV block"
                   f" {r['attend_kv_block_ms']:.2f}; kAuto's model: query tiles {r['model_plain']:.3g},"
-                  f" split {r['model_split_pairs']:.3g} + {r['model_items']} items)")
+                  f" split {r['model_split_pairs']:.3g} + {r['model_items']} items); FP8 indexer"
+                  f" {r['indexer_fp8_ms']:.1f} ms ({r['indexer_fp8_tflops']:.0f} TF/s, recall {r['recall_fp8']:.4f},"
+                  f" non-forced {r['recall_free_fp8']:.4f}), without re-ranking {r['indexer_fp8_alone_ms']:.1f} ms"
+                  f" ({r['indexer_fp8_alone_tflops']:.0f} TF/s, recall {r['recall_fp8_alone']:.4f}); step"
+                  f" {r['step_ms']:.2f} -> {r['step_fp8_ms']:.2f} ms")
     return 0
 
 

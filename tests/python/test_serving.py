@@ -454,3 +454,77 @@ def test_cuda_prefill_by_each_forward_pass():
         assert torch.equal(a, c), "a plan of 128-token passes differs from the eager call"
     err = (got[0].cpu().float() - cpu).norm() / cpu.norm()
     assert err < 1e-2, f"128-token passes: relative L2 error {err:.3e} against the CPU backend"
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if CUDA else []))
+def test_prefill_fp8_scores_equal_select_blocks(device):
+    """select_scores="fp8" in a prefill: the E4M3 copies of each page of a sequence's index keys
+    are msa.select_blocks's copies of that sequence's blocks, so the new tokens select as their
+    positions do in msa.select_blocks(select_scores="fp8") over the contiguous sequences, bit for
+    bit on the same backend (fp8_rerank 0 and 4), and paged_forward's selection too. The FP8
+    selection must differ from the input scores' somewhere, or the case would not tell them
+    apart. On the GPU: a PagedMSAWrapper planned with FP8 scores, captured in a CUDA graph and
+    replayed with a shorter prefix, equals the eager call."""
+    torch.manual_seed(3)
+    Bk, top_k = 128, 6
+    b = Batch([3000, 700, 1, 500], [600, 200, 1, 0], Bk=Bk, Hq=16, Hkv=2, Hi=2, Hik=1, D=128,
+              Di=128, dtype=torch.bfloat16, device=device)
+    q, qi = b.new(b.q), b.new(b.q_idx)
+    kw = dict(sink_blocks=1, local_blocks=2)
+    plain = serving.paged_select_blocks(qi, b.k_idx_cache, b.table, b.seq_lens, b.cu_q, top_k, **kw)
+    for m in (0, 4):
+        want = b.new(msa.select_blocks(b.q_idx, b.k_idx, top_k, Bk, cu_seqlens=b.cu,
+                                       select_scores="fp8", fp8_rerank=m, **kw))
+        got = serving.paged_select_blocks(qi, b.k_idx_cache, b.table, b.seq_lens, b.cu_q, top_k,
+                                          select_scores="fp8", fp8_rerank=m, **kw)
+        assert torch.equal(got, want), f"fp8_rerank {m}: differs from select_blocks"
+        if m == 0:
+            assert not torch.equal(got, plain), "the FP8 selection equals the input scores' here"
+        _, sbi = serving.paged_forward(q, b.k_cache, b.v_cache, b.table, b.seq_lens, b.cu_q,
+                                       q_idx=qi, k_idx_cache=b.k_idx_cache, top_k=top_k,
+                                       select_scores="fp8", fp8_rerank=m, return_block_idx=True,
+                                       **kw)
+        assert torch.equal(sbi, want), f"fp8_rerank {m}: paged_forward's selection differs"
+    if device != "cuda":
+        return
+    cache = serving.PagedKVCache(b.k_cache.shape[0], Bk, 2, 128, num_idx_heads=1,
+                                 idx_head_dim=128, dtype=torch.bfloat16, device="cuda")
+    cache.k.copy_(b.k_cache)
+    cache.v.copy_(b.v_cache)
+    cache.k_idx.copy_(b.k_idx_cache)
+    w = serving.PagedMSAWrapper(cache)
+    w.plan(nseq=len(b.lens), num_tokens=q.shape[0], num_qo_heads=16, max_pages=b.max_pages,
+           num_idx_heads=2, top_k=top_k, select_scores="fp8", **kw)
+    lens = b.seq_lens.clone()
+    g = graph_of(lambda: w.run(q, b.table, lens, b.cu_q, q_idx=qi))
+    for shift in (0, -300):
+        lens.copy_(b.seq_lens + torch.tensor([shift, 0, 0, shift], device="cuda", dtype=torch.int32))
+        g.replay()
+        want = serving.paged_forward(q, cache.k, cache.v, b.table, lens, b.cu_q, q_idx=qi,
+                                     k_idx_cache=cache.k_idx, top_k=top_k, return_lse=True,
+                                     return_block_idx=True, select_scores="fp8", **kw)
+        torch.cuda.synchronize()
+        for a, c in zip((w.out, w.lse, w.block_idx), want):
+            assert torch.equal(a, c), f"graph replay (prefix shift {shift}) differs from the eager call"
+
+
+def test_fp8_scores_errors_name_the_argument():
+    """FP8 scores apply to a prefill over a 16-bit k_idx cache: decode calls, E4M3 caches and bad
+    values are refused naming the argument."""
+    b = Batch([70, 10], [5, 10], Bk=64)
+    qi = b.new(b.q_idx)
+    sel = lambda **kw: serving.paged_select_blocks(qi, b.k_idx_cache, b.table, b.seq_lens,  # noqa: E731
+                                                   b.cu_q, 2, **kw)
+    _error(lambda: sel(select_scores="fp8", max_q_len=16), "select_scores")
+    _error(lambda: sel(select_scores="e4m3"), "select_scores")
+    _error(lambda: sel(select_scores="fp8", fp8_rerank=65), "fp8_rerank")
+    k8 = b.k_idx_cache.nan_to_num(0.0).to(torch.float8_e4m3fn)
+    _error(lambda: serving.paged_select_blocks(qi, k8, b.table, b.seq_lens, b.cu_q, 2,
+                                               k_idx_scale=torch.ones(1), select_scores="fp8"),
+           "select_scores")
+    _error(lambda: serving.paged_forward(b.new(b.q), b.k_cache, b.v_cache, b.table, b.seq_lens,
+                                         b.cu_q, q_idx=qi, k_idx_cache=b.k_idx_cache, top_k=2,
+                                         max_q_len=16, select_scores="fp8"), "select_scores")
+    w = serving.PagedMSAWrapper(serving.PagedKVCache(8, 64, 2, 16, num_idx_heads=1, idx_head_dim=16))
+    _error(lambda: w.plan(2, 15, 4, max_pages=4, num_idx_heads=2, top_k=2, select_scores="int8"),
+           "select_scores")
