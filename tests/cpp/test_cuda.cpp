@@ -1855,6 +1855,18 @@ TEST_P(PagedCudaVsCpu, SelectAndForward) {
 INSTANTIATE_TEST_SUITE_P(Shapes, PagedCudaVsCpu, ::testing::ValuesIn(kPagedCases),
                          [](const ::testing::TestParamInfo<PagedCase>& i) { return "case" + std::to_string(i.index); });
 
+// Prefill batches (seeds seed0 ...): prefixes ending inside, at and after block edges, a
+// sequence without new tokens, one of a single token, sinks and local blocks; paper-like heads
+// (G = 16: 8 tokens per query tile) with two index key heads and a sequence wholly new; another
+// variant (skipped when not built).
+std::vector<PagedCase> prefill_cases(uint64_t seed0) {
+  return {with_forced(paged_gpu_case({3000, 700, 1, 500, 1280}, {600, 200, 1, 0, 129}, 16, 2, 2, 1, 128, 128, 6,
+                                     kBf16, 0, seed0),
+                      1, 2),
+          paged_gpu_case({5000, 257}, {700, 257}, 32, 2, 2, 2, 128, 128, 8, kBf16, 0, seed0 + 1),
+          paged_gpu_case({1500, 64}, {300, 64}, 8, 2, 4, 1, 64, 64, 4, kFp16, 0, seed0 + 2)};
+}
+
 // A sparse prefill by each walk of the training forward over the paged cache (the query tiles,
 // the KV-block pass over the pages, the split of the two, kAuto with the workspace it asks for),
 // in one pass and in passes of 97 tokens (pass boundaries inside query tiles and sequences),
@@ -1862,17 +1874,9 @@ INSTANTIATE_TEST_SUITE_P(Shapes, PagedCudaVsCpu, ::testing::ValuesIn(kPagedCases
 // edges, a sequence without new tokens, one of a single token.
 TEST(CudaPaged, PrefillByEachForwardPass) {
   SKIP_WITHOUT_CUDA();
-  const PagedCase cases[] = {
-      with_forced(paged_gpu_case({3000, 700, 1, 500, 1280}, {600, 200, 1, 0, 129}, 16, 2, 2, 1, 128, 128, 6, kBf16, 0, 51),
-                  1, 2),
-      // paper-like heads (G = 16: 8 tokens per query tile), two index key heads
-      paged_gpu_case({5000, 257}, {700, 257}, 32, 2, 2, 2, 128, 128, 8, kBf16, 0, 52),
-      // other variants (skipped when not built)
-      paged_gpu_case({1500, 64}, {300, 64}, 8, 2, 4, 1, 64, 64, 4, kFp16, 0, 53),
-  };
   const msa::FwdPass passes[] = {msa::FwdPass::kQueryTile, msa::FwdPass::kKvBlock, msa::FwdPass::kSplit,
                                  msa::FwdPass::kAuto};
-  for (const PagedCase& base : cases) {
+  for (const PagedCase& base : prefill_cases(51)) {
     SCOPED_TRACE(base.str());
     if (!kernels_built(base.config(), true, true)) continue;
     Stream st(true);
@@ -1904,15 +1908,7 @@ TEST(CudaPaged, PrefillByEachForwardPass) {
 // rule over the CPU reference's FP8 scores (fp8_scored: the tests' own quantiser).
 TEST(CudaPaged, PrefillFp8ScoresEqualSelectBlocks) {
   SKIP_WITHOUT_CUDA();
-  const PagedCase cases[] = {
-      with_forced(paged_gpu_case({3000, 700, 1, 500, 1280}, {600, 200, 1, 0, 129}, 16, 2, 2, 1, 128, 128, 6, kBf16, 0, 61),
-                  1, 2),
-      // paper-like heads (G = 16), two index key heads, the whole of one sequence new
-      paged_gpu_case({5000, 257}, {700, 257}, 32, 2, 2, 2, 128, 128, 8, kBf16, 0, 62),
-      // other variants (skipped when not built)
-      paged_gpu_case({1500, 64}, {300, 64}, 8, 2, 4, 1, 64, 64, 4, kFp16, 0, 63),
-  };
-  for (const PagedCase& base : cases) {
+  for (const PagedCase& base : prefill_cases(61)) {
     if (!kernels_built(base.config(), false, true)) continue;
     Stream st(true);
     PagedBatch b(base);
@@ -1967,6 +1963,23 @@ TEST(CudaPaged, PrefillFp8ScoresEqualSelectBlocks) {
       require_ok(msa::paged_forward(fp));
       EXPECT_EQ(first_difference(bi2.download(st.get()), want), "") << "paged_forward's selection";
     }
+    // The CUDA limits of the FP8 prefill, named: top_k past the selection kernel's lists, and
+    // a shortlist wider than the re-ranking takes.
+    PagedCase wide = base;
+    wide.select_scores = msa::SelectScores::kFp8;
+    wide.k = 33;
+    DeviceTensor bi3 = DeviceTensor::poisoned(DType::kInt32, {b.Tq, wide.Hi, wide.k}, st.get());
+    expect_error(msa::paged_select_blocks(paged_select_params(wide, r, bi3.ref())), StatusCode::kNotSupported,
+                 "argument 'top_k'", "kFp8 prefill, top_k 33");
+    wide.k = 32;
+    wide.fp8_rerank = 64;
+    DeviceTensor bi4 = DeviceTensor::poisoned(DType::kInt32, {b.Tq, wide.Hi, wide.k}, st.get());
+    msa::PagedSelectParams ps4 = paged_select_params(wide, r, bi4.ref());
+    Workspace ws4(msa::workspace_size(ps4));  // the limit shows at the launch, after the copies
+    ws4.attach(ps4);
+    ps4.launch.stream = st.get();
+    expect_error(msa::paged_select_blocks(ps4), StatusCode::kNotSupported, "'fp8_rerank'",
+                 "kFp8 prefill, top_k 32 + fp8_rerank 64");
   }
 }
 

@@ -57,6 +57,20 @@ std::vector<PagedCase> oracle_cases() {
   return v;
 }
 
+// paged_select_blocks alone, and paged_forward with the selection inside the call, equal the
+// oracle bit for bit (block_idx, out, lse).
+void expect_selections_equal(const PagedCase& cs, PagedBatch& b, const PagedRefs& r, const PagedOracle& o) {
+  PagedOutputs x(b);
+  expect_ok(msa::paged_select_blocks(paged_select_params(cs, r, x.block_idx.ref())));
+  EXPECT_EQ(first_difference(x.block_idx, o.block_idx), "") << "paged_select_blocks";
+  PagedOutputs y(b);
+  expect_ok(msa::paged_forward(
+      paged_forward_params(cs, r, Mode::kSparse, true, y.block_idx.ref(), y.out.ref(), y.lse.ref())));
+  EXPECT_EQ(first_difference(y.block_idx, o.block_idx), "") << "paged_forward(select) block_idx";
+  EXPECT_EQ(first_difference(y.out, o.out), "") << "paged_forward(select) out";
+  EXPECT_EQ(first_difference(y.lse, o.lse), "") << "paged_forward(select) lse";
+}
+
 class PagedVsContiguous : public ::testing::TestWithParam<PagedCase> {};
 
 TEST_P(PagedVsContiguous, SelectAndForward) {
@@ -67,19 +81,7 @@ TEST_P(PagedVsContiguous, SelectAndForward) {
   const HostTensor kc0 = b.kc, vc0 = b.vc, kic0 = b.kic;
 
   const PagedOracle o = paged_oracle(b, Mode::kSparse);
-  {  // the selection alone
-    PagedOutputs x(b);
-    expect_ok(msa::paged_select_blocks(paged_select_params(cs, r, x.block_idx.ref())));
-    EXPECT_EQ(first_difference(x.block_idx, o.block_idx), "") << "paged_select_blocks";
-  }
-  {  // forward with the selection
-    PagedOutputs x(b);
-    expect_ok(msa::paged_forward(
-        paged_forward_params(cs, r, Mode::kSparse, true, x.block_idx.ref(), x.out.ref(), x.lse.ref())));
-    EXPECT_EQ(first_difference(x.block_idx, o.block_idx), "") << "paged_forward(select) block_idx";
-    EXPECT_EQ(first_difference(x.out, o.out), "") << "paged_forward(select) out";
-    EXPECT_EQ(first_difference(x.lse, o.lse), "") << "paged_forward(select) lse";
-  }
+  expect_selections_equal(cs, b, r, o);
   {  // forward over the caller's block_idx, without lse
     PagedOutputs x(b);
     HostTensor bi = o.block_idx;
@@ -128,15 +130,7 @@ TEST(Paged, Fp8ScoresInAPrefill) {
       const PagedOracle o = paged_oracle(b, Mode::kSparse);
       if (m == 0)
         for (int64_t x = 0; x < o.block_idx.numel(); ++x) differ += o.block_idx.get(x) != input_bi.get(x);
-      PagedOutputs x(b);
-      expect_ok(msa::paged_select_blocks(paged_select_params(cs, r, x.block_idx.ref())));
-      EXPECT_EQ(first_difference(x.block_idx, o.block_idx), "") << "paged_select_blocks";
-      PagedOutputs y(b);
-      expect_ok(msa::paged_forward(
-          paged_forward_params(cs, r, Mode::kSparse, true, y.block_idx.ref(), y.out.ref(), y.lse.ref())));
-      EXPECT_EQ(first_difference(y.block_idx, o.block_idx), "") << "paged_forward(select) block_idx";
-      EXPECT_EQ(first_difference(y.out, o.out), "") << "paged_forward(select) out";
-      EXPECT_EQ(first_difference(y.lse, o.lse), "") << "paged_forward(select) lse";
+      expect_selections_equal(cs, b, r, o);
     }
   }
   EXPECT_GT(differ, 0) << "kFp8 chose as kInput everywhere: the cases do not tell the scores apart";

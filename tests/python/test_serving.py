@@ -389,6 +389,17 @@ def test_cuda_matches_cpu_and_graph_replay():
         assert err < 2e-2, f"relative L2 error {err:.3e} against the CPU backend"
 
 
+def _cuda_cache_of(b):
+    """A bfloat16 PagedKVCache on the GPU holding the pages of b (2 KV heads of 128, one index
+    key head of 128)."""
+    cache = serving.PagedKVCache(b.k_cache.shape[0], b.Bk, 2, 128, num_idx_heads=1,
+                                 idx_head_dim=128, dtype=torch.bfloat16, device="cuda")
+    cache.k.copy_(b.k_cache)
+    cache.v.copy_(b.v_cache)
+    cache.k_idx.copy_(b.k_idx_cache)
+    return cache
+
+
 @cuda_only
 def test_cuda_prefill_by_each_forward_pass():
     """A sparse prefill by each walk of the training forward over the pages (fwd_pass) against
@@ -416,11 +427,7 @@ def test_cuda_prefill_by_each_forward_pass():
                               fwd_pass="rows")
 
     # The planned prefill under a CUDA graph: the same shapes, other lengths between replays.
-    cache = serving.PagedKVCache(b.k_cache.shape[0], Bk, 2, 128, num_idx_heads=1,
-                                 idx_head_dim=128, dtype=torch.bfloat16, device="cuda")
-    cache.k.copy_(b.k_cache)
-    cache.v.copy_(b.v_cache)
-    cache.k_idx.copy_(b.k_idx_cache)
+    cache = _cuda_cache_of(b)
     w = serving.PagedMSAWrapper(cache)
     nseq, Tq, max_pages = len(b.lens), q.shape[0], b.max_pages
     w.plan(nseq=nseq, num_tokens=Tq, num_qo_heads=16, max_pages=max_pages, num_idx_heads=2,
@@ -487,11 +494,7 @@ def test_prefill_fp8_scores_equal_select_blocks(device):
         assert torch.equal(sbi, want), f"fp8_rerank {m}: paged_forward's selection differs"
     if device != "cuda":
         return
-    cache = serving.PagedKVCache(b.k_cache.shape[0], Bk, 2, 128, num_idx_heads=1,
-                                 idx_head_dim=128, dtype=torch.bfloat16, device="cuda")
-    cache.k.copy_(b.k_cache)
-    cache.v.copy_(b.v_cache)
-    cache.k_idx.copy_(b.k_idx_cache)
+    cache = _cuda_cache_of(b)
     w = serving.PagedMSAWrapper(cache)
     w.plan(nseq=len(b.lens), num_tokens=q.shape[0], num_qo_heads=16, max_pages=b.max_pages,
            num_idx_heads=2, top_k=top_k, select_scores="fp8", **kw)
