@@ -15,7 +15,8 @@ timed with CUDA events, value checks off (as PagedMSAWrapper.run):
             contiguous K/V of the same heads where it applies (q_len 1: no mask needed); SDPA
             and the graph-replayed step are timed alternately (the clocks are not locked).
 
---fp8: the MSA side of every decode row reads float8 E4M3 copies of the caches (k, v and k_idx,
+--fp8: the MSA side of every decode row (and the prefill rows' indexer, timed once more over
+them) reads float8 E4M3 copies of the caches (k, v and k_idx,
 a scale per page: the page's largest magnitude / 448), while dense and SDPA keep the bf16
 cache; bytes count one byte per E4M3 element. Those rows also time FP8 queries (Q8KV8: q as
 E4M3 codes with a scale per (token, head), its largest magnitude / 448): the attention call
@@ -275,7 +276,12 @@ def split_model(bi: torch.Tensor, pos0: int):
     return plain, split, items
 
 
-def prefill_case(cache: Cache, prefix: int, chunk: int, dev, alpha: float = 0.44):
+def index_flops_of(pos: torch.Tensor) -> float:
+    """The index GEMM of the causal support of new tokens at positions pos: 2 Di Hi sum(p + 1)."""
+    return 2 * DI * HI * float((pos + 1).sum())
+
+
+def prefill_case(cache: Cache, prefix: int, chunk: int, dev, alpha: float = 0.44, e4m3: bool = False):
     total = prefix + chunk
     per = -(-total // BK)
     cu_full = torch.tensor([0, total], dtype=torch.int32, device=dev)
@@ -308,6 +314,14 @@ def prefill_case(cache: Cache, prefix: int, chunk: int, dev, alpha: float = 0.44
             t_fp8[m] = timed(lambda: serving.paged_select_blocks(
                 q_idx, cache.k_idx, page_table, seq_lens, cu, K, select_scores="fp8", fp8_rerank=m, **kw),
                 iters=5, warmup=1)
+        extra = {}
+        if e4m3:  # the indexer over an E4M3 k_idx cache (a scale per page), scored as stored
+            cache.quantise()
+            ki8, kis = cache.fp8["k_idx"], cache.fp8["k_idx_scale"]
+            bi8 = serving.paged_select_blocks(q_idx, ki8, page_table, seq_lens, cu, K, k_idx_scale=kis, **kw)
+            t8 = timed(lambda: serving.paged_select_blocks(q_idx, ki8, page_table, seq_lens, cu, K,
+                                                           k_idx_scale=kis, **kw), iters=5, warmup=1)
+            extra = dict(indexer_e4m3_cache_ms=t8, e4m3_cache_bi=bi8)
     stats = sp.selection_stats(bi, torch.tensor([0, chunk], dtype=torch.int32, device=dev), k=K)
     plain, split, items = split_model(bi, prefix)
     # Support size of every (token, index head) row: its valid blocks, the own block partial.
@@ -320,7 +334,11 @@ def prefill_case(cache: Cache, prefix: int, chunk: int, dev, alpha: float = 0.44
     flops = 4 * D * (HQ // HI) * float(support.sum())
     forced = ((bi <= own) & (bi > own - LOCAL)) | ((bi >= 0) & (bi < SINK))
     rec = {m: recall(bi_fp8[m], bi, forced) for m in bi_fp8}
-    index_flops = 2 * DI * HI * float((pos + 1).sum())
+    if extra:
+        r8 = recall(extra.pop("e4m3_cache_bi"), bi, forced)
+        extra.update(indexer_e4m3_cache_tflops=index_flops_of(pos) / (extra["indexer_e4m3_cache_ms"] * 1e-3) / 1e12,
+                     recall_e4m3_cache=r8[0], recall_free_e4m3_cache=r8[1])
+    index_flops = index_flops_of(pos)
     return dict(kind="prefill", ctx=total, batch=1, q_len=chunk, overlap=round(stats["overlap"], 3),
                 union=round(stats["union"], 2), indexer_ms=t_index, attend_ms=t_attend,
                 attend_query_tile_ms=t_pass["query_tile"], attend_split_ms=t_pass["split"],
@@ -332,7 +350,8 @@ def prefill_case(cache: Cache, prefix: int, chunk: int, dev, alpha: float = 0.44
                 indexer_fp8_ms=t_fp8[4], indexer_fp8_tflops=index_flops / (t_fp8[4] * 1e-3) / 1e12,
                 recall_fp8=rec[4][0], recall_free_fp8=rec[4][1],
                 indexer_fp8_alone_ms=t_fp8[0], indexer_fp8_alone_tflops=index_flops / (t_fp8[0] * 1e-3) / 1e12,
-                recall_fp8_alone=rec[0][0], recall_free_fp8_alone=rec[0][1], step_fp8_ms=t_fp8[4] + t_attend)
+                recall_fp8_alone=rec[0][0], recall_free_fp8_alone=rec[0][1], step_fp8_ms=t_fp8[4] + t_attend,
+                **extra)
 
 
 def main(argv=None) -> int:
@@ -376,7 +395,7 @@ def main(argv=None) -> int:
     if not args.no_prefill:
         for prefix, chunk in ([(131072, 8192), (1 << 20, 8192)] if args.quick else
                               [(131072, 8192), (131072, 32768), (1 << 20, 8192), (1 << 20, 32768)]):
-            r = prefill_case(cache, prefix, chunk, dev)
+            r = prefill_case(cache, prefix, chunk, dev, e4m3=True in fp8s)
             rows.append(r)
             print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}),
                   flush=True)
@@ -416,7 +435,10 @@ def main(argv=None) -> int:
                   f" {r['indexer_fp8_ms']:.1f} ms ({r['indexer_fp8_tflops']:.0f} TF/s, recall {r['recall_fp8']:.4f},"
                   f" non-forced {r['recall_free_fp8']:.4f}), without re-ranking {r['indexer_fp8_alone_ms']:.1f} ms"
                   f" ({r['indexer_fp8_alone_tflops']:.0f} TF/s, recall {r['recall_fp8_alone']:.4f}); step"
-                  f" {r['step_ms']:.2f} -> {r['step_fp8_ms']:.2f} ms")
+                  f" {r['step_ms']:.2f} -> {r['step_fp8_ms']:.2f} ms"
+                  + (f"; over an E4M3 k_idx cache {r['indexer_e4m3_cache_ms']:.1f} ms"
+                     f" ({r['indexer_e4m3_cache_tflops']:.0f} TF/s, recall {r['recall_e4m3_cache']:.4f})"
+                     if "indexer_e4m3_cache_ms" in r else ""))
     return 0
 
 

@@ -104,6 +104,12 @@ struct Fp8CopyArgs : SeqArgs {
   // k_idx in a paged cache (a prefill): KV tile x = block b of sequence s (PagedKeys::kv_tile)
   // is copied from its page to key rows x * Bk ... (the select kernel's slot of that block).
   kern::PagedKeys paged;
+  // A prefill over an E4M3 k_idx cache (the inputs' scores, e4m3_pages_kernel): k_idx holds its
+  // codes, each page's codes go exactly into the queries' 16-bit type at keys16 (the slots as
+  // above) and its scale, scale[page * scale_step], to k_factor.
+  const float* k_scale = nullptr;
+  int64_t k_scale_step = 0;
+  void* keys16 = nullptr;
 };
 
 // The re-ranking of FP8 shortlists (Options.fp8_rerank = m > 0; kernels/rerank_kernel.cuh).
@@ -154,19 +160,22 @@ struct SelectArgs : SeqArgs {
   bool fp8 = false;
   Fp8CopyArgs copy;
   RerankArgs rerank;  // FP8 scores with fp8_rerank > 0
+  // A prefill's keys read from a copy in KV tile slots (FP8 scores, or an E4M3 cache's codes
+  // as 16-bit values: e4m3_keys), each block's maxima scaled by its copy.k_factor.
+  bool slots = false, e4m3_keys = false;
 
   // Rows of the key tensor the select kernel reads: T packed keys (or their copies), the pages'
   // rows, or the copies of a prefill's pages: nseq * max_pages slots of Bk rows.
   __host__ __device__ int32_t key_rows() const {
-    return paged.page_table == nullptr ? T : (fp8 ? nseq * paged.key_cap : paged.kv_rows);
+    return paged.page_table == nullptr ? T : (slots ? nseq * paged.key_cap : paged.kv_rows);
   }
   // The key row of block 0 of the tile's sequence in that tensor (0 where a page table places
   // each block); k_factor is indexed from it as well.
   __host__ __device__ int64_t key_row0(const kern::QueryTile& t) const {
-    return paged.page_table == nullptr ? t.seq_start : (fp8 ? int64_t(t.seq) * paged.key_cap : 0);
+    return paged.page_table == nullptr ? t.seq_start : (slots ? int64_t(t.seq) * paged.key_cap : 0);
   }
   // Block b's page (null: block b is tile b from key_row0).
-  __device__ const int32_t* pages(const kern::QueryTile& t) const { return fp8 ? nullptr : paged.pages(t); }
+  __device__ const int32_t* pages(const kern::QueryTile& t) const { return slots ? nullptr : paged.pages(t); }
 };
 
 // Attention backward, query side (kernels/bwd_q_kernel.cuh).

@@ -6,7 +6,8 @@
 //
 //   paged_select_blocks  a prefill (max_q_len = 0): the training selection kernel
 //                        (select_kernel) with the page table as its block iterator (FP8
-//                        scores: over E4M3 copies of each sequence's pages); decode:
+//                        scores: over E4M3 copies of each sequence's pages; an E4M3 cache:
+//                        over its pages' codes as 16-bit values, times the page scales); decode:
 //                        paged_score_kernel (block scores, in passes of tokens that bound the
 //                        score buffer) -> paged_topk_kernel
 //   paged_forward        [selection] -> a prefill (max_q_len = 0): the training forward
@@ -17,9 +18,11 @@
 //   paged_append         one copy kernel for k, v and k_idx (quantising into E4M3 caches)
 //
 // E4M3 caches (docs/contract.md §6): the score and attention kernels' E4M3 instances read the
-// codes and apply the page scales (device/e4m3.cuh). A prefill over E4M3 caches takes them too
-// (the training kernels read 16-bit K, V and k_idx by TMA), as do FP8 queries (Q8KV8: codes
-// converted to out's 16-bit type, q_scale in each row's score scale).
+// codes and apply the page scales (device/e4m3.cuh). A prefill's attention over E4M3 caches
+// takes them too (the training kernels read 16-bit K and V by TMA), as do FP8 queries (Q8KV8:
+// codes converted to out's 16-bit type, q_scale in each row's score scale); a prefill's
+// selection over an E4M3 k_idx cache runs the training selection kernel over a 16-bit copy of
+// the codes.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -105,6 +108,21 @@ struct SelectPlan {
   SelectArgs tile;
 };
 
+// A prefill over an E4M3 k_idx cache: its pages' codes as 16-bit values (nseq * max_pages slots
+// of Bk rows), then a factor per slot row (written at each block's first row).
+size_t e4m3_keys_bytes(const Problem& prob, const SelectArgs& s) {
+  const size_t rows = size_t(s.nseq) * s.paged.key_cap * prob.Hik;
+  return (rows * prob.Di * 2 + 255) / 256 * 256 + (rows * sizeof(float) + 255) / 256 * 256;
+}
+
+// The workspace of e4m3_keys_bytes into the Args.
+void set_e4m3_keys(const Problem& prob, void* ws, SelectArgs* s) {
+  const size_t rows = size_t(s->nseq) * s->paged.key_cap * prob.Hik;
+  s->copy.keys16 = ws;
+  s->copy.k_factor = reinterpret_cast<float*>(static_cast<char*>(ws) + (rows * prob.Di * 2 + 255) / 256 * 256);
+  s->k_idx = ws;
+}
+
 // The training selection kernel's limit on k (its per-row candidate lists fill shared memory).
 constexpr int32_t kTileSelectMaxK = 32;
 
@@ -186,19 +204,37 @@ SelectPlan select_plan(const Problem& prob, const PagedSelectParams& p) {
   t.bi_s1 = p.block_idx.stride[1];
 
   // A prefill chunk (max_q_len = 0) scores every block of its sequences once per 256 index rows
-  // with wgmma: the training selection kernel, its block b read from page page_table[s, b].
+  // with wgmma: the training selection kernel, its block b read from page page_table[s, b] (an
+  // E4M3 cache: from a copy of its codes as the queries' 16-bit type, in the workspace).
   const int32_t bk = prob.opts.block_size;
-  if (p.max_q_len == 0 && !e4m3 && prob.k <= kTileSelectMaxK && prob.idx_per_key() <= 128 &&
+  if (p.max_q_len == 0 && prob.k <= kTileSelectMaxK && prob.idx_per_key() <= 128 &&
       pages_are_rows(p.cache.k_idx, bk)) {
     sp.query_tile = true;
-    sp.bytes = 0;
     SelectArgs& s = sp.tile;
     s = select_args(prob, p.q_idx, p.cache.k_idx, p.cu_seqlens_q, p.block_idx);
     s.k_s0 = p.cache.k_idx.stride[1];
     s.k_s1 = p.cache.k_idx.stride[2];
     s.paged = paged_keys(p.cache, p.cache.k_idx, bk);
-    // FP8 scores: E4M3 copies of q_idx and of the sequences' pages, in the workspace.
-    sp.bytes = select_fp8_bytes(prob, s.nseq, s.paged);
+    if (e4m3) {
+      Fp8CopyArgs& c = s.copy;
+      static_cast<SeqArgs&>(c) = static_cast<const SeqArgs&>(s);
+      c.paged = s.paged;
+      c.k_idx = s.k_idx;
+      c.k_s0 = s.k_s0;
+      c.k_s1 = s.k_s1;
+      c.Hik = prob.Hik;
+      c.block_size = bk;
+      c.k_scale = a.k_scale;
+      c.k_scale_step = a.k_scale_step;
+      c.num_blocks = s.paged.kv_tiles(s.nseq, bk);
+      s.e4m3_keys = s.slots = true;
+      s.k_s0 = int64_t(prob.Hik) * prob.Di;  // the copy's rows
+      s.k_s1 = prob.Di;
+      sp.bytes = e4m3_keys_bytes(prob, s);
+    } else {
+      // FP8 scores: E4M3 copies of q_idx and of the sequences' pages, in the workspace.
+      sp.bytes = select_fp8_bytes(prob, s.nseq, s.paged);
+    }
   }
   return sp;
 }
@@ -206,6 +242,7 @@ SelectPlan select_plan(const Problem& prob, const PagedSelectParams& p) {
 Status run_select(const char* fn, const Problem& prob, SelectPlan sp, void* ws, DType dt,
                   cudaStream_t stream) {
   if (sp.query_tile && prob.opts.select_scores == SelectScores::kFp8) set_select_fp8(prob, ws, &sp.tile);
+  if (sp.query_tile && sp.tile.e4m3_keys) set_e4m3_keys(prob, ws, &sp.tile);
   if (sp.query_tile)
     return dispatch(fn, "q_idx", dt, prob.Di, prob.opts.block_size, [&](auto v) {
       using V = decltype(v);

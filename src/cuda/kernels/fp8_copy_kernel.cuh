@@ -95,4 +95,33 @@ __global__ void __launch_bounds__(128) fp8_blocks_kernel(const __grid_constant__
     *reinterpret_cast<uint64_t*>(dst + int64_t(e / kChunks) * a.Hik * kDim + (e % kChunks) * 8) = 0;
 }
 
+// e4m3_pages_kernel: a prefill over an E4M3 k_idx cache (the inputs' scores). One CTA of 128
+// threads per (KV tile x = block b of sequence s, index key head), as fp8_blocks_kernel's paged
+// blocks: the page's codes, 16 per step, exactly into Element at rows x * Bk ... of keys16 (the
+// rows past the sequence's last key zeroed), and the page's scale to k_factor at the block's
+// first row.
+template <class Element, int kDim>
+__global__ void __launch_bounds__(128) e4m3_pages_kernel(const __grid_constant__ Fp8CopyArgs a) {
+  constexpr int kChunks = kDim / 16;  // 16 codes (16 bytes) per load
+  const QueryTile blk = a.paged.tile_of(a.cu_seqlens, a.nseq, a.T, a.block_size, blockIdx.x);
+  if (blk.count == 0) return;
+  const int32_t ik = blockIdx.y;
+  const int64_t src0 = a.paged.kv_row(blk, a.block_size);
+  const int64_t r0 = int64_t(blockIdx.x) * a.block_size;
+  const uint8_t* src = static_cast<const uint8_t*>(a.k_idx) + src0 * a.k_s0 + ik * a.k_s1;
+  Element* dst = static_cast<Element*>(a.keys16) + (r0 * a.Hik + ik) * kDim;
+  if (threadIdx.x == 0)
+    a.k_factor[r0 * a.Hik + ik] = page_scale(a.k_scale, a.k_scale_step, static_cast<int32_t>(src0 / a.block_size));
+  for (int e = threadIdx.x; e < a.block_size * kChunks; e += 128) {
+    const int r = e / kChunks, c = e % kChunks;
+    Element* out = dst + int64_t(r) * a.Hik * kDim + c * 16;
+    if (r < blk.count) {
+      e4m3x16_store<Element>(*reinterpret_cast<const uint4*>(src + r * a.k_s0 + c * 16), out, out + 8);
+    } else {
+      *reinterpret_cast<uint4*>(out) = make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4*>(out + 8) = make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
 }  // namespace msa::cuda::kern

@@ -16,7 +16,9 @@
 // candidate lists are the same. With fp8_rerank = m > 0 a row's list holds m candidates more than
 // its free slots, and the kernel leaves that shortlist to rerank_kernel.cuh instead of choosing.
 // A prefill over paged k_idx reads block b of sequence s from page page_table[s, b], or with
-// FP8 scores from the copies' slot of that block (SelectArgs::key_row0: KV tile s * max_pages + b).
+// FP8 scores from the copies' slot of that block (SelectArgs::key_row0: KV tile s * max_pages + b);
+// over an E4M3 cache from such a slot of its codes as 16-bit values (exact), each block's maxima
+// then times its page's scale.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -259,14 +261,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   typename Pipeline::PipelineState state;
   if constexpr (!Traits::kFp8) {
+    // An E4M3 cache's codes (a prefill): each block's maxima times its page's scale.
+    const float* k_factor = p.e4m3_keys ? p.copy.k_factor + p.key_row0(tile) * p.Hik + ik : nullptr;
     for (int32_t b = 0; b <= last_block; ++b) {
+      const float factor = k_factor != nullptr ? k_factor[int64_t(b) * kBlockN * p.Hik] : 1.f;
       __syncwarp();  // the list update diverges; wgmma needs the warp converged
       pipe.consumer_wait(state);
       wg_gemm<true>(mma, tSrQ, tSrK(_, _, _, state.index()), tSrS);
       warpgroup_wait<0>();
       pipe.consumer_release(state);
       ++state;
-      take_block(S, b, 1.f);
+      take_block(S, b, factor);
     }
   } else {
     // Two accumulators (fp16: 64 registers each): block b + 1's GEMM is issued before block b's
