@@ -2325,7 +2325,8 @@ const PagedCase kE4M3Cases[] = {
     paged_gpu_case({1, 127, 128, 129, 4000, 0}, {1, 1, 8, 16, 3, 0}, 32, 2, 2, 1, 128, 128, 4, kBf16, 16, 51),
     // one long sequence: many score chunks, the union split over CTAs; one scale per tensor
     paged_gpu_case({40000}, {1}, 64, 4, 4, 1, 128, 128, 16, kBf16, 1, 52),
-    // prefill chunks (E4M3 caches take the paged kernels), sinks and local blocks
+    // prefill chunks (the selection by the training kernel over the codes as 16-bit values, the
+    // attention by the paged kernels), sinks and local blocks
     with_forced(paged_gpu_case({3000, 700, 1}, {600, 200, 1}, 16, 2, 2, 1, 128, 128, 6, kBf16, 0, 53), 1, 2),
     // 16-row score tiles
     paged_gpu_case({2100, 90, 1}, {2, 1, 1}, 8, 2, 2, 1, 128, 128, 5, kBf16, 2, 55),
