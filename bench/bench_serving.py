@@ -321,7 +321,11 @@ def prefill_case(cache: Cache, prefix: int, chunk: int, dev, alpha: float = 0.44
             bi8 = serving.paged_select_blocks(q_idx, ki8, page_table, seq_lens, cu, K, k_idx_scale=kis, **kw)
             t8 = timed(lambda: serving.paged_select_blocks(q_idx, ki8, page_table, seq_lens, cu, K,
                                                            k_idx_scale=kis, **kw), iters=5, warmup=1)
-            extra = dict(indexer_e4m3_cache_ms=t8, e4m3_cache_bi=bi8)
+            # and the attention over E4M3 k and v caches, over the bf16 selection
+            k8, v8, ks, vs = cache.fp8["k"], cache.fp8["v"], cache.fp8["k_scale"], cache.fp8["v_scale"]
+            ta8 = timed(lambda: serving.paged_forward(q, k8, v8, page_table, seq_lens, cu, block_idx=bi,
+                                                      k_scale=ks, v_scale=vs, **kw), iters=5, warmup=1)
+            extra = dict(indexer_e4m3_cache_ms=t8, e4m3_cache_bi=bi8, attend_e4m3_cache_ms=ta8)
     stats = sp.selection_stats(bi, torch.tensor([0, chunk], dtype=torch.int32, device=dev), k=K)
     plain, split, items = split_model(bi, prefix)
     # Support size of every (token, index head) row: its valid blocks, the own block partial.
@@ -337,6 +341,7 @@ def prefill_case(cache: Cache, prefix: int, chunk: int, dev, alpha: float = 0.44
     if extra:
         r8 = recall(extra.pop("e4m3_cache_bi"), bi, forced)
         extra.update(indexer_e4m3_cache_tflops=index_flops_of(pos) / (extra["indexer_e4m3_cache_ms"] * 1e-3) / 1e12,
+                     attend_e4m3_cache_tflops=flops / (extra["attend_e4m3_cache_ms"] * 1e-3) / 1e12,
                      recall_e4m3_cache=r8[0], recall_free_e4m3_cache=r8[1])
     index_flops = index_flops_of(pos)
     return dict(kind="prefill", ctx=total, batch=1, q_len=chunk, overlap=round(stats["overlap"], 3),
@@ -437,7 +442,9 @@ def main(argv=None) -> int:
                   f" ({r['indexer_fp8_alone_tflops']:.0f} TF/s, recall {r['recall_fp8_alone']:.4f}); step"
                   f" {r['step_ms']:.2f} -> {r['step_fp8_ms']:.2f} ms"
                   + (f"; over an E4M3 k_idx cache {r['indexer_e4m3_cache_ms']:.1f} ms"
-                     f" ({r['indexer_e4m3_cache_tflops']:.0f} TF/s, recall {r['recall_e4m3_cache']:.4f})"
+                     f" ({r['indexer_e4m3_cache_tflops']:.0f} TF/s, recall {r['recall_e4m3_cache']:.4f}),"
+                     f" attention over E4M3 k, v {r['attend_e4m3_cache_ms']:.2f} ms"
+                     f" ({r['attend_e4m3_cache_tflops']:.0f} TF/s)"
                      if "indexer_e4m3_cache_ms" in r else ""))
     return 0
 
