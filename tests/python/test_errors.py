@@ -111,8 +111,8 @@ def test_binding_errors_and_info(x):
 def test_cuda_tensors():
     """CUDA tensors reach the CUDA backend, or a NotImplementedError says why not; inputs its
     kernels do not take are refused naming the argument (tests/python/test_cuda.py checks the
-    results)."""
-    T, D, Di, Bk = 300, 128, 128, 64
+    results). The shapes are the fast build's one variant (bfloat16, head dim 128, Bk 128)."""
+    T, D, Di, Bk = 300, 128, 128, 128
     q, k, v, qi, ki = make_inputs(T, Hq, Hkv, Hi, Hik, D, Di, torch.bfloat16,
                                   requires_grad=False, device="cuda")
     if not msa.backend_available("cuda"):
