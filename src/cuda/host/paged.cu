@@ -43,6 +43,11 @@ namespace msa::cuda {
 namespace {
 
 constexpr size_t kScoreBudget = size_t(256) << 20;  // bytes of block scores per pass
+// A prefill over an E4M3 k_idx cache copies its codes as 16-bit values into nseq x max_pages
+// slots of Bk rows (sized from shapes); past this many bytes it scores the pages as decode
+// does instead (the score buffer of kScoreBudget), so a batch of many long page tables does not
+// ask for a copy of every slot.
+constexpr size_t kE4M3SlotBudget = size_t(1) << 30;
 constexpr int32_t kMaxSplits = 32;
 
 int32_t max_pages_of(const PagedCache& c) { return static_cast<int32_t>(c.page_table.shape[1]); }
@@ -139,6 +144,10 @@ Status can_paged_select(const char* fn, const Problem& prob, const PagedSelectPa
     return fail(fn, "top_k", "the CUDA serving kernels take at most 256, got " + std::to_string(prob.k));
   if (prob.opts.select_scores == SelectScores::kFp8) {  // a prefill over a 16-bit cache (validated)
     MSA_TRY(can_select(fn, prob, p.q_idx, p.cache.k_idx, false));
+    const int64_t slot_rows = (p.cu_seqlens_q.shape[0] - 1) * p.cache.page_table.shape[1] * prob.opts.block_size;
+    if (slot_rows >= (int64_t(1) << 31))
+      return fail(fn, "cache.page_table", "FP8 scores in a CUDA prefill copy nseq x max_pages x block_size = " +
+                                              std::to_string(slot_rows) + " key rows, at most 2^31 - 1");
     if (prob.k > kTileSelectMaxK)
       return fail(fn, "top_k", "FP8 scores in a CUDA prefill take at most " + std::to_string(kTileSelectMaxK) +
                                    " (the selection kernel's candidate lists), got " + std::to_string(prob.k));
@@ -207,8 +216,9 @@ SelectPlan select_plan(const Problem& prob, const PagedSelectParams& p) {
   // with wgmma: the training selection kernel, its block b read from page page_table[s, b] (an
   // E4M3 cache: from a copy of its codes as the queries' 16-bit type, in the workspace).
   const int32_t bk = prob.opts.block_size;
+  const size_t slot_rows = size_t(a.nseq) * a.max_pages * bk * prob.Hik;
   if (p.max_q_len == 0 && prob.k <= kTileSelectMaxK && prob.idx_per_key() <= 128 &&
-      pages_are_rows(p.cache.k_idx, bk)) {
+      pages_are_rows(p.cache.k_idx, bk) && (!e4m3 || slot_rows * (prob.Di * 2 + 4) <= kE4M3SlotBudget)) {
     sp.query_tile = true;
     SelectArgs& s = sp.tile;
     s = select_args(prob, p.q_idx, p.cache.k_idx, p.cu_seqlens_q, p.block_idx);
