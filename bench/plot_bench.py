@@ -14,7 +14,9 @@ overlap the level's selections measured (its range over the lengths); x: sequenc
   step of each cache dtype next to SDPA and dense paged attention (ms, log scale), and the step's
   speedup over SDPA. A CSV of prefill rows only (``--no-decode``): per chunk, the effective
   TFLOP/s of the attention by each walk of the forward (query tiles, split, KV block, and the
-  library's choice), labelled with the overlap of the timed selection.
+  library's choice, also over E4M3 caches), labelled with the overlap of the timed selection,
+  and below it the indexer's TFLOP/s by its scores (bf16, FP8 re-ranked and alone, E4M3 keys)
+  where the CSV has them.
 
     python bench/plot_bench.py bench-out/forward.csv bench-out/backward.csv
 
@@ -166,37 +168,62 @@ def plot_serving(rows: List[Dict[str, str]], path: str, out: Optional[str] = Non
 
 
 PREFILL_WALKS = [("query tiles", "attend_query_tile_ms"), ("split", "attend_split_ms"),
-                 ("KV block", "attend_kv_block_ms"), ("auto (the library's choice)", "attend_ms")]
+                 ("KV block", "attend_kv_block_ms"), ("auto (the library's choice)", "attend_ms"),
+                 ("auto, E4M3 k and v", "attend_e4m3_cache_ms")]
+# The indexer's TFLOP/s columns, by the scores it ranks blocks by.
+PREFILL_INDEXERS = [("bf16 scores", "indexer_tflops"), ("FP8, re-ranked (default)", "indexer_fp8_tflops"),
+                    ("FP8 alone", "indexer_fp8_alone_tflops"), ("E4M3 k_idx cache", "indexer_e4m3_cache_tflops")]
+
+
+def _bars(ax, xs, series) -> None:
+    """Grouped bars: series is [(label, [(x, y) ...])], empty ones left out of the groups."""
+    series = [(name, pts) for name, pts in series if pts]
+    width = 0.8 / max(1, len(series))
+    for i, (name, pts) in enumerate(series):
+        ax.bar([x - 0.4 + (i + 0.5) * width for x, _ in pts], [y for _, y in pts], width, label=name)
 
 
 def plot_prefill(rows: List[Dict[str, str]], path: str, out: Optional[str] = None) -> str:
     """The prefill rows of a bench_serving.py CSV: per chunk (new tokens after a prefix), bars of
-    the attention's effective TFLOP/s by each walk (the selected work over each walk's time)."""
+    the attention's effective TFLOP/s by each walk (the selected work over each walk's time),
+    and, where the CSV has them, of the indexer's TFLOP/s by the scores it ranks by."""
     pre = [r for r in rows if r.get("kind") == "prefill"]
     if not pre:
         raise ValueError(f"{path}: no prefill rows")
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(pre) + 2), 4.0))
-    width = 0.8 / len(PREFILL_WALKS)
     xs = list(range(len(pre)))
-    for i, (name, col) in enumerate(PREFILL_WALKS):
+    indexers = [(name, [(x, _num(r.get(col))) for x, r in zip(xs, pre) if _num(r.get(col))])
+                for name, col in PREFILL_INDEXERS]
+    with_index = any(pts for _, pts in indexers)
+    fig, axes = plt.subplots(2 if with_index else 1, 1, squeeze=False,
+                             figsize=(max(6.0, 1.6 * len(pre) + 2), 7.6 if with_index else 4.0))
+    ax = axes[0][0]
+    walks = []
+    for name, col in PREFILL_WALKS:
         pts = []
         for x, r in zip(xs, pre):
             ms, rate, auto_ms = _num(r.get(col)), _num(r.get("attend_tflops")), _num(r.get("attend_ms"))
             if ms and rate is not None and auto_ms:
                 pts.append((x, rate * auto_ms / ms))  # the same work over this walk's time
-        if pts:
-            ax.bar([x - 0.4 + (i + 0.5) * width for x, _ in pts], [y for _, y in pts], width, label=name)
+        walks.append((name, pts))
+    _bars(ax, xs, walks)
     labels = []
     for r in pre:
         q, ctx = int(float(r["q_len"])), int(float(r["ctx"]))
         labels.append(f"{_fmt_tokens(q)} after {_fmt_tokens(ctx - q)}\noverlap {r.get('overlap', '?')}")
-    ax.set_xticks(xs)
-    ax.set_xticklabels(labels, fontsize=8)
-    ax.set_ylabel("effective TFLOP/s")
     ax.set_title("sparse prefill attention over the pages, by walk", fontsize=10)
-    ax.grid(True, alpha=0.3)
-    if ax.patches:
-        ax.legend(fontsize=8)
+    panels = [ax]
+    if with_index:
+        ix = axes[1][0]
+        _bars(ix, xs, indexers)
+        ix.set_title("the prefill's indexer, by the scores it ranks blocks by", fontsize=10)
+        panels.append(ix)
+    for a in panels:
+        a.set_xticks(xs)
+        a.set_xticklabels(labels, fontsize=8)
+        a.set_ylabel("effective TFLOP/s")
+        a.grid(True, alpha=0.3)
+        if a.patches:
+            a.legend(fontsize=8)
     return _save(fig, path, out)
 
 

@@ -263,6 +263,16 @@ def test_plot_bench_writes_png(tmp_path):
     _write_csv(tmp_path / "pre.csv", pre)
     assert plot_bench.main([str(tmp_path / "pre.csv")]) == 0
     assert (tmp_path / "pre.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # with the indexer's columns (one of them missing in a row): a second panel, a taller figure
+    for i, r in enumerate(pre):
+        r.update(indexer_tflops=600.0, indexer_fp8_tflops="" if i == 0 else 1000.0,
+                 indexer_fp8_alone_tflops=1200.0, attend_e4m3_cache_ms=6.0)
+    _write_csv(tmp_path / "pre2.csv", pre)
+    assert plot_bench.main([str(tmp_path / "pre2.csv")]) == 0
+    from PIL import Image
+    h1 = Image.open(tmp_path / "pre.png").size[1]
+    h2 = Image.open(tmp_path / "pre2.png").size[1]
+    assert h2 > 1.5 * h1
     with pytest.raises(ValueError, match="no prefill rows"):
         plot_bench.plot_prefill(srv[:2], str(tmp_path / "srv.csv"))
     s = plot_bench.series(plot_bench.read_rows(str(tmp_path / "fwd.csv")))
