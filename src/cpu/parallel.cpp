@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <exception>
 #include <mutex>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -42,7 +43,13 @@ void parallel_for(int64_t n, const std::function<void(int64_t, int)>& fn) {
   };
   std::vector<std::thread> pool;
   pool.reserve(workers - 1);
-  for (int w = 1; w < workers; ++w) pool.emplace_back(run, w);
+  for (int w = 1; w < workers; ++w) {
+    try {
+      pool.emplace_back(run, w);
+    } catch (const std::system_error&) {
+      break;  // no more threads to be had (a loaded machine): the started ones and this one share the rest
+    }
+  }
   run(0);
   for (auto& t : pool) t.join();
   if (error) std::rethrow_exception(error);

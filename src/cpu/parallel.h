@@ -1,6 +1,7 @@
 // A minimal parallel-for for the CPU backend: tasks [0, n) handed out one at a time from an
 // atomic counter to hardware_concurrency() threads (MSA_CPU_THREADS overrides). Each task is a
-// deterministic unit of work, so results never depend on the thread count or schedule.
+// deterministic unit of work, so results never depend on the thread count or schedule. Where
+// the system gives fewer threads than asked, the calling thread and those it got share the tasks.
 #pragma once
 
 #include <cstdint>

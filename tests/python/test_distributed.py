@@ -121,6 +121,7 @@ def _worker(rank, world, store_path, outdir):
                 errors[kind] = str(e)
         res["errors"] = errors
         torch.save(res, os.path.join(outdir, f"rank{rank}.pt"))
+        dist.barrier()  # every rank's collectives done before any tears the group down
     finally:
         dist.destroy_process_group()
 
