@@ -12,6 +12,7 @@
 #include "../core/problem.h"
 #include "msa/params.h"
 #include "numeric.h"
+#include "parallel.h"
 
 namespace msa::cpu {
 
@@ -184,6 +185,19 @@ float abs_max(float a, const E* row, int32_t Di) {
 template <class E>
 void fp8_copy_row(const E* row, int32_t Di, float s, double* out) {
   for (int32_t d = 0; d < Di; ++d) out[d] = fp8_value(static_cast<float>(to_double(row[d])), s);
+}
+
+// The dequantised E4M3 copies of q_idx's T x Hi rows (a group per row) into *out, [T, Hi, Di].
+template <class E>
+void fp8_copy_queries(const Problem& prob, const Rows<const E>& q_idx, std::vector<double>* out) {
+  const int32_t Di = prob.Di;
+  out->resize(static_cast<size_t>(prob.T) * prob.Hi * Di);
+  parallel_for(prob.T, [&](int64_t g, int) {
+    for (int32_t i = 0; i < prob.Hi; ++i) {
+      const E* row = q_idx.row(g, i);
+      fp8_copy_row(row, Di, fp8_scale(abs_max(0.f, row, Di)), out->data() + (g * prob.Hi + i) * Di);
+    }
+  });
 }
 
 // The dequantised E4M3 copy of the `n` key rows key_row(j0) .. key_row(j0 + n - 1) (one group:

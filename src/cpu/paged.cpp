@@ -87,13 +87,7 @@ struct Fp8Copies {
   Fp8Copies(const Problem& prob, const NewTokens& tok, const Rows<const E>& q_idx, const PagedRows<const E>& k_idx,
             const PagedCache& cache) {
     const int32_t Di = prob.Di, Bk = prob.opts.block_size;
-    q8.resize(static_cast<size_t>(prob.T) * prob.Hi * Di);
-    parallel_for(prob.T, [&](int64_t g, int) {
-      for (int32_t i = 0; i < prob.Hi; ++i) {
-        const E* row = q_idx.row(g, i);
-        fp8_copy_row(row, Di, fp8_scale(abs_max(0.f, row, Di)), q8.data() + (g * prob.Hi + i) * Di);
-      }
-    });
+    fp8_copy_queries(prob, q_idx, &q8);
     const int32_t* lens = static_cast<const int32_t*>(cache.seq_lens.data);
     k8.resize(prob.num_seqs());
     for (int64_t s = 0; s < prob.num_seqs(); ++s) {

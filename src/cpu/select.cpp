@@ -21,14 +21,8 @@ template <class E>
 void fp8_copies(const Problem& prob, const Layout& layout, const Rows<const E>& q_idx,
                 const Rows<const E>& k_idx, std::vector<double>* q8, std::vector<double>* k8) {
   const int32_t Di = prob.Di, Bk = prob.opts.block_size;
-  q8->resize(static_cast<size_t>(prob.T) * prob.Hi * Di);
+  fp8_copy_queries(prob, q_idx, q8);
   k8->resize(static_cast<size_t>(prob.T) * prob.Hik * Di);
-  parallel_for(prob.T, [&](int64_t g, int) {
-    for (int32_t i = 0; i < prob.Hi; ++i) {
-      const E* row = q_idx.row(g, i);
-      fp8_copy_row(row, Di, fp8_scale(abs_max(0.f, row, Di)), q8->data() + (g * prob.Hi + i) * Di);
-    }
-  });
   parallel_for(layout.num_blocks(), [&](int64_t gb, int) {
     const int32_t s = layout.seq_of_block[gb];
     const int64_t j0 = layout.cu[s] + (gb - layout.block_base[s]) * Bk;
