@@ -2325,8 +2325,8 @@ const PagedCase kE4M3Cases[] = {
     paged_gpu_case({1, 127, 128, 129, 4000, 0}, {1, 1, 8, 16, 3, 0}, 32, 2, 2, 1, 128, 128, 4, kBf16, 16, 51),
     // one long sequence: many score chunks, the union split over CTAs; one scale per tensor
     paged_gpu_case({40000}, {1}, 64, 4, 4, 1, 128, 128, 16, kBf16, 1, 52),
-    // prefill chunks (the selection by the training kernel over the codes as 16-bit values, the
-    // attention by the paged kernels), sinks and local blocks
+    // prefill chunks (the selection and the attention by the training kernels over the codes as
+    // 16-bit values), sinks and local blocks
     with_forced(paged_gpu_case({3000, 700, 1}, {600, 200, 1}, 16, 2, 2, 1, 128, 128, 6, kBf16, 0, 53), 1, 2),
     // 16-row score tiles
     paged_gpu_case({2100, 90, 1}, {2, 1, 1}, 8, 2, 2, 1, 128, 128, 5, kBf16, 2, 55),
@@ -2391,6 +2391,56 @@ TEST_P(PagedE4M3CudaVsCpu, SelectAndForward) {
 
 INSTANTIATE_TEST_SUITE_P(Shapes, PagedE4M3CudaVsCpu, ::testing::ValuesIn(kE4M3Cases),
                          [](const ::testing::TestParamInfo<PagedCase>& i) { return "case" + std::to_string(i.index); });
+
+// A prefill over E4M3 caches by each walk of the training forward (over 16-bit copies of the
+// pages' codes, the scaled-keys instances: the query tiles, the KV-block pass, the split, kAuto),
+// in one pass and in passes of 97 tokens, sparse over the GPU's selection and dense, each call
+// with a poisoned workspace, against the CPU backend over the dequantised caches. The bf16
+// cases' V scales of neighbouring pages lie up to 2^32 apart (quantise's v_spread), so each
+// block's values must carry their own page's scale through the online softmax and the merge.
+TEST(CudaPagedE4M3, PrefillByEachForwardPass) {
+  SKIP_WITHOUT_CUDA();
+  const msa::FwdPass passes[] = {msa::FwdPass::kQueryTile, msa::FwdPass::kKvBlock, msa::FwdPass::kSplit,
+                                 msa::FwdPass::kAuto};
+  for (const PagedCase& base : prefill_cases(71)) {
+    SCOPED_TRACE(base.str());
+    if (!kernels_built(base.config(), true, true)) continue;
+    Stream st(true);
+    PagedBatch b(base), w(wide_case(base));
+    E4M3Caches c = quantise(b, w, true, base.seed + 5, base.dtype == kBf16 ? 8 : 0);
+    DeviceE4M3 d(b, c, st.get());
+    DeviceTensor bi = DeviceTensor::poisoned(DType::kInt32, {b.Tq, base.Hi, base.k}, st.get());
+    HostTensor sel = select_on_gpu(base, d, bi, st.get());
+    const FwdResult sparse = cpu_forward_over(base, w, &sel, Mode::kSparse);
+    const FwdResult dense = cpu_forward_over(base, w, nullptr, Mode::kDense);
+    for (const msa::FwdPass pass : passes) {
+      for (const int chunk : {0, 97}) {
+        for (const Mode mode : {Mode::kSparse, Mode::kDense}) {
+          if (mode == Mode::kDense && pass != msa::FwdPass::kAuto) continue;  // one walk
+          PagedCase cs = base;
+          cs.fwd_pass = pass;
+          cs.fwd_chunk_tokens = chunk;
+          SCOPED_TRACE("fwd_pass " + std::to_string(static_cast<int>(pass)) + ", fwd_chunk_tokens " +
+                       std::to_string(chunk) + (mode == Mode::kDense ? ", kDense" : ", kSparse"));
+          DeviceTensor out = DeviceTensor::poisoned(cs.dtype, {b.Tq, cs.Hq, cs.D}, st.get());
+          DeviceTensor lse = DeviceTensor::poisoned(DType::kFloat32, {b.Tq, cs.Hq}, st.get());
+          msa::PagedForwardParams fp = paged_forward_params(
+              cs, d.refs(), mode, false, mode == Mode::kSparse ? bi.ref() : msa::TensorRef{}, out.ref(), lse.ref());
+          fp.cache = d.with_scales(fp.cache);
+          const size_t bytes = msa::workspace_size(fp);
+          ASSERT_GT(bytes, 0u);
+          DeviceTensor ws = DeviceTensor::poisoned(DType::kInt32, {static_cast<int64_t>(bytes / 4 + 1)}, st.get());
+          fp.launch.workspace = ws.ref().data;
+          fp.launch.workspace_bytes = bytes;
+          fp.launch.stream = st.get();
+          require_ok(msa::paged_forward(fp));
+          expect_forward_close(out.download(st.get()), lse.download(st.get()), mode == Mode::kSparse ? sparse : dense,
+                               cs.dtype, "paged_forward over E4M3 caches");
+        }
+      }
+    }
+  }
+}
 
 // bf16 queries over E4M3 index keys are scored in float16 where float16 holds a score CTA's
 // queries exactly (paged_score_kernel.cuh), in bfloat16 otherwise. Sequence 0's token holds a

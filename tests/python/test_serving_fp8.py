@@ -228,8 +228,8 @@ def test_bad_scales_name_the_argument():
 @pytest.mark.parametrize("max_q_len", [4, 0])
 def test_cuda_equals_the_cpu_on_e4m3_caches(max_q_len):
     """The CUDA kernels over E4M3 caches (decode tiles; a prefill chunk, whose selection runs the
-    training selection kernel over the codes as 16-bit values and whose attention the paged
-    kernels) against the CPU backend over the same codes and scales: the same selection
+    training selection kernel and whose attention the training forward, both over the codes as
+    16-bit values) against the CPU backend over the same codes and scales: the same selection
     (random scores have no near ties), out and lse within bfloat16 rounding; and the CUDA append
     writes the CPU's codes."""
     gen = torch.Generator().manual_seed(13)

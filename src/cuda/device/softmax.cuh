@@ -21,6 +21,7 @@ struct OnlineSoftmax {
   float row_max[kRows];
   float row_sum[kRows];  // this thread's partial sum; reduced over the quad at the end
   float scale_log2;      // > 0
+  float v_unit = 1.f;    // update_scaled: the value scale the output accumulator is in
 
   __device__ explicit OnlineSoftmax(float scale_log2_) : scale_log2(scale_log2_) {
 #pragma unroll
@@ -52,6 +53,45 @@ struct OnlineSoftmax {
         sum += p;
       }
       row_sum[r] = row_sum[r] * corr[r] + sum;
+    }
+  }
+
+  // update() for a block whose keys and values carry factors ks, vs > 0 (an E4M3 cache page's
+  // scales; the scores are those of the codes): the row max is taken over ks * scores. The
+  // output accumulator is kept in units of the last block's vs (v_unit): corr carries the
+  // change of unit with the change of max, so P stays in [0, 1] (no underflow in fp16) and
+  // values_to_units() applies the last unit before the output is normalised.
+  template <class TS>
+  __device__ void update_scaled(TS& scores, float (&corr)[kRows], float ks, float vs) {
+    const float c = scale_log2 * ks, unit = v_unit / vs;
+    v_unit = vs;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      float m = -INFINITY;
+#pragma unroll
+      for (int col = 0; col < size<1>(scores); ++col) m = fmaxf(m, scores(r, col));
+      m = fmaxf(row_max[r], quad_max(m) * ks);
+      const float m_scaled = m == -INFINITY ? 0.f : m * scale_log2;
+      const float change = row_max[r] == -INFINITY ? 0.f : fast_exp2(row_max[r] * scale_log2 - m_scaled);
+      row_max[r] = m;
+      float sum = 0.f;
+#pragma unroll
+      for (int col = 0; col < size<1>(scores); ++col) {
+        const float p = fast_exp2(fmaf(scores(r, col), c, -m_scaled));
+        scores(r, col) = p;
+        sum += p;
+      }
+      row_sum[r] = row_sum[r] * change + sum;
+      corr[r] = change * unit;
+    }
+  }
+  // The accumulator of update_scaled's blocks in true units.
+  template <class TO>
+  __device__ void values_to_units(TO& acc) const {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+#pragma unroll
+      for (int col = 0; col < size<1>(acc); ++col) acc(r, col) *= v_unit;
     }
   }
 

@@ -90,6 +90,10 @@ struct FwdArgs : QueryTileArgs {
   // Options.fwd_pass = kAuto with the split planned: the sums of pass_choice_kernel; the kernel
   // runs the split where they choose it, else the plain pass.
   const unsigned long long* choice = nullptr;
+  // A prefill over an E4M3 K/V cache: k and v hold its codes as 16-bit values (a copy,
+  // kern::e4m3_kv_pages_kernel) and kv_scale[x * Hkv + r] the (k, v) scales of KV tile x
+  // (PagedKeys' numbering) of KV head r: the kernels' instance with scaled keys applies them.
+  const float2* kv_scale = nullptr;
 };
 
 // E4M3 copies of the index inputs for FP8 selection scores (kernels/fp8_copy_kernel.cuh).
@@ -110,6 +114,25 @@ struct Fp8CopyArgs : SeqArgs {
   const float* k_scale = nullptr;
   int64_t k_scale_step = 0;
   void* keys16 = nullptr;
+};
+
+// A prefill over an E4M3 K/V cache (kernels/fp8_copy_kernel.cuh, e4m3_kv_pages_kernel): for KV
+// tile x (block b of sequence s, PagedKeys' numbering) and KV head r, its page's k and v codes
+// exactly into the 16-bit copies k16 and v16 at rows x * Bk ... ([rows, Hkv, D], the rows past
+// the sequence's last key zeroed), its page's (k, v) scales to kv_scale[x * Hkv + r], and x to
+// table[x]: the copies' page table (nseq x max_pages, slot x is page x), which the training
+// forward reads as a 16-bit cache (FwdArgs::kv_scale).
+struct E4M3KvCopyArgs : SeqArgs {
+  kern::PagedKeys paged;  // the cache's page table and lengths
+  const void *k = nullptr, *v = nullptr;  // the cache's codes
+  int64_t k_s0 = 0, k_s1 = 0, v_s0 = 0, v_s1 = 0;  // row and head strides
+  const float *k_scale = nullptr, *v_scale = nullptr;  // scale[page * step]
+  int64_t k_scale_step = 0, v_scale_step = 0;
+  int32_t Hkv = 0, D = 0, block_size = 0;
+  int64_t num_tiles = 0;  // nseq x max_pages: grid.x
+  void *k16 = nullptr, *v16 = nullptr;
+  float2* kv_scale = nullptr;
+  int32_t* table = nullptr;
 };
 
 // The re-ranking of FP8 shortlists (Options.fp8_rerank = m > 0; kernels/rerank_kernel.cuh).
@@ -276,6 +299,7 @@ struct FwdKvArgs : KvSideArgs {
   // K and V in a paged cache (a serving prefill: KV tiles are the sequences' pages,
   // PagedKeys::kv_tile); default: packed.
   kern::PagedKeys paged;
+  const float2* kv_scale = nullptr;  // FwdArgs::kv_scale
 };
 
 // The KL branch as a pass of its own (kernels/kl_kernel.cuh): the gradient sums and/or the

@@ -96,9 +96,12 @@ Status launch_kv_side(const char* fn, Kernel kernel, const Args& a, cudaStream_t
 
 template <class Element, int kHeadDim, int kBlockN>
 Status launch_forward(const FwdArgs& a, cudaStream_t stream) {
-  using Traits = kern::FwdTraits<Element, kHeadDim, kBlockN>;
-  return detail::launch_query_tile<Traits, kern::FwdParams<Traits>>("forward", kern::fwd_kernel<Traits>,
-                                                                    a, stream);
+  auto launch = [&](auto scaled) {  // scaled: K and V an E4M3 cache's codes, with its page scales
+    using Traits = kern::FwdTraits<Element, kHeadDim, kBlockN, decltype(scaled)::value>;
+    return detail::launch_query_tile<Traits, kern::FwdParams<Traits>>("forward", kern::fwd_kernel<Traits>,
+                                                                      a, stream);
+  };
+  return a.kv_scale != nullptr ? launch(cute::true_type{}) : launch(cute::false_type{});
 }
 
 template <class Element, int kHeadDim, int kBlockN>
@@ -178,7 +181,6 @@ Status launch_bwd_kv(const BwdKvArgs& a, cudaStream_t stream) {
 
 template <class Element, int kHeadDim, int kBlockN>
 Status launch_fwd_kv(const FwdKvArgs& a, cudaStream_t stream) {
-  using Traits = kern::FwdKvTraits<Element, kHeadDim, kBlockN>;
   const int64_t pairs = (a.tok_hi - a.tok_lo) * a.Hq;
   if (pairs == 0) return Status::Ok();
   // The zeroing and the combine: grid-stride loops over a bounded grid (they return at once
@@ -187,8 +189,12 @@ Status launch_fwd_kv(const FwdKvArgs& a, cudaStream_t stream) {
     return static_cast<unsigned>(std::min<int64_t>((threads + 255) / 256, int64_t(num_sms()) * 128));
   };
   kern::fwd_zero_kernel<Element><<<grid(pairs * a.top_k / 2 + 1), 256, 0, stream>>>(a);
-  const Status st = detail::launch_kv_side<Traits, kern::FwdKvParams<Traits>>(
-      "forward", kern::fwd_kv_kernel<Traits>, a, stream);
+  auto launch = [&](auto scaled) {  // scaled: K and V an E4M3 cache's codes, with its page scales
+    using Traits = kern::FwdKvTraits<Element, kHeadDim, kBlockN, decltype(scaled)::value>;
+    return detail::launch_kv_side<Traits, kern::FwdKvParams<Traits>>("forward", kern::fwd_kv_kernel<Traits>, a,
+                                                                     stream);
+  };
+  const Status st = a.kv_scale != nullptr ? launch(cute::true_type{}) : launch(cute::false_type{});
   if (!st.ok()) return st;
   // The split: the query tiles that run next merge the partials.
   if (a.taken == nullptr)

@@ -18,11 +18,12 @@
 //   paged_append         one copy kernel for k, v and k_idx (quantising into E4M3 caches)
 //
 // E4M3 caches (docs/contract.md §6): the score and attention kernels' E4M3 instances read the
-// codes and apply the page scales (device/e4m3.cuh). A prefill's attention over E4M3 caches
-// takes them too (the training kernels read 16-bit K and V by TMA), as do FP8 queries (Q8KV8:
-// codes converted to out's 16-bit type, q_scale in each row's score scale); a prefill's
-// selection over an E4M3 k_idx cache runs the training selection kernel over a 16-bit copy of
-// the codes.
+// codes and apply the page scales (device/e4m3.cuh), as do FP8 queries (Q8KV8: codes converted
+// to out's 16-bit type, q_scale in each row's score scale). A prefill over E4M3 caches runs the
+// training kernels over 16-bit copies of its sequences' pages' codes (the conversion is exact):
+// the selection (k_idx, the page scale times each block's maxima) and the attention (k and v,
+// e4m3_kv_pages_kernel; the forward's scaled-keys instances apply each block's k scale to its
+// scores and its v scale to its values), each copy bounded in size (else the paged kernels).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -32,6 +33,7 @@
 
 #include "../backend.h"
 #include "../device/e4m3.cuh"
+#include "../kernels/fp8_copy_kernel.cuh"
 #include "../kernels/paged_topk_kernel.cuh"
 #include "check_values.h"
 #include "common.h"
@@ -49,6 +51,10 @@ constexpr size_t kScoreBudget = size_t(256) << 20;  // bytes of block scores per
 // ask for a copy of every slot.
 constexpr size_t kE4M3SlotBudget = size_t(1) << 30;
 constexpr int32_t kMaxSplits = 32;
+// A prefill's attention over an E4M3 K/V cache copies the codes of its sequences' pages as
+// 16-bit values (nseq x max_pages slots of Bk rows, sized from shapes) for the training forward;
+// past this many bytes of copy it takes the paged attention kernels instead.
+constexpr size_t kE4M3KvCopyBudget = size_t(4) << 30;
 
 int32_t max_pages_of(const PagedCache& c) { return static_cast<int32_t>(c.page_table.shape[1]); }
 int32_t num_pages_of(const TensorRef& cache) { return static_cast<int32_t>(cache.shape[0]); }
@@ -404,13 +410,47 @@ struct PrefillPlan {
   bool use = false;
   FwdArgs fwd;
   size_t bytes = 0;  // a scratch LSE [Tq, Hq] when the call asks for none (the kernel writes it)
+  // An E4M3 K/V cache: its pages' codes as 16-bit values, their scales and the copies' page
+  // table (E4M3KvCopyArgs), copy_bytes of the workspace after the scratch LSE.
+  bool e4m3 = false;
+  E4M3KvCopyArgs copy;
+  size_t copy_bytes = 0;
   // The KV-block passes: planned (their limits hold; else `why` says which fails), and asked
   // for by fwd_pass (else kAuto's); their plan lies in the workspace after the scratch LSE.
   bool passes = false, asked = false;
   Status why;
   Plan plan;
-  size_t total() const { return bytes + (passes ? plan.total : 0); }
+  size_t total() const { return bytes + copy_bytes + (passes ? plan.total : 0); }
 };
+
+// The E4M3 copy's parts: k16 and v16 (slot rows x Hkv x D each), kv_scale, table.
+struct KvCopyLayout {
+  size_t k16 = 0, v16 = 0, scale = 0, table = 0, bytes = 0;
+  KvCopyLayout(int64_t slots, const Problem& prob) {
+    const auto round = [](size_t b) { return (b + 255) / 256 * 256; };
+    const size_t half = round(size_t(slots) * prob.opts.block_size * prob.Hkv * prob.D * 2);
+    v16 = half;
+    scale = 2 * half;
+    table = scale + round(size_t(slots) * prob.Hkv * sizeof(float2));
+    bytes = table + round(size_t(slots) * sizeof(int32_t));
+  }
+};
+
+// Points the copy and the forward's K, V, page table and scales at the workspace `ws`.
+void set_kv_copy(const Problem& prob, void* ws, PrefillPlan* pp) {
+  const KvCopyLayout l(pp->copy.num_tiles, prob);
+  char* base = static_cast<char*>(ws);
+  E4M3KvCopyArgs& c = pp->copy;
+  c.k16 = base + l.k16;
+  c.v16 = base + l.v16;
+  c.kv_scale = reinterpret_cast<float2*>(base + l.scale);
+  c.table = reinterpret_cast<int32_t*>(base + l.table);
+  FwdArgs& a = pp->fwd;
+  a.k = c.k16;
+  a.v = c.v16;
+  a.kv_scale = c.kv_scale;
+  a.paged.page_table = c.table;
+}
 
 PrefillPlan prefill_plan(const Problem& prob, const PagedForwardParams& p) {
   PrefillPlan pp;
@@ -418,9 +458,17 @@ PrefillPlan prefill_plan(const Problem& prob, const PagedForwardParams& p) {
   const int32_t bk = prob.opts.block_size;
   const int32_t groups = dense ? prob.Hkv : prob.Hi;
   if (p.max_q_len != 0 || groups <= 0 || groups % prob.Hkv != 0 || prob.Hq % groups != 0 ||
-      prob.Hq / groups > kQueryTileRows || !pages_are_rows(p.cache.k, bk) ||
-      !pages_are_rows(p.cache.v, bk) || is_e4m3(p.cache.k))
+      prob.Hq / groups > kQueryTileRows || !pages_are_rows(p.cache.k, bk) || !pages_are_rows(p.cache.v, bk))
     return pp;
+  // An E4M3 cache (k and v together, validated) through a 16-bit copy of its pages' codes,
+  // within kE4M3KvCopyBudget and TMA's 32-bit row coordinates; FP8 queries take the paged kernels.
+  const int64_t slots = int64_t(p.cu_seqlens_q.shape[0] - 1) * max_pages_of(p.cache);
+  if (is_e4m3(p.cache.k)) {
+    if (fp8_queries(p) || slots * bk >= (int64_t(1) << 31) || KvCopyLayout(slots, prob).bytes > kE4M3KvCopyBudget)
+      return pp;
+    pp.e4m3 = true;
+    pp.copy_bytes = KvCopyLayout(slots, prob).bytes;
+  }
   pp.use = true;
   FwdArgs& a = pp.fwd;
   a.cu_seqlens = static_cast<const int32_t*>(p.cu_seqlens_q.data);
@@ -452,6 +500,30 @@ PrefillPlan prefill_plan(const Problem& prob, const PagedForwardParams& p) {
   a.v = p.cache.v.data;
   a.v_s0 = p.cache.v.stride[1];
   a.v_s1 = p.cache.v.stride[2];
+  if (pp.e4m3) {
+    E4M3KvCopyArgs& c = pp.copy;
+    static_cast<SeqArgs&>(c) = static_cast<const SeqArgs&>(a);
+    c.paged = a.paged;
+    c.k = a.k;
+    c.v = a.v;
+    c.k_s0 = a.k_s0;
+    c.k_s1 = a.k_s1;
+    c.v_s0 = a.v_s0;
+    c.v_s1 = a.v_s1;
+    c.k_scale = static_cast<const float*>(p.cache.k_scale.data);
+    c.k_scale_step = scale_step(p.cache.k_scale);
+    c.v_scale = static_cast<const float*>(p.cache.v_scale.data);
+    c.v_scale_step = scale_step(p.cache.v_scale);
+    c.Hkv = prob.Hkv;
+    c.D = prob.D;
+    c.block_size = bk;
+    c.num_tiles = slots;
+    // The forward reads the copies: rows of Hkv x D, slot x at page x of an nseq x max_pages table.
+    a.k_s0 = a.v_s0 = int64_t(prob.Hkv) * prob.D;
+    a.k_s1 = a.v_s1 = prob.D;
+    a.paged.pt_s0 = max_pages_of(p.cache);
+    a.paged.kv_rows = static_cast<int32_t>(slots * bk);
+  }
   set_outputs(&a, p);
   if (!p.lse.defined()) {
     pp.bytes = (size_t(prob.T) * prob.Hq * sizeof(float) + 255) / 256 * 256;
@@ -576,7 +648,7 @@ Status paged_forward(const Problem& prob, const PagedForwardParams& p) {
   const bool passes = pf.use && pf.passes &&
                       (pf.asked || (p.launch.workspace != nullptr && p.launch.workspace_bytes >= pf.total()));
   // Selection and attention run one after the other: the larger of the two workspaces.
-  MSA_TRY(need(fn, std::max(sp.bytes, pf.use ? (passes ? pf.total() : pf.bytes) : ap.bytes), p.launch));
+  MSA_TRY(need(fn, std::max(sp.bytes, pf.use ? (passes ? pf.total() : pf.bytes + pf.copy_bytes) : ap.bytes), p.launch));
   if (prob.T == 0) return Status::Ok();
   DeviceGuard guard(p.q.device.index);
   MSA_TRY(check_paged_values(fn, prob, p.cu_seqlens_q, p.cache,
@@ -587,9 +659,21 @@ Status paged_forward(const Problem& prob, const PagedForwardParams& p) {
   if (select) MSA_TRY(run_select(fn, prob, sp, ws, p.q_idx.dtype, stream));
   if (pf.use) {
     if (pf.fwd.lse == nullptr) pf.fwd.lse = static_cast<float*>(ws);
+    if (pf.e4m3) {  // the pages' codes as q's 16-bit type (after the selection: the workspace is reused)
+      set_kv_copy(prob, static_cast<char*>(ws) + pf.bytes, &pf);
+      MSA_TRY(dispatch(fn, "q", p.q.dtype, prob.D, prob.opts.block_size, [&](auto v) {
+        using V = decltype(v);
+        kern::e4m3_kv_pages_kernel<typename V::Element>
+            <<<dim3(static_cast<unsigned>(pf.copy.num_tiles), static_cast<unsigned>(prob.Hkv)), 128, 0, stream>>>(
+                pf.copy);
+        const cudaError_t e = cudaGetLastError();
+        return e == cudaSuccess ? Status::Ok() : cuda_error(fn, e);
+      }));
+    }
     if (passes)
       return run_forward_passes(fn, prob, p.q.dtype, fwd_kv_args(prob, pf.fwd), pf.fwd, p.block_idx, pf.plan,
-                                split_forward(prob), !pf.asked, static_cast<char*>(ws) + pf.bytes, stream);
+                                split_forward(prob), !pf.asked, static_cast<char*>(ws) + pf.bytes + pf.copy_bytes,
+                                stream);
     return dispatch(fn, "q", p.q.dtype, prob.D, prob.opts.block_size, [&](auto v) {
       using V = decltype(v);
       return launch_forward<typename V::Element, V::kDim, V::kBlockN>(pf.fwd, stream);

@@ -561,6 +561,7 @@ FwdKvArgs fwd_kv_args(const Problem& prob, const FwdArgs& q) {
   a.block_size = prob.opts.block_size;
   a.scale_log2 = prob.opts.scale * static_cast<float>(M_LOG2E);
   a.paged = q.paged;
+  a.kv_scale = q.kv_scale;
   return a;
 }
 

@@ -124,4 +124,41 @@ __global__ void __launch_bounds__(128) e4m3_pages_kernel(const __grid_constant__
   }
 }
 
+// e4m3_kv_pages_kernel: a prefill over an E4M3 K/V cache (E4M3KvCopyArgs). One CTA of 128
+// threads per (KV tile x, KV head r), every x (the table entry is written for all of them; the
+// tiles past a sequence's cached keys, or of a sequence without new tokens, copy nothing): the
+// page's k and v codes, 16 per step, exactly into Element, and the page's scales.
+template <class Element>
+__global__ void __launch_bounds__(128) e4m3_kv_pages_kernel(const __grid_constant__ E4M3KvCopyArgs a) {
+  const int64_t x = blockIdx.x;
+  const int32_t r = blockIdx.y;
+  if (r == 0 && threadIdx.x == 0) a.table[x] = static_cast<int32_t>(x);
+  const QueryTile blk = a.paged.tile_of(a.cu_seqlens, a.nseq, a.T, a.block_size, x);
+  if (blk.count == 0) return;
+  const int64_t src0 = a.paged.kv_row(blk, a.block_size);
+  const int32_t page = static_cast<int32_t>(src0 / a.block_size);
+  if (threadIdx.x == 0)
+    a.kv_scale[x * a.Hkv + r] =
+        make_float2(page_scale(a.k_scale, a.k_scale_step, page), page_scale(a.v_scale, a.v_scale_step, page));
+  const int chunks = a.D / 16;  // 16 codes (16 bytes) per load
+  const int64_t dst0 = (x * a.block_size * a.Hkv + r) * a.D;
+#pragma unroll 1
+  for (int w = 0; w < 2; ++w) {
+    const uint8_t* src = static_cast<const uint8_t*>(w == 0 ? a.k : a.v) + src0 * (w == 0 ? a.k_s0 : a.v_s0) +
+                         r * (w == 0 ? a.k_s1 : a.v_s1);
+    const int64_t s0 = w == 0 ? a.k_s0 : a.v_s0;
+    Element* dst = static_cast<Element*>(w == 0 ? a.k16 : a.v16) + dst0;
+    for (int e = threadIdx.x; e < a.block_size * chunks; e += 128) {
+      const int row = e / chunks, c = e % chunks;
+      Element* out = dst + int64_t(row) * a.Hkv * a.D + c * 16;
+      if (row < blk.count) {
+        e4m3x16_store<Element>(*reinterpret_cast<const uint4*>(src + row * s0 + c * 16), out, out + 8);
+      } else {
+        *reinterpret_cast<uint4*>(out) = make_uint4(0, 0, 0, 0);
+        *reinterpret_cast<uint4*>(out + 8) = make_uint4(0, 0, 0, 0);
+      }
+    }
+  }
+}
+
 }  // namespace msa::cuda::kern

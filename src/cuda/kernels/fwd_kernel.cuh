@@ -35,11 +35,13 @@ namespace msa::cuda::kern {
 
 using cuda::FwdArgs;
 
-template <class Element_, int kHeadDim_, int kBlockN_>
+// kScaledKV: K and V are an E4M3 cache's codes (as Element) with per-page scales (FwdArgs::kv_scale).
+template <class Element_, int kHeadDim_, int kBlockN_, bool kScaledKV_ = false>
 struct FwdTraits : QueryTileTraits<Element_, kHeadDim_, kBlockN_> {
   using Base = QueryTileTraits<Element_, kHeadDim_, kBlockN_>;
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_, kBlockN = kBlockN_, kBlockM = Base::kBlockM;
+  static constexpr bool kScaledKV = kScaledKV_;
   static_assert(kBlockM == cuda::kQueryTileRows);
   using typename Base::Pipeline;
   using typename Base::SmemLayoutKV;
@@ -62,6 +64,8 @@ struct FwdParams : FwdArgs {
 // split's epilogue, kMergeStages cp.async stages of partial rows per warpgroup.
 // Work: one tile (blockIdx.x over the tile ids [tile_lo, tile_lo + num_tiles), late tiles first)
 // of one head group (blockIdx.y), for its tokens in the pass [tok_lo, tok_hi).
+// Scaled keys (a prefill over an E4M3 cache): each block's scores times its k scale, its values
+// times its v scale (OnlineSoftmax::update_scaled); the bf16 instance's code is unchanged.
 //
 // The consumers' Q load, mask, tail zeroing and epilogue are written out here rather than
 // calling the helpers of device/ that bwd_q uses (load_head_rows, BlockList, row_sees,
@@ -191,7 +195,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         if ((c / 2) * 8 + c % 2 > last) S(r, c) = -INFINITY;
       }
     }
-    softmax.update(S, corr);
+    if constexpr (Traits::kScaledKV) {
+      const float2 f = p.kv_scale[(p.paged.first_kv_tile(tile.seq, tile.seq_start, kBlockN) + b) * p.Hkv + kv.kvh];
+      softmax.update_scaled(S, corr, f.x, f.y);
+    } else {
+      softmax.update(S, corr);
+    }
   };
   // Keys past the sequence end belong to the next sequence (or are a page's unwritten rows): P
   // is 0 there, but 0 * NaN is not, so those rows of the V stage are zeroed. Each warpgroup zeroes them before its own P V (the
@@ -255,6 +264,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     kv.pipe_v.consumer_release(sv);
   }
 
+  if constexpr (Traits::kScaledKV) softmax.values_to_units(O);
   Tensor cO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor cOrc = make_tensor(cO.data(), acc_rowcol(cO.layout()));
   // Epilogue: normalise, write out (bf16/fp16 pairs) and the natural-log LSE.

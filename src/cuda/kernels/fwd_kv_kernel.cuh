@@ -49,10 +49,13 @@ namespace msa::cuda::kern {
 
 using cuda::FwdKvArgs;
 
-template <class Element_, int kHeadDim_, int kBlockN_>
+// kScaledKV: K and V are an E4M3 cache's codes (as Element) with per-page scales: the item's
+// scores times its block's k scale, its partial O times its v scale.
+template <class Element_, int kHeadDim_, int kBlockN_, bool kScaledKV_ = false>
 struct FwdKvTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_, kBlockN = kBlockN_;
+  static constexpr bool kScaledKV = kScaledKV_;
   static constexpr int kRows = 64;  // an entry's (token, head) rows: one wgmma M
   static constexpr int kWarpGroups = 2;
   static constexpr int kThreads = 128 * kWarpGroups;
@@ -118,6 +121,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int64_t key_base = paged ? tile.seq_start + tile.first - tile.pos0 : key_row;
   const int tid = threadIdx.x, wg = tid / 128, lt = tid % 128;
   const int32_t Gi = p.heads_per_idx, ipk = p.idx_per_kv;
+  // The scores' factor (log2 units), and the values' scale of an E4M3 cache's block.
+  float s_factor = p.scale_log2, v_factor = 1.f;
+  if constexpr (Traits::kScaledKV) {
+    const float2 f = p.kv_scale[it.x * p.Hkv + r];
+    s_factor *= f.x;
+    v_factor = f.y;
+  }
 
   Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutK{});
   Tensor sVt = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutVt{});
@@ -196,7 +206,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       const int32_t lim =
           row_t[a] < en.count ? static_cast<int32_t>(en.tok[row_t[a]] - key_base) : kBlockN;
 #pragma unroll
-      for (int c = 0; c < kCols; ++c) S(a, c) *= p.scale_log2;
+      for (int c = 0; c < kCols; ++c) S(a, c) *= s_factor;
       if (causal) {
 #pragma unroll
         for (int c = 0; c < kCols; ++c)
@@ -234,8 +244,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
       for (int c = 0; c < size<1>(O); c += 2) {
         cutlass::Array<Element, 2> pair;
-        pair[0] = static_cast<Element>(O(a, c));
-        pair[1] = static_cast<Element>(O(a, c + 1));
+        if constexpr (Traits::kScaledKV) {
+          pair[0] = static_cast<Element>(O(a, c) * v_factor);
+          pair[1] = static_cast<Element>(O(a, c + 1) * v_factor);
+        } else {
+          pair[0] = static_cast<Element>(O(a, c));
+          pair[1] = static_cast<Element>(O(a, c + 1));
+        }
         *reinterpret_cast<cutlass::Array<Element, 2>*>(so + row * Traits::kOStride + get<1>(cOrc(a, c))) = pair;
       }
       if ((lt & 3) == 0) {
