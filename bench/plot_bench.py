@@ -172,7 +172,8 @@ PREFILL_WALKS = [("query tiles", "attend_query_tile_ms"), ("split", "attend_spli
                  ("auto, E4M3 k and v", "attend_e4m3_cache_ms")]
 # The indexer's TFLOP/s columns, by the scores it ranks blocks by.
 PREFILL_INDEXERS = [("bf16 scores", "indexer_tflops"), ("FP8, re-ranked (default)", "indexer_fp8_tflops"),
-                    ("FP8 alone", "indexer_fp8_alone_tflops"), ("E4M3 k_idx cache", "indexer_e4m3_cache_tflops")]
+                    ("FP8 alone", "indexer_fp8_alone_tflops"), ("E4M3 k_idx cache", "indexer_e4m3_cache_tflops"),
+                    ("E4M3 k_idx cache, FP8 scores", "indexer_fp8_e4m3_cache_tflops")]
 
 
 def _bars(ax, xs, series) -> None:

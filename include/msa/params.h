@@ -61,8 +61,8 @@ enum class DqPass : int32_t { kAuto = 0, kQueryTile = 1, kFromDs = 2 };
 // keep the inputs' own scores. With `fp8_rerank` = m > 0 the FP8 scores only shortlist: the best
 // (free slots + m) blocks by them are ranked again by the inputs' own scores, which restores
 // nearly all of kInput's selection for a small extra cost. It applies to select_blocks, a
-// forward with `select`, and a paged prefill (max_q_len = 0) over a 16-bit k_idx cache, whose
-// pages are the blocks it copies; decode and E4M3 k_idx caches refuse it.
+// forward with `select`, and a paged prefill (max_q_len = 0), whose pages are the blocks it
+// copies (an E4M3 k_idx cache: copies of its dequantised keys); decode refuses it.
 enum class SelectScores : int32_t { kInput = 0, kFp8 = 1 };
 
 struct Options {

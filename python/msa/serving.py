@@ -348,9 +348,9 @@ def paged_select_blocks(
     [Tq, Hi, top_k] int32: ascending logical block ids, then -1. A ``torch.float8_e4m3fn``
     cache needs ``k_idx_scale`` (float32 [1] or [pages]; see :class:`PagedKVCache`).
 
-    ``select_scores="fp8"`` (a prefill, ``max_q_len`` 0, over a 16-bit ``k_idx_cache``) ranks
-    blocks by the scores of E4M3 copies of ``q_idx`` (a scale per row) and of each page of the
-    sequences' index keys (a scale per page and index key head), as :func:`msa.select_blocks`
+    ``select_scores="fp8"`` (a prefill, ``max_q_len`` 0) ranks blocks by the scores of E4M3
+    copies of ``q_idx`` (a scale per row) and of each page of the sequences' index keys (a scale
+    per page and index key head; a float8 cache's dequantised keys), as :func:`msa.select_blocks`
     does over each block of a contiguous sequence; ``fp8_rerank`` as there: the FP8 scores
     shortlist the best (free slots + ``fp8_rerank``) blocks, which the inputs' own scores rank
     again (0: the FP8 scores decide alone)."""

@@ -402,16 +402,14 @@ Status option_ranges(const Check& c, const Options& o) {
   return Status::Ok();
 }
 
-// FP8 scores in a paged call (contract §6): a prefill (max_q_len = 0) over a 16-bit k_idx cache
-// takes E4M3 copies of q_idx and of each page of the sequences' index keys, as select_blocks
-// takes them of each block; decode, and E4M3 caches (whose keys are scored as stored), refuse it.
-Status paged_scores(const Check& c, const Options& o, int32_t max_q_len, const TensorRef& k_idx) {
+// FP8 scores in a paged call (contract §6): a prefill (max_q_len = 0) takes E4M3 copies of q_idx
+// and of each page of the sequences' index keys (an E4M3 cache's: of its dequantised keys), as
+// select_blocks takes them of each block; decode refuses it.
+Status paged_scores(const Check& c, const Options& o, int32_t max_q_len) {
   if (o.select_scores != SelectScores::kFp8) return Status::Ok();
-  MSA_TRY(c.option("select_scores", max_q_len == 0,
-                   "kFp8 applies to a prefill (max_q_len = 0); decode scores the cache's k_idx as stored "
-                   "(an E4M3 cache gives FP8 keys), got max_q_len " + std::to_string(max_q_len)));
-  return c.option("select_scores", !k_idx.defined() || k_idx.dtype != DType::kFloat8E4M3,
-                  "kFp8 takes a 16-bit k_idx cache; an E4M3 cache's keys are scored as stored");
+  return c.option("select_scores", max_q_len == 0,
+                  "kFp8 applies to a prefill (max_q_len = 0); decode scores the cache's k_idx as stored "
+                  "(an E4M3 cache gives FP8 keys), got max_q_len " + std::to_string(max_q_len));
 }
 
 // Options with the scales' defaults resolved (after option_ranges and the tensors: D, Di known).
@@ -807,7 +805,7 @@ Status validate(const PagedSelectParams& p, Problem* prob) {
   MSA_TRY(c.option("mode", p.opts.mode == Mode::kSparse, "paged_select_blocks needs kSparse mode"));
   MSA_TRY(selection_options(c, p.opts));
   MSA_TRY(max_q_len_range(c, p.max_q_len));
-  MSA_TRY(paged_scores(c, p.opts, p.max_q_len, cache.k_idx));
+  MSA_TRY(paged_scores(c, p.opts, p.max_q_len));
   prob->opts.block_size = p.opts.block_size;
   int64_t pages = -1;
   MSA_TRY(paged_index(c, p.q_idx, cache, /*standalone=*/true, &pages, prob));
@@ -836,7 +834,7 @@ Status validate(const PagedForwardParams& p, Problem* prob) {
     MSA_TRY(selection_options(c, p.opts));
   }
   MSA_TRY(max_q_len_range(c, p.max_q_len));
-  if (select) MSA_TRY(paged_scores(c, p.opts, p.max_q_len, cache.k_idx));
+  if (select) MSA_TRY(paged_scores(c, p.opts, p.max_q_len));
   const int32_t Bk = p.opts.block_size;
   prob->opts.block_size = Bk;
   MSA_TRY(c.tensor("q", p.q, 3, false));

@@ -78,13 +78,15 @@ struct E4M3Rows {
 bool is_e4m3(const TensorRef& t) { return t.defined() && t.dtype == DType::kFloat8E4M3; }
 
 // kFp8 scores (contract §2, §6): the dequantised E4M3 copies of the new tokens' q_idx rows and,
-// per sequence with new tokens, of its index keys 0 .. seq_lens[s] - 1, a group per page (a block
-// of the sequence, as select_blocks groups them) and index key head: [len, Hik, Di] in double.
+// per sequence with new tokens, of its index keys 0 .. seq_lens[s] - 1 (key_row(s, j, ik): the
+// row's values, an E4M3 cache's dequantised), a group per page (a block of the sequence, as
+// select_blocks groups them) and index key head: [len, Hik, Di] in double.
 template <class E>
 struct Fp8Copies {
   std::vector<double> q8;
   std::vector<std::vector<double>> k8;  // per sequence
-  Fp8Copies(const Problem& prob, const NewTokens& tok, const Rows<const E>& q_idx, const PagedRows<const E>& k_idx,
+  template <class KeyRow>
+  Fp8Copies(const Problem& prob, const NewTokens& tok, const Rows<const E>& q_idx, const KeyRow& key_row,
             const PagedCache& cache) {
     const int32_t Di = prob.Di, Bk = prob.opts.block_size;
     fp8_copy_queries(prob, q_idx, &q8);
@@ -98,7 +100,7 @@ struct Fp8Copies {
       parallel_for((len + Bk - 1) / Bk, [&](int64_t b, int) {
         const int64_t j0 = b * Bk, n = std::min<int64_t>(Bk, len - j0);
         for (int32_t ik = 0; ik < prob.Hik; ++ik)
-          fp8_copy_block(Di, j0, n, [&](int64_t j) { return k_idx.row(s, j, ik); },
+          fp8_copy_block(Di, j0, n, [&](int64_t j) { return key_row(s, j, ik); },
                          k.data() + (j0 * prob.Hik + ik) * Di, int64_t(prob.Hik) * Di);
       });
     }
@@ -115,7 +117,15 @@ void select_impl(const Problem& prob, const NewTokens& tok, const TensorRef& q_i
   std::optional<E4M3Rows> k_idx8;
   if (e4m3) k_idx8.emplace(cache.k_idx, cache.k_idx_scale, pt);
   std::optional<Fp8Copies<E>> copies;
-  if (prob.opts.select_scores == SelectScores::kFp8) copies.emplace(prob, tok, q_idx, k_idx, cache);
+  if (prob.opts.select_scores == SelectScores::kFp8) {
+    if (e4m3)  // the dequantised keys' copies
+      copies.emplace(prob, tok, q_idx, [&](int64_t s, int64_t j, int32_t ik) {
+        thread_local std::vector<float> buf;
+        return k_idx8->row(s, j, ik, &buf);
+      }, cache);
+    else
+      copies.emplace(prob, tok, q_idx, [&](int64_t s, int64_t j, int32_t ik) { return k_idx.row(s, j, ik); }, cache);
+  }
   int32_t* bi = static_cast<int32_t*>(bi_t.data);
   parallel_for(prob.T, [&](int64_t g, int) {
     thread_local std::vector<float> buf;
@@ -123,18 +133,21 @@ void select_impl(const Problem& prob, const NewTokens& tok, const TensorRef& q_i
     for (int32_t i = 0; i < prob.Hi; ++i) {
       const int32_t ik = i / prob.idx_per_key();
       int32_t* out = bi + g * bi_t.stride[0] + i * bi_t.stride[1];
-      const auto key_row = [&](int64_t j) { return k_idx.row(s, j, ik); };
+      // The row's keys (an E4M3 cache's dequantised), scored as the contract's kInput or kFp8.
+      const auto select = [&](const auto& key_row) {
+        if (copies)
+          select_row_fp8(prob.opts, prob.k, prob.Di, prob.opts.scale_idx,
+                         copies->q8.data() + (g * prob.Hi + i) * prob.Di, q_idx.row(g, i), tok.pos[g], key_row,
+                         [&](int64_t j) { return copies->k8[s].data() + (j * prob.Hik + ik) * prob.Di; }, out,
+                         bi_t.stride[2], nullptr);
+        else
+          select_row(prob.opts, prob.k, prob.Di, prob.opts.scale_idx, q_idx.row(g, i), tok.pos[g], key_row, out,
+                     bi_t.stride[2], nullptr);
+      };
       if (e4m3)
-        select_row(prob.opts, prob.k, prob.Di, prob.opts.scale_idx, q_idx.row(g, i), tok.pos[g],
-                   [&](int64_t j) { return k_idx8->row(s, j, ik, &buf); }, out, bi_t.stride[2], nullptr);
-      else if (copies)
-        select_row_fp8(prob.opts, prob.k, prob.Di, prob.opts.scale_idx,
-                       copies->q8.data() + (g * prob.Hi + i) * prob.Di, q_idx.row(g, i), tok.pos[g], key_row,
-                       [&](int64_t j) { return copies->k8[s].data() + (j * prob.Hik + ik) * prob.Di; }, out,
-                       bi_t.stride[2], nullptr);
+        select([&](int64_t j) { return k_idx8->row(s, j, ik, &buf); });
       else
-        select_row(prob.opts, prob.k, prob.Di, prob.opts.scale_idx, q_idx.row(g, i), tok.pos[g], key_row, out,
-                   bi_t.stride[2], nullptr);
+        select([&](int64_t j) { return k_idx.row(s, j, ik); });
     }
   });
 }

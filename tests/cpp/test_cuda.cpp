@@ -2442,6 +2442,54 @@ TEST(CudaPagedE4M3, PrefillByEachForwardPass) {
   }
 }
 
+// FP8 scores (select_scores = kFp8, fp8_rerank 0 and 4) in a prefill over an E4M3 k_idx cache
+// with a scale per page: the E4M3 copies are those of the dequantised keys float32(code * scale)
+// (the cache's codes as 16-bit slots, quantised with their page scale; the re-ranking scores the
+// slots times it). The selection, over a poisoned workspace, must follow the contract's rule over
+// the tests' own quantiser applied to the dequantised keys, and paged_forward's selection must
+// equal paged_select_blocks's.
+TEST(CudaPagedE4M3, PrefillFp8Scores) {
+  SKIP_WITHOUT_CUDA();
+  for (const PagedCase& base : prefill_cases(81)) {
+    if (!kernels_built(base.config(), false, true)) continue;
+    Stream st(true);
+    PagedBatch b(base), w(wide_case(base));
+    E4M3Caches c = quantise(b, w, true, base.seed + 5);
+    DeviceE4M3 d(b, c, st.get());
+    const Problem q8 = fp8_scored(w.full);
+    const IndexScores own(w.full), own8(q8);
+    for (const int m : {0, 4}) {
+      PagedCase cs = base;
+      cs.select_scores = msa::SelectScores::kFp8;
+      cs.fp8_rerank = m;
+      SCOPED_TRACE(cs.str());
+      DeviceTensor bi = DeviceTensor::poisoned(DType::kInt32, {b.Tq, cs.Hi, cs.k}, st.get());
+      msa::PagedSelectParams ps = paged_select_params(cs, d.refs(), bi.ref());
+      ps.cache = d.with_scales(ps.cache);
+      const size_t bytes = msa::workspace_size(ps);
+      ASSERT_GT(bytes, 0u);
+      DeviceTensor ws = DeviceTensor::poisoned(DType::kInt32, {static_cast<int64_t>(bytes / 4 + 1)}, st.get());
+      ps.launch.workspace = ws.ref().data;
+      ps.launch.workspace_bytes = bytes;
+      ps.launch.stream = st.get();
+      require_ok(msa::paged_select_blocks(ps));
+      const HostTensor got = bi.download(st.get());
+      const Failures f = m == 0 ? check_selection(q8, own8, to_full_rows(got, b, -1), nullptr, b.new_rows)
+                                : check_selection(w.full, own, to_full_rows(got, b, -1), nullptr, b.new_rows, &own8, m);
+      EXPECT_EQ(f.count, 0) << "paged_select_blocks, FP8 scores over an E4M3 k_idx cache:" << f.first;
+      DeviceTensor bi2 = DeviceTensor::poisoned(DType::kInt32, {b.Tq, cs.Hi, cs.k}, st.get());
+      DeviceTensor out2 = DeviceTensor::poisoned(cs.dtype, {b.Tq, cs.Hq, cs.D}, st.get());
+      msa::PagedForwardParams fp = paged_forward_params(cs, d.refs(), Mode::kSparse, true, bi2.ref(), out2.ref(), {});
+      fp.cache = d.with_scales(fp.cache);
+      Workspace ws2(msa::workspace_size(fp));
+      ws2.attach(fp);
+      fp.launch.stream = st.get();
+      require_ok(msa::paged_forward(fp));
+      EXPECT_EQ(first_difference(bi2.download(st.get()), got), "") << "paged_forward's selection";
+    }
+  }
+}
+
 // bf16 queries over E4M3 index keys are scored in float16 where float16 holds a score CTA's
 // queries exactly (paged_score_kernel.cuh), in bfloat16 otherwise. Sequence 0's token holds a
 // value float16 rounds (2.5 * 2^-24), a token of sequence 1 one it overflows (2^17), sequence 2

@@ -411,8 +411,6 @@ TEST(PagedValidation, Select) {
       {"block_idx aliasing q_idx", "block_idx", [](P& p, ValidPaged&) { p.block_idx.data = p.q_idx.data; }},
       {"FP8 scores in decode", "select_scores",
        [](P& p, ValidPaged&) { p.opts.select_scores = msa::SelectScores::kFp8; p.max_q_len = 16; }},
-      {"FP8 scores over an E4M3 k_idx cache", "select_scores",
-       [](P& p, ValidPaged&) { p.opts.select_scores = msa::SelectScores::kFp8; p.cache.k_idx.dtype = DType::kFloat8E4M3; }},
   };
   cases.insert(cases.end(), own.begin(), own.end());
   run_cases<P>(cases, [](ValidPaged& v) { return v.select(); }, [](const P& p) { return msa::paged_select_blocks(p); });
@@ -446,8 +444,6 @@ TEST(PagedValidation, Forward) {
       {"scale", "scale", [](P& p, ValidPaged&) { p.opts.scale = NAN; }},
       {"FP8 scores in decode", "select_scores",
        [](P& p, ValidPaged&) { p.opts.select_scores = msa::SelectScores::kFp8; p.max_q_len = 16; }},
-      {"FP8 scores over an E4M3 k_idx cache", "select_scores",
-       [](P& p, ValidPaged&) { p.opts.select_scores = msa::SelectScores::kFp8; p.cache.k_idx.dtype = DType::kFloat8E4M3; }},
   };
   cases.insert(cases.end(), own.begin(), own.end());
   run_cases<P>(cases, [](ValidPaged& v) { return v.forward(true); }, [](const P& p) { return msa::paged_forward(p); });

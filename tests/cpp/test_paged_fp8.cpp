@@ -52,53 +52,73 @@ struct Quantised {
   }
 };
 
+// k_idx with one scale for the tensor, and with a scale per page (FP8 scores must quantise each
+// page's dequantised keys: a copy of its codes alone would rank the pages by the wrong factor).
 TEST(PagedE4M3, CallsEqualTheDequantisedCache) {
-  const PagedCase cs = fp8_case();
-  PagedBatch b(cs);
-  Quantised k(b.kc, true, 300.0, 1), v(b.vc, true, 300.0, 2), ki(b.kic, false, 400.0, 3);
-  // The oracle's batch holds the dequantised caches: the contiguous sequences' rows of them.
-  PagedBatch deq(cs);
-  deq.kc = k.deq;
-  deq.vc = v.deq;
-  deq.kic = ki.deq;
-  const int64_t row = static_cast<int64_t>(cs.Hkv) * cs.D, irow = static_cast<int64_t>(cs.Hik) * cs.Di;
-  for (int64_t s = 0; s < deq.nseq; ++s)
-    for (int64_t x = 0; x < cs.lens[s]; ++x) {
-      const int64_t g = deq.full.offsets[s] + x, cr = deq.cache_row(s, x);
-      for (int64_t e = 0; e < row; ++e) {
-        deq.full.k.set(g * row + e, k.deq.get(cr * row + e));
-        deq.full.v.set(g * row + e, v.deq.get(cr * row + e));
+  for (const bool idx_per_page : {false, true}) {
+    SCOPED_TRACE(idx_per_page ? "k_idx scale per page" : "k_idx scale per tensor");
+    const PagedCase cs = fp8_case();
+    PagedBatch b(cs);
+    Quantised k(b.kc, true, 300.0, 1), v(b.vc, true, 300.0, 2), ki(b.kic, idx_per_page, 400.0, 3);
+    // The oracle's batch holds the dequantised caches: the contiguous sequences' rows of them.
+    PagedBatch deq(cs);
+    deq.kc = k.deq;
+    deq.vc = v.deq;
+    deq.kic = ki.deq;
+    const int64_t row = static_cast<int64_t>(cs.Hkv) * cs.D, irow = static_cast<int64_t>(cs.Hik) * cs.Di;
+    for (int64_t s = 0; s < deq.nseq; ++s)
+      for (int64_t x = 0; x < cs.lens[s]; ++x) {
+        const int64_t g = deq.full.offsets[s] + x, cr = deq.cache_row(s, x);
+        for (int64_t e = 0; e < row; ++e) {
+          deq.full.k.set(g * row + e, k.deq.get(cr * row + e));
+          deq.full.v.set(g * row + e, v.deq.get(cr * row + e));
+        }
+        for (int64_t e = 0; e < irow; ++e) deq.full.k_idx.set(g * irow + e, ki.deq.get(cr * irow + e));
       }
-      for (int64_t e = 0; e < irow; ++e) deq.full.k_idx.set(g * irow + e, ki.deq.get(cr * irow + e));
-    }
-  PagedRefs r = host_refs(b);
-  r.k = k.codes.ref();
-  r.v = v.codes.ref();
-  r.k_idx = ki.codes.ref();
-  auto with_scales = [&](msa::PagedCache c) {
-    c.k_scale = k.scale.ref();
-    c.v_scale = v.scale.ref();
-    c.k_idx_scale = ki.scale.ref();
-    return c;
-  };
-  for (Mode mode : {Mode::kSparse, Mode::kDense}) {
-    SCOPED_TRACE(mode == Mode::kSparse ? "sparse" : "dense");
-    const PagedOracle o = paged_oracle(deq, mode);
-    if (mode == Mode::kSparse) {
+    PagedRefs r = host_refs(b);
+    r.k = k.codes.ref();
+    r.v = v.codes.ref();
+    r.k_idx = ki.codes.ref();
+    auto with_scales = [&](msa::PagedCache c) {
+      c.k_scale = k.scale.ref();
+      c.v_scale = v.scale.ref();
+      c.k_idx_scale = ki.scale.ref();
+      return c;
+    };
+    // Sparse with the inputs' scores and with FP8 scores (the dequantised keys' E4M3 copies, as
+    // select_blocks makes them of the contiguous sequences; fp8_rerank 0 and 4), and dense.
+    struct Variant {
+      Mode mode;
+      msa::SelectScores scores;
+      int m;
+    };
+    for (const Variant var : {Variant{Mode::kSparse, msa::SelectScores::kInput, 4},
+                              Variant{Mode::kSparse, msa::SelectScores::kFp8, 0},
+                              Variant{Mode::kSparse, msa::SelectScores::kFp8, 4},
+                              Variant{Mode::kDense, msa::SelectScores::kInput, 4}}) {
+      const Mode mode = var.mode;
+      PagedCase c = cs;
+      c.select_scores = var.scores;
+      c.fp8_rerank = var.m;
+      SCOPED_TRACE(c.str() + (mode == Mode::kSparse ? " sparse" : " dense"));
+      deq.cs = c;
+      const PagedOracle o = paged_oracle(deq, mode);
+      if (mode == Mode::kSparse) {
+        PagedOutputs x(b);
+        msa::PagedSelectParams p = paged_select_params(c, r, x.block_idx.ref());
+        p.cache = with_scales(p.cache);
+        expect_ok(msa::paged_select_blocks(p));
+        EXPECT_EQ(first_difference(x.block_idx, o.block_idx), "") << "paged_select_blocks";
+      }
       PagedOutputs x(b);
-      msa::PagedSelectParams p = paged_select_params(cs, r, x.block_idx.ref());
+      msa::PagedForwardParams p =
+          paged_forward_params(c, r, mode, mode == Mode::kSparse, x.block_idx.ref(), x.out.ref(), x.lse.ref());
       p.cache = with_scales(p.cache);
-      expect_ok(msa::paged_select_blocks(p));
-      EXPECT_EQ(first_difference(x.block_idx, o.block_idx), "") << "paged_select_blocks";
+      expect_ok(msa::paged_forward(p));
+      if (mode == Mode::kSparse) EXPECT_EQ(first_difference(x.block_idx, o.block_idx), "") << "block_idx";
+      EXPECT_EQ(first_difference(x.out, o.out), "") << "out";
+      EXPECT_EQ(first_difference(x.lse, o.lse), "") << "lse";
     }
-    PagedOutputs x(b);
-    msa::PagedForwardParams p =
-        paged_forward_params(cs, r, mode, mode == Mode::kSparse, x.block_idx.ref(), x.out.ref(), x.lse.ref());
-    p.cache = with_scales(p.cache);
-    expect_ok(msa::paged_forward(p));
-    if (mode == Mode::kSparse) EXPECT_EQ(first_difference(x.block_idx, o.block_idx), "") << "block_idx";
-    EXPECT_EQ(first_difference(x.out, o.out), "") << "out";
-    EXPECT_EQ(first_difference(x.lse, o.lse), "") << "lse";
   }
 }
 

@@ -512,8 +512,9 @@ def test_prefill_fp8_scores_equal_select_blocks(device):
 
 
 def test_fp8_scores_errors_name_the_argument():
-    """FP8 scores apply to a prefill over a 16-bit k_idx cache: decode calls, E4M3 caches and bad
-    values are refused naming the argument."""
+    """FP8 scores apply to a prefill: decode calls and bad values are refused naming the argument.
+    Over an E4M3 k_idx cache they take the copies of its dequantised keys: the selection equals
+    the one over a float32 cache holding float32(code * scale)."""
     b = Batch([70, 10], [5, 10], Bk=64)
     qi = b.new(b.q_idx)
     sel = lambda **kw: serving.paged_select_blocks(qi, b.k_idx_cache, b.table, b.seq_lens,  # noqa: E731
@@ -521,10 +522,15 @@ def test_fp8_scores_errors_name_the_argument():
     _error(lambda: sel(select_scores="fp8", max_q_len=16), "select_scores")
     _error(lambda: sel(select_scores="e4m3"), "select_scores")
     _error(lambda: sel(select_scores="fp8", fp8_rerank=65), "fp8_rerank")
-    k8 = b.k_idx_cache.nan_to_num(0.0).to(torch.float8_e4m3fn)
-    _error(lambda: serving.paged_select_blocks(qi, k8, b.table, b.seq_lens, b.cu_q, 2,
-                                               k_idx_scale=torch.ones(1), select_scores="fp8"),
-           "select_scores")
+    k8 = b.k_idx_cache.nan_to_num(0.0).clamp(-448, 448).to(torch.float8_e4m3fn)
+    ks = torch.rand(k8.shape[0], generator=torch.Generator().manual_seed(3)) + 0.25
+    deq = k8.float() * ks.view(-1, 1, 1, 1)
+    for m in (0, 4):
+        got = serving.paged_select_blocks(qi.float(), k8, b.table, b.seq_lens, b.cu_q, 2, k_idx_scale=ks,
+                                          select_scores="fp8", fp8_rerank=m)
+        want = serving.paged_select_blocks(qi.float(), deq, b.table, b.seq_lens, b.cu_q, 2,
+                                           select_scores="fp8", fp8_rerank=m)
+        assert torch.equal(got, want), m
     _error(lambda: serving.paged_forward(b.new(b.q), b.k_cache, b.v_cache, b.table, b.seq_lens,
                                          b.cu_q, q_idx=qi, k_idx_cache=b.k_idx_cache, top_k=2,
                                          max_q_len=16, select_scores="fp8"), "select_scores")

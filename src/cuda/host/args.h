@@ -114,6 +114,11 @@ struct Fp8CopyArgs : SeqArgs {
   const float* k_scale = nullptr;
   int64_t k_scale_step = 0;
   void* keys16 = nullptr;
+  int32_t* table = nullptr;  // e4m3_pages_kernel, when set: x at table[x] (the slots' page table)
+  // fp8_blocks_kernel: the keys it reads carry a factor per block (the slots of an E4M3 cache's
+  // codes as 16-bit values: the page scale at the block's first row, as k_factor): the values
+  // it quantises are float32(key * factor), the cache's dequantised keys.
+  const float* in_factor = nullptr;
 };
 
 // A prefill over an E4M3 K/V cache (kernels/fp8_copy_kernel.cuh, e4m3_kv_pages_kernel): for KV
@@ -157,6 +162,7 @@ struct RerankArgs {
   int32_t* chunk_start = nullptr;  // [nseg + 1]: exclusive scan of the segments' chunk counts
   int32_t* entries = nullptr;    // [T * Hi * width]: shortlist positions (row * width + c) by segment
   float* score = nullptr;        // [T * Hi * width]: the inputs' block score of each entry
+  const float* k_factor = nullptr;  // k_idx's factor per block (Fp8CopyArgs::in_factor), or none
   int64_t nseg = 0;              // KV tile ids x Hik
   int64_t grid = 0;              // CTAs of the score kernel: an upper bound of the chunk count
   void* cub = nullptr;
@@ -184,8 +190,12 @@ struct SelectArgs : SeqArgs {
   Fp8CopyArgs copy;
   RerankArgs rerank;  // FP8 scores with fp8_rerank > 0
   // A prefill's keys read from a copy in KV tile slots (FP8 scores, or an E4M3 cache's codes
-  // as 16-bit values: e4m3_keys), each block's maxima scaled by its copy.k_factor.
+  // as 16-bit values: e4m3_keys), each block's maxima scaled by its copy's k_factor.
   bool slots = false, e4m3_keys = false;
+  // e4m3_keys: the conversion of an E4M3 cache's pages (e4m3_pages_kernel), run first; its
+  // slots are the keys (k_factor: the page scales), or with FP8 scores the keys `copy`
+  // quantises (in_factor) and the re-ranking scores, through the slots' page table.
+  Fp8CopyArgs e4m3;
 
   // Rows of the key tensor the select kernel reads: T packed keys (or their copies), the pages'
   // rows, or the copies of a prefill's pages: nseq * max_pages slots of Bk rows.

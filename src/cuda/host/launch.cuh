@@ -142,8 +142,8 @@ Status launch_select(const SelectArgs& a, cudaStream_t stream) {
   };
   if (a.e4m3_keys)  // a prefill over an E4M3 k_idx cache: its pages' codes as Element first
     MSA_TRY(detail::launch_kernel("select_blocks", kern::e4m3_pages_kernel<Element, kDim>,
-                                  dim3(static_cast<unsigned>(a.copy.num_blocks), static_cast<unsigned>(a.copy.Hik)),
-                                  128, 0, stream, a.copy));
+                                  dim3(static_cast<unsigned>(a.e4m3.num_blocks), static_cast<unsigned>(a.e4m3.Hik)),
+                                  128, 0, stream, a.e4m3));
   if (!a.fp8) return launch(Element{});
   // FP8 scores: the E4M3 copies of q_idx (a warp per row) and k_idx (a CTA per key block), then
   // the selection over them.

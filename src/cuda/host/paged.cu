@@ -120,18 +120,35 @@ struct SelectPlan {
 };
 
 // A prefill over an E4M3 k_idx cache: its pages' codes as 16-bit values (nseq * max_pages slots
-// of Bk rows), then a factor per slot row (written at each block's first row).
-size_t e4m3_keys_bytes(const Problem& prob, const SelectArgs& s) {
-  const size_t rows = size_t(s.nseq) * s.paged.key_cap * prob.Hik;
-  return (rows * prob.Di * 2 + 255) / 256 * 256 + (rows * sizeof(float) + 255) / 256 * 256;
-}
+// of Bk rows), then a factor per slot row (written at each block's first row), then the slots'
+// page table (slot x at page x; FP8 scores read the slots through it).
+struct E4M3KeysLayout {
+  size_t factor = 0, table = 0, bytes = 0;
+  E4M3KeysLayout(const Problem& prob, const SelectArgs& s) {
+    const auto round = [](size_t b) { return (b + 255) / 256 * 256; };
+    const size_t rows = size_t(s.nseq) * s.paged.key_cap * prob.Hik;
+    factor = round(rows * prob.Di * 2);
+    table = factor + round(rows * sizeof(float));
+    bytes = table + round(size_t(s.nseq) * (s.paged.key_cap / prob.opts.block_size) * sizeof(int32_t));
+  }
+};
 
-// The workspace of e4m3_keys_bytes into the Args.
+// The workspace of E4M3KeysLayout into the Args: the select kernel reads the slots (with FP8
+// scores, the copies and the re-ranking read them through the slots' page table, and take the
+// page scales as the keys' factor).
 void set_e4m3_keys(const Problem& prob, void* ws, SelectArgs* s) {
-  const size_t rows = size_t(s->nseq) * s->paged.key_cap * prob.Hik;
-  s->copy.keys16 = ws;
-  s->copy.k_factor = reinterpret_cast<float*>(static_cast<char*>(ws) + (rows * prob.Di * 2 + 255) / 256 * 256);
-  s->k_idx = ws;
+  const E4M3KeysLayout l(prob, *s);
+  char* base = static_cast<char*>(ws);
+  Fp8CopyArgs& c = s->e4m3;
+  c.keys16 = base;
+  c.k_factor = reinterpret_cast<float*>(base + l.factor);
+  c.table = reinterpret_cast<int32_t*>(base + l.table);
+  s->k_idx = base;
+  if (prob.opts.select_scores == SelectScores::kFp8) {
+    s->paged.page_table = c.table;
+    s->paged.pt_s0 = s->paged.key_cap / prob.opts.block_size;
+    s->paged.kv_rows = static_cast<int32_t>(s->nseq * s->paged.key_cap);
+  }
 }
 
 // The training selection kernel's limit on k (its per-row candidate lists fill shared memory).
@@ -160,6 +177,11 @@ Status can_paged_select(const char* fn, const Problem& prob, const PagedSelectPa
     if (!pages_are_rows(p.cache.k_idx, prob.opts.block_size))
       return fail(fn, "cache.k_idx", "FP8 scores in a CUDA prefill read pages that are whole row ranges "
                                      "(page stride = block_size rows)");
+    const size_t slot_bytes = size_t(slot_rows) * prob.Hik * (prob.Di * 2 + 4);
+    if (is_e4m3(p.cache.k_idx) && slot_bytes > kE4M3SlotBudget)
+      return fail(fn, "cache.page_table", "FP8 scores over an E4M3 k_idx cache in a CUDA prefill convert "
+                                          "nseq x max_pages pages first, " + std::to_string(slot_bytes) +
+                                              " bytes, at most " + std::to_string(kE4M3SlotBudget));
   }
   return Status::Ok();
 }
@@ -226,13 +248,14 @@ SelectPlan select_plan(const Problem& prob, const PagedSelectParams& p) {
   if (p.max_q_len == 0 && prob.k <= kTileSelectMaxK && prob.idx_per_key() <= 128 &&
       pages_are_rows(p.cache.k_idx, bk) && (!e4m3 || slot_rows * (prob.Di * 2 + 4) <= kE4M3SlotBudget)) {
     sp.query_tile = true;
+    sp.bytes = 0;  // no score buffer
     SelectArgs& s = sp.tile;
     s = select_args(prob, p.q_idx, p.cache.k_idx, p.cu_seqlens_q, p.block_idx);
     s.k_s0 = p.cache.k_idx.stride[1];
     s.k_s1 = p.cache.k_idx.stride[2];
     s.paged = paged_keys(p.cache, p.cache.k_idx, bk);
     if (e4m3) {
-      Fp8CopyArgs& c = s.copy;
+      Fp8CopyArgs& c = s.e4m3;
       static_cast<SeqArgs&>(c) = static_cast<const SeqArgs&>(s);
       c.paged = s.paged;
       c.k_idx = s.k_idx;
@@ -246,19 +269,23 @@ SelectPlan select_plan(const Problem& prob, const PagedSelectParams& p) {
       s.e4m3_keys = s.slots = true;
       s.k_s0 = int64_t(prob.Hik) * prob.Di;  // the copy's rows
       s.k_s1 = prob.Di;
-      sp.bytes = e4m3_keys_bytes(prob, s);
-    } else {
-      // FP8 scores: E4M3 copies of q_idx and of the sequences' pages, in the workspace.
-      sp.bytes = select_fp8_bytes(prob, s.nseq, s.paged);
+      sp.bytes = E4M3KeysLayout(prob, s).bytes;
     }
+    // FP8 scores: E4M3 copies of q_idx and of the sequences' pages (over an E4M3 cache: of its
+    // dequantised keys, from the slots above), in the workspace after them.
+    sp.bytes += select_fp8_bytes(prob, s.nseq, s.paged);
   }
   return sp;
 }
 
 Status run_select(const char* fn, const Problem& prob, SelectPlan sp, void* ws, DType dt,
                   cudaStream_t stream) {
-  if (sp.query_tile && prob.opts.select_scores == SelectScores::kFp8) set_select_fp8(prob, ws, &sp.tile);
   if (sp.query_tile && sp.tile.e4m3_keys) set_e4m3_keys(prob, ws, &sp.tile);
+  if (sp.query_tile && prob.opts.select_scores == SelectScores::kFp8) {
+    const size_t slots = sp.tile.e4m3_keys ? E4M3KeysLayout(prob, sp.tile).bytes : 0;
+    set_select_fp8(prob, static_cast<char*>(ws) + slots, &sp.tile);
+    if (sp.tile.e4m3_keys) sp.tile.copy.in_factor = sp.tile.rerank.k_factor = sp.tile.e4m3.k_factor;
+  }
   if (sp.query_tile)
     return dispatch(fn, "q_idx", dt, prob.Di, prob.opts.block_size, [&](auto v) {
       using V = decltype(v);

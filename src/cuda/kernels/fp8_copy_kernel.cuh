@@ -67,11 +67,16 @@ __global__ void __launch_bounds__(128) fp8_blocks_kernel(const __grid_constant__
   const int64_t r0 = paged ? int64_t(blockIdx.x) * a.block_size : src0;
   const Element* src = static_cast<const Element*>(a.k_idx) + src0 * a.k_s0 + ik * a.k_s1;
   const int n = blk.count * kChunks;
+  // The keys' values: float32(key * in_factor) where the keys carry a factor (an E4M3 cache).
+  const float f = a.in_factor != nullptr ? a.in_factor[src0 * a.Hik + ik] : 1.f;
+  const auto value = [&](Element x) {
+    return a.in_factor != nullptr ? __fmul_rn(static_cast<float>(x), f) : static_cast<float>(x);
+  };
   float amax = 0.f;
   for (int e = threadIdx.x; e < n; e += 128) {
     const Vec v = *reinterpret_cast<const Vec*>(src + (e / kChunks) * a.k_s0 + (e % kChunks) * 8);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(static_cast<float>(v[j])));
+    for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(value(v[j])));
   }
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
@@ -87,7 +92,7 @@ __global__ void __launch_bounds__(128) fp8_blocks_kernel(const __grid_constant__
     const Vec v = *reinterpret_cast<const Vec*>(src + r * a.k_s0 + c * 8);
     cutlass::AlignedArray<uint8_t, 8> out;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) out[j] = e4m3_from_float(__fmul_rn(static_cast<float>(v[j]), s));
+    for (int j = 0; j < 8; ++j) out[j] = e4m3_from_float(__fmul_rn(value(v[j]), s));
     *reinterpret_cast<cutlass::AlignedArray<uint8_t, 8>*>(dst + int64_t(r) * a.Hik * kDim + c * 8) = out;
   }
   if (!paged) return;  // packed: the rows after the block are the next block's
@@ -103,6 +108,7 @@ __global__ void __launch_bounds__(128) fp8_blocks_kernel(const __grid_constant__
 template <class Element, int kDim>
 __global__ void __launch_bounds__(128) e4m3_pages_kernel(const __grid_constant__ Fp8CopyArgs a) {
   constexpr int kChunks = kDim / 16;  // 16 codes (16 bytes) per load
+  if (a.table != nullptr && blockIdx.y == 0 && threadIdx.x == 0) a.table[blockIdx.x] = static_cast<int32_t>(blockIdx.x);
   const QueryTile blk = a.paged.tile_of(a.cu_seqlens, a.nseq, a.T, a.block_size, blockIdx.x);
   if (blk.count == 0) return;
   const int32_t ik = blockIdx.y;

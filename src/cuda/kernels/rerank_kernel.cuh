@@ -20,8 +20,9 @@
 // A shortlisted block always precedes the row's local blocks, so all its Bk keys are causal and
 // present. The order of a segment's entries depends on the atomics; each entry's score does not
 // (a row of S depends only on its own query row), so the selection is deterministic. The score
-// is computed as the bf16 select kernel computes it (the same MMA, max and scale), so a shortlist
-// that holds every candidate gives kInput's selection bit for bit.
+// is computed as the bf16 select kernel computes it (the same MMA, max, scale and, over an E4M3
+// cache's codes, page scale), so a shortlist that holds every candidate gives kInput's
+// selection bit for bit.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -122,6 +123,8 @@ __global__ void __launch_bounds__(Traits::kThreads) rerank_score_kernel(const __
   Tensor cS = thr.partition_C(make_identity_tensor(Shape<Int<kRows>, Int<kBlockN>>{}));
   Tensor cSrc = make_tensor(cS.data(), acc_rowcol(cS.layout()));
   const int32_t keys_in = blk.count;  // Bk, unless the block were a sequence's last
+  // The keys' factor (an E4M3 cache's page scale, the codes being the keys), else 1.
+  const float factor = r.k_factor != nullptr ? r.k_factor[key0 * a.Hik + ik] : 1.f;
 #pragma unroll
   for (int i = 0; i < size<0>(S); ++i) {
     float m[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
@@ -130,7 +133,7 @@ __global__ void __launch_bounds__(Traits::kThreads) rerank_score_kernel(const __
       m[c & 3] = fmaxf(m[c & 3], get<1>(cSrc(i, c)) < keys_in ? S(i, c) : -INFINITY);
     const float mx = quad_max(fmaxf(fmaxf(m[0], m[1]), fmaxf(m[2], m[3])));
     const int row = get<0>(cSrc(i, 0));
-    if ((tidx & 3) == i && row < count) r.score[ss.entry[row]] = mx * a.scale;
+    if ((tidx & 3) == i && row < count) r.score[ss.entry[row]] = mx * a.scale * factor;
   }
 }
 

@@ -262,7 +262,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   typename Pipeline::PipelineState state;
   if constexpr (!Traits::kFp8) {
     // An E4M3 cache's codes (a prefill): each block's maxima times its page's scale.
-    const float* k_factor = p.e4m3_keys ? p.copy.k_factor + p.key_row0(tile) * p.Hik + ik : nullptr;
+    const float* k_factor = p.e4m3_keys ? p.e4m3.k_factor + p.key_row0(tile) * p.Hik + ik : nullptr;
     for (int32_t b = 0; b <= last_block; ++b) {
       const float factor = k_factor != nullptr ? k_factor[int64_t(b) * kBlockN * p.Hik] : 1.f;
       __syncwarp();  // the list update diverges; wgmma needs the warp converged
