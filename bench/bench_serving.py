@@ -16,8 +16,8 @@ timed with CUDA events, value checks off (as PagedMSAWrapper.run):
             and the graph-replayed step are timed alternately (the clocks are not locked).
 
 --fp8: the MSA side of every decode row (and the prefill rows' indexer, timed once more over
-them with the inputs' scores and with FP8 scores, and their attention) reads float8 E4M3 copies
-of the caches (k, v and k_idx,
+them with the inputs' scores and with FP8 scores, and their attention with bf16 and FP8 queries)
+reads float8 E4M3 copies of the caches (k, v and k_idx,
 a scale per page: the page's largest magnitude / 448), while dense and SDPA keep the bf16
 cache; bytes count one byte per E4M3 element. Those rows also time FP8 queries (Q8KV8: q as
 E4M3 codes with a scale per (token, head), its largest magnitude / 448): the attention call
@@ -332,8 +332,14 @@ def prefill_case(cache: Cache, prefix: int, chunk: int, dev, alpha: float = 0.44
             k8, v8, ks, vs = cache.fp8["k"], cache.fp8["v"], cache.fp8["k_scale"], cache.fp8["v_scale"]
             ta8 = timed(lambda: serving.paged_forward(q, k8, v8, page_table, seq_lens, cu, block_idx=bi,
                                                       k_scale=ks, v_scale=vs, **kw), iters=5, warmup=1)
+            # and with FP8 queries (Q8KV8: a scale per (token, head), its largest magnitude / 448)
+            q_scale = q.float().abs().amax(dim=2).clamp(min=1e-12) / 448.0
+            q8 = (q.float() / q_scale.unsqueeze(2)).to(torch.float8_e4m3fn)
+            ta8q = timed(lambda: serving.paged_forward(q8, k8, v8, page_table, seq_lens, cu, block_idx=bi,
+                                                       k_scale=ks, v_scale=vs, q_scale=q_scale, **kw),
+                         iters=5, warmup=1)
             extra = dict(indexer_e4m3_cache_ms=t8, e4m3_cache_bi=bi8, attend_e4m3_cache_ms=ta8,
-                         indexer_fp8_e4m3_cache_ms=t8f, fp8_e4m3_cache_bi=bi8f)
+                         attend_q8_e4m3_cache_ms=ta8q, indexer_fp8_e4m3_cache_ms=t8f, fp8_e4m3_cache_bi=bi8f)
     stats = sp.selection_stats(bi, torch.tensor([0, chunk], dtype=torch.int32, device=dev), k=K)
     plain, split, items = split_model(bi, prefix)
     # Support size of every (token, index head) row: its valid blocks, the own block partial.
@@ -351,6 +357,7 @@ def prefill_case(cache: Cache, prefix: int, chunk: int, dev, alpha: float = 0.44
         r8f = recall(extra.pop("fp8_e4m3_cache_bi"), bi, forced)
         extra.update(indexer_e4m3_cache_tflops=index_flops_of(pos) / (extra["indexer_e4m3_cache_ms"] * 1e-3) / 1e12,
                      attend_e4m3_cache_tflops=flops / (extra["attend_e4m3_cache_ms"] * 1e-3) / 1e12,
+                     attend_q8_e4m3_cache_tflops=flops / (extra["attend_q8_e4m3_cache_ms"] * 1e-3) / 1e12,
                      recall_e4m3_cache=r8[0], recall_free_e4m3_cache=r8[1],
                      indexer_fp8_e4m3_cache_tflops=index_flops_of(pos) / (extra["indexer_fp8_e4m3_cache_ms"] * 1e-3)
                      / 1e12, recall_fp8_e4m3_cache=r8f[0], recall_free_fp8_e4m3_cache=r8f[1])
@@ -457,7 +464,8 @@ def main(argv=None) -> int:
                      f" with FP8 scores {r['indexer_fp8_e4m3_cache_ms']:.1f} ms"
                      f" ({r['indexer_fp8_e4m3_cache_tflops']:.0f} TF/s, recall {r['recall_fp8_e4m3_cache']:.4f}),"
                      f" attention over E4M3 k, v {r['attend_e4m3_cache_ms']:.2f} ms"
-                     f" ({r['attend_e4m3_cache_tflops']:.0f} TF/s)"
+                     f" ({r['attend_e4m3_cache_tflops']:.0f} TF/s), with FP8 queries"
+                     f" {r['attend_q8_e4m3_cache_ms']:.2f} ms ({r['attend_q8_e4m3_cache_tflops']:.0f} TF/s)"
                      if "indexer_e4m3_cache_ms" in r else ""))
     return 0
 

@@ -169,7 +169,8 @@ def plot_serving(rows: List[Dict[str, str]], path: str, out: Optional[str] = Non
 
 PREFILL_WALKS = [("query tiles", "attend_query_tile_ms"), ("split", "attend_split_ms"),
                  ("KV block", "attend_kv_block_ms"), ("auto (the library's choice)", "attend_ms"),
-                 ("auto, E4M3 k and v", "attend_e4m3_cache_ms")]
+                 ("auto, E4M3 k and v", "attend_e4m3_cache_ms"),
+                 ("auto, E4M3 q, k and v", "attend_q8_e4m3_cache_ms")]
 # The indexer's TFLOP/s columns, by the scores it ranks blocks by.
 PREFILL_INDEXERS = [("bf16 scores", "indexer_tflops"), ("FP8, re-ranked (default)", "indexer_fp8_tflops"),
                     ("FP8 alone", "indexer_fp8_alone_tflops"), ("E4M3 k_idx cache", "indexer_e4m3_cache_tflops"),

@@ -676,14 +676,23 @@ class PagedMSAWrapper:
         sl = torch.zeros((nseq,), dtype=torch.int32, device=dev)
         cu = torch.zeros((nseq + 1,), dtype=torch.int32, device=dev)
         scale_v, scale_idx_v = _scale("scale", scale), _scale("scale_idx", scale_idx)
-        need = _C.paged_forward_workspace_size(
-            q, cu, c.k, c.v, None if dense else c.k_idx, pt, sl, self.block_idx, not dense,
-            None if dense else qi, self.out, self.lse, max_q_len=max_q_len,
-            mode=_ops._MODE_DENSE if dense else _ops._MODE_SPARSE, block_size=c.page_size,
-            top_k=top_k, sink_blocks=sink_blocks, local_blocks=local_blocks, scale=scale_v,
-            scale_idx=scale_idx_v, k_scale=_scale_of(c, "k_scale"), v_scale=_scale_of(c, "v_scale"),
-            k_idx_scale=None if dense else _scale_of(c, "k_idx_scale"), fwd_pass=fwd_pass,
-            fwd_chunk_tokens=fwd_chunk_tokens, select_scores=select_scores, fp8_rerank=fp8_rerank)
+
+        def need_for(q, q_scale=None):
+            return int(_C.paged_forward_workspace_size(
+                q, cu, c.k, c.v, None if dense else c.k_idx, pt, sl, self.block_idx, not dense,
+                None if dense else qi, self.out, self.lse, max_q_len=max_q_len,
+                mode=_ops._MODE_DENSE if dense else _ops._MODE_SPARSE, block_size=c.page_size,
+                top_k=top_k, sink_blocks=sink_blocks, local_blocks=local_blocks, scale=scale_v,
+                scale_idx=scale_idx_v, k_scale=_scale_of(c, "k_scale"), v_scale=_scale_of(c, "v_scale"),
+                k_idx_scale=None if dense else _scale_of(c, "k_idx_scale"), q_scale=q_scale,
+                fwd_pass=fwd_pass, fwd_chunk_tokens=fwd_chunk_tokens, select_scores=select_scores,
+                fp8_rerank=fp8_rerank))
+
+        need = need_for(q)
+        if c.k.dtype == torch.float8_e4m3fn:  # run() may take FP8 queries (Q8KV8): their copy too
+            q8 = torch.zeros((D,), dtype=c.k.dtype, device=dev).expand(num_tokens, num_qo_heads, D)
+            qs = torch.ones((num_tokens, num_qo_heads), dtype=torch.float32, device=dev)
+            need = max(need, need_for(q8, qs))
         self.workspace = torch.empty((int(need),), dtype=torch.uint8, device=dev)
         self._plan = dict(nseq=nseq, num_tokens=num_tokens, num_qo_heads=num_qo_heads,
                           max_pages=max_pages, max_q_len=max_q_len, Hi=Hi, top_k=top_k,

@@ -2392,50 +2392,92 @@ TEST_P(PagedE4M3CudaVsCpu, SelectAndForward) {
 INSTANTIATE_TEST_SUITE_P(Shapes, PagedE4M3CudaVsCpu, ::testing::ValuesIn(kE4M3Cases),
                          [](const ::testing::TestParamInfo<PagedCase>& i) { return "case" + std::to_string(i.index); });
 
+// FP8 queries of batch b: the E4M3 codes nearest to q / q_scale, with q_scale per (token, head)
+// (per_row) or one for the tensor, drawn in [0.004, 0.02] (so the codes span the format); the
+// twin w's queries, and its contiguous problem's new rows, get float32(value * q_scale).
+struct E4M3Queries {
+  HostTensor q8, qs;
+};
+E4M3Queries quantise_queries(const PagedBatch& b, PagedBatch& w, bool per_row, uint64_t seed) {
+  const PagedCase& cs = b.cs;
+  E4M3Queries r{HostTensor(kE4M3, b.q.shape()),
+                HostTensor(DType::kFloat32, per_row ? std::vector<int64_t>{b.Tq, cs.Hq} : std::vector<int64_t>{1})};
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> u(0.004, 0.02);
+  for (int64_t x = 0; x < r.qs.numel(); ++x) r.qs.set(x, u(rng));
+  uint8_t* codes = static_cast<uint8_t*>(r.q8.ref().data);
+  const int64_t qrow = int64_t{cs.Hq} * cs.D;
+  for (int64_t x = 0; x < b.q.numel(); ++x) {
+    const float sc = static_cast<float>(r.qs.get(per_row ? x / cs.D : 0));
+    codes[x] = nearest_e4m3(b.q.get(x) / sc);
+    const double deq = static_cast<double>(static_cast<float>(e4m3_values()[codes[x]]) * sc);
+    w.q.set(x, deq);
+    w.full.q.set(b.new_rows[static_cast<size_t>(x / qrow)] * qrow + x % qrow, deq);
+  }
+  return r;
+}
+
 // A prefill over E4M3 caches by each walk of the training forward (over 16-bit copies of the
 // pages' codes, the scaled-keys instances: the query tiles, the KV-block pass, the split, kAuto),
 // in one pass and in passes of 97 tokens, sparse over the GPU's selection and dense, each call
-// with a poisoned workspace, against the CPU backend over the dequantised caches. The bf16
-// cases' V scales of neighbouring pages lie up to 2^32 apart (quantise's v_spread), so each
-// block's values must carry their own page's scale through the online softmax and the merge.
+// with a poisoned workspace, against the CPU backend over the dequantised caches; with 16-bit
+// queries and with FP8 queries (Q8KV8: their codes copied too, each row's q_scale applied to
+// its scores; a q_scale per (token, head) in the first case, one for the tensor in the others).
+// The bf16 cases' V scales of neighbouring pages lie up to 2^32 apart (quantise's v_spread), so
+// each block's values must carry their own page's scale through the online softmax and the merge.
 TEST(CudaPagedE4M3, PrefillByEachForwardPass) {
   SKIP_WITHOUT_CUDA();
   const msa::FwdPass passes[] = {msa::FwdPass::kQueryTile, msa::FwdPass::kKvBlock, msa::FwdPass::kSplit,
                                  msa::FwdPass::kAuto};
+  bool first = true;
   for (const PagedCase& base : prefill_cases(71)) {
     SCOPED_TRACE(base.str());
+    const bool per_row = first;
+    first = false;
     if (!kernels_built(base.config(), true, true)) continue;
     Stream st(true);
-    PagedBatch b(base), w(wide_case(base));
-    E4M3Caches c = quantise(b, w, true, base.seed + 5, base.dtype == kBf16 ? 8 : 0);
+    const int v_spread = base.dtype == kBf16 ? 8 : 0;
+    PagedBatch b(base), w(wide_case(base)), w8(wide_case(base));
+    E4M3Caches c = quantise(b, w, true, base.seed + 5, v_spread);
+    (void)quantise(b, w8, true, base.seed + 5, v_spread);  // the same codes; w8: FP8 queries
+    E4M3Queries q8 = quantise_queries(b, w8, per_row, base.seed + 7);
     DeviceE4M3 d(b, c, st.get());
+    DeviceTensor dq8 = DeviceTensor::upload(q8.q8, st.get()), dqs = DeviceTensor::upload(q8.qs, st.get());
     DeviceTensor bi = DeviceTensor::poisoned(DType::kInt32, {b.Tq, base.Hi, base.k}, st.get());
     HostTensor sel = select_on_gpu(base, d, bi, st.get());
-    const FwdResult sparse = cpu_forward_over(base, w, &sel, Mode::kSparse);
-    const FwdResult dense = cpu_forward_over(base, w, nullptr, Mode::kDense);
-    for (const msa::FwdPass pass : passes) {
-      for (const int chunk : {0, 97}) {
-        for (const Mode mode : {Mode::kSparse, Mode::kDense}) {
-          if (mode == Mode::kDense && pass != msa::FwdPass::kAuto) continue;  // one walk
-          PagedCase cs = base;
-          cs.fwd_pass = pass;
-          cs.fwd_chunk_tokens = chunk;
-          SCOPED_TRACE("fwd_pass " + std::to_string(static_cast<int>(pass)) + ", fwd_chunk_tokens " +
-                       std::to_string(chunk) + (mode == Mode::kDense ? ", kDense" : ", kSparse"));
-          DeviceTensor out = DeviceTensor::poisoned(cs.dtype, {b.Tq, cs.Hq, cs.D}, st.get());
-          DeviceTensor lse = DeviceTensor::poisoned(DType::kFloat32, {b.Tq, cs.Hq}, st.get());
-          msa::PagedForwardParams fp = paged_forward_params(
-              cs, d.refs(), mode, false, mode == Mode::kSparse ? bi.ref() : msa::TensorRef{}, out.ref(), lse.ref());
-          fp.cache = d.with_scales(fp.cache);
-          const size_t bytes = msa::workspace_size(fp);
-          ASSERT_GT(bytes, 0u);
-          DeviceTensor ws = DeviceTensor::poisoned(DType::kInt32, {static_cast<int64_t>(bytes / 4 + 1)}, st.get());
-          fp.launch.workspace = ws.ref().data;
-          fp.launch.workspace_bytes = bytes;
-          fp.launch.stream = st.get();
-          require_ok(msa::paged_forward(fp));
-          expect_forward_close(out.download(st.get()), lse.download(st.get()), mode == Mode::kSparse ? sparse : dense,
-                               cs.dtype, "paged_forward over E4M3 caches");
+    for (const bool fp8_q : {false, true}) {
+      SCOPED_TRACE(fp8_q ? (per_row ? "FP8 queries, q_scale [Tq, Hq]" : "FP8 queries, q_scale [1]") : "16-bit queries");
+      PagedBatch& twin = fp8_q ? w8 : w;
+      const FwdResult sparse = cpu_forward_over(base, twin, &sel, Mode::kSparse);
+      const FwdResult dense = cpu_forward_over(base, twin, nullptr, Mode::kDense);
+      for (const msa::FwdPass pass : passes) {
+        for (const int chunk : {0, 97}) {
+          for (const Mode mode : {Mode::kSparse, Mode::kDense}) {
+            if (mode == Mode::kDense && pass != msa::FwdPass::kAuto) continue;  // one walk
+            PagedCase cs = base;
+            cs.fwd_pass = pass;
+            cs.fwd_chunk_tokens = chunk;
+            SCOPED_TRACE("fwd_pass " + std::to_string(static_cast<int>(pass)) + ", fwd_chunk_tokens " +
+                         std::to_string(chunk) + (mode == Mode::kDense ? ", kDense" : ", kSparse"));
+            DeviceTensor out = DeviceTensor::poisoned(cs.dtype, {b.Tq, cs.Hq, cs.D}, st.get());
+            DeviceTensor lse = DeviceTensor::poisoned(DType::kFloat32, {b.Tq, cs.Hq}, st.get());
+            msa::PagedForwardParams fp = paged_forward_params(
+                cs, d.refs(), mode, false, mode == Mode::kSparse ? bi.ref() : msa::TensorRef{}, out.ref(), lse.ref());
+            fp.cache = d.with_scales(fp.cache);
+            if (fp8_q) {
+              fp.q = dq8.ref();
+              fp.q_scale = dqs.ref();
+            }
+            const size_t bytes = msa::workspace_size(fp);
+            ASSERT_GT(bytes, 0u);
+            DeviceTensor ws = DeviceTensor::poisoned(DType::kInt32, {static_cast<int64_t>(bytes / 4 + 1)}, st.get());
+            fp.launch.workspace = ws.ref().data;
+            fp.launch.workspace_bytes = bytes;
+            fp.launch.stream = st.get();
+            require_ok(msa::paged_forward(fp));
+            expect_forward_close(out.download(st.get()), lse.download(st.get()),
+                                 mode == Mode::kSparse ? sparse : dense, cs.dtype, "paged_forward over E4M3 caches");
+          }
         }
       }
     }
@@ -2563,7 +2605,7 @@ TEST(CudaPagedE4M3, AttentionQueriesAndScalesFloat16CannotHold) {
 // q_scale per (token, head) (drawn in [0.004, 0.02], so the codes span the format) or one for
 // the tensor. The oracle is the CPU backend over the dequantised twin whose queries are
 // float32(value * q_scale), as the contract defines the call. The column layout (max_q_len 1),
-// the row layout (4) and a prefill chunk (0, which takes the paged kernels over E4M3 caches),
+// the row layout (4) and a prefill chunk (0, the training forward over 16-bit copies),
 // sparse over the GPU's selection and dense. On the device a q_scale that is not positive is
 // named, and a float32 out (the kernels write 16-bit outputs) is refused naming 'out'.
 TEST(CudaPagedE4M3, FloatQueriesQ8KV8) {
@@ -2582,23 +2624,9 @@ TEST(CudaPagedE4M3, FloatQueriesQ8KV8) {
     Stream st(true);
     PagedBatch b(cs), w(wide_case(cs));
     E4M3Caches c = quantise(b, w, true, cs.seed + 3);
-    // The queries' codes and scales; the twin's queries dequantised.
-    HostTensor q8(kE4M3, b.q.shape()), qs(DType::kFloat32, per_row ? std::vector<int64_t>{b.Tq, cs.Hq}
-                                                                    : std::vector<int64_t>{1});
-    std::mt19937_64 rng(cs.seed);
-    std::uniform_real_distribution<double> u(0.004, 0.02);
-    for (int64_t x = 0; x < qs.numel(); ++x) qs.set(x, u(rng));
-    uint8_t* codes = static_cast<uint8_t*>(q8.ref().data);
-    const int64_t qrow = int64_t{cs.Hq} * cs.D;
-    for (int64_t x = 0; x < b.q.numel(); ++x) {
-      const float sc = static_cast<float>(qs.get(per_row ? x / cs.D : 0));
-      codes[x] = nearest_e4m3(b.q.get(x) / sc);
-      const double deq = static_cast<double>(static_cast<float>(e4m3_values()[codes[x]]) * sc);
-      w.q.set(x, deq);
-      w.full.q.set(b.new_rows[static_cast<size_t>(x / qrow)] * qrow + x % qrow, deq);
-    }
+    E4M3Queries q = quantise_queries(b, w, per_row, cs.seed);
     DeviceE4M3 d(b, c, st.get());
-    DeviceTensor dq8 = DeviceTensor::upload(q8, st.get()), dqs = DeviceTensor::upload(qs, st.get());
+    DeviceTensor dq8 = DeviceTensor::upload(q.q8, st.get()), dqs = DeviceTensor::upload(q.qs, st.get());
     DeviceTensor bi = DeviceTensor::poisoned(DType::kInt32, {b.Tq, cs.Hi, cs.k}, st.get());
     HostTensor sel = select_on_gpu(cs, d, bi, st.get());
     auto params = [&](Mode mode, const msa::TensorRef& out, const msa::TensorRef& lse, const msa::TensorRef& scale) {
@@ -2623,7 +2651,7 @@ TEST(CudaPagedE4M3, FloatQueriesQ8KV8) {
                            sparse ? "paged_forward(block_idx), Q8KV8" : "paged_forward(kDense), Q8KV8");
     }
     // A q_scale of 0 (the last one), and a float32 out.
-    HostTensor zero = qs;
+    HostTensor zero = q.qs;
     zero.set(zero.numel() - 1, 0.0);
     DeviceTensor dzero = DeviceTensor::upload(zero, st.get());
     DeviceTensor out = DeviceTensor::poisoned(cs.dtype, {b.Tq, cs.Hq, cs.D}, st.get());

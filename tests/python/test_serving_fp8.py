@@ -285,9 +285,11 @@ def test_cuda_equals_the_cpu_on_e4m3_caches(max_q_len):
 def test_cuda_fp8_queries_equal_the_cpu(max_q_len, per_row):
     """Q8KV8 on the CUDA backend (the query codes converted exactly to bfloat16, q_scale in each
     row's score scale) against the CPU backend over the same codes and scales, in decode's column
-    layout (one token x 8 heads), its row layout and a prefill chunk: the same selection, out and
-    lse within bfloat16 rounding; a q_scale that is not positive is named from the device's value
-    check, and a float32 out is refused naming 'out'."""
+    layout (one token x 8 heads), its row layout and a prefill chunk (the training forward over
+    16-bit copies of the codes; also through a PagedMSAWrapper plan, whose workspace holds the
+    queries' copy): the same selection, out and lse within bfloat16 rounding; a q_scale that is
+    not positive is named from the device's value check, and a float32 out is refused naming
+    'out'."""
     gen = torch.Generator().manual_seed(29 + max_q_len)
     pages, Bk, Hkv, Hq, D, Hi, Di = 40, 128, 2, 16, 128, 2, 128
     lens = torch.tensor([1500, 129, 700], dtype=torch.int32)
@@ -318,6 +320,20 @@ def test_cuda_fp8_queries_equal_the_cpu(max_q_len, per_row):
     err = (got.float().cpu() - want.float()).norm() / want.float().norm()
     assert err < 1e-2, err
     assert (got_lse.cpu() - want_lse).abs().max() < 1e-3
+    if max_q_len == 0:  # a planned prefill (PagedMSAWrapper) over such a cache, run with FP8 queries
+        cache = serving.PagedKVCache(pages, Bk, Hkv, D, num_idx_heads=1, idx_head_dim=Di, dtype=FP8,
+                                     device="cuda")
+        for name, t in dict(k=kc, v=vc, k_idx=kic, k_scale=ks, v_scale=vs).items():
+            getattr(cache, name).copy_(t)
+        cache.k_idx_scale.fill_(float(kis))
+        w = serving.PagedMSAWrapper(cache)
+        w.plan(nseq=3, num_tokens=T, num_qo_heads=Hq, max_pages=table.shape[1], num_idx_heads=Hi, top_k=4,
+               sink_blocks=1, local_blocks=2)
+        out, lse, bi = w.run(q8.cuda(), *dargs, dev["q_idx"], q_scale=dev["q_scale"])
+        assert torch.equal(bi.cpu(), want_bi)
+        err = (out.float().cpu() - want.float()).norm() / want.float().norm()
+        assert err < 1e-2, err
+        assert (lse.cpu() - want_lse).abs().max() < 1e-3
     bad = dev["q_scale"].clone()
     bad.view(-1)[-1] = 0.0
     _error(lambda: serving.paged_forward(q8.cuda(), kc.cuda(), vc.cuda(), *dargs, **{**dev, "q_scale": bad},

@@ -56,21 +56,23 @@ struct OnlineSoftmax {
     }
   }
 
-  // update() for a block whose keys and values carry factors ks, vs > 0 (an E4M3 cache page's
-  // scales; the scores are those of the codes): the row max is taken over ks * scores. The
+  // update() for a block whose keys and values carry factors ks[r] (per row: the page's k scale
+  // times the row's query scale), vs > 0 (an E4M3 cache page's scales; the scores are those of
+  // the codes): the row max is taken over ks[r] * scores. The
   // output accumulator is kept in units of the last block's vs (v_unit): corr carries the
   // change of unit with the change of max, so P stays in [0, 1] (no underflow in fp16) and
   // values_to_units() applies the last unit before the output is normalised.
   template <class TS>
-  __device__ void update_scaled(TS& scores, float (&corr)[kRows], float ks, float vs) {
-    const float c = scale_log2 * ks, unit = v_unit / vs;
+  __device__ void update_scaled(TS& scores, float (&corr)[kRows], const float (&ks)[kRows], float vs) {
+    const float unit = v_unit / vs;
     v_unit = vs;
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
+      const float c = scale_log2 * ks[r];
       float m = -INFINITY;
 #pragma unroll
       for (int col = 0; col < size<1>(scores); ++col) m = fmaxf(m, scores(r, col));
-      m = fmaxf(row_max[r], quad_max(m) * ks);
+      m = fmaxf(row_max[r], quad_max(m) * ks[r]);
       const float m_scaled = m == -INFINITY ? 0.f : m * scale_log2;
       const float change = row_max[r] == -INFINITY ? 0.f : fast_exp2(row_max[r] * scale_log2 - m_scaled);
       row_max[r] = m;

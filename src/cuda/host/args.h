@@ -93,7 +93,10 @@ struct FwdArgs : QueryTileArgs {
   // A prefill over an E4M3 K/V cache: k and v hold its codes as 16-bit values (a copy,
   // kern::e4m3_kv_pages_kernel) and kv_scale[x * Hkv + r] the (k, v) scales of KV tile x
   // (PagedKeys' numbering) of KV head r: the kernels' instance with scaled keys applies them.
+  // With FP8 queries q holds their codes as 16-bit values too and q_factor[t * Hq + h] each
+  // row's q_scale (else null: 1), which that instance multiplies into the row's scores.
   const float2* kv_scale = nullptr;
+  const float* q_factor = nullptr;
 };
 
 // E4M3 copies of the index inputs for FP8 selection scores (kernels/fp8_copy_kernel.cuh).
@@ -138,6 +141,16 @@ struct E4M3KvCopyArgs : SeqArgs {
   void *k16 = nullptr, *v16 = nullptr;
   float2* kv_scale = nullptr;
   int32_t* table = nullptr;
+  // FP8 queries (e4m3_query_rows_kernel): the codes q [Tq, Hq, D] (strides q_s0, q_s1) exactly
+  // into q16 [Tq, Hq, D], and each row's q_scale ([1], or [Tq, Hq] with strides qs_s0, qs_s1)
+  // into q_factor [Tq, Hq].
+  const void* q = nullptr;
+  int64_t q_s0 = 0, q_s1 = 0;
+  const float* q_scale = nullptr;
+  int64_t qs_s0 = 0, qs_s1 = 0;
+  int32_t Hq = 0;
+  void* q16 = nullptr;
+  float* q_factor = nullptr;
 };
 
 // The re-ranking of FP8 shortlists (Options.fp8_rerank = m > 0; kernels/rerank_kernel.cuh).
@@ -310,6 +323,7 @@ struct FwdKvArgs : KvSideArgs {
   // PagedKeys::kv_tile); default: packed.
   kern::PagedKeys paged;
   const float2* kv_scale = nullptr;  // FwdArgs::kv_scale
+  const float* q_factor = nullptr;   // FwdArgs::q_factor
 };
 
 // The KL branch as a pass of its own (kernels/kl_kernel.cuh): the gradient sums and/or the

@@ -22,8 +22,9 @@
 // to out's 16-bit type, q_scale in each row's score scale). A prefill over E4M3 caches runs the
 // training kernels over 16-bit copies of its sequences' pages' codes (the conversion is exact):
 // the selection (k_idx, the page scale times each block's maxima) and the attention (k and v,
-// e4m3_kv_pages_kernel; the forward's scaled-keys instances apply each block's k scale to its
-// scores and its v scale to its values), each copy bounded in size (else the paged kernels).
+// e4m3_kv_pages_kernel, and FP8 queries, e4m3_query_rows_kernel; the forward's scaled-keys
+// instances apply each block's k scale and each row's q scale to its scores and the block's v
+// scale to its values), each copy bounded in size (else the paged kernels).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -450,22 +451,26 @@ struct PrefillPlan {
   size_t total() const { return bytes + copy_bytes + (passes ? plan.total : 0); }
 };
 
-// The E4M3 copy's parts: k16 and v16 (slot rows x Hkv x D each), kv_scale, table.
+// The E4M3 copy's parts: k16 and v16 (slot rows x Hkv x D each), kv_scale, table; with FP8
+// queries q16 [Tq, Hq, D] and q_factor [Tq, Hq].
 struct KvCopyLayout {
-  size_t k16 = 0, v16 = 0, scale = 0, table = 0, bytes = 0;
-  KvCopyLayout(int64_t slots, const Problem& prob) {
+  size_t k16 = 0, v16 = 0, scale = 0, table = 0, q16 = 0, q_factor = 0, bytes = 0;
+  KvCopyLayout(int64_t slots, const Problem& prob, bool fp8_q) {
     const auto round = [](size_t b) { return (b + 255) / 256 * 256; };
     const size_t half = round(size_t(slots) * prob.opts.block_size * prob.Hkv * prob.D * 2);
     v16 = half;
     scale = 2 * half;
     table = scale + round(size_t(slots) * prob.Hkv * sizeof(float2));
-    bytes = table + round(size_t(slots) * sizeof(int32_t));
+    q16 = table + round(size_t(slots) * sizeof(int32_t));
+    const size_t rows = fp8_q ? size_t(prob.T) * prob.Hq : 0;
+    q_factor = q16 + round(rows * prob.D * 2);
+    bytes = q_factor + round(rows * sizeof(float));
   }
 };
 
 // Points the copy and the forward's K, V, page table and scales at the workspace `ws`.
 void set_kv_copy(const Problem& prob, void* ws, PrefillPlan* pp) {
-  const KvCopyLayout l(pp->copy.num_tiles, prob);
+  const KvCopyLayout l(pp->copy.num_tiles, prob, pp->copy.q != nullptr);
   char* base = static_cast<char*>(ws);
   E4M3KvCopyArgs& c = pp->copy;
   c.k16 = base + l.k16;
@@ -477,6 +482,12 @@ void set_kv_copy(const Problem& prob, void* ws, PrefillPlan* pp) {
   a.v = c.v16;
   a.kv_scale = c.kv_scale;
   a.paged.page_table = c.table;
+  if (c.q != nullptr) {  // FP8 queries
+    c.q16 = base + l.q16;
+    c.q_factor = reinterpret_cast<float*>(base + l.q_factor);
+    a.q = c.q16;
+    a.q_factor = c.q_factor;
+  }
 }
 
 PrefillPlan prefill_plan(const Problem& prob, const PagedForwardParams& p) {
@@ -487,14 +498,14 @@ PrefillPlan prefill_plan(const Problem& prob, const PagedForwardParams& p) {
   if (p.max_q_len != 0 || groups <= 0 || groups % prob.Hkv != 0 || prob.Hq % groups != 0 ||
       prob.Hq / groups > kQueryTileRows || !pages_are_rows(p.cache.k, bk) || !pages_are_rows(p.cache.v, bk))
     return pp;
-  // An E4M3 cache (k and v together, validated) through a 16-bit copy of its pages' codes,
-  // within kE4M3KvCopyBudget and TMA's 32-bit row coordinates; FP8 queries take the paged kernels.
+  // An E4M3 cache (k and v together, validated) through a 16-bit copy of its pages' codes
+  // (and of FP8 queries' codes), within kE4M3KvCopyBudget and TMA's 32-bit row coordinates.
   const int64_t slots = int64_t(p.cu_seqlens_q.shape[0] - 1) * max_pages_of(p.cache);
   if (is_e4m3(p.cache.k)) {
-    if (fp8_queries(p) || slots * bk >= (int64_t(1) << 31) || KvCopyLayout(slots, prob).bytes > kE4M3KvCopyBudget)
-      return pp;
+    const KvCopyLayout l(slots, prob, fp8_queries(p));
+    if (slots * bk >= (int64_t(1) << 31) || l.bytes > kE4M3KvCopyBudget) return pp;
     pp.e4m3 = true;
-    pp.copy_bytes = KvCopyLayout(slots, prob).bytes;
+    pp.copy_bytes = l.bytes;
   }
   pp.use = true;
   FwdArgs& a = pp.fwd;
@@ -545,6 +556,19 @@ PrefillPlan prefill_plan(const Problem& prob, const PagedForwardParams& p) {
     c.D = prob.D;
     c.block_size = bk;
     c.num_tiles = slots;
+    if (fp8_queries(p)) {  // q_scale [1] or [Tq, Hq]
+      c.q = p.q.data;
+      c.q_s0 = p.q.stride[0];
+      c.q_s1 = p.q.stride[1];
+      c.q_scale = static_cast<const float*>(p.q_scale.data);
+      if (p.q_scale.rank == 2) {
+        c.qs_s0 = p.q_scale.stride[0];
+        c.qs_s1 = p.q_scale.stride[1];
+      }
+      c.Hq = prob.Hq;
+      a.q_s0 = int64_t(prob.Hq) * prob.D;  // the copy's rows
+      a.q_s1 = prob.D;
+    }
     // The forward reads the copies: rows of Hkv x D, slot x at page x of an nseq x max_pages table.
     a.k_s0 = a.v_s0 = int64_t(prob.Hkv) * prob.D;
     a.k_s1 = a.v_s1 = prob.D;
@@ -686,22 +710,28 @@ Status paged_forward(const Problem& prob, const PagedForwardParams& p) {
   if (select) MSA_TRY(run_select(fn, prob, sp, ws, p.q_idx.dtype, stream));
   if (pf.use) {
     if (pf.fwd.lse == nullptr) pf.fwd.lse = static_cast<float*>(ws);
-    if (pf.e4m3) {  // the pages' codes as q's 16-bit type (after the selection: the workspace is reused)
+    const DType dt = attn_dtype(p);
+    if (pf.e4m3) {  // the codes as the 16-bit type (after the selection: the workspace is reused)
       set_kv_copy(prob, static_cast<char*>(ws) + pf.bytes, &pf);
-      MSA_TRY(dispatch(fn, "q", p.q.dtype, prob.D, prob.opts.block_size, [&](auto v) {
-        using V = decltype(v);
-        kern::e4m3_kv_pages_kernel<typename V::Element>
+      MSA_TRY(dispatch(fn, attn_dtype_arg(p), dt, prob.D, prob.opts.block_size, [&](auto v) {
+        using E = typename decltype(v)::Element;
+        kern::e4m3_kv_pages_kernel<E>
             <<<dim3(static_cast<unsigned>(pf.copy.num_tiles), static_cast<unsigned>(prob.Hkv)), 128, 0, stream>>>(
                 pf.copy);
+        if (pf.copy.q != nullptr) {
+          const int64_t threads = prob.T * prob.Hq * (prob.D / 16);
+          const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(ceil_div(threads, 256), int64_t(num_sms()) * 16));
+          kern::e4m3_query_rows_kernel<E><<<blocks, 256, 0, stream>>>(pf.copy);
+        }
         const cudaError_t e = cudaGetLastError();
         return e == cudaSuccess ? Status::Ok() : cuda_error(fn, e);
       }));
     }
     if (passes)
-      return run_forward_passes(fn, prob, p.q.dtype, fwd_kv_args(prob, pf.fwd), pf.fwd, p.block_idx, pf.plan,
+      return run_forward_passes(fn, prob, dt, fwd_kv_args(prob, pf.fwd), pf.fwd, p.block_idx, pf.plan,
                                 split_forward(prob), !pf.asked, static_cast<char*>(ws) + pf.bytes + pf.copy_bytes,
                                 stream);
-    return dispatch(fn, "q", p.q.dtype, prob.D, prob.opts.block_size, [&](auto v) {
+    return dispatch(fn, attn_dtype_arg(p), dt, prob.D, prob.opts.block_size, [&](auto v) {
       using V = decltype(v);
       return launch_forward<typename V::Element, V::kDim, V::kBlockN>(pf.fwd, stream);
     });

@@ -562,6 +562,7 @@ FwdKvArgs fwd_kv_args(const Problem& prob, const FwdArgs& q) {
   a.scale_log2 = prob.opts.scale * static_cast<float>(M_LOG2E);
   a.paged = q.paged;
   a.kv_scale = q.kv_scale;
+  a.q_factor = q.q_factor;
   return a;
 }
 

@@ -167,4 +167,21 @@ __global__ void __launch_bounds__(128) e4m3_kv_pages_kernel(const __grid_constan
   }
 }
 
+// e4m3_query_rows_kernel: the FP8 queries of such a prefill: a thread per 16 codes of a
+// (token, head) row (a grid-stride loop), exactly into Element at q16, and each row's q_scale
+// into q_factor (by the row's first thread).
+template <class Element>
+__global__ void __launch_bounds__(256) e4m3_query_rows_kernel(const __grid_constant__ E4M3KvCopyArgs a) {
+  const int chunks = a.D / 16;
+  const int64_t n = int64_t(a.T) * a.Hq * chunks;
+  for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = e / chunks, t = row / a.Hq;
+    const int32_t h = static_cast<int32_t>(row % a.Hq), c = static_cast<int32_t>(e % chunks);
+    const uint8_t* src = static_cast<const uint8_t*>(a.q) + t * a.q_s0 + h * a.q_s1 + c * 16;
+    Element* out = static_cast<Element*>(a.q16) + row * a.D + c * 16;
+    e4m3x16_store<Element>(*reinterpret_cast<const uint4*>(src), out, out + 8);
+    if (c == 0) a.q_factor[row] = a.q_scale[t * a.qs_s0 + h * a.qs_s1];
+  }
+}
+
 }  // namespace msa::cuda::kern

@@ -64,8 +64,9 @@ struct FwdParams : FwdArgs {
 // split's epilogue, kMergeStages cp.async stages of partial rows per warpgroup.
 // Work: one tile (blockIdx.x over the tile ids [tile_lo, tile_lo + num_tiles), late tiles first)
 // of one head group (blockIdx.y), for its tokens in the pass [tok_lo, tok_hi).
-// Scaled keys (a prefill over an E4M3 cache): each block's scores times its k scale, its values
-// times its v scale (OnlineSoftmax::update_scaled); the bf16 instance's code is unchanged.
+// Scaled keys (a prefill over an E4M3 cache): each block's scores times its k scale (and each
+// row's query scale, FP8 queries), its values times its v scale (OnlineSoftmax::update_scaled);
+// the bf16 instance's code is unchanged.
 //
 // The consumers' Q load, mask, tail zeroing and epilogue are written out here rather than
 // calling the helpers of device/ that bwd_q uses (load_head_rows, BlockList, row_sees,
@@ -164,6 +165,21 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     row_ok[r] = row < rows_used && row_tok[r] >= j_lo && row_tok[r] < j_hi;
   }
 
+  // Scaled keys: each row's query scale (FP8 queries; else 1).
+  float row_qf[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) row_qf[r] = 1.f;
+  if constexpr (Traits::kScaledKV) {
+    if (p.q_factor != nullptr) {
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const int row = get<0>(cSrc(r, 0));
+        if (row_ok[r])
+          row_qf[r] = p.q_factor[(tok0 + row_tok[r]) * p.Hq + int64_t(ih) * Gi + (row - row_tok[r] * Gi)];
+      }
+    }
+  }
+
   OnlineSoftmax<kRows> softmax(p.scale_log2);
   cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads + 32,
                                     static_cast<uint32_t>(Barrier::kListReady));
@@ -197,7 +213,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
     if constexpr (Traits::kScaledKV) {
       const float2 f = p.kv_scale[(p.paged.first_kv_tile(tile.seq, tile.seq_start, kBlockN) + b) * p.Hkv + kv.kvh];
-      softmax.update_scaled(S, corr, f.x, f.y);
+      float ks[kRows];
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) ks[r] = f.x * row_qf[r];
+      softmax.update_scaled(S, corr, ks, f.y);
     } else {
       softmax.update(S, corr);
     }

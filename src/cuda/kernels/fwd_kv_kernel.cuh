@@ -50,7 +50,8 @@ namespace msa::cuda::kern {
 using cuda::FwdKvArgs;
 
 // kScaledKV: K and V are an E4M3 cache's codes (as Element) with per-page scales: the item's
-// scores times its block's k scale, its partial O times its v scale.
+// scores times its block's k scale (and each row's query scale, FP8 queries), its partial O
+// times its v scale.
 template <class Element_, int kHeadDim_, int kBlockN_, bool kScaledKV_ = false>
 struct FwdKvTraits {
   using Element = Element_;
@@ -205,8 +206,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     for (int a = 0; a < kRowsThr; ++a) {
       const int32_t lim =
           row_t[a] < en.count ? static_cast<int32_t>(en.tok[row_t[a]] - key_base) : kBlockN;
+      float sf = s_factor;  // FP8 queries: times the row's query scale
+      if constexpr (Traits::kScaledKV) {
+        if (p.q_factor != nullptr && row_t[a] < en.count)
+          sf *= p.q_factor[int64_t(en.tok[row_t[a]]) * p.Hq + (r * ipk + en.seg - list.seg0) * Gi + row_h[a]];
+      }
 #pragma unroll
-      for (int c = 0; c < kCols; ++c) S(a, c) *= s_factor;
+      for (int c = 0; c < kCols; ++c) S(a, c) *= sf;
       if (causal) {
 #pragma unroll
         for (int c = 0; c < kCols; ++c)
