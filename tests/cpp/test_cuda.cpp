@@ -1700,6 +1700,19 @@ struct Workspace {
   }
 };
 
+// A workspace of workspace_size(p) bytes (there must be some), poisoned, attached to p with
+// stream s; the result keeps it alive.
+template <class P>
+DeviceTensor poisoned_workspace(P& p, cudaStream_t s) {
+  const size_t bytes = msa::workspace_size(p);
+  EXPECT_GT(bytes, 0u);
+  DeviceTensor ws = DeviceTensor::poisoned(DType::kInt32, {static_cast<int64_t>(bytes / 4 + 1)}, s);
+  p.launch.workspace = ws.ref().data;
+  p.launch.workspace_bytes = bytes;
+  p.launch.stream = s;
+  return ws;
+}
+
 // paged_forward into poisoned out and lse tensors, with a workspace of its own; the call must succeed.
 struct PagedForwardRun {
   DeviceTensor out, lse;
@@ -1932,21 +1945,13 @@ TEST(CudaPaged, PrefillFp8ScoresEqualSelectBlocks) {
       sp.cu_seqlens = fcu.ref();
       sp.block_idx = fbi.ref();
       sp.opts = cs.options();
-      sp.launch.stream = st.get();
-      DeviceTensor fws = DeviceTensor::poisoned(DType::kInt32, {static_cast<int64_t>(msa::workspace_size(sp) / 4 + 1)}, st.get());
-      sp.launch.workspace = fws.ref().data;
-      sp.launch.workspace_bytes = msa::workspace_size(sp);
+      const DeviceTensor fws = poisoned_workspace(sp, st.get());
       require_ok(msa::select_blocks(sp));
       const HostTensor want = gather_rows(fbi.download(st.get()), b.new_rows);
       // The paged selection, its workspace poisoned.
       DeviceTensor bi = DeviceTensor::poisoned(DType::kInt32, {b.Tq, cs.Hi, cs.k}, st.get());
       msa::PagedSelectParams ps = paged_select_params(cs, r, bi.ref());
-      const size_t bytes = msa::workspace_size(ps);
-      ASSERT_GT(bytes, 0u);
-      DeviceTensor ws = DeviceTensor::poisoned(DType::kInt32, {static_cast<int64_t>(bytes / 4 + 1)}, st.get());
-      ps.launch.workspace = ws.ref().data;
-      ps.launch.workspace_bytes = bytes;
-      ps.launch.stream = st.get();
+      const DeviceTensor ws = poisoned_workspace(ps, st.get());
       require_ok(msa::paged_select_blocks(ps));
       const HostTensor got = bi.download(st.get());
       EXPECT_EQ(first_difference(got, want), "") << "paged_select_blocks against select_blocks";
@@ -2468,12 +2473,7 @@ TEST(CudaPagedE4M3, PrefillByEachForwardPass) {
               fp.q = dq8.ref();
               fp.q_scale = dqs.ref();
             }
-            const size_t bytes = msa::workspace_size(fp);
-            ASSERT_GT(bytes, 0u);
-            DeviceTensor ws = DeviceTensor::poisoned(DType::kInt32, {static_cast<int64_t>(bytes / 4 + 1)}, st.get());
-            fp.launch.workspace = ws.ref().data;
-            fp.launch.workspace_bytes = bytes;
-            fp.launch.stream = st.get();
+            const DeviceTensor ws = poisoned_workspace(fp, st.get());
             require_ok(msa::paged_forward(fp));
             expect_forward_close(out.download(st.get()), lse.download(st.get()),
                                  mode == Mode::kSparse ? sparse : dense, cs.dtype, "paged_forward over E4M3 caches");
@@ -2508,12 +2508,7 @@ TEST(CudaPagedE4M3, PrefillFp8Scores) {
       DeviceTensor bi = DeviceTensor::poisoned(DType::kInt32, {b.Tq, cs.Hi, cs.k}, st.get());
       msa::PagedSelectParams ps = paged_select_params(cs, d.refs(), bi.ref());
       ps.cache = d.with_scales(ps.cache);
-      const size_t bytes = msa::workspace_size(ps);
-      ASSERT_GT(bytes, 0u);
-      DeviceTensor ws = DeviceTensor::poisoned(DType::kInt32, {static_cast<int64_t>(bytes / 4 + 1)}, st.get());
-      ps.launch.workspace = ws.ref().data;
-      ps.launch.workspace_bytes = bytes;
-      ps.launch.stream = st.get();
+      const DeviceTensor ws = poisoned_workspace(ps, st.get());
       require_ok(msa::paged_select_blocks(ps));
       const HostTensor got = bi.download(st.get());
       const Failures f = m == 0 ? check_selection(q8, own8, to_full_rows(got, b, -1), nullptr, b.new_rows)
