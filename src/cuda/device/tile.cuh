@@ -61,6 +61,11 @@ struct PagedKeys {
   __device__ QueryTile kv_tile(const int32_t* cu, int32_t nseq, int64_t T, int32_t bk, int64_t x) const;
   // The row in the key tensors of the first key of KV tile `t` (kv_tile's), its page clamped.
   __device__ int64_t kv_row(const QueryTile& t, int32_t bk) const { return page_row(t.seq, t.first / bk, bk); }
+  // The same for a KV tile of either layout (tile_of's): kv_row with a page table, else the
+  // packed row of the tile's first key.
+  __device__ int64_t first_row(const QueryTile& t, int32_t bk) const {
+    return page_table != nullptr ? kv_row(t, bk) : t.seq_start + t.first;
+  }
   // The first row of block b of sequence s: its page's, the page id clamped.
   __device__ int64_t page_row(int32_t s, int32_t b, int32_t bk) const {
     const int32_t p = page_table[s * pt_s0 + b], pages = kv_rows / bk;

@@ -202,9 +202,11 @@ struct SelectArgs : SeqArgs {
   bool fp8 = false;
   Fp8CopyArgs copy;
   RerankArgs rerank;  // FP8 scores with fp8_rerank > 0
-  // A prefill's keys read from a copy in KV tile slots (FP8 scores, or an E4M3 cache's codes
-  // as 16-bit values: e4m3_keys), each block's maxima scaled by its copy's k_factor.
-  bool slots = false, e4m3_keys = false;
+  // A prefill over an E4M3 k_idx cache: its codes as 16-bit values (the e4m3 copy below).
+  bool e4m3_keys = false;
+  // A prefill's keys read from a copy in KV tile slots (FP8 scores, or e4m3_keys): block b of
+  // sequence s at slot s * max_pages + b, each block's maxima scaled by its copy's k_factor.
+  __host__ __device__ bool slots() const { return paged.page_table != nullptr && (fp8 || e4m3_keys); }
   // e4m3_keys: the conversion of an E4M3 cache's pages (e4m3_pages_kernel), run first; its
   // slots are the keys (k_factor: the page scales), or with FP8 scores the keys `copy`
   // quantises (in_factor) and the re-ranking scores, through the slots' page table.
@@ -213,15 +215,15 @@ struct SelectArgs : SeqArgs {
   // Rows of the key tensor the select kernel reads: T packed keys (or their copies), the pages'
   // rows, or the copies of a prefill's pages: nseq * max_pages slots of Bk rows.
   __host__ __device__ int32_t key_rows() const {
-    return paged.page_table == nullptr ? T : (slots ? nseq * paged.key_cap : paged.kv_rows);
+    return paged.page_table == nullptr ? T : (slots() ? nseq * paged.key_cap : paged.kv_rows);
   }
   // The key row of block 0 of the tile's sequence in that tensor (0 where a page table places
   // each block); k_factor is indexed from it as well.
   __host__ __device__ int64_t key_row0(const kern::QueryTile& t) const {
-    return paged.page_table == nullptr ? t.seq_start : (slots ? int64_t(t.seq) * paged.key_cap : 0);
+    return paged.page_table == nullptr ? t.seq_start : (slots() ? int64_t(t.seq) * paged.key_cap : 0);
   }
   // Block b's page (null: block b is tile b from key_row0).
-  __device__ const int32_t* pages(const kern::QueryTile& t) const { return slots ? nullptr : paged.pages(t); }
+  __device__ const int32_t* pages(const kern::QueryTile& t) const { return slots() ? nullptr : paged.pages(t); }
 };
 
 // Attention backward, query side (kernels/bwd_q_kernel.cuh).

@@ -267,7 +267,7 @@ SelectPlan select_plan(const Problem& prob, const PagedSelectParams& p) {
       c.k_scale = a.k_scale;
       c.k_scale_step = a.k_scale_step;
       c.num_blocks = s.paged.kv_tiles(s.nseq, bk);
-      s.e4m3_keys = s.slots = true;
+      s.e4m3_keys = true;
       s.k_s0 = int64_t(prob.Hik) * prob.Di;  // the copy's rows
       s.k_s1 = prob.Di;
       sp.bytes = E4M3KeysLayout(prob, s).bytes;

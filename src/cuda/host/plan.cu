@@ -374,7 +374,6 @@ void set_select_fp8(const Problem& prob, void* ws, SelectArgs* a) {
     r.grid = (int64_t(prob.T) * prob.Hi * r.width + kRerankRows - 1) / kRerankRows + l.nseg;
   }
   a->fp8 = true;
-  a->slots = a->paged.page_table != nullptr;
   a->q_idx = c.q8;
   a->q_s0 = int64_t(prob.Hi) * prob.Di;
   a->q_s1 = prob.Di;

@@ -63,7 +63,7 @@ __global__ void __launch_bounds__(128) fp8_blocks_kernel(const __grid_constant__
   const int32_t ik = blockIdx.y;
   const bool paged = a.paged.page_table != nullptr;
   // The block's first row in the keys, and in the copy.
-  const int64_t src0 = paged ? a.paged.kv_row(blk, a.block_size) : blk.seq_start + blk.first;
+  const int64_t src0 = a.paged.first_row(blk, a.block_size);
   const int64_t r0 = paged ? int64_t(blockIdx.x) * a.block_size : src0;
   const Element* src = static_cast<const Element*>(a.k_idx) + src0 * a.k_s0 + ik * a.k_s1;
   const int n = blk.count * kChunks;

@@ -118,7 +118,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // first token. A prefill's paged keys: the block's page row, and seq_start + first - pos0
   // (pos0: the position of the sequence's first new token).
   const bool paged = p.paged.page_table != nullptr;
-  const int64_t key_row = paged ? p.paged.kv_row(tile, kBlockN) : tile.seq_start + tile.first;
+  const int64_t key_row = p.paged.first_row(tile, kBlockN);
   const int64_t key_base = paged ? tile.seq_start + tile.first - tile.pos0 : key_row;
   const int tid = threadIdx.x, wg = tid / 128, lt = tid % 128;
   const int32_t Gi = p.heads_per_idx, ipk = p.idx_per_kv;

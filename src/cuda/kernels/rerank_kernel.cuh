@@ -89,7 +89,7 @@ __global__ void __launch_bounds__(Traits::kThreads) rerank_score_kernel(const __
   const int tidx = threadIdx.x;
   const Element* q_idx = as<Element>(r.q_idx);
   // The block's keys: packed, or a prefill's page.
-  const int64_t key0 = a.paged.page_table != nullptr ? a.paged.kv_row(blk, kBlockN) : blk.seq_start + blk.first;
+  const int64_t key0 = a.paged.first_row(blk, kBlockN);
   const Element* keys = as<Element>(r.k_idx) + key0 * r.k_s0 + ik * r.k_s1;
   // One thread copies the same 16 bytes of rows row0, row0 + step, ... of both tiles.
   const BlockRowLoader<kBlockN, kDim, Traits::kThreads> k_load(sK, tidx);
