@@ -24,8 +24,8 @@ E4M3 codes with a scale per (token, head), its largest magnitude / 448): the att
 (q8 attend) and the graph-replayed step (q8 graph).
 
 Prefill: chunks of new tokens against a cached prefix, index inputs of mixed overlap
-(bench/selection_patterns.index_inputs); effective TFLOP/s count the selected work only
-(4 * D * Hq * the support size of every row). The indexer is timed with the inputs' bf16 scores
+(bench/selection_patterns.index_inputs; --prefill-alpha 1 or 0: shared-like or random);
+effective TFLOP/s count the selected work only (4 * D * Hq * the support size of every row). The indexer is timed with the inputs' bf16 scores
 and with FP8 scores (select_scores="fp8": E4M3 copies of q_idx and of the pages, re-ranked with
 fp8_rerank 4 and alone with 0), each FP8 selection's recall of the bf16 one reported.
 
@@ -386,6 +386,9 @@ def main(argv=None) -> int:
     p.add_argument("--ctx", type=int, nargs="*", help="decode context lengths (default: a grid)")
     p.add_argument("--batch", type=int, nargs="*", help="decode batches")
     p.add_argument("--q-len", type=int, nargs="*", help="decode new tokens per sequence")
+    p.add_argument("--prefill-alpha", type=float, default=0.44,
+                   help="the prefill index inputs' alpha (bench/selection_patterns.py): 0.44 mixed (default), "
+                        "1 shared, 0 random")
     p.add_argument("--fp8", choices=["off", "on", "both"], default="off",
                    help="decode with E4M3 caches on the MSA side (both: a bf16 and an E4M3 row per shape)")
     args = p.parse_args(argv)
@@ -418,7 +421,7 @@ def main(argv=None) -> int:
     if not args.no_prefill:
         for prefix, chunk in ([(131072, 8192), (1 << 20, 8192)] if args.quick else
                               [(131072, 8192), (131072, 32768), (1 << 20, 8192), (1 << 20, 32768)]):
-            r = prefill_case(cache, prefix, chunk, dev, e4m3=True in fp8s)
+            r = prefill_case(cache, prefix, chunk, dev, alpha=args.prefill_alpha, e4m3=True in fp8s)
             rows.append(r)
             print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}),
                   flush=True)

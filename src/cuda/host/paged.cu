@@ -126,11 +126,10 @@ struct SelectPlan {
 struct E4M3KeysLayout {
   size_t factor = 0, table = 0, bytes = 0;
   E4M3KeysLayout(const Problem& prob, const SelectArgs& s) {
-    const auto round = [](size_t b) { return (b + 255) / 256 * 256; };
     const size_t rows = size_t(s.nseq) * s.paged.key_cap * prob.Hik;
-    factor = round(rows * prob.Di * 2);
-    table = factor + round(rows * sizeof(float));
-    bytes = table + round(size_t(s.nseq) * (s.paged.key_cap / prob.opts.block_size) * sizeof(int32_t));
+    factor = align_up(rows * prob.Di * 2);
+    table = factor + align_up(rows * sizeof(float));
+    bytes = table + align_up(size_t(s.nseq) * (s.paged.key_cap / prob.opts.block_size) * sizeof(int32_t));
   }
 };
 
@@ -223,7 +222,7 @@ SelectPlan select_plan(const Problem& prob, const PagedSelectParams& p) {
   a.num_chunks = static_cast<int32_t>(std::max<int64_t>(1, ceil_div(a.max_pages, a.chunk_blocks)));
   const size_t row_bytes = size_t(prob.Hi) * std::max(1, a.max_pages) * sizeof(float);
   sp.pass_tokens = std::max<int64_t>(1, std::min<int64_t>(prob.T, int64_t(kScoreBudget / row_bytes)));
-  sp.bytes = (size_t(sp.pass_tokens) * row_bytes + 255) / 256 * 256;
+  sp.bytes = align_up(size_t(sp.pass_tokens) * row_bytes);
 
   kern::PagedTopkArgs& t = sp.topk;
   t.cu_q = a.cu_q;
@@ -417,8 +416,8 @@ AttnPlan attn_plan(const Problem& prob, const PagedForwardParams& p) {
   if (a.splits > 1) {
     const size_t rows = size_t(prob.T) * prob.Hq * a.splits;
     ap.part_o = 0;
-    ap.part_lse = (rows * prob.D * sizeof(float) + 255) / 256 * 256;
-    ap.bytes = ap.part_lse + (rows * sizeof(float) + 255) / 256 * 256;
+    ap.part_lse = align_up(rows * prob.D * sizeof(float));
+    ap.bytes = ap.part_lse + align_up(rows * sizeof(float));
   }
   return ap;
 }
@@ -456,15 +455,14 @@ struct PrefillPlan {
 struct KvCopyLayout {
   size_t k16 = 0, v16 = 0, scale = 0, table = 0, q16 = 0, q_factor = 0, bytes = 0;
   KvCopyLayout(int64_t slots, const Problem& prob, bool fp8_q) {
-    const auto round = [](size_t b) { return (b + 255) / 256 * 256; };
-    const size_t half = round(size_t(slots) * prob.opts.block_size * prob.Hkv * prob.D * 2);
+    const size_t half = align_up(size_t(slots) * prob.opts.block_size * prob.Hkv * prob.D * 2);
     v16 = half;
     scale = 2 * half;
-    table = scale + round(size_t(slots) * prob.Hkv * sizeof(float2));
-    q16 = table + round(size_t(slots) * sizeof(int32_t));
+    table = scale + align_up(size_t(slots) * prob.Hkv * sizeof(float2));
+    q16 = table + align_up(size_t(slots) * sizeof(int32_t));
     const size_t rows = fp8_q ? size_t(prob.T) * prob.Hq : 0;
-    q_factor = q16 + round(rows * prob.D * 2);
-    bytes = q_factor + round(rows * sizeof(float));
+    q_factor = q16 + align_up(rows * prob.D * 2);
+    bytes = q_factor + align_up(rows * sizeof(float));
   }
 };
 
@@ -577,7 +575,7 @@ PrefillPlan prefill_plan(const Problem& prob, const PagedForwardParams& p) {
   }
   set_outputs(&a, p);
   if (!p.lse.defined()) {
-    pp.bytes = (size_t(prob.T) * prob.Hq * sizeof(float) + 255) / 256 * 256;
+    pp.bytes = align_up(size_t(prob.T) * prob.Hq * sizeof(float));
     a.lse_s0 = prob.Hq;
     a.lse_s1 = 1;
   }

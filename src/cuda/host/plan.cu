@@ -86,8 +86,6 @@ int bits_for(uint64_t v) {  // bits needed to hold values 0..v
   return b;
 }
 
-size_t align_up(size_t x) { return (x + 255) / 256 * 256; }
-
 }  // namespace
 
 // ------------------------------------------------------------------------------ limits

@@ -19,6 +19,9 @@ namespace msa::cuda {
 
 using detail::Problem;
 
+// Workspace parts start 256 bytes apart: a part's bytes rounded up.
+inline size_t align_up(size_t x) { return (x + 255) / 256 * 256; }
+
 // The tensors of the KL branch (backward's KL gradient, the KL value).
 struct KlInputs {
   TensorRef q, k, lse, q_idx, k_idx, cu_seqlens, block_idx;
