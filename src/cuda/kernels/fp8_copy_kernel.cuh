@@ -100,6 +100,24 @@ __global__ void __launch_bounds__(128) fp8_blocks_kernel(const __grid_constant__
     *reinterpret_cast<uint64_t*>(dst + int64_t(e / kChunks) * a.Hik * kDim + (e % kChunks) * 8) = 0;
 }
 
+// A page's E4M3 codes exactly into Element, by the CTA's threads, 16 codes per step: rows
+// [0, count) of `chunks` 16-byte chunks from src (row stride src_s0 bytes) to dst (row stride
+// dst_s0 elements), and zero rows from count to `rows`.
+template <class Element>
+__device__ __forceinline__ void e4m3_page_rows(const uint8_t* src, int64_t src_s0, Element* dst, int64_t dst_s0,
+                                               int32_t rows, int32_t count, int chunks) {
+  for (int e = threadIdx.x; e < rows * chunks; e += blockDim.x) {
+    const int row = e / chunks, c = e % chunks;
+    Element* out = dst + row * dst_s0 + c * 16;
+    if (row < count) {
+      e4m3x16_store<Element>(*reinterpret_cast<const uint4*>(src + row * src_s0 + c * 16), out, out + 8);
+    } else {
+      *reinterpret_cast<uint4*>(out) = make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4*>(out + 8) = make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
 // e4m3_pages_kernel: a prefill over an E4M3 k_idx cache (the inputs' scores). One CTA of 128
 // threads per (KV tile x = block b of sequence s, index key head), as fp8_blocks_kernel's paged
 // blocks: the page's codes, 16 per step, exactly into Element at rows x * Bk ... of keys16 (the
@@ -118,16 +136,7 @@ __global__ void __launch_bounds__(128) e4m3_pages_kernel(const __grid_constant__
   Element* dst = static_cast<Element*>(a.keys16) + (r0 * a.Hik + ik) * kDim;
   if (threadIdx.x == 0)
     a.k_factor[r0 * a.Hik + ik] = page_scale(a.k_scale, a.k_scale_step, static_cast<int32_t>(src0 / a.block_size));
-  for (int e = threadIdx.x; e < a.block_size * kChunks; e += 128) {
-    const int r = e / kChunks, c = e % kChunks;
-    Element* out = dst + int64_t(r) * a.Hik * kDim + c * 16;
-    if (r < blk.count) {
-      e4m3x16_store<Element>(*reinterpret_cast<const uint4*>(src + r * a.k_s0 + c * 16), out, out + 8);
-    } else {
-      *reinterpret_cast<uint4*>(out) = make_uint4(0, 0, 0, 0);
-      *reinterpret_cast<uint4*>(out + 8) = make_uint4(0, 0, 0, 0);
-    }
-  }
+  e4m3_page_rows(src, a.k_s0, dst, int64_t(a.Hik) * kDim, a.block_size, blk.count, kChunks);
 }
 
 // e4m3_kv_pages_kernel: a prefill over an E4M3 K/V cache (E4M3KvCopyArgs). One CTA of 128
@@ -146,24 +155,13 @@ __global__ void __launch_bounds__(128) e4m3_kv_pages_kernel(const __grid_constan
   if (threadIdx.x == 0)
     a.kv_scale[x * a.Hkv + r] =
         make_float2(page_scale(a.k_scale, a.k_scale_step, page), page_scale(a.v_scale, a.v_scale_step, page));
-  const int chunks = a.D / 16;  // 16 codes (16 bytes) per load
   const int64_t dst0 = (x * a.block_size * a.Hkv + r) * a.D;
 #pragma unroll 1
   for (int w = 0; w < 2; ++w) {
     const uint8_t* src = static_cast<const uint8_t*>(w == 0 ? a.k : a.v) + src0 * (w == 0 ? a.k_s0 : a.v_s0) +
                          r * (w == 0 ? a.k_s1 : a.v_s1);
-    const int64_t s0 = w == 0 ? a.k_s0 : a.v_s0;
     Element* dst = static_cast<Element*>(w == 0 ? a.k16 : a.v16) + dst0;
-    for (int e = threadIdx.x; e < a.block_size * chunks; e += 128) {
-      const int row = e / chunks, c = e % chunks;
-      Element* out = dst + int64_t(row) * a.Hkv * a.D + c * 16;
-      if (row < blk.count) {
-        e4m3x16_store<Element>(*reinterpret_cast<const uint4*>(src + row * s0 + c * 16), out, out + 8);
-      } else {
-        *reinterpret_cast<uint4*>(out) = make_uint4(0, 0, 0, 0);
-        *reinterpret_cast<uint4*>(out + 8) = make_uint4(0, 0, 0, 0);
-      }
-    }
+    e4m3_page_rows(src, w == 0 ? a.k_s0 : a.v_s0, dst, int64_t(a.Hkv) * a.D, a.block_size, blk.count, a.D / 16);
   }
 }
 
