@@ -475,6 +475,9 @@ const CudaCase kCases[] = {
     {"G32_D64_Bk128", shape({900}, 32, 1, 64, 1, 1, 64, 128, 3, kBf16, 8), false, true},
     {"G3_Hi4_D64_Bk64_fp16", shape({650, 131}, 12, 2, 64, 4, 2, 64, 64, 6, kFp16, 9), true, false},
     {"G64_D64_Bk64", shape({300}, 64, 1, 64, 1, 1, 64, 64, 3, kBf16, 10), false, false},
+    // An index key head per index head (Hik = Hi) with two index heads per KV head: a work
+    // item's index keys change between its records, so the KL passes take one record a step.
+    {"G4_Hi4_Hik4_D128_Bk128", shape({900, 250}, 8, 2, 128, 4, 4, 128, 128, 4, kBf16, 12), false, false},
     // The paper's heads (Gi = 16: 4 tokens per entry, 4 entries per step of the teacher route's
     // gradient pass), varlen with an empty sequence, sink and local blocks.
     {"Paper_G16_Hi4_D128_Bk128", shape({700, 0, 1300}, 64, 4, 128, 4, 1, 128, 128, 6, kBf16, 11, 1, 2), false, false},

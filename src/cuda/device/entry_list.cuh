@@ -178,10 +178,10 @@ __device__ inline WorkItem decode_work(const WorkListParams& p, int32_t Hkv, int
 
 // The work of one KV-side CTA: chunk it.c of the entry list of (KV block it.x, KV head it.r), as
 // `tile` (the block's keys, a tile of kBlockN of its sequence), `list` and entries [begin, end).
-// False: nothing to do, or (kPasses, pass_end > 0) a chunk whose first record belongs to another
-// pass (kernels that never run in passes leave the test out of their code). Params: the KV-side
-// kernel's parameters (work, list, cu_seqlens, nseq, T, Hkv, idx_per_kv, group_tokens,
-// pass_first, pass_end).
+// False: nothing to do, or (kPasses, pass_end > 0) a chunk of a pass chunk (pass_chunk entries,
+// by default the chunk itself) whose first record belongs to another pass (kernels that never run
+// in passes leave the test out of their code). Params: the KV-side kernel's parameters (work,
+// list, cu_seqlens, nseq, T, Hkv, idx_per_kv, group_tokens, pass_first, pass_end, pass_chunk).
 // Params with a `paged` member (kern::PagedKeys: the KV-block forward of a prefill) take their
 // KV tiles from it where it holds a page table (PagedKeys::kv_tile).
 template <class P, class = void>
@@ -207,7 +207,9 @@ __device__ inline bool kv_chunk(const Params& p, WorkItem* it, QueryTile* tile, 
   *begin = min<int64_t>(int64_t(it->c) * p.work.chunk, list->n);
   *end = min<int64_t>(*begin + p.work.chunk, list->n);
   if constexpr (kPasses) {
-    const int64_t first = list->lo + *begin;
+    // The pass of the chunk of p.pass_chunk entries that holds this one (its own by default).
+    const int64_t pc = p.pass_chunk > 0 ? p.pass_chunk : p.work.chunk;
+    const int64_t first = list->lo + *begin / pc * pc;
     if (p.pass_end > 0 && (first < p.pass_first || first >= p.pass_end)) return false;
   }
   return true;

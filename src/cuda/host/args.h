@@ -238,6 +238,10 @@ struct BwdQArgs : QueryTileArgs {
   float scale = 0.f, scale_log2 = 0.f;  // signed
 };
 
+// The most records of a step of the KL branch's LSE pass (kernels/kl_lse_kernel.cuh): m = 4
+// tokens each fill its 128 query rows; fewer rows where m < 4.
+constexpr int kLseStepRecords = 32;
+
 // What the KV-side kernels (bwd_kv, kl) share: the entry lists and the work list.
 // Hi: the column groups (index heads; KV heads in dense mode without the KL branch).
 struct KvSideArgs : SeqArgs {
@@ -262,9 +266,13 @@ struct KvSideArgs : SeqArgs {
   // in [pass_first, pass_end), and `teacher` holds the records from pass_first on.
   float* teacher = nullptr;
   int64_t pass_first = 0, pass_end = 0;
-  int32_t step_records = 1;  // kl_grad_kernel: records per step (their tokens: the 16 index columns)
-  // kl_grad_kernel's LSE pass (set: that pass): [T, Hi, top_k] (max in log2 units, sum) of each
-  // selected block's index logits, at the block's column of block_idx (zeroed first).
+  // The entries per chunk of the list whose chunks the passes take (bwd_kv's, of which this
+  // list's chunks are pieces: kl_grad_kernel's list cuts them finer); 0: this list's own.
+  int32_t pass_chunk = 0;
+  // Records per step: kl_grad_kernel's (their tokens: the 16 index columns), kl_lse_kernel's.
+  int32_t step_records = 1;
+  // The LSE pass (kl_lse_kernel; set: that pass): [T, Hi, top_k] (max in log2 units, sum) of
+  // each selected block's index logits, at the block's column of block_idx (zeroed first).
   float* lse_part = nullptr;
   int32_t top_k = 0;  // block_idx width (k)
 };

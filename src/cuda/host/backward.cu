@@ -8,8 +8,8 @@
 //              LSE_idx over the support                      (forward kernel, LSE-only mode)
 //            dk, dv; with the KL branch also the fixed-point sums of dq_idx, dk_idx
 //                                                            (bwd_kv_kernel, KV side)
-//              (sparse mode: LSE_idx by kl_grad_kernel's     (kl_grad_kernel, lse_combine_kernel)
-//               LSE pass; bwd_kv_kernel writes the teacher,  (bwd_kv_kernel, kl_grad_kernel,
+//              (sparse mode: LSE_idx by the LSE pass;        (kl_lse_kernel, lse_combine_kernel)
+//               bwd_kv_kernel writes the teacher,            (bwd_kv_kernel, kl_grad_kernel,
 //               a pass of its own takes the sums;             in passes over the records)
 //               Hq / Hi not a power of two: a separate pass  (kl_kernel))
 //              scale by gamma * scale_idx / (N Hi), convert  (finalize_grad_kernel)
@@ -241,6 +241,16 @@ KlArgs teacher_args(const Problem& prob, const KlInputs& in, const Plan& pl, voi
   return g;
 }
 
+// The teacher route's KL kernels over bwd_kv's entries (kv's lists, built), in chunks of their
+// own: pieces of bwd_kv's (Plan::kl_work's chunk divides Plan::kv's), so that each takes the
+// pass of the bwd_kv chunk it is a piece of; the order of the fixed-point sums does not matter.
+Status teacher_lists(const char* fn, const Plan& pl, const Problem& prob, const BwdKvArgs& kv,
+                     void* ws, cudaStream_t stream, KlArgs* g) {
+  g->list = kv.list;
+  g->pass_chunk = kv.work.chunk;
+  return build_work(fn, pl, pl.kl_work, prob, kv.list, kv.cu_seqlens, kv.nseq, ws, stream, &g->work, &g->grid);
+}
+
 // The teacher route's LSE_idx partials zeroed ([T, Hi, k]: a slot no record writes reads as
 // holding no partial).
 Status zero_lse_part(const char* fn, const Plan& pl, const Problem& prob, void* ws, cudaStream_t stream) {
@@ -249,12 +259,16 @@ Status zero_lse_part(const char* fn, const Plan& pl, const Problem& prob, void* 
   return e == cudaSuccess ? Status::Ok() : cuda_error(fn, e);
 }
 
-// LSE_idx of the rows of tokens [t0, t1) over their selected blocks: kl_grad's LSE pass over
-// every record of g's lists (the tokens' own), then the partials added in column order.
+// LSE_idx of the rows of tokens [t0, t1) over their selected blocks: the LSE pass
+// (kl_lse_kernel) over every record of bwd_kv's lists (the tokens' own) and work list, then the
+// partials added in column order.
 template <class V>
-Status teacher_lse(const Plan& pl, const Problem& prob, KlArgs g, void* ws, int64_t t0, int64_t t1,
-                   cudaStream_t stream) {
+Status teacher_lse(const Plan& pl, const Problem& prob, KlArgs g, const BwdKvArgs& kv, void* ws, int64_t t0,
+                   int64_t t1, cudaStream_t stream) {
+  g.work = kv.work;
+  g.grid = kv.grid;
   g.pass_first = g.pass_end = 0;
+  g.step_records = pl.lse_step_records;
   g.lse_part = at<float>(ws, pl.lse_part);
   MSA_TRY((launch_kl_grad<typename V::Element, V::kDim, V::kBlockN>(g, stream)));
   const int64_t rows = (t1 - t0) * prob.Hi;
@@ -292,8 +306,8 @@ void finalize_dkv(const Problem& prob, const BackwardParams& p, const BwdKvArgs&
 
 // The sparse backward with dq from dS (pl.bwd_tokens > 0; KL gradient, if any, by kTeacher), in
 // passes of pl.bwd_tokens tokens. Each pass: the reverse index of its rows and the work list;
-// with the KL gradient, LSE_idx of its rows (kl_grad's LSE pass over its records and the
-// combine); bwd_kv (dK and dV, the teacher, the pass's dS tiles) and kl_grad over its records
+// with the KL gradient, LSE_idx of its rows (the LSE pass over its records and the combine);
+// bwd_kv (dK and dV, the teacher, the pass's dS tiles) and kl_grad over its records
 // (in passes of records when the teacher's budget needs them); then dq of its tokens
 // (bwd_dq_kernel). With one pass bwd_kv writes dK and dV; with several it adds them to fp32 sums
 // in pass order (deterministic), converted at the end. `kv`: bwd_kv's Args (delta set).
@@ -323,16 +337,12 @@ Status backward_from_ds(const Problem& prob, const BackwardParams& p, const Plan
     const int64_t c1 = std::min<int64_t>(prob.T, c0 + pl.bwd_tokens);
     MSA_TRY(build_entries(fn, pl, prob, p.block_idx, kv.cu_seqlens, kv.nseq, c0, c1, ws, stream, &kv.list));
     MSA_TRY(build_work(fn, pl, pl.kv, prob, kv.list, kv.cu_seqlens, kv.nseq, ws, stream, &kv.work, &kv.grid));
+    if (pl.teacher) MSA_TRY(teacher_lists(fn, pl, prob, kv, ws, stream, &g));
     kv.ds_tok_lo = c0;
     set_tile_pass(&dq, c0, c1);
     MSA_TRY(dispatch(fn, "q", p.q.dtype, prob.D, prob.opts.block_size, [&](auto v) {
       using V = decltype(v);
-      if (pl.teacher) {
-        g.list = kv.list;
-        g.work = kv.work;
-        g.grid = kv.grid;
-        MSA_TRY(teacher_lse<V>(pl, prob, g, ws, c0, c1, stream));
-      }
+      if (pl.teacher) MSA_TRY(teacher_lse<V>(pl, prob, g, kv, ws, c0, c1, stream));
       MSA_TRY(kv_side<V>(pl, kv, g, stream));
       return launch_bwd_dq<typename V::Element, V::kDim, V::kBlockN>(dq, stream);
     }));
@@ -402,14 +412,12 @@ Status attention_backward(const Problem& prob, const BackwardParams& p) {
   if (pl.teacher) {
     MSA_TRY(zero_lse_part(fn, pl, prob, ws, stream));
     g = teacher_args(prob, kl_in, pl, ws, &kv);
-    g.list = kv.list;
-    g.work = kv.work;
-    g.grid = kv.grid;
+    MSA_TRY(teacher_lists(fn, pl, prob, kv, ws, stream, &g));
   }
   const BwdQArgs q = bwd_q_args(prob, p, delta);
   MSA_TRY(dispatch(fn, "q", p.q.dtype, prob.D, prob.opts.block_size, [&](auto v) {
     using V = decltype(v);
-    if (pl.teacher) MSA_TRY(teacher_lse<V>(pl, prob, g, ws, 0, prob.T, stream));
+    if (pl.teacher) MSA_TRY(teacher_lse<V>(pl, prob, g, kv, ws, 0, prob.T, stream));
     MSA_TRY((launch_bwd_q<typename V::Element, V::kDim, V::kBlockN>(q, stream)));
     return kv_side<V>(pl, kv, g, stream);
   }));

@@ -12,6 +12,7 @@
 #include "../kernels/fwd_kernel.cuh"
 #include "../kernels/fwd_kv_kernel.cuh"
 #include "../kernels/kl_grad_kernel.cuh"
+#include "../kernels/kl_lse_kernel.cuh"
 #include "../kernels/kl_kernel.cuh"
 #include "../kernels/paged_attn_kernel.cuh"
 #include "../kernels/paged_score_kernel.cuh"
@@ -212,12 +213,14 @@ Status launch_kl(const KlArgs& a, cudaStream_t stream) {
 // The gradient pass, or (a.lse_part set) the LSE pass before it.
 template <class Element, int kDim, int kBlockN>
 Status launch_kl_grad(const KlArgs& a, cudaStream_t stream) {
-  auto launch = [&](auto lse) {
-    using Traits = kern::KlGradTraits<Element, kDim, kBlockN, decltype(lse)::value>;
-    return detail::launch_kv_side<Traits, kern::KlGradParams<Traits>>("backward", kern::kl_grad_kernel<Traits>,
-                                                                      a, stream);
-  };
-  return a.lse_part != nullptr ? launch(cute::true_type{}) : launch(cute::false_type{});
+  if (a.lse_part != nullptr) {
+    using Traits = kern::KlLseTraits<Element, kDim, kBlockN>;
+    return detail::launch_kv_side<Traits, kern::KlLseParams<Traits>>("backward", kern::kl_lse_kernel<Traits>, a,
+                                                                     stream);
+  }
+  using Traits = kern::KlGradTraits<Element, kDim, kBlockN>;
+  return detail::launch_kv_side<Traits, kern::KlGradParams<Traits>>("backward", kern::kl_grad_kernel<Traits>, a,
+                                                                    stream);
 }
 
 template <class Element, int kDim, int kBlockN>

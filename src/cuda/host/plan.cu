@@ -694,7 +694,8 @@ Status make_plan(const char* fn, const Problem& prob, int32_t nseq, bool sparse,
   // bwd_kv: about 16 chunks per SM of the entry bound (which also bounds the partial slots:
   // at most 2 * 16 * SMs of them, 540 MB at Bk = D = 128 on 132 SMs); KL: chunks of 512 entries.
   if (main) MSA_TRY(work(&p.kv, std::max(256.0, std::ceil(e_bound / (16.0 * num_sms()))), true));
-  // kl_work: the separate KL pass's list (the KL value, or the gradient by KlRoute::kSeparate).
+  // kl_work: the separate KL pass's list (the KL value, or the gradient by KlRoute::kSeparate;
+  // kTeacher's gradient pass has its own, below).
   const KlRoute route = main && kl ? kl_route(prob) : KlRoute::kSeparate;
   if (kl && route == KlRoute::kSeparate) MSA_TRY(work(&p.kl_work, 512.0, false));
   if (main && kl && grad && sparse && route == KlRoute::kTeacher) {
@@ -710,10 +711,21 @@ Status make_plan(const char* fn, const Problem& prob, int32_t nseq, bool sparse,
     p.passes = static_cast<int32_t>((entries + p.pass_records - 1) / p.pass_records);
     p.teacher_buf = take(static_cast<size_t>(rec_bytes) * size_t(p.pass_records + p.kv.chunk));
     p.lse_part = take(8 * size_t(prob.T) * prob.Hi * size_t(prob.k));
+    // The gradient pass's own chunks (kl_work): bwd_kv's halved while they would be fewer than
+    // 8 per SM (four waves of its two CTAs per SM), down to 32 entries, so that a short sequence's
+    // few long lists do not leave most SMs idle behind the last ones (at 16K tokens, flash-msa's
+    // heads: 32 entries a chunk, the pass 1.4 -> 1.24 ms; at 128K, paper heads, the chunks stay
+    // 256: 128 made it 7% slower). Each is a piece of one bwd_kv chunk, whose pass it takes
+    // (KvSideArgs::pass_chunk).
+    int32_t kl_chunk = p.kv.chunk;
+    while (kl_chunk % 2 == 0 && kl_chunk / 2 >= 32 && e_bound / kl_chunk < 8.0 * num_sms()) kl_chunk /= 2;
+    MSA_TRY(work(&p.kl_work, kl_chunk, false));
     // A step of the gradient pass takes 16 / m records when a work item's index heads share one
     // index key head (Gk a multiple of Hi / Hkv), else one.
     const int32_t Gk = prob.Hi / prob.Hik, ipk = prob.Hi / prob.Hkv;
     p.step_records = Gk % ipk == 0 ? std::max(1, kern::kEntryTokens / p.m) : 1;
+    // The LSE pass's steps: up to 128 query rows (kl_lse_kernel), on the same condition.
+    p.lse_step_records = Gk % ipk == 0 ? std::min(kLseStepRecords, 128 / p.m) : 1;
   }
   if (fwd_tokens > 0) {
     // The KV-block forward: its work list (no partial sums across CTAs) and the partial outputs

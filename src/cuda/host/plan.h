@@ -105,12 +105,13 @@ struct Plan {
            partials = 0;
   };
   int32_t items = 0;
-  Work kv, kl_work;  // kv: bwd_kv's list, or the KV-block forward's
+  Work kv, kl_work;  // kv: bwd_kv's list, or the KV-block forward's; kl_work: the KL passes'
   // KlRoute::kTeacher: bwd_kv and kl_grad run `passes` times over bwd_kv's work list, each over
   // the CTAs whose first record is in [pass * pass_records, (pass + 1) * pass_records); the
   // teacher buffer holds one pass's records (4 Bk m bytes each).
   bool teacher = false;
   int32_t passes = 1, step_records = 1;
+  int32_t lse_step_records = 1;  // ... and the LSE pass's (kl_lse_kernel)
   int64_t pass_records = 0;
   size_t teacher_buf = 0;
   size_t lse_part = 0;  // ... and LSE_idx's partials, [T, Hi, k] float2

@@ -10,11 +10,7 @@
 // Sums that cross CTAs (dq_idx; dk_idx over the KV heads sharing an index key head and over a
 // block's chunks) are 64-bit fixed point (2^-32 units) added with integer atomics, so every run
 // gives the same bits.
-//
-// kLse, a pass before the gradient's: the index branch's LSE over the support from the same
-// steps, as one (max, sum) partial per selected (token, index head, block) (the slot of
-// p.lse_part at the block's column of block_idx; the backward's combine adds them in column
-// order), so that LSE_idx costs a pass over the selected blocks only.
+// LSE_idx comes from the pass before (kl_lse_kernel.cuh).
 //
 // Work: a step is up to R = 16 / m consecutive records of the chunk (p.step_records; 1 where the
 // index key head may change inside a work item), whose tokens fill the 16 index columns of the
@@ -38,8 +34,8 @@ namespace msa::cuda::kern {
 
 using cuda::KlArgs;
 
-// kDim: Di (== D: the instantiation's head dim). kLse: the LSE pass (below) instead.
-template <class Element_, int kDim_, int kBlockN_, bool kLse_ = false>
+// kDim: Di (== D: the instantiation's head dim).
+template <class Element_, int kDim_, int kBlockN_>
 struct KlGradTraits : KvSideTraits<Element_, kDim_, kBlockN_, 4> {
   using Base = KvSideTraits<Element_, kDim_, kBlockN_, 4>;
   using Element = Element_;
@@ -48,13 +44,9 @@ struct KlGradTraits : KvSideTraits<Element_, kDim_, kBlockN_, 4> {
   static constexpr int kLead = kStages - 1;   // steps in flight ahead of the one computed
   static constexpr int kRing = 2 * kStages;   // steps whose records are in shared memory
   static constexpr int kMaxRecords = kTok;    // records of a step (m = 1)
-  static constexpr bool kLse = kLse_;
-  // CTAs per SM the registers are sized for. The gradient: two (128 registers a thread; ptxas
-  // spills about 116 bytes) ran 1.13x faster than one (200 registers, no spill) at 128K, paper
-  // heads. The LSE pass holds no dk_idx: three (85 registers, 56 bytes spilled) ran 1.07x faster
-  // than two there.
-  static constexpr int kMinBlocks = kLse ? 3 : 2;
-  static constexpr int grad_size(int n) { return kLse ? 1 : n; }  // the gradient's tiles
+  // CTAs per SM the registers are sized for: two (128 registers a thread; ptxas spills about
+  // 116 bytes) ran 1.13x faster than one (200 registers, no spill) at 128K, paper heads.
+  static constexpr int kMinBlocks = 2;
   using typename Base::SmemLayoutK;
   using typename Base::SmemLayoutQi;
   using typename Base::SmemLayoutQit;
@@ -63,10 +55,9 @@ struct KlGradTraits : KvSideTraits<Element_, kDim_, kBlockN_, 4> {
   struct SharedStorage {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k_idx;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQi>> q_idx;
-    alignas(1024) cute::array_aligned<Element, grad_size(cosize_v<SmemLayoutDS>)> ds;
-    alignas(16) float pi[kStages][grad_size(kTok * kBlockN)];  // a step's teacher: [record][key][m]
-    float lidx[kStages][kTok];                                 // LSE_idx per column
-    float2 part[kLse ? kBlockN / 16 : 1][kTok];  // kLse: each warp's (max, sum) per column
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutDS>> ds;
+    alignas(16) float pi[kStages][kTok * kBlockN];  // a step's teacher: [record][key][m]
+    float lidx[kStages][kTok];                      // LSE_idx per column
     EntryRecord ring[kRing][kMaxRecords];
   };
 };
@@ -136,7 +127,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
           return column(c, &tok, &i) ? as<Element>(p.q_idx) + tok * p.qi_s0 + i * p.qi_s1 : nullptr;
         },
         tid, kThreads);
-    if constexpr (Traits::kLse) return;
     if (tid < kTok) {
       int64_t tok = 0;
       int32_t i = 0;
@@ -187,53 +177,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     clear(tDKrDK);
   };
 
-  // kLse: each column's block (max, sum of exp2) of its visible logits scale_idx * S_idx (log2
-  // units), over the warp's 16 keys (quad-column shuffles), then over the warps (shared memory),
-  // to the column's slot of p.lse_part.
-  auto lse_step = [&](int st, const EntryRecord* recs, int n) {
-    const int lane = tid & 31, warp = tid / 32;
-    const float c2 = p.scale_idx * static_cast<float>(M_LOG2E);
-#pragma unroll
-    for (int c = 0; c < kCols; ++c) {
-      const int col = get<1>(cSirc(0, c));
-      const int j = col >> m_shift, t = col & (m - 1);
-      const int64_t tok = j < n && t < recs[j].count ? recs[j].tok[t] : -1;
-      float x[kRows];
-      float mx = -INFINITY;
-#pragma unroll
-      for (int a = 0; a < kRows; ++a) {
-        x[a] = key_base + get<0>(cSirc(a, 0)) <= tok ? Si(a, c) * c2 : -INFINITY;
-        mx = fmaxf(mx, x[a]);
-      }
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 4));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 8));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 16));
-      float sum = 0.f;
-#pragma unroll
-      for (int a = 0; a < kRows; ++a) sum += mx == -INFINITY ? 0.f : fast_exp2(x[a] - mx);
-      sum += __shfl_xor_sync(0xffffffff, sum, 4);
-      sum += __shfl_xor_sync(0xffffffff, sum, 8);
-      sum += __shfl_xor_sync(0xffffffff, sum, 16);
-      if (lane < 4) ss.part[warp][col] = make_float2(mx, sum);
-    }
-    __syncthreads();
-    if (tid < kTok) {
-      const int j = tid >> m_shift, t = tid & (m - 1);
-      if (j < n && t < recs[j].count) {
-        float mx = -INFINITY;
-        for (int w = 0; w < kBlockN / 16; ++w) mx = fmaxf(mx, ss.part[w][tid].x);
-        float sum = 0.f;
-        for (int w = 0; w < kBlockN / 16; ++w) {
-          const float2 v = ss.part[w][tid];
-          if (v.y > 0.f) sum += v.y * fast_exp2(v.x - mx);
-        }
-        const int32_t i = r * ipk + recs[j].seg - list.seg0;
-        reinterpret_cast<float2*>(p.lse_part)[(int64_t(recs[j].tok[t]) * p.Hi + i) * p.top_k + recs[j].slot[t]] =
-            make_float2(mx, sum);
-      }
-    }
-  };
-
   // The records of the first kLead steps, then their rows (each step one commit group, with the
   // records of the step kLead after it).
   for (int64_t s = 0; s < kLead; ++s) issue_records(s);
@@ -273,56 +216,52 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     clear(tSrSi);
     wg_gemm<true>(mma_si, tSrKi, thr_si.partition_fragment_B(stage_q_idx(st, typename Traits::SmemLayoutQi{})), tSrSi);
     warpgroup_wait<0>();
-    if constexpr (Traits::kLse) {
-      lse_step(st, recs, n);
-    } else {
-      // Student and dS = sigma - pi, in the index-score accumulator (columns: the step's tokens).
+    // Student and dS = sigma - pi, in the index-score accumulator (columns: the step's tokens).
 #pragma unroll
-      for (int c = 0; c < kCols; ++c) {
-        const int col = get<1>(cSirc(0, c));
-        const int j = col >> m_shift, t = col & (m - 1);
-        const bool real = j < n && t < recs[j].count;
-        const int64_t tok = real ? recs[j].tok[t] : -1;
-        const float lidx = ss.lidx[st][col];
-        const float* pi_col = ss.pi[st] + j * kBlockN * m + t;
-#pragma unroll
-        for (int a = 0; a < kRows; ++a) {
-          const int row = get<0>(cSirc(a, 0));
-          const bool ok = key_base + row <= tok;  // tok < 0: no token
-          const float lsig2 = (Si(a, c) * p.scale_idx - lidx) * static_cast<float>(M_LOG2E);
-          Si(a, c) = ok ? fast_exp2(lsig2) - pi_col[row * m] : 0.f;
-        }
-      }
-      convert_into(tSrSi, rDS);
-      wg_gemm<false, true>(mma_dk, tDKrDS, thr_dk.partition_fragment_B(stage_q_idx(st, typename Traits::SmemLayoutQit{})), tDKrDK);
-      // dS^T (tokens, keys) to shared memory for dq_idx^T = k_idx^T dS^T over all the block's keys.
+    for (int c = 0; c < kCols; ++c) {
+      const int col = get<1>(cSirc(0, c));
+      const int j = col >> m_shift, t = col & (m - 1);
+      const bool real = j < n && t < recs[j].count;
+      const int64_t tok = real ? recs[j].tok[t] : -1;
+      const float lidx = ss.lidx[st][col];
+      const float* pi_col = ss.pi[st] + j * kBlockN * m + t;
 #pragma unroll
       for (int a = 0; a < kRows; ++a) {
         const int row = get<0>(cSirc(a, 0));
-#pragma unroll
-        for (int c = 0; c < kCols; ++c) sDS(get<1>(cSirc(a, c)), row) = static_cast<Element>(Si(a, c));
+        const bool ok = key_base + row <= tok;  // tok < 0: no token
+        const float lsig2 = (Si(a, c) * p.scale_idx - lidx) * static_cast<float>(M_LOG2E);
+        Si(a, c) = ok ? fast_exp2(lsig2) - pi_col[row * m] : 0.f;
       }
-      cutlass::arch::fence_view_async_shared();
-      __syncthreads();
-      if (dq_thread) {
-        clear(tDQrDQ);
-        wg_gemm<true>(mma_dq, tDQrKit, tDQrDS, tDQrDQ);
-        warpgroup_wait<0>();
+    }
+    convert_into(tSrSi, rDS);
+    wg_gemm<false, true>(mma_dk, tDKrDS, thr_dk.partition_fragment_B(stage_q_idx(st, typename Traits::SmemLayoutQit{})), tDKrDK);
+    // dS^T (tokens, keys) to shared memory for dq_idx^T = k_idx^T dS^T over all the block's keys.
 #pragma unroll
-        for (int v = 0; v < size(tDQrDQ); ++v) {
-          const int d = get<0>(cDQ(v)), col = get<1>(cDQ(v));
-          const int j = col >> m_shift, t = col & (m - 1);
-          if (j < n && t < recs[j].count) {
-            const int32_t i = r * ipk + recs[j].seg - list.seg0;
-            add_fixed(p.dq_idx + (int64_t(recs[j].tok[t]) * p.Hi + i) * kDim + d, tDQrDQ(v));
-          }
+    for (int a = 0; a < kRows; ++a) {
+      const int row = get<0>(cSirc(a, 0));
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) sDS(get<1>(cSirc(a, c)), row) = static_cast<Element>(Si(a, c));
+    }
+    cutlass::arch::fence_view_async_shared();
+    __syncthreads();
+    if (dq_thread) {
+      clear(tDQrDQ);
+      wg_gemm<true>(mma_dq, tDQrKit, tDQrDS, tDQrDQ);
+      warpgroup_wait<0>();
+#pragma unroll
+      for (int v = 0; v < size(tDQrDQ); ++v) {
+        const int d = get<0>(cDQ(v)), col = get<1>(cDQ(v));
+        const int j = col >> m_shift, t = col & (m - 1);
+        if (j < n && t < recs[j].count) {
+          const int32_t i = r * ipk + recs[j].seg - list.seg0;
+          add_fixed(p.dq_idx + (int64_t(recs[j].tok[t]) * p.Hi + i) * kDim + d, tDQrDQ(v));
         }
       }
-      warpgroup_wait<0>();
     }
+    warpgroup_wait<0>();
   }
   cp_async_wait_all();
-  if constexpr (!Traits::kLse) flush_dk();
+  flush_dk();
 }
 
 }  // namespace msa::cuda::kern
