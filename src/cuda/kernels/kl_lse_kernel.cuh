@@ -15,8 +15,8 @@
 //
 // Warp roles: none; all threads load, and each of the two warpgroups multiplies and reduces its
 // 64 rows. Pipeline: kStages stages of a step's q_idx rows by cp.async, kLead = kStages - 1 steps
-// in flight, the records kLead steps further ahead through a ring (as kl_grad_kernel's); one CTA
-// barrier per step.
+// in flight, the records kLead steps further ahead through a ring (RecordSteps, as
+// kl_grad_kernel's); one CTA barrier per step.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -79,45 +79,26 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks) kl_lse_k
   EntryList list;
   int64_t e_begin, e_end;
   if (!kv_chunk<kBlockN>(p, &it, &tile, &list, &e_begin, &e_end)) return;
-  const int32_t r = it.r;
   const int64_t key_base = tile.seq_start + tile.first;  // packed index of the block's first key
   const int tid = threadIdx.x;
-  const int32_t m = p.group_tokens, R = p.step_records, ipk = p.idx_per_kv;
-  const int m_shift = __ffs(m) - 1;  // m is a power of two (kTeacher: Gi is)
-  const int steps = static_cast<int>((e_end - e_begin + R - 1) / R);  // a chunk's entries < 2^31
+  const RecordSteps<kRing, Traits::kMaxRecords> steps(p.list, list, e_begin, e_end, p.step_records, p.group_tokens,
+                                                      it.r, p.idx_per_kv);
   const Element* q_idx = as<Element>(p.q_idx);
 
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutK{});
   const BlockRowLoader<kRows, kDim, kThreads> q_load(sQ(_, _, 0), tid);
-
-  auto first_record = [&](int s) { return e_begin + int64_t(s) * R; };
-  auto records_of = [&](int s) { return static_cast<int>(min<int64_t>(R, e_end - first_record(s))); };
-  // Row `row` of a step whose records are recs (n of them): its token, or -1, and index head.
-  auto row_of = [&](const EntryRecord* recs, int n, int row, int32_t* head) -> int64_t {
-    const int j = row >> m_shift, t = row & (m - 1);
-    if (j >= n || t >= recs[j].count) return -1;
-    *head = r * ipk + recs[j].seg - list.seg0;
-    return recs[j].tok[t];
-  };
-  // The records of step s into its ring slot (16-byte cp.async copies; the caller commits).
-  auto issue_records = [&](int s) {
-    if (s >= steps) return;
-    const char* src = reinterpret_cast<const char*>(p.list.records + list.lo + first_record(s));
-    char* dst = reinterpret_cast<char*>(ss.ring[s % kRing]);
-    for (int c = tid; c < records_of(s) * kEntryChunks; c += kThreads) cp_async16(dst + 16 * c, src + 16 * c, true);
-  };
+  auto issue_records = [&](int s) { steps.issue(ss.ring, s, tid, kThreads); };
   // The q_idx rows of step s into its stage (its records have landed; zeros past them).
   auto issue_rows = [&](int s) {
-    if (s >= steps) return;
-    const int st = s % kStages;
-    const int n = records_of(s);
+    if (s >= steps.steps) return;
     const EntryRecord* recs = ss.ring[s % kRing];
+    const int n = steps.count(s);
     q_load.load_rows(
-        ss.q.data() + st * kRows * kDim,
+        ss.q.data() + (s % kStages) * kRows * kDim,
         [&](int row) -> const Element* {
           int32_t i = 0;
-          const int64_t tok = row_of(recs, n, row, &i);
+          const int64_t tok = steps.token(recs, n, row, &i);
           return tok >= 0 ? q_idx + tok * p.qi_s0 + i * p.qi_s1 : nullptr;
         },
         q_idx);
@@ -147,16 +128,16 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks) kl_lse_k
   }
 
   int32_t loaded_ik = -1;
-  for (int s = 0; s < steps; ++s) {
+  for (int s = 0; s < steps.steps; ++s) {
     // Step s's rows and the records of step s + kLead have landed; every thread is done with
     // step s - 1, whose stage the next issue refills.
     cp_async_wait<kStages - 2>();
     cutlass::arch::fence_view_async_shared();
     __syncthreads();
     const EntryRecord* recs = ss.ring[s % kRing];
-    const int n = records_of(s);
+    const int n = steps.count(s);
     // Every record of a step has the same index key head (step_records is 1 otherwise).
-    const int32_t ik = (r * ipk + recs[0].seg - list.seg0) / p.idx_per_key;
+    const int32_t ik = (steps.head0 + recs[0].seg) / p.idx_per_key;
     if (ik != loaded_ik) {  // the same for every thread: (re)load the block's index keys
       loaded_ik = ik;
       load_block_rows_now<kBlockN, kDim>(
@@ -176,7 +157,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks) kl_lse_k
     for (int a = 0; a < size<0>(S); ++a) {
       const int row = get<0>(cSrc(a, 0));
       int32_t i = 0;
-      const int64_t tok = row_of(recs, n, row, &i);  // -1: no token
+      const int64_t tok = steps.token(recs, n, row, &i);  // -1: no token
       // The row's visible keys: the block's first last + 1 (none where last < 0).
       const int32_t last = static_cast<int32_t>(max<int64_t>(min<int64_t>(tok - key_base, kBlockN), -1));
       float mx = -INFINITY;
@@ -192,10 +173,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks) kl_lse_k
         for (int c = 0; c < size<1>(S); ++c) sum += fast_exp2(S(a, c) - mx);
       }
       sum = quad_sum(sum);
-      if (tok >= 0 && (tid & 3) == 0) {
-        const int j = row >> m_shift, t = row & (m - 1);
-        lse_part[(tok * p.Hi + i) * p.top_k + recs[j].slot[t]] = make_float2(mx, sum);
-      }
+      if (tok >= 0 && (tid & 3) == 0) lse_part[(tok * p.Hi + i) * p.top_k + steps.slot(recs, row)] = make_float2(mx, sum);
     }
   }
   cp_async_wait_all();
