@@ -13,10 +13,12 @@
 // kBlockM = 128 rows = m tokens x the Gi query heads of one index head; warp 0 builds the union
 // of the tokens' selections and streams K by TMA; V is not read). Warp roles: the producer warp
 // and two consumer warpgroups of 64 rows each. Pipelines: kStages K stages (mbarriers), and per
-// consumer warpgroup kDsStages dS stages filled by its own cp.async, kDsStages - 1 blocks ahead.
+// consumer warpgroup kDsStages dS stages filled by its own cp.async, kDsStages - 1 blocks ahead,
+// each refill issued while the block before it is multiplied.
 // Work: one query tile of one index head, over the tokens of the pass [tok_lo, tok_hi): a
 // warpgroup computes only the blocks one of its pass tokens selected (rows of its other tokens
-// are zero fills) and writes dQ of its pass tokens once, with no atomics.
+// are zeros, filled only where the stage's rows are not zero already) and writes dQ of its pass
+// tokens once, with no atomics.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -187,6 +189,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // The lane's pieces of list entry u into dS stage st of this warpgroup.
   constexpr int kStageElems = kRows * kBlockN;
   Element* ds_stages = ss.ds.data() + wg * kDsStages * kStageElems;
+  uint32_t zeroed = 0;  // bit st: the lane's rows of dS stage st hold zeros
   auto issue = [&](int32_t u, int st) {
     const int32_t blk = list.block(u);
     uint32_t mine = 0;
@@ -197,7 +200,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
     const bool sel = tok_ok && mine != 0u && blk <= qpos / kBlockN;
     const int32_t slot = sel ? __ffs(mine) - 1 : 0;
-    ld.load(ds_stages + st * kStageElems, ds_tok + int64_t(slot) * kBlockN * Gi, sel);
+    // A lane always fills the same rows of a stage (its token's), so rows it zeroed for an
+    // earlier block are still zero: only a token that selected the block moves data.
+    if (sel || !(zeroed >> st & 1u)) ld.load(ds_stages + st * kStageElems, ds_tok + int64_t(slot) * kBlockN * Gi, sel);
+    zeroed = sel ? zeroed & ~(1u << st) : zeroed | (1u << st);
   };
   int32_t u_ahead = 0;  // the next list entry the prefetch looks at
   auto prefetch = [&](int st) {
@@ -228,13 +234,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     cp_async_wait<kDsStages - 2>();
     cutlass::arch::fence_view_async_shared();
     cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(Barrier::kWarpGroup) + wg);
-    prefetch((c + kDsStages - 1) % kDsStages);
     const int32_t key0 = list.block(u) * kBlockN;
     kv.pipe_k.consumer_wait(sk);
     // Keys past the sequence end: their dS is 0, but 0 * NaN is not (zero_tail_rows).
     zero_tail_rows<kBlockN, kHeadDim>(sK(_, _, sk.index()), key0, tile.seq_len, lt, wg);
     Tensor tdQrDs = thr_dq.partition_fragment_A(sDs(_, _, wg * kDsStages + st));
     wg_gemm<false>(mma_dq, tdQrDs, tdQrK(_, _, _, sk.index()), tdQrdQ);
+    // The refill of block c - 1's stage (every warp waited for its product before the barrier)
+    // is issued while this block's product runs.
+    prefetch((c + kDsStages - 1) % kDsStages);
     warpgroup_wait<0>();
     kv.pipe_k.consumer_release(sk);
     ++sk;
