@@ -203,6 +203,8 @@ def bench_case(msa, cfg: str, L: int, B: int, args, timer: Timer, device, dtype,
         row["bwd_kl_ms"] = timer.ms(bwd(True), reps)
         row["step_ms"] = timer.ms(step(False), reps)
         row["step_klv_ms"] = timer.ms(step(True), reps)
+        if args.graph and device.type == "cuda":
+            row["step_graph_ms"] = timer.ms(graphed(step(False)), reps)
         row["select_ms"] = timer.ms(lambda: msa.select_blocks(
             qi, ki, k, Bk, select_scores=args.select_scores, **opts), reps)
         row["select_scores"] = args.select_scores
@@ -229,6 +231,21 @@ def bench_case(msa, cfg: str, L: int, B: int, args, timer: Timer, device, dtype,
     return rows
 
 
+def graphed(fn):
+    """fn (one training step) captured in a CUDA graph after warm-up calls on a side stream;
+    returns the graph's replay: the step without the host's per-call work."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
 def fmt(v, spec=".2f"):
     return "—" if v is None else format(v, spec)
 
@@ -253,6 +270,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dense-max-tokens", type=int, default=131072)
     ap.add_argument("--no-l2-flush", action="store_true")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--graph", action="store_true",
+                    help="also time the training step captured in a CUDA graph (step_graph_ms)")
     ap.add_argument("--kl-pass", choices=["auto", "fused", "separate", "teacher"], default="auto",
                     help="how the backward computes the KL gradient (Options::kl_pass)")
     ap.add_argument("--device", default="cuda",
@@ -323,6 +342,10 @@ def main(argv=None) -> int:
               f"{fmt(r['bwd_kl_ms'])} ({fmt(r['bwd_kl_tflops'], '.0f')}) | {fmt(r['step_ms'])} | "
               f"{fmt(r['step_klv_ms'])} | {fmt(r['dense_step_ms'])} | "
               f"{fmt(r.get('step_speedup'), '.1f')}x ({fmt(r.get('ideal_speedup'), '.1f')}x) |")
+    for r in rows:
+        if r.get("step_graph_ms"):
+            print(f"\n{r['config']} {bf.fmt_tokens(r['T'])} {r['index']}: step in a CUDA graph "
+                  f"{r['step_graph_ms']:.2f} ms (eager {r['step_ms']:.2f} ms)")
     for r in rows:
         if "vs_flash_msa" in r:
             print(f"\nflash-msa shape (16K, top-k 2048, Hq=16, Hkv=2, Hi=4), {r['index']} index "
