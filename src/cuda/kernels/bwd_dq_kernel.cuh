@@ -202,7 +202,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const int32_t slot = sel ? __ffs(mine) - 1 : 0;
     // A lane always fills the same rows of a stage (its token's), so rows it zeroed for an
     // earlier block are still zero: only a token that selected the block moves data.
-    if (sel || !(zeroed >> st & 1u)) ld.load(ds_stages + st * kStageElems, ds_tok + int64_t(slot) * kBlockN * Gi, sel);
+    if (sel || !(zeroed >> st & 1u))
+      ld.load(ds_stages + st * kStageElems, ds_tok + int64_t(slot) * kBlockN * Gi, sel);
     zeroed = sel ? zeroed & ~(1u << st) : zeroed | (1u << st);
   };
   int32_t u_ahead = 0;  // the next list entry the prefetch looks at
