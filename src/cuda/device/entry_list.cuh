@@ -42,6 +42,7 @@ __device__ __forceinline__ void add_fixed(unsigned long long* dst, float v) {
 }
 
 constexpr int kEntryTokens = 16;  // the most tokens of an entry (m <= 16)
+constexpr int kKlGradTokens = 32;  // the index columns of a kl_grad_kernel step
 
 // One entry: up to kEntryTokens tokens (packed indices, ascending; slots past `count` repeat
 // the first) of one segment. 96 bytes: six 16-byte copies.

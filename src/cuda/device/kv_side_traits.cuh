@@ -1,7 +1,7 @@
 // The shapes both KV-side kernels (bwd_kv_kernel.cuh, kl_kernel.cuh) share: a CTA of kBlockN / 64
 // consumer warpgroups owns one block of kBlockN keys (64 per warpgroup); an entry brings
-// kBlockC = 64 main columns (token, head) and kTok = 16 index columns (tokens) through kStages
-// shared-memory stages. The scores are computed transposed, keys as MMA rows:
+// kBlockC = 64 main columns (token, head) and kTok index columns (tokens; 16, or kl_grad's
+// kKlGradTokens) through kStages shared-memory stages. The scores are computed transposed, keys as MMA rows:
 //   S^T = K Q^T (MmaS), S_idx^T = k_idx q_idx^T (MmaSi), dq_idx^T = k_idx^T dS_idx^T (MmaDQ),
 //   dk_idx += dS_idx^T q_idx (MmaDK).
 #pragma once
@@ -13,13 +13,13 @@ namespace msa::cuda::kern {
 
 using namespace cute;
 
-template <class Element_, int kDim_, int kBlockN_, int kStages_>
+template <class Element_, int kDim_, int kBlockN_, int kStages_, int kTok_ = 16>
 struct KvSideTraits {
   using Element = Element_;
   static constexpr int kDim = kDim_;        // D (== Di where the index branch runs)
   static constexpr int kBlockN = kBlockN_;  // keys per CTA: one MSA block
   static constexpr int kBlockC = 64;        // main columns (token, head) per entry
-  static constexpr int kTok = 16;           // index columns: the entry's tokens (m <= 16)
+  static constexpr int kTok = kTok_;        // index columns: whole entries' tokens (m <= 16)
   static constexpr int kStages = kStages_;  // entries in flight: cp.async prefetch depth + 1
   static constexpr int kWarpGroups = kBlockN / 64;
   static constexpr int kThreads = 128 * kWarpGroups;

@@ -720,10 +720,10 @@ Status make_plan(const char* fn, const Problem& prob, int32_t nseq, bool sparse,
     int32_t kl_chunk = p.kv.chunk;
     while (kl_chunk % 2 == 0 && kl_chunk / 2 >= 32 && e_bound / kl_chunk < 8.0 * num_sms()) kl_chunk /= 2;
     MSA_TRY(work(&p.kl_work, kl_chunk, false));
-    // A step of the gradient pass takes 16 / m records when a work item's index heads share one
-    // index key head (Gk a multiple of Hi / Hkv), else one.
+    // A step of the gradient pass takes kKlGradTokens / m records when a work item's index heads
+    // share one index key head (Gk a multiple of Hi / Hkv), else one.
     const int32_t Gk = prob.Hi / prob.Hik, ipk = prob.Hi / prob.Hkv;
-    p.step_records = Gk % ipk == 0 ? std::max(1, kern::kEntryTokens / p.m) : 1;
+    p.step_records = Gk % ipk == 0 ? std::max(1, kern::kKlGradTokens / p.m) : 1;
     // The LSE pass's steps: up to 128 query rows (kl_lse_kernel), on the same condition.
     p.lse_step_records = Gk % ipk == 0 ? std::min(kLseStepRecords, 128 / p.m) : 1;
   }

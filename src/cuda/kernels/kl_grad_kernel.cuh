@@ -12,8 +12,8 @@
 // gives the same bits.
 // LSE_idx comes from the pass before (kl_lse_kernel.cuh).
 //
-// Work: a step is up to R = 16 / m consecutive records of the chunk (p.step_records; 1 where the
-// index key head may change inside a work item), whose tokens fill the 16 index columns of the
+// Work: a step is up to R = 32 / m consecutive records of the chunk (p.step_records; 1 where the
+// index key head may change inside a work item), whose tokens fill the 32 index columns of the
 // MMAs: column c = j * m + t is token t of the step's record j. Warp roles: none; the kBlockN / 64
 // warpgroups (64 keys each) load and compute together. Pipeline: kStages stages of a step's
 // q_idx rows, LSE_idx and teacher rows by cp.async, kStages - 1 steps in flight, the steps'
@@ -36,17 +36,19 @@ using cuda::KlArgs;
 
 // kDim: Di (== D: the instantiation's head dim).
 template <class Element_, int kDim_, int kBlockN_>
-struct KlGradTraits : KvSideTraits<Element_, kDim_, kBlockN_, 4> {
-  using Base = KvSideTraits<Element_, kDim_, kBlockN_, 4>;
+struct KlGradTraits : KvSideTraits<Element_, kDim_, kBlockN_, 4, kKlGradTokens> {
+  using Base = KvSideTraits<Element_, kDim_, kBlockN_, 4, kKlGradTokens>;
   using Element = Element_;
   static constexpr int kDim = kDim_, kBlockN = kBlockN_;
   static constexpr int kTok = Base::kTok, kStages = Base::kStages, kThreads = Base::kThreads;
   static constexpr int kLead = kStages - 1;   // steps in flight ahead of the one computed
   static constexpr int kRing = 2 * kStages;   // steps whose records are in shared memory
   static constexpr int kMaxRecords = kTok;    // records of a step (m = 1)
-  // CTAs per SM the registers are sized for: two (128 registers a thread; ptxas spills about
-  // 116 bytes) ran 1.13x faster than one (200 registers, no spill) at 128K, paper heads.
-  static constexpr int kMinBlocks = 2;
+  // CTAs per SM the registers are sized for: one. With 16 columns a step two (128 registers a
+  // thread, about 116 bytes spilled) ran 1.13x faster than one at 128K, paper heads; 32 columns
+  // a step at one CTA per SM (no spill; the stages need 161 KB) run 8-9% faster still than that
+  // (flash-msa's heads at 16K 1.28 -> 1.18 ms, paper heads at 128K 10.6 -> 9.7 ms).
+  static constexpr int kMinBlocks = 1;
   using typename Base::SmemLayoutK;
   using typename Base::SmemLayoutQi;
   using typename Base::SmemLayoutQit;
