@@ -269,7 +269,8 @@ struct KvSideArgs : SeqArgs {
   // The entries per chunk of the list whose chunks the passes take (bwd_kv's, of which this
   // list's chunks are pieces: kl_grad_kernel's list cuts them finer); 0: this list's own.
   int32_t pass_chunk = 0;
-  // Records per step: kl_grad_kernel's (their tokens: the 16 index columns), kl_lse_kernel's.
+  // Records per step: kl_grad_kernel's (their tokens: the kKlGradTokens = 32 index columns),
+  // kl_lse_kernel's.
   int32_t step_records = 1;
   // The LSE pass (kl_lse_kernel; set: that pass): [T, Hi, top_k] (max in log2 units, sum) of
   // each selected block's index logits, at the block's column of block_idx (zeroed first).
