@@ -824,6 +824,16 @@ void expect_grad_close(const HostTensor& got, const HostTensor& ref, DType dt, c
 // The KL branch needs Di == D on the GPU (one instantiation per head dim).
 bool kl_on_gpu(const Config& c) { return c.D == c.Di; }
 
+// Elements whose values differ between two tensors of the same shape (NaN equals NaN).
+int64_t differing(const HostTensor& a, const HostTensor& b) {
+  int64_t diff = 0;
+  for (int64_t e = 0; e < a.numel(); ++e) {
+    const double u = a.get(e), v = b.get(e);
+    diff += !(u == v || (std::isnan(u) && std::isnan(v)));
+  }
+  return diff;
+}
+
 // backward over a caller's block_idx: dq, dk, dv and (Di == D) dq_idx, dk_idx with
 // gamma = 0.5 * 1.5 against the CPU backend on the same out, lse and dout.
 TEST_P(CudaVsCpu, BackwardGivenBlockIdx) {
@@ -855,11 +865,8 @@ TEST_P(CudaVsCpu, BackwardGivenBlockIdx) {
       const std::tuple<const HostTensor*, const HostTensor*, const char*> same[] = {
           {&g.dq, &t.dq, "dq"}, {&g.dk, &t.dk, "dk"}, {&g.dv, &t.dv, "dv"},
           {&g.dq_idx, &t.dq_idx, "dq_idx"}, {&g.dk_idx, &t.dk_idx, "dk_idx"}};
-      for (auto [x, y, name] : same) {
-        int64_t diff = 0;
-        for (int64_t e = 0; e < x->numel(); ++e) diff += !(x->get(e) == y->get(e));
-        EXPECT_EQ(diff, 0) << what(name) << ": kTeacher in many passes differs from one pass";
-      }
+      for (auto [x, y, name] : same)
+        EXPECT_EQ(differing(*x, *y), 0) << what(name) << ": kTeacher in many passes differs from one pass";
     }
   } else {
     msa::Status st;
@@ -905,14 +912,10 @@ TEST_P(CudaVsCpu, BackwardDqPasses) {
   const GpuGrads g1 = gpu_backward(Mode::kSparse, &bi, b, kl, 0.5f, 1.5f, true, nullptr, msa::KlPass::kAuto, 0,
                                    msa::DqPass::kFromDs, 97);
   check(g1, "dq from dS in passes of 97 tokens:");
-  if (kl) {
-    // dq_idx is a fixed-point sum of one product per (token, index head, block), whatever the
-    // passes: the same bits in passes of 97 tokens as in one. (dk_idx's chunks follow the
-    // passes, so its fp32 partial sums, and bits, may differ.)
-    int64_t diff = 0;
-    for (int64_t e = 0; e < g0.dq_idx.numel(); ++e) diff += !(g0.dq_idx.get(e) == g1.dq_idx.get(e));
-    EXPECT_EQ(diff, 0) << what("dq_idx") << ": passes of 97 tokens differ from one pass";
-  }
+  // dq_idx is a fixed-point sum of one product per (token, index head, block), whatever the
+  // passes: the same bits in passes of 97 tokens as in one. (dk_idx's chunks follow the passes,
+  // so its fp32 partial sums, and bits, may differ.)
+  if (kl) EXPECT_EQ(differing(g0.dq_idx, g1.dq_idx), 0) << what("dq_idx") << ": passes of 97 tokens differ from one pass";
   const GpuGrads g2 = gpu_backward(Mode::kSparse, &bi, b, kl, 0.5f, 1.5f, true, nullptr, msa::KlPass::kAuto, 0,
                                    msa::DqPass::kFromDs, 97);
   const std::tuple<const HostTensor*, const HostTensor*, const char*> same[] = {
@@ -920,9 +923,7 @@ TEST_P(CudaVsCpu, BackwardDqPasses) {
       {&g1.dq_idx, &g2.dq_idx, "dq_idx"}, {&g1.dk_idx, &g2.dk_idx, "dk_idx"}};
   for (auto [x, y, name] : same) {
     if (!kl && std::string(name).find("idx") != std::string::npos) continue;
-    int64_t diff = 0;
-    for (int64_t e = 0; e < x->numel(); ++e) diff += !(x->get(e) == y->get(e));
-    EXPECT_EQ(diff, 0) << what(name) << ": two calls in passes of 97 tokens differ";
+    EXPECT_EQ(differing(*x, *y), 0) << what(name) << ": two calls in passes of 97 tokens differ";
   }
 }
 
@@ -963,12 +964,7 @@ TEST_P(CudaVsCpu, BackwardIsBitwiseReproducible) {
     const HostTensor& a = *pairs[x].first;
     const HostTensor& c = *pairs[x].second;
     ASSERT_EQ(a.numel(), c.numel());
-    int64_t diff = 0;
-    for (int64_t e = 0; e < a.numel(); ++e) {
-      const double u = a.get(e), v = c.get(e);
-      diff += !(u == v || (std::isnan(u) && std::isnan(v)));
-    }
-    EXPECT_EQ(diff, 0) << what(names[x]) << ": elements that differ between two runs";
+    EXPECT_EQ(differing(a, c), 0) << what(names[x]) << ": elements that differ between two runs";
   }
 }
 

@@ -1,7 +1,8 @@
 // The shapes both KV-side kernels (bwd_kv_kernel.cuh, kl_kernel.cuh) share: a CTA of kBlockN / 64
 // consumer warpgroups owns one block of kBlockN keys (64 per warpgroup); an entry brings
 // kBlockC = 64 main columns (token, head) and kTok index columns (tokens; 16, or kl_grad's
-// kKlGradTokens) through kStages shared-memory stages. The scores are computed transposed, keys as MMA rows:
+// kKlGradTokens) through kStages shared-memory stages. The scores are computed transposed, keys
+// as MMA rows:
 //   S^T = K Q^T (MmaS), S_idx^T = k_idx q_idx^T (MmaSi), dq_idx^T = k_idx^T dS_idx^T (MmaDQ),
 //   dk_idx += dS_idx^T q_idx (MmaDK).
 #pragma once
