@@ -46,23 +46,43 @@ namespace {
 
 // ------------------------------------------------------------------------------ small kernels
 
-// delta[t, h] = sum_d dout[t, h, d] * out[t, h, d] (fp32); one warp per (t, h).
-template <class Element>
+// delta[t, h] = sum_d dout[t, h, d] * out[t, h, d] (fp32), by kLanes = D / 8 lanes per (t, h),
+// each 8 elements of both rows in 16-byte loads (plan.cu checks that dout and out are 16-byte
+// aligned; D is 64 or 128, the compiled head dims), then a butterfly sum over the lanes.
+template <class Element, int kLanes>
 __global__ void delta_kernel(const Element* dout, int64_t do_s0, int64_t do_s1, const Element* out,
-                             int64_t o_s0, int64_t o_s1, int64_t rows, int32_t Hq, int32_t D,
-                             float* delta) {
-  const int64_t row = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  const int lane = threadIdx.x & 31;
-  if (row >= rows) return;
-  const int64_t t = row / Hq;
-  const int32_t h = static_cast<int32_t>(row % Hq);
-  const Element* a = dout + t * do_s0 + h * do_s1;
-  const Element* b = out + t * o_s0 + h * o_s1;
+                             int64_t o_s0, int64_t o_s1, int64_t rows, int32_t Hq, float* delta) {
+  const int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t row = g / kLanes;
+  const int c = static_cast<int>(g % kLanes);
   float acc = 0.f;
-  for (int d = lane; d < D; d += 32) acc += static_cast<float>(a[d]) * static_cast<float>(b[d]);
+  if (row < rows) {  // every lane stays for the shuffles
+    const int64_t t = row / Hq;
+    const int32_t h = static_cast<int32_t>(row - t * Hq);
+    const uint4 a = *reinterpret_cast<const uint4*>(dout + t * do_s0 + h * do_s1 + 8 * c);
+    const uint4 b = *reinterpret_cast<const uint4*>(out + t * o_s0 + h * o_s1 + 8 * c);
+    const Element* ea = reinterpret_cast<const Element*>(&a);
+    const Element* eb = reinterpret_cast<const Element*>(&b);
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, o);
-  if (lane == 0) delta[row] = acc;
+    for (int i = 0; i < 8; ++i) acc += static_cast<float>(ea[i]) * static_cast<float>(eb[i]);
+  }
+#pragma unroll
+  for (int o = kLanes / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, o);
+  if (row < rows && c == 0) delta[row] = acc;
+}
+
+template <class Element>
+void launch_delta(const TensorRef& dout, const TensorRef& out, int64_t rows, int32_t Hq, int32_t D,
+                  float* delta, cudaStream_t stream) {
+  const auto* a = static_cast<const Element*>(dout.data);
+  const auto* b = static_cast<const Element*>(out.data);
+  const int blocks = static_cast<int>((rows * (D / 8) + 255) / 256);
+  if (D == 128)
+    delta_kernel<Element, 16><<<blocks, 256, 0, stream>>>(a, dout.stride[0], dout.stride[1], b,
+                                                          out.stride[0], out.stride[1], rows, Hq, delta);
+  else
+    delta_kernel<Element, 8><<<blocks, 256, 0, stream>>>(a, dout.stride[0], dout.stride[1], b,
+                                                         out.stride[0], out.stride[1], rows, Hq, delta);
 }
 
 // out[t, h, :] = acc[t, h, :] * 2^-32 * coef, coef = base * kl_weight * (kl_grad ? kl_grad[0] : 1).
@@ -382,20 +402,10 @@ Status attention_backward(const Problem& prob, const BackwardParams& p) {
   void* ws = p.launch.workspace;
 
   float* delta = at<float>(ws, pl.delta);
-  {
-    const int64_t rows = prob.T * prob.Hq;
-    const int blocks = static_cast<int>((rows * 32 + 255) / 256);
-    if (p.q.dtype == DType::kBFloat16)
-      delta_kernel<cutlass::bfloat16_t><<<blocks, 256, 0, stream>>>(
-          static_cast<const cutlass::bfloat16_t*>(p.dout.data), p.dout.stride[0], p.dout.stride[1],
-          static_cast<const cutlass::bfloat16_t*>(p.out.data), p.out.stride[0], p.out.stride[1],
-          rows, prob.Hq, prob.D, delta);
-    else
-      delta_kernel<cutlass::half_t><<<blocks, 256, 0, stream>>>(
-          static_cast<const cutlass::half_t*>(p.dout.data), p.dout.stride[0], p.dout.stride[1],
-          static_cast<const cutlass::half_t*>(p.out.data), p.out.stride[0], p.out.stride[1], rows,
-          prob.Hq, prob.D, delta);
-  }
+  if (p.q.dtype == DType::kBFloat16)
+    launch_delta<cutlass::bfloat16_t>(p.dout, p.out, prob.T * prob.Hq, prob.Hq, prob.D, delta, stream);
+  else
+    launch_delta<cutlass::half_t>(p.dout, p.out, prob.T * prob.Hq, prob.Hq, prob.D, delta, stream);
   BwdKvArgs kv = bwd_kv_args(prob, p, delta);
   if (pl.bwd_tokens > 0) return backward_from_ds(prob, p, pl, kv, stream);
   MSA_TRY(kv_lists(fn, pl, pl.kv, prob, p.block_idx, ws, stream, &kv, false));
