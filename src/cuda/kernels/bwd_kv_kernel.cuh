@@ -498,13 +498,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       continue;
     }
 
-    if constexpr (Traits::kKl) {
-      // The score accumulators start from plain zeros (their last values would otherwise be
-      // copied into the GEMMs' operand registers while an earlier GEMM is in flight, and ptxas
-      // would serialise the wgmma pipeline to allow it).
-      clear(tSrS);
-      clear(tSrdP);
-    }
+    // The score accumulators start from plain zeros (their last values would otherwise be
+    // copied into the GEMMs' operand registers while an earlier GEMM is in flight, and ptxas
+    // would make the dP product wait for the S product to allow it).
+    clear(tSrS);
+    clear(tSrdP);
     wg_gemm<true>(mma_s, tSrK, tSrQ(_, _, _, st), tSrS);
     wg_gemm<true>(mma_s, tSrV, tSrdO(_, _, _, st), tSrdP);
     warpgroup_wait<0>();
