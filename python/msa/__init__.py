@@ -50,10 +50,12 @@ __all__ = [
 @contextlib.contextmanager
 def value_checks(enabled: bool):
     """Turns the CUDA value checks of ``cu_seqlens`` and of a caller's ``block_idx`` on or off
-    inside a ``with`` block (on by default). Each checked CUDA call waits for a small check
-    kernel (one stream synchronisation); with the checks off, malformed values give unspecified
-    results, though never an access outside the tensors. Calls captured into a CUDA graph are
-    never checked. The CPU backend always checks."""
+    inside a ``with`` block (on by default). A checked CUDA call waits for a small check
+    kernel (one stream synchronisation); the same tensor objects, unchanged since by torch's
+    version counters, are not checked again for the same token count and block size, so the
+    layers of a model that share one ``cu_seqlens`` wait once. With the checks off, malformed
+    values give unspecified results, though never an access outside the tensors. Calls captured
+    into a CUDA graph are never checked. The CPU backend always checks."""
     previous = _ops._value_checks
     _ops._value_checks = bool(enabled)
     try:

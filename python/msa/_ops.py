@@ -13,11 +13,16 @@ of ``cu_seqlens`` and of a caller's ``block_idx`` (``check_values``, msa::Launch
 that is free; on CUDA it waits for a small check kernel, so it is off while the current stream
 is being captured into a CUDA graph, and in the autograd backward, whose saved tensors the
 forward already checked (torch's version counters refuse saved tensors changed in place since).
+A check that passed is remembered: a later call with the same ``cu_seqlens`` (and ``block_idx``)
+objects, unchanged since by their version counters, for the same token count and block size,
+skips it, so a model whose layers share one ``cu_seqlens`` waits once per step, not per layer.
 
 Layout rule: the C++ API accepts any strides as long as the last dimension is contiguous, so an
 input is copied only when its last-dim stride is not 1.
 """
 
+import collections
+import weakref
 from typing import Optional, Tuple
 
 import torch
@@ -49,14 +54,50 @@ def _alloc(device: torch.device):
 _value_checks = True
 
 
+# CUDA value checks that passed, most recent last: key -> weak references to its tensors.
+_checked: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
+_CHECKED_MAX = 16
+
+
+def _value_key(tensors, *meta) -> Optional[tuple]:
+    """What a value check of ``tensors`` (cu_seqlens, and block_idx or None) for ``meta`` (the
+    op's token count, block size) depends on: each tensor's identity, version counter, data
+    pointer, shape and strides; None where one has no version counter (an inference tensor,
+    checked every time). Callers keep the tensors alive while the key is in use."""
+    if any(t is not None and t.is_inference() for t in tensors):
+        return None
+    return tuple(None if t is None else
+                 (id(t), t._version, t.data_ptr(), tuple(t.shape), t.stride()) for t in tensors
+                 ) + meta, tuple(tensors)
+
+
+def _was_checked(key) -> bool:
+    k, tensors = key
+    refs = _checked.get(k)
+    if refs is None or any(r() is not t for r, t in zip(refs, tensors) if t is not None):
+        return False
+    _checked.move_to_end(k)
+    return True
+
+
+def _remember_checked(key) -> None:
+    k, tensors = key
+    _checked[k] = tuple(weakref.ref(t) for t in tensors if t is not None)
+    _checked.move_to_end(k)
+    while len(_checked) > _CHECKED_MAX:
+        _checked.popitem(last=False)
+
+
 def _launch(fn, device: torch.device, *args, check_values: bool = True,
-            workspace: Optional[Tensor] = None, allocates: bool = True, **kwargs):
+            workspace: Optional[Tensor] = None, allocates: bool = True,
+            value_key: Optional[tuple] = None, **kwargs):
     """Calls the binding function ``fn`` for tensors on ``device``: on the CPU directly; for
     CUDA with ``device`` current and its current stream. ``check_values`` (CUDA only; the CPU
-    always checks, for free) is turned off while that stream is being captured, and where
-    msa.value_checks(False) is in force. Device workspace comes from the torch allocator, or is
-    ``workspace`` when given (the call's whole workspace: nothing is allocated);
-    ``allocates=False`` for calls that take no workspace at all."""
+    always checks, for free) is turned off while that stream is being captured, where
+    msa.value_checks(False) is in force, and where ``value_key`` (``_value_key`` of the tensors
+    the call checks) names tensors a check passed for before. Device workspace comes from the
+    torch allocator, or is ``workspace`` when given (the call's whole workspace: nothing is
+    allocated); ``allocates=False`` for calls that take no workspace at all."""
     extra = {}
     if allocates:
         extra = ({"workspace": workspace, "workspace_alloc": None} if workspace is not None
@@ -66,8 +107,13 @@ def _launch(fn, device: torch.device, *args, check_values: bool = True,
     with torch.cuda.device(device):
         check = (bool(check_values) and _value_checks
                  and not torch.cuda.is_current_stream_capturing())
-        return fn(*args, stream=torch.cuda.current_stream(device).cuda_stream,
-                  check_values=check, **extra, **kwargs)
+        if check and value_key is not None and _was_checked(value_key):
+            check = False
+        result = fn(*args, stream=torch.cuda.current_stream(device).cuda_stream,
+                    check_values=check, **extra, **kwargs)
+        if check and value_key is not None:
+            _remember_checked(value_key)
+        return result
 
 
 def _need_rank(name: str, t: Optional[Tensor], rank: int, shape: str) -> None:
@@ -156,7 +202,8 @@ def select_blocks(
     _launch(_C.select_blocks, q_idx.device, _lc(q_idx), _lc(k_idx), _lc(cu_seqlens), block_idx,
             None, block_size=block_size, top_k=top_k, sink_blocks=sink_blocks,
             local_blocks=local_blocks, scale_idx=scale_idx, select_scores=select_scores,
-            fp8_rerank=fp8_rerank)
+            fp8_rerank=fp8_rerank,
+            value_key=_value_key((cu_seqlens, None), q_idx.shape[0], block_size))
     return block_idx
 
 
@@ -243,7 +290,9 @@ def forward(
             mode=_MODE_DENSE if dense else _MODE_SPARSE, block_size=block_size,
             top_k=top_k, sink_blocks=sink_blocks, local_blocks=local_blocks, scale=scale,
             scale_idx=scale_idx, deterministic=deterministic, fwd_pass=fwd_pass,
-            fwd_chunk_tokens=fwd_chunk_tokens, select_scores=select_scores, fp8_rerank=fp8_rerank)
+            fwd_chunk_tokens=fwd_chunk_tokens, select_scores=select_scores, fp8_rerank=fp8_rerank,
+            value_key=_value_key((cu_seqlens, None if sel or dense else block_idx), T,
+                                 block_size))
     return out, lse, bi_out, kl
 
 
@@ -337,7 +386,9 @@ def backward(
             kl_grad if want_idx else None, kl_weight=1.0,
             mode=_MODE_DENSE if dense else _MODE_SPARSE, block_size=block_size,
             scale=scale, scale_idx=scale_idx, deterministic=deterministic, kl_pass=kl_pass,
-            dq_pass=dq_pass, bwd_chunk_tokens=bwd_chunk_tokens, check_values=check_values)
+            dq_pass=dq_pass, bwd_chunk_tokens=bwd_chunk_tokens, check_values=check_values,
+            value_key=_value_key((cu_seqlens, None if dense else block_idx), q.shape[0],
+                                 block_size))
     return dq, dk, dv, dq_idx, dk_idx
 
 
@@ -386,7 +437,9 @@ def kl_divergence(
     _launch(_C.kl_divergence, dev, _lc(q), _lc(k), _lc(lse), _lc(q_idx), _lc(k_idx),
             _lc(cu_seqlens), None if dense else _lc(block_idx), kl.view(1), kl_rows,
             mode=_MODE_DENSE if dense else _MODE_SPARSE, block_size=block_size,
-            scale=scale, scale_idx=scale_idx)
+            scale=scale, scale_idx=scale_idx,
+            value_key=_value_key((cu_seqlens, None if dense else block_idx), q.shape[0],
+                                 block_size))
     return kl, kl_rows
 
 

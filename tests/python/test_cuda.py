@@ -702,6 +702,31 @@ def test_value_checks_on_cuda():
 
 @cuda_only
 @skip_unbuilt
+def test_value_checks_once_per_tensor():
+    """With the checks on, a cu_seqlens that passed is not checked again while unchanged: with
+    the stream busy for ~0.5 s the second call returns while work is still queued (the check's
+    wait would have drained it); changed in place to a malformed value, it is checked again
+    and refused."""
+    x, cu, top_k, Bk = _stream_inputs()
+    cu = cu.clone()
+    msa.sparse_attention(*x, top_k, Bk, cu_seqlens=cu, kl_value=False)  # checked
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        t0 = time.perf_counter()
+        msa.sparse_attention(*x, top_k, Bk, cu_seqlens=cu, kl_value=False)
+        elapsed = time.perf_counter() - t0
+        pending = not s.query()
+    s.synchronize()
+    assert pending, f"the call returned after the stream drained ({elapsed:.3f} s): a host sync"
+    cu[1] = cu[-1] + 1  # not monotone
+    with pytest.raises(Exception, match="cu_seqlens"):
+        msa.sparse_attention(*x, top_k, Bk, cu_seqlens=cu, kl_value=False)
+
+
+@cuda_only
+@skip_unbuilt
 def test_cuda_graph_capture_and_replay():
     src, cu, top_k, Bk = _stream_inputs()
     static = [x.clone() for x in src]

@@ -1,5 +1,6 @@
 """Bad input raises ValueError naming the argument (docs/contract.md §7); the binding's small surface."""
 
+import collections
 import contextlib
 
 import pytest
@@ -322,6 +323,57 @@ def test_check_values_keyword(x, monkeypatch):
         _ops._launch(fake, torch.device("cpu"))
     _ops._launch(fake, torch.device("cuda", 0))
     assert seen == [False, True, True]
+
+
+def test_value_checks_remembered(monkeypatch):
+    """A CUDA value check that passed is not repeated for the same tensor objects while their
+    version counters are unchanged, for the same token count and block size; another object
+    with the same values, an in-place change, another token count or block size is checked
+    again, and a check that failed is not remembered."""
+    from msa import _ops
+    seen, fail = [], []
+
+    def fake(*args, stream, check_values, workspace_alloc, **kwargs):
+        seen.append(check_values)
+        if fail:
+            raise ValueError("msa: argument 'cu_seqlens': malformed")
+
+    class _Stream:
+        cuda_stream = 0
+
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: _Stream())
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(_ops, "_checked", collections.OrderedDict())
+    dev = torch.device("cuda", 0)
+
+    def call(cu, bi=None, tokens=9, block=4):
+        _ops._launch(fake, dev, value_key=_ops._value_key((cu, bi), tokens, block))
+
+    cu = torch.tensor([0, 5, 9], dtype=torch.int32)
+    bi = torch.zeros(9, 1, 2, dtype=torch.int32)
+    call(cu), call(cu)            # checked, then remembered
+    call(cu, bi), call(cu, bi)    # with a block_idx: checked once
+    call(cu, tokens=8), call(cu, block=8)
+    call(cu.clone())              # the same values in another object
+    cu[0] = 0
+    call(cu)                      # changed in place (its version counter moved)
+    assert seen == [True, False, True, False, True, True, True, True]
+    seen.clear()
+    other = torch.tensor([0, 9], dtype=torch.int32)
+    fail.append(True)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        call(other)
+    fail.clear()
+    call(other), call(other)
+    assert seen == [True, True, False]
+    with msa.value_checks(False):
+        call(torch.tensor([0, 9], dtype=torch.int32))
+    assert seen == [True, True, False, False]
+    with torch.inference_mode():  # no version counter: checked every time
+        frozen = torch.tensor([0, 9], dtype=torch.int32)
+    call(frozen), call(frozen)
+    assert seen == [True, True, False, False, True, True]
 
 
 def test_aliasing_outputs_refused(x):
