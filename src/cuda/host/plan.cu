@@ -667,12 +667,15 @@ Status make_plan(const char* fn, const Problem& prob, int32_t nseq, bool sparse,
              : double(p.Hi_group) * double(kv_tiles) * double(kern::num_tile_ids(nseq, prob.T, p.m));
   if (kv_tiles * prob.Hkv >= (int64_t(1) << 31)) return fail(fn, "q", "too many tokens for the CUDA KV-side passes");
   p.items = static_cast<int32_t>(kv_tiles * prob.Hkv);
-  size_t scan_bytes = 0;
+  size_t scan_bytes = 0, order_bytes = 0;
   cub::DeviceScan::ExclusiveSum(nullptr, scan_bytes, static_cast<int32_t*>(nullptr),
                                 static_cast<int32_t*>(nullptr), p.items);
+  cub::DeviceRadixSort::SortPairsDescending(nullptr, order_bytes, static_cast<const uint32_t*>(nullptr),
+                                            static_cast<uint32_t*>(nullptr), static_cast<const int32_t*>(nullptr),
+                                            static_cast<int32_t*>(nullptr), p.items);
   // CUB's own estimates can vary with its tuning for the current device: keep a margin so that
   // the size a caller was given always suffices.
-  p.cub_bytes = 2 * std::max(p.cub_bytes, scan_bytes) + 65536;
+  p.cub_bytes = 2 * std::max({p.cub_bytes, scan_bytes, order_bytes}) + 65536;
   p.cub = take(p.cub_bytes);
   // chunk: entries per CTA; with_slots: split lists keep fp32 partial sums (bwd_kv).
   auto work = [&](Plan::Work* w, double chunk, bool with_slots) -> Status {
@@ -688,6 +691,10 @@ Status make_plan(const char* fn, const Problem& prob, int32_t nseq, bool sparse,
     w->num_slots = take(4 * size_t(p.items));
     w->slot_start = take(4 * size_t(p.items));
     w->arrivals = take(4 * size_t(p.items));
+    w->sizes = take(4 * size_t(p.items));
+    w->sizes_sorted = take(4 * size_t(p.items));
+    w->ids = take(4 * size_t(p.items));
+    w->order = take(4 * size_t(p.items));
     w->partials = take(sizeof(float) * 2 * size_t(Bk) * prob.D * size_t(w->slots));
     return Status::Ok();
   };

@@ -103,6 +103,8 @@ struct Plan {
     int64_t grid = 0, slots = 0;
     size_t num_chunks = 0, chunk_start = 0, num_slots = 0, slot_start = 0, arrivals = 0,
            partials = 0;
+    // The items longest first (build_work): their entry counts, sorted; their ids, sorted.
+    size_t sizes = 0, sizes_sorted = 0, ids = 0, order = 0;
   };
   int32_t items = 0;
   Work kv, kl_work;  // kv: bwd_kv's list, or the KV-block forward's; kl_work: the KL passes'

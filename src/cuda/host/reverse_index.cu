@@ -122,23 +122,35 @@ __global__ void record_kernel(const uint64_t* keys, const int32_t* count, const 
 }
 
 // Per work item (KV tile x, KV head r): its chunk count (0 for an empty tile id, else at least 1
-// so that a block nobody selected still gets its zero dk, dv) and its partial slots (split items).
+// so that a block nobody selected still gets its zero dk, dv), its partial slots (split items),
+// and its entry count and id for the longest-first order.
 __global__ void chunk_kernel(kern::EntryListParams list, const int32_t* cu, int32_t nseq, int64_t T,
                              int32_t Bk, int32_t Hkv, int32_t ipk, int32_t m, int32_t items,
                              int32_t chunk, kern::PagedKeys paged, int32_t* num_chunks,
-                             int32_t* num_slots) {
+                             int32_t* num_slots, uint32_t* sizes, int32_t* ids) {
   const int32_t item = blockIdx.x * blockDim.x + threadIdx.x;
   if (item >= items) return;
   const int64_t x = item / Hkv;
   const int32_t r = item % Hkv;
   const kern::QueryTile tile = paged.tile_of(cu, nseq, T, Bk, x);
   int32_t n = 0;
+  int64_t entries = 0;
   if (tile.count > 0) {
     const kern::EntryList l(list, tile, x, r, Hkv, ipk, m);
     n = l.n > chunk ? static_cast<int32_t>((l.n + chunk - 1) / chunk) : 1;
+    entries = l.n;
   }
   num_chunks[item] = n;
   num_slots[item] = n > 1 ? n : 0;
+  sizes[item] = static_cast<uint32_t>(entries < 0xffffffffll ? entries : 0xffffffffll);
+  ids[item] = item;
+}
+
+// ordered[pos] = the chunk count of the item at position pos of the order.
+__global__ void ordered_chunks_kernel(const int32_t* order, const int32_t* num_chunks, int32_t items,
+                                      int32_t* ordered) {
+  const int32_t pos = blockIdx.x * blockDim.x + threadIdx.x;
+  if (pos < items) ordered[pos] = num_chunks[order[pos]];
 }
 
 }  // namespace
@@ -210,12 +222,24 @@ Status build_work(const char* fn, const Plan& pl, const Plan::Work& w, const Pro
                   const kern::PagedKeys& paged) {
   int32_t* num_chunks = at<int32_t>(ws, w.num_chunks);
   int32_t* num_slots = at<int32_t>(ws, w.num_slots);
-  chunk_kernel<<<(pl.items + 255) / 256, 256, 0, stream>>>(
+  uint32_t* sizes = at<uint32_t>(ws, w.sizes);
+  int32_t* order = at<int32_t>(ws, w.order);
+  const int blocks = (pl.items + 255) / 256;
+  chunk_kernel<<<blocks, 256, 0, stream>>>(
       list, cu, nseq, prob.T, prob.opts.block_size, prob.Hkv, pl.Hi_group / prob.Hkv, pl.m,
-      pl.items, w.chunk, paged, num_chunks, num_slots);
+      pl.items, w.chunk, paged, num_chunks, num_slots, sizes, at<int32_t>(ws, w.ids));
+  // The items longest first (a stable sort: ties keep the item order), and the chunk starts in
+  // that order (the sizes' buffer is free after the sort).
   size_t bytes = pl.cub_bytes;
-  cudaError_t e = cub::DeviceScan::ExclusiveSum(at<void>(ws, pl.cub), bytes, num_chunks,
-                                                at<int32_t>(ws, w.chunk_start), pl.items, stream);
+  cudaError_t e = cub::DeviceRadixSort::SortPairsDescending(
+      at<void>(ws, pl.cub), bytes, sizes, at<uint32_t>(ws, w.sizes_sorted), at<int32_t>(ws, w.ids),
+      order, pl.items, 0, 32, stream);
+  if (e != cudaSuccess) return cuda_error(fn, e);
+  int32_t* ordered = reinterpret_cast<int32_t*>(sizes);
+  ordered_chunks_kernel<<<blocks, 256, 0, stream>>>(order, num_chunks, pl.items, ordered);
+  bytes = pl.cub_bytes;
+  e = cub::DeviceScan::ExclusiveSum(at<void>(ws, pl.cub), bytes, ordered,
+                                    at<int32_t>(ws, w.chunk_start), pl.items, stream);
   bytes = pl.cub_bytes;
   if (e == cudaSuccess)
     e = cub::DeviceScan::ExclusiveSum(at<void>(ws, pl.cub), bytes, num_slots,
@@ -224,6 +248,7 @@ Status build_work(const char* fn, const Plan& pl, const Plan::Work& w, const Pro
   if (e != cudaSuccess) return cuda_error(fn, e);
   out->chunk_start = at<int32_t>(ws, w.chunk_start);
   out->num_chunks = num_chunks;
+  out->order = order;
   out->slot_start = at<int32_t>(ws, w.slot_start);
   out->arrivals = at<int32_t>(ws, w.arrivals);
   out->partials = at<float>(ws, w.partials);
