@@ -719,14 +719,16 @@ Status make_plan(const char* fn, const Problem& prob, int32_t nseq, bool sparse,
     p.teacher_buf = take(static_cast<size_t>(rec_bytes) * size_t(p.pass_records + p.kv.chunk));
     p.lse_part = take(8 * size_t(prob.T) * prob.Hi * size_t(prob.k));
     // The gradient pass's own chunks (kl_work): bwd_kv's halved while they would be fewer than
-    // 2 per SM (two waves of its one CTA per SM), down to 32 entries, so that a short sequence's
-    // few long lists do not leave most SMs idle behind the last ones, while each chunk's
-    // prologue (its block's index keys, the first stages) is paid for few enough times (at 16K
-    // tokens, flash-msa's heads, mixed / random selections: 8 chunks per SM 1.18 / 1.19 ms, 4
-    // 1.08, 2 1.02 / 1.00, 1 1.09 / 0.95; at 128K, paper heads, the chunks stay 256: 128 made it
-    // 7% slower). Each is a piece of one bwd_kv chunk, whose pass it takes (KvSideArgs::pass_chunk).
+    // one per SM, down to 32 entries, so that a short sequence's few long lists do not leave
+    // most SMs idle, while each chunk's prologue (its block's index keys, the first stages) is
+    // paid for few enough times. With the items in item order, 2 per SM ran best at 16K tokens,
+    // flash-msa's heads (mixed / random selections: 8 chunks per SM 1.18 / 1.19 ms, 4 1.08, 2
+    // 1.02 / 1.00, 1 1.09 / 0.95); taken longest first (build_work), whole 256-entry chunks run
+    // 0.97 / 0.96 against 1.05 / 1.00 for 2 per SM. At 128K, paper heads, the chunks stay 256
+    // (128 made it 7% slower). Each is a piece of one bwd_kv chunk, whose pass it takes
+    // (KvSideArgs::pass_chunk).
     int32_t kl_chunk = p.kv.chunk;
-    while (kl_chunk % 2 == 0 && kl_chunk / 2 >= 32 && e_bound / kl_chunk < 2.0 * num_sms()) kl_chunk /= 2;
+    while (kl_chunk % 2 == 0 && kl_chunk / 2 >= 32 && e_bound / kl_chunk < num_sms()) kl_chunk /= 2;
     MSA_TRY(work(&p.kl_work, kl_chunk, false));
     // A step of the gradient pass takes kKlGradTokens / m records when a work item's index heads
     // share one index key head (Gk a multiple of Hi / Hkv), else one.
