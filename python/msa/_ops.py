@@ -90,12 +90,13 @@ def _remember_checked(key) -> None:
 
 def _launch(fn, device: torch.device, *args, check_values: bool = True,
             workspace: Optional[Tensor] = None, allocates: bool = True,
-            value_key: Optional[tuple] = None, **kwargs):
+            values: Optional[tuple] = None, **kwargs):
     """Calls the binding function ``fn`` for tensors on ``device``: on the CPU directly; for
     CUDA with ``device`` current and its current stream. ``check_values`` (CUDA only; the CPU
     always checks, for free) is turned off while that stream is being captured, where
-    msa.value_checks(False) is in force, and where ``value_key`` (``_value_key`` of the tensors
-    the call checks) names tensors a check passed for before. Device workspace comes from the
+    msa.value_checks(False) is in force, and where ``values`` (the arguments of ``_value_key``:
+    the tensors the call checks, its token count and block size; the key is made only when the
+    call would check) name tensors a check passed for before. Device workspace comes from the
     torch allocator, or is ``workspace`` when given (the call's whole workspace: nothing is
     allocated); ``allocates=False`` for calls that take no workspace at all."""
     extra = {}
@@ -107,12 +108,13 @@ def _launch(fn, device: torch.device, *args, check_values: bool = True,
     with torch.cuda.device(device):
         check = (bool(check_values) and _value_checks
                  and not torch.cuda.is_current_stream_capturing())
-        if check and value_key is not None and _was_checked(value_key):
+        key = _value_key(*values) if check and values is not None else None
+        if key is not None and _was_checked(key):
             check = False
         result = fn(*args, stream=torch.cuda.current_stream(device).cuda_stream,
                     check_values=check, **extra, **kwargs)
-        if check and value_key is not None:
-            _remember_checked(value_key)
+        if check and key is not None:
+            _remember_checked(key)
         return result
 
 
@@ -203,7 +205,7 @@ def select_blocks(
             None, block_size=block_size, top_k=top_k, sink_blocks=sink_blocks,
             local_blocks=local_blocks, scale_idx=scale_idx, select_scores=select_scores,
             fp8_rerank=fp8_rerank,
-            value_key=_value_key((cu_seqlens, None), q_idx.shape[0], block_size))
+            values=((cu_seqlens, None), q_idx.shape[0], block_size))
     return block_idx
 
 
@@ -291,7 +293,7 @@ def forward(
             top_k=top_k, sink_blocks=sink_blocks, local_blocks=local_blocks, scale=scale,
             scale_idx=scale_idx, deterministic=deterministic, fwd_pass=fwd_pass,
             fwd_chunk_tokens=fwd_chunk_tokens, select_scores=select_scores, fp8_rerank=fp8_rerank,
-            value_key=_value_key((cu_seqlens, None if sel or dense else block_idx), T,
+            values=((cu_seqlens, None if sel or dense else block_idx), T,
                                  block_size))
     return out, lse, bi_out, kl
 
@@ -387,7 +389,7 @@ def backward(
             mode=_MODE_DENSE if dense else _MODE_SPARSE, block_size=block_size,
             scale=scale, scale_idx=scale_idx, deterministic=deterministic, kl_pass=kl_pass,
             dq_pass=dq_pass, bwd_chunk_tokens=bwd_chunk_tokens, check_values=check_values,
-            value_key=_value_key((cu_seqlens, None if dense else block_idx), q.shape[0],
+            values=((cu_seqlens, None if dense else block_idx), q.shape[0],
                                  block_size))
     return dq, dk, dv, dq_idx, dk_idx
 
@@ -438,7 +440,7 @@ def kl_divergence(
             _lc(cu_seqlens), None if dense else _lc(block_idx), kl.view(1), kl_rows,
             mode=_MODE_DENSE if dense else _MODE_SPARSE, block_size=block_size,
             scale=scale, scale_idx=scale_idx,
-            value_key=_value_key((cu_seqlens, None if dense else block_idx), q.shape[0],
+            values=((cu_seqlens, None if dense else block_idx), q.shape[0],
                                  block_size))
     return kl, kl_rows
 

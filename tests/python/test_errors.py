@@ -348,7 +348,7 @@ def test_value_checks_remembered(monkeypatch):
     dev = torch.device("cuda", 0)
 
     def call(cu, bi=None, tokens=9, block=4):
-        _ops._launch(fake, dev, value_key=_ops._value_key((cu, bi), tokens, block))
+        _ops._launch(fake, dev, values=((cu, bi), tokens, block))
 
     cu = torch.tensor([0, 5, 9], dtype=torch.int32)
     bi = torch.zeros(9, 1, 2, dtype=torch.int32)
