@@ -97,6 +97,9 @@ CUTE_DEVICE int fresh_thread_index() {
   return t;
 }
 
+// log2 of a power of two, at compile time where x is a constant.
+CUTE_HOST_DEVICE constexpr int log2_pow2(int x) { return x <= 1 ? 0 : 1 + log2_pow2(x >> 1); }
+
 // Element conversion of a register tensor into another of the same shape.
 template <class TSrc, class TDst>
 CUTE_DEVICE void convert_into(TSrc const& src, TDst& dst) {

@@ -169,15 +169,22 @@ Status launch_select(const SelectArgs& a, cudaStream_t stream) {
 // The KL branch fused (q_idx set), its teacher only (teacher set), or none.
 template <class Element, int kHeadDim, int kBlockN>
 Status launch_bwd_kv(const BwdKvArgs& a, cudaStream_t stream) {
-  auto launch = [&](auto mode) {
-    using Traits = kern::BwdKVTraits<Element, kHeadDim, kBlockN, decltype(mode)::value>;
+  auto launch = [&](auto mode, auto gi) {
+    using Traits = kern::BwdKVTraits<Element, kHeadDim, kBlockN, decltype(mode)::value, decltype(gi)::value>;
     return detail::launch_kv_side<Traits, kern::BwdKVParams<Traits>>("backward", kern::bwd_kv_kernel<Traits>,
                                                                      a, stream);
   };
+  // Gi as a compile-time constant for the head counts of the common models (flash-msa's 4, the
+  // paper's 16): their per-entry index arithmetic folds into constant offsets.
+  auto by_gi = [&](auto mode) {
+    if (a.heads_per_idx == 4) return launch(mode, cute::Int<4>{});
+    if (a.heads_per_idx == 16) return launch(mode, cute::Int<16>{});
+    return launch(mode, cute::Int<0>{});
+  };
   using kern::KvKl;
-  if (a.q_idx != nullptr) return launch(std::integral_constant<KvKl, KvKl::kFused>{});
-  if (a.teacher != nullptr) return launch(std::integral_constant<KvKl, KvKl::kTeacher>{});
-  return launch(std::integral_constant<KvKl, KvKl::kNone>{});
+  if (a.q_idx != nullptr) return launch(std::integral_constant<KvKl, KvKl::kFused>{}, cute::Int<0>{});
+  if (a.teacher != nullptr) return by_gi(std::integral_constant<KvKl, KvKl::kTeacher>{});
+  return by_gi(std::integral_constant<KvKl, KvKl::kNone>{});
 }
 
 template <class Element, int kHeadDim, int kBlockN>

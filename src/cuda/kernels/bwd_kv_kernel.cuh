@@ -68,8 +68,10 @@ using cuda::BwdKvArgs;
 enum class KvKl { kNone, kFused, kTeacher };
 
 // With kFused, Di == kHeadDim. Entries in flight: 4, or 2 with the fused KL branch, whose tiles
-// take the shared memory of two stages.
-template <class Element_, int kHeadDim_, int kBlockN_, KvKl kMode_ = KvKl::kNone>
+// take the shared memory of two stages. kGi_: Gi (heads per index head) as a compile-time
+// constant (a power of two >= 4; the launch picks it for the common head counts), or 0: Gi at
+// run time. Each is its own kernel: one kernel's code paths for several Gi made ptxas spill.
+template <class Element_, int kHeadDim_, int kBlockN_, KvKl kMode_ = KvKl::kNone, int kGi_ = 0>
 struct BwdKVTraits : KvSideTraits<Element_, kHeadDim_, kBlockN_, kMode_ == KvKl::kFused ? 2 : 4> {
   using Base = KvSideTraits<Element_, kHeadDim_, kBlockN_, kMode_ == KvKl::kFused ? 2 : 4>;
   using Element = Element_;
@@ -78,6 +80,9 @@ struct BwdKVTraits : KvSideTraits<Element_, kHeadDim_, kBlockN_, kMode_ == KvKl:
   static constexpr bool kKl = kMode_ == KvKl::kFused;
   static constexpr bool kTeacher = kMode_ == KvKl::kTeacher;
   static constexpr bool kHeadMean = kKl || kTeacher;  // the teacher tile and its butterfly sums
+  static constexpr int kGi = kGi_;
+  static_assert(kGi == 0 || (!kKl && kGi >= 4 && (kGi & (kGi - 1)) == 0 && kGi <= 64),
+                "a constant Gi is a power of two >= 4, without the fused KL branch");
   static constexpr int kBatch = 64;  // tokens of a dk_idx batch
   static constexpr int kBlockC = Base::kBlockC, kTok = Base::kTok, kStages = Base::kStages;
   static constexpr int kWarpGroups = Base::kWarpGroups;  // consumers
@@ -425,14 +430,23 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
   };
 
+  // The columns of this thread's accumulator elements: element (a, c) is at row a of the
+  // thread's two and column col0 + 8 (c / 2) + c % 2, col0 = 2 (lane % 4); a column is token
+  // col / Gi, head col % Gi of the entry. The per-entry work below takes Gi as kG = Traits::kGi
+  // where the launch made it a constant (the common head counts), so that a column's token and
+  // head are constant offsets from per-thread bases; kG = 0: Gi at run time.
+
   // The dS tiles of entry en (dq from dS; see the loop): rdS (u[2j + a]: columns 8j + 2q,
   // 8j + 2q + 1 of row half a, q = lane % 4) into this warpgroup's staging tile as [token][key]
   // [head], then one bulk copy per token to its tile (the warpgroup's 64 keys of it): token t
   // by lane t / 4 of warp t % 4, so that no thread issues more than one copy per entry (an
   // entry holds up to 16 tokens). The tile is free again once the copies issued for the entry
-  // before have read it (each issuing thread waits for its own).
+  // before have read it (each issuing thread waits for its own). Gi is a power of two >= 4.
   auto stage_ds = [&](const EntryRecord& en) {
-    const int ltid = fresh_thread_index() % 128, lane = ltid & 31, q = lane & 3;
+    constexpr int kG = Traits::kGi;
+    const int gs = kG > 0 ? log2_pow2(kG) : gi_shift;
+    const int g = 1 << gs;
+    const int ltid = fresh_thread_index() % 128, lane = ltid & 31, col0 = 2 * (lane & 3);
     Element* stage = ss.ds_stage + wg * 64 * kBlockC;
     const uint32_t* u = reinterpret_cast<const uint32_t*>(rdS.data());
     static_assert(kEntryTokens <= 16, "four issuing lanes per warp");
@@ -440,28 +454,158 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if (issuer) tma_store_wait<0>();
     cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(Barrier::kWarpGroup) + wg);
     static_assert(kCols == 16, "an entry's 64 columns: 8 chunks of 8 per thread row");
+    // Column 8j + col0 (col0 < 8): for g <= 8 token col0 / g + j (8 / g), head col0 % g; for
+    // g >= 8 token 8j / g, head col0 + 8j % g.
+    const int key0 = 16 * (ltid >> 5) + (lane >> 2);
+    Element* base = stage + (((g <= 8 ? (col0 >> gs) * 64 : 0) + key0) << gs) + (col0 & (g - 1));
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      const int col = 8 * j + 2 * q;
-      const int t = col >> gi_shift, head = col & (Gi - 1);
+      const int t = g <= 8 ? j * (8 >> gs) : (8 * j) >> gs;
+      const int head = g <= 8 ? 0 : (8 * j) & (g - 1);
 #pragma unroll
-      for (int a = 0; a < 2; ++a) {
-        const int key = 16 * (ltid >> 5) + (lane >> 2) + 8 * a;
-        *reinterpret_cast<uint32_t*>(stage + ((t * 64 + key) << gi_shift) + head) = u[2 * j + a];
-      }
+      for (int a = 0; a < 2; ++a)
+        *reinterpret_cast<uint32_t*>(base + ((t * 64 + 8 * a) << gs) + head) = u[2 * j + a];
     }
     cutlass::arch::fence_view_async_shared();
     cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(Barrier::kWarpGroup) + wg);
     const int t = lane * 4 + (ltid >> 5);
     if (issuer && t < en.count) {
       const int32_t ih = r * ipk + en.seg - list.seg0;
-      const int32_t bytes = 64 * Gi * static_cast<int32_t>(sizeof(Element));
-      SM90_BULK_COPY_S2G::copy(stage + t * 64 * Gi,
+      const int32_t bytes = 64 * g * static_cast<int32_t>(sizeof(Element));
+      SM90_BULK_COPY_S2G::copy(stage + t * 64 * g,
                                as<Element>(p.ds) +
                                    ((((en.tok[t] - p.ds_tok_lo) * p.Hi + ih) * p.top_k + en.slot[t]) * kBlockN +
-                                    64 * wg) * Gi,
+                                    64 * wg) * g,
                                bytes);
       tma_store_arrive();
+    }
+  };
+
+  // The teacher of entry i (kHeadMean): the mean of P (in S) over each token's Gi columns, by
+  // butterfly sums, into this warp's rows of the teacher tile; with kTeacher then from there to
+  // the entry's record.
+  auto write_teacher = [&](int32_t i) {
+    constexpr int kG = Traits::kGi;
+    const int gs = kG > 0 ? log2_pow2(kG) : gi_shift;
+    const int g = 1 << gs;
+    const int ltid = fresh_thread_index(), lane = ltid & 31, col0 = 2 * (lane & 3);
+    const int row0 = 16 * (ltid >> 5) + (lane >> 2);  // both warpgroups' rows
+    const float ig = kG > 0 ? 1.f / kG : inv_gi;
+#pragma unroll
+    for (int a = 0; a < kRows; ++a) {
+      float* trow = ss.kl.teacher + (row0 + 8 * a) * Traits::kTeacherStride;
+      if (g == 1) {
+#pragma unroll
+        for (int c = 0; c < kCols; ++c) {
+          const int col = col0 + 8 * (c >> 1) + (c & 1);
+          if (col < kTok) trow[col] = S(a, c);
+        }
+      } else {
+        float w[kCols / 2];
+#pragma unroll
+        for (int j = 0; j < kCols / 2; ++j) w[j] = S(a, 2 * j) + S(a, 2 * j + 1);
+        if (g >= 4) {
+#pragma unroll
+          for (int j = 0; j < kCols / 2; ++j) w[j] += __shfl_xor_sync(0xffffffff, w[j], 1);
+        }
+        if (g >= 8) {
+#pragma unroll
+          for (int j = 0; j < kCols / 2; ++j) w[j] += __shfl_xor_sync(0xffffffff, w[j], 2);
+        }
+#pragma unroll
+        for (int s = 1; s < kCols / 2; s *= 2) {
+          if (g >= 16 * s) {
+            float u[kCols / 2];
+#pragma unroll
+            for (int j = 0; j < kCols / 2; ++j) u[j] = w[j] + w[j ^ s];
+#pragma unroll
+            for (int j = 0; j < kCols / 2; ++j) w[j] = u[j];
+          }
+        }
+        // Column col0 + 8j starts its token's columns when both parts are multiples of g
+        // (col0 < 8); the token is then col0 / g + 8j / g.
+        if ((col0 & (g - 1)) == 0) {
+#pragma unroll
+          for (int j = 0; j < kCols / 2; ++j) {
+            const int t = (col0 >> gs) + ((8 * j) >> gs);
+            if (((8 * j) & (g - 1)) == 0 && t < kTok) trow[t] = w[j] * ig;
+          }
+        }
+      }
+    }
+    __syncwarp();
+    if constexpr (Traits::kTeacher) {
+      // The warp's 16 rows (keys 16 w .. 16 w + 15 of consumer warp w) of the entry's teacher
+      // to its record, m tokens per key, as whole 128-byte lines of the warp.
+      const int m_ = kG >= 4 ? 64 / kG : m;  // m = 64 / Gi: a power of two
+      const int m_shift = kG >= 4 ? log2_pow2(64 / kG) : __ffs(m) - 1;
+      const int w0 = 16 * (ltid >> 5);
+      float* dst = p.teacher + ((list.lo + e_begin + i - p.pass_first) * kBlockN + w0) * m_;
+      if (m_ >= 2) {
+        // Lane l's elements l + 32 k: row (l >> m_shift) + (32 k >> m_shift), token l % m.
+        const float* src = ss.kl.teacher + (w0 + (lane >> m_shift)) * Traits::kTeacherStride + (lane & (m_ - 1));
+        for (int k = 0; k < m_ / 2; ++k) dst[lane + 32 * k] = src[((32 * k) >> m_shift) * Traits::kTeacherStride];
+      } else if (lane < 16) {
+        dst[lane] = ss.kl.teacher[(w0 + lane) * Traits::kTeacherStride];
+      }
+      __syncwarp();
+    }
+  };
+
+  // P and dS of entry i (in S and dP), its teacher, and both as the 16-bit operands of the dV
+  // and dK products; without the fused KL branch also the entry's dS tiles for bwd_dq.
+  // Column c (its token's position in the block: lim; -1: no token) sees the block's rows up to
+  // lim; an entry whose every column holds a token past the block's last key sees all of them.
+  auto entry_math = [&](const EntryRecord& en, int st, int32_t i) {
+    constexpr int kG = Traits::kGi;
+    const int g = kG > 0 ? kG : Gi;
+    auto col_token = [&](int col) {
+      if constexpr (kG > 0) return col >> log2_pow2(kG);
+      else if constexpr (Traits::kHeadMean) return col >> gi_shift;
+      else return (col * gi_inv) >> 16;
+    };
+    const int col0 = get<1>(cSrc(0, 0));
+    const float scale_log2 = p.scale_log2;
+    const bool whole = en.count * g == kBlockC && en.tok[0] - key_base >= kBlockN - 1;
+    if (whole) {
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) {
+        const int col = col0 + 8 * (c >> 1) + (c & 1);
+        const float lse2 = ss.lse[st][col] * static_cast<float>(M_LOG2E);
+        const float delta = ss.delta[st][col];
+#pragma unroll
+        for (int a = 0; a < kRows; ++a) {
+          const float prob = fast_exp2(S(a, c) * scale_log2 - lse2);
+          S(a, c) = prob;
+          dP(a, c) = prob * (dP(a, c) - delta);
+        }
+      }
+    } else {
+      // Columns outer: a column's limit, LSE and Delta are read once for its rows.
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) {
+        const int col = col0 + 8 * (c >> 1) + (c & 1);
+        const int32_t t = col_token(col);
+        const int32_t lim = entry_selects(en, t) ? static_cast<int32_t>(en.tok[t] - key_base) : -1;
+        const float lse2 = ss.lse[st][col] * static_cast<float>(M_LOG2E);
+        const float delta = ss.delta[st][col];
+#pragma unroll
+        for (int a = 0; a < kRows; ++a) {
+          const bool ok = get<0>(cSrc(a, 0)) <= lim;
+          const float prob = ok ? fast_exp2(S(a, c) * scale_log2 - lse2) : 0.f;
+          S(a, c) = prob;
+          dP(a, c) = ok ? prob * (dP(a, c) - delta) : 0.f;
+        }
+      }
+    }
+    if constexpr (Traits::kHeadMean) write_teacher(i);
+    convert_into(tSrS, rP);
+    convert_into(tSrdP, rdS);
+    // dq from dS (p.ds): the entry's dS, the values dK's product reads, staged before the
+    // GEMMs take the registers (an operand of a GEMM in flight is not to be read); the bulk
+    // copies to the tokens' tiles then run under the GEMMs. Gi is a power of two >= 4 here.
+    if constexpr (!Traits::kKl) {
+      if (p.ds != nullptr) stage_ds(en);
     }
   };
 
@@ -506,87 +650,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     wg_gemm<true>(mma_s, tSrK, tSrQ(_, _, _, st), tSrS);
     wg_gemm<true>(mma_s, tSrV, tSrdO(_, _, _, st), tSrdP);
     warpgroup_wait<0>();
-    auto col_token = [&](int c) {
-      if constexpr (Traits::kHeadMean) return get<1>(cSrc(0, c)) >> gi_shift;
-      else return (get<1>(cSrc(0, c)) * gi_inv) >> 16;
-    };
-    // Column c (its token's position in the block: lim; -1: no token) sees the block's rows up
-    // to lim. Columns outer: a column's limit, LSE and Delta are read once for its rows.
-#pragma unroll
-    for (int c = 0; c < kCols; ++c) {
-      const int col = get<1>(cSrc(0, c));
-      const int32_t t = col_token(c);
-      const int32_t lim = entry_selects(en, t) ? static_cast<int32_t>(en.tok[t] - key_base) : -1;
-      const float lse2 = ss.lse[st][col] * static_cast<float>(M_LOG2E);
-      const float delta = ss.delta[st][col];
-#pragma unroll
-      for (int a = 0; a < kRows; ++a) {
-        const bool ok = get<0>(cSrc(a, 0)) <= lim;
-        const float prob = ok ? fast_exp2(S(a, c) * p.scale_log2 - lse2) : 0.f;
-        S(a, c) = prob;
-        dP(a, c) = ok ? prob * (dP(a, c) - delta) : 0.f;
-      }
-    }
-    if constexpr (Traits::kHeadMean) {
-      // Teacher: the mean of P over each token's Gi columns, by butterfly sums (a thread holds
-      // columns 8j + 2q + {0, 1}, q = lane % 4), into this warp's rows of the teacher tile.
-      Tensor cT = mma_s.get_thread_slice(fresh_thread_index())
-                      .partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kBlockC>>{}));
-      Tensor cTrc = make_tensor(cT.data(), acc_rowcol(cT.layout()));
-#pragma unroll
-      for (int a = 0; a < kRows; ++a) {
-        const int row = get<0>(cTrc(a, 0));
-        float* trow = ss.kl.teacher + row * Traits::kTeacherStride;
-        if (Gi == 1) {
-#pragma unroll
-          for (int c = 0; c < kCols; ++c) {
-            const int col = get<1>(cTrc(a, c));
-            if (col < kTok) trow[col] = S(a, c);
-          }
-        } else {
-          float w[kCols / 2];
-#pragma unroll
-          for (int j = 0; j < kCols / 2; ++j) w[j] = S(a, 2 * j) + S(a, 2 * j + 1);
-          if (Gi >= 4) {
-#pragma unroll
-            for (int j = 0; j < kCols / 2; ++j) w[j] += __shfl_xor_sync(0xffffffff, w[j], 1);
-          }
-          if (Gi >= 8) {
-#pragma unroll
-            for (int j = 0; j < kCols / 2; ++j) w[j] += __shfl_xor_sync(0xffffffff, w[j], 2);
-          }
-#pragma unroll
-          for (int s = 1; s < kCols / 2; s *= 2) {
-            if (Gi >= 16 * s) {
-              float u[kCols / 2];
-#pragma unroll
-              for (int j = 0; j < kCols / 2; ++j) u[j] = w[j] + w[j ^ s];
-#pragma unroll
-              for (int j = 0; j < kCols / 2; ++j) w[j] = u[j];
-            }
-          }
-#pragma unroll
-          for (int j = 0; j < kCols / 2; ++j) {
-            const int col = get<1>(cTrc(a, 2 * j));
-            if ((col & (Gi - 1)) == 0 && (col >> gi_shift) < kTok) trow[col >> gi_shift] = w[j] * inv_gi;
-          }
-        }
-      }
-      __syncwarp();
-      if constexpr (Traits::kTeacher) {
-        // The warp's 16 rows (keys 16 w .. 16 w + 15 of consumer warp w) of the entry's teacher
-        // to its record, m tokens per key, as whole 128-byte lines of the warp.
-        const int ltid = fresh_thread_index(), lane = ltid & 31, row0 = (ltid / 32) * 16;
-        const int m_shift = __ffs(m) - 1;  // m = 64 / Gi: a power of two
-        float* dst = p.teacher +
-                     ((list.lo + e_begin + i - p.pass_first) * kBlockN + row0) * m;
-        for (int e = lane; e < 16 * m; e += 32)
-          dst[e] = ss.kl.teacher[(row0 + (e >> m_shift)) * Traits::kTeacherStride + (e & (m - 1))];
-        __syncwarp();
-      }
-    }
-    convert_into(tSrS, rP);
-    convert_into(tSrdP, rdS);
+    entry_math(en, st, i);
     // Every read of the score accumulators happens before the GEMMs are issued (ptxas
     // serialises the wgmma pipeline if one is scheduled inside it). With kKl the index scores
     // S_idx^T go first, so that the student below runs under dV and dK.
@@ -595,12 +659,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if constexpr (Traits::kKl) {
       clear(tSrSi);
       wg_gemm<true>(mma_si, tSrKi, tSrQi(_, _, _, st), tSrSi);
-    }
-    if constexpr (!Traits::kKl) {
-      // dq from dS (p.ds): the entry's dS, the values dK's product reads, staged before the GEMMs
-      // take the registers (an operand of a GEMM in flight is not to be read); the bulk copies
-      // to the tokens' tiles then run under the GEMMs. Gi is a power of two >= 4 here.
-      if (p.ds != nullptr) stage_ds(en);
     }
     wg_gemm<false, true>(mma_kv, tKVrP, tKVrdOt(_, _, _, st), tdVrdV);
     wg_gemm<false, true>(mma_kv, tKVrdS, tKVrQt(_, _, _, st), tdKrdK);
