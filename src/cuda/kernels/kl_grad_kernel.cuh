@@ -165,6 +165,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   Tensor rDS = make_tensor<Element>(tSrSi.layout());
   Tensor tDKrDS = make_tensor(rDS.data(), acc_as_a_operand(rDS.layout()));
   Tensor cDQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kDim>, Int<kTok>>{}));
+  Tensor cDQrc = make_tensor(cDQ.data(), acc_rowcol(cDQ.layout()));
 
   // dk_idx of the keys so far (index key head loaded_ik) -> the fixed-point sums; then zero.
   int32_t loaded_ik = -1;
@@ -192,6 +193,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     cp_async_commit();
   }
 
+  int32_t ik_seg = -1, ik = -1;  // the segment of the last step and its index key head
   for (int64_t s = 0; s < steps; ++s) {
     // Step s's rows and the records of step s + kLead have landed; every thread is done with
     // step s - 1, whose stage the next issue refills.
@@ -205,8 +207,12 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     const int st = static_cast<int>(s % kStages);
     const EntryRecord* recs = ss.ring[s % kRing];
     const int n = records_of(s);
-    // Every record of a step has the same index key head (step_records is 1 otherwise).
-    const int32_t ik = (r * ipk + recs[0].seg - list.seg0) / p.idx_per_key;
+    // Every record of a step has the same index key head (step_records is 1 otherwise); it is
+    // worked out where the segment changes.
+    if (recs[0].seg != ik_seg) {
+      ik_seg = recs[0].seg;
+      ik = (r * ipk + ik_seg - list.seg0) / p.idx_per_key;
+    }
     if (ik != loaded_ik) {  // the same for every thread: (re)load the block's index keys
       flush_dk();
       loaded_ik = ik;
@@ -219,20 +225,39 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     wg_gemm<true>(mma_si, tSrKi, thr_si.partition_fragment_B(stage_q_idx(st, typename Traits::SmemLayoutQi{})), tSrSi);
     warpgroup_wait<0>();
     // Student and dS = sigma - pi, in the index-score accumulator (columns: the step's tokens).
+    // A step whose every column holds a token past the block's last key needs no mask.
+    bool whole = n * m == kTok;
+    for (int j = 0; j < n; ++j) whole = whole && recs[j].count == m && recs[j].tok[0] - key_base >= kBlockN - 1;
+    const float scale_idx = p.scale_idx;
+    if (whole) {
 #pragma unroll
-    for (int c = 0; c < kCols; ++c) {
-      const int col = get<1>(cSirc(0, c));
-      const int j = col >> m_shift, t = col & (m - 1);
-      const bool real = j < n && t < recs[j].count;
-      const int64_t tok = real ? recs[j].tok[t] : -1;
-      const float lidx = ss.lidx[st][col];
-      const float* pi_col = ss.pi[st] + j * kBlockN * m + t;
+      for (int c = 0; c < kCols; ++c) {
+        const int col = get<1>(cSirc(0, c));
+        const float lidx = ss.lidx[st][col];
+        const float* pi_col = ss.pi[st] + (col >> m_shift) * kBlockN * m + (col & (m - 1));
 #pragma unroll
-      for (int a = 0; a < kRows; ++a) {
-        const int row = get<0>(cSirc(a, 0));
-        const bool ok = key_base + row <= tok;  // tok < 0: no token
-        const float lsig2 = (Si(a, c) * p.scale_idx - lidx) * static_cast<float>(M_LOG2E);
-        Si(a, c) = ok ? fast_exp2(lsig2) - pi_col[row * m] : 0.f;
+        for (int a = 0; a < kRows; ++a) {
+          const int row = get<0>(cSirc(a, 0));
+          const float lsig2 = (Si(a, c) * scale_idx - lidx) * static_cast<float>(M_LOG2E);
+          Si(a, c) = fast_exp2(lsig2) - pi_col[row * m];
+        }
+      }
+    } else {
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) {
+        const int col = get<1>(cSirc(0, c));
+        const int j = col >> m_shift, t = col & (m - 1);
+        const bool real = j < n && t < recs[j].count;
+        const int64_t tok = real ? recs[j].tok[t] : -1;
+        const float lidx = ss.lidx[st][col];
+        const float* pi_col = ss.pi[st] + j * kBlockN * m + t;
+#pragma unroll
+        for (int a = 0; a < kRows; ++a) {
+          const int row = get<0>(cSirc(a, 0));
+          const bool ok = key_base + row <= tok;  // tok < 0: no token
+          const float lsig2 = (Si(a, c) * scale_idx - lidx) * static_cast<float>(M_LOG2E);
+          Si(a, c) = ok ? fast_exp2(lsig2) - pi_col[row * m] : 0.f;
+        }
       }
     }
     convert_into(tSrSi, rDS);
@@ -250,13 +275,17 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       clear(tDQrDQ);
       wg_gemm<true>(mma_dq, tDQrKit, tDQrDS, tDQrDQ);
       warpgroup_wait<0>();
+      // Columns outer: a column's token row of the sums is found once for its D rows.
+      Tensor DQ = make_tensor(tDQrDQ.data(), acc_rowcol(tDQrDQ.layout()));
 #pragma unroll
-      for (int v = 0; v < size(tDQrDQ); ++v) {
-        const int d = get<0>(cDQ(v)), col = get<1>(cDQ(v));
+      for (int c = 0; c < size<1>(DQ); ++c) {
+        const int col = get<1>(cDQrc(0, c));
         const int j = col >> m_shift, t = col & (m - 1);
         if (j < n && t < recs[j].count) {
           const int32_t i = r * ipk + recs[j].seg - list.seg0;
-          add_fixed(p.dq_idx + (int64_t(recs[j].tok[t]) * p.Hi + i) * kDim + d, tDQrDQ(v));
+          unsigned long long* dst = p.dq_idx + (int64_t(recs[j].tok[t]) * p.Hi + i) * kDim;
+#pragma unroll
+          for (int a = 0; a < size<0>(DQ); ++a) add_fixed(dst + get<0>(cDQrc(a, 0)), DQ(a, c));
         }
       }
     }
