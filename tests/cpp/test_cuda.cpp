@@ -481,6 +481,9 @@ const CudaCase kCases[] = {
     // The paper's heads (Gi = 16: 4 tokens per entry, 4 entries per step of the teacher route's
     // gradient pass), varlen with an empty sequence, sink and local blocks.
     {"Paper_G16_Hi4_D128_Bk128", shape({700, 0, 1300}, 64, 4, 128, 4, 1, 128, 128, 6, kBf16, 11, 1, 2), false, false},
+    // Gi = 8: the KV-side backward's kernel with Gi at run time on the teacher route (Gi = 4 and
+    // 16 take kernels with Gi a constant), 8 tokens per entry.
+    {"G8_Hi2_D128_Bk128", shape({1500, 77}, 16, 2, 128, 2, 1, 128, 128, 5, kBf16, 13, 1, 2), false, false},
 };
 
 class CudaVsCpu : public ::testing::TestWithParam<CudaCase> {
