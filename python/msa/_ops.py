@@ -293,8 +293,7 @@ def forward(
             top_k=top_k, sink_blocks=sink_blocks, local_blocks=local_blocks, scale=scale,
             scale_idx=scale_idx, deterministic=deterministic, fwd_pass=fwd_pass,
             fwd_chunk_tokens=fwd_chunk_tokens, select_scores=select_scores, fp8_rerank=fp8_rerank,
-            values=((cu_seqlens, None if sel or dense else block_idx), T,
-                                 block_size))
+            values=((cu_seqlens, None if sel or dense else block_idx), T, block_size))
     return out, lse, bi_out, kl
 
 
@@ -389,8 +388,7 @@ def backward(
             mode=_MODE_DENSE if dense else _MODE_SPARSE, block_size=block_size,
             scale=scale, scale_idx=scale_idx, deterministic=deterministic, kl_pass=kl_pass,
             dq_pass=dq_pass, bwd_chunk_tokens=bwd_chunk_tokens, check_values=check_values,
-            values=((cu_seqlens, None if dense else block_idx), q.shape[0],
-                                 block_size))
+            values=((cu_seqlens, None if dense else block_idx), q.shape[0], block_size))
     return dq, dk, dv, dq_idx, dk_idx
 
 
@@ -440,8 +438,7 @@ def kl_divergence(
             _lc(cu_seqlens), None if dense else _lc(block_idx), kl.view(1), kl_rows,
             mode=_MODE_DENSE if dense else _MODE_SPARSE, block_size=block_size,
             scale=scale, scale_idx=scale_idx,
-            values=((cu_seqlens, None if dense else block_idx), q.shape[0],
-                                 block_size))
+            values=((cu_seqlens, None if dense else block_idx), q.shape[0], block_size))
     return kl, kl_rows
 
 
