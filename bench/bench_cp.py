@@ -398,7 +398,7 @@ def parse_args(argv=None):
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--tiny", action="store_true",
                     help="tiny heads (Hq 4, Hkv 2, Hi 2, D 16, Bk 16, k 8) and lengths 512,1K")
-    ap.add_argument("--quick", action="store_true", help="128K and 256K, 2 reps (~3 minutes)")
+    ap.add_argument("--quick", action="store_true", help="128K and 256K (tiny: its lengths), 2 reps (~3 minutes)")
     ap.add_argument("--no-check", dest="check", action="store_false",
                     help="skip comparing the first case with the one-GPU call")
     ap.add_argument("--spawn", type=int, default=0,
@@ -419,7 +419,8 @@ def parse_args(argv=None):
         args.lengths = "512,1024" if args.lengths == ap.get_default("lengths") else args.lengths
         args.reps = min(args.reps, 2)
     if args.quick:
-        args.lengths = "128K,256K"
+        if not args.tiny:
+            args.lengths = "128K,256K"
         args.reps = 2
     return args
 
@@ -429,9 +430,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.spawn:
         import torch.multiprocessing as mp
-        tmp = tempfile.mkdtemp(prefix="msa_bench_cp_")
-        mp.start_processes(_worker, args=(args.spawn, os.path.join(tmp, "store"), argv),
-                           nprocs=args.spawn, join=True, start_method="spawn")
+        with tempfile.TemporaryDirectory(prefix="msa_bench_cp_") as tmp:
+            mp.start_processes(_worker, args=(args.spawn, os.path.join(tmp, "store"), argv),
+                               nprocs=args.spawn, join=True, start_method="spawn")
         return 0
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo",
                             timeout=datetime.timedelta(seconds=args.timeout))

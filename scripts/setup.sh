@@ -47,7 +47,7 @@ if [ "$what" = "cpp" ]; then
     cutlass_req="$(grep -E '^nvidia-cutlass' requirements-dev.txt)"
     make_venv
     echo "setup: installing $cutlass_req (CUTLASS headers of the CUDA backend)" >&2
-    .venv/bin/python -m pip install -q --no-deps "$cutlass_req"
+    .venv/bin/python -m pip install -q --no-cache-dir --no-deps "$cutlass_req"
   fi
   exit 0
 fi
@@ -56,7 +56,7 @@ make_venv
 stamp=.venv/.requirements-installed
 if [ ! -f "$stamp" ] || ! cmp -s requirements-dev.txt "$stamp"; then
   echo "setup: installing Python requirements (torch included; a few minutes the first time)" >&2
-  .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -r requirements-dev.txt
+  .venv/bin/python -m pip install -q --no-cache-dir --upgrade pip
+  .venv/bin/python -m pip install -q --no-cache-dir -r requirements-dev.txt
   cp requirements-dev.txt "$stamp"
 fi

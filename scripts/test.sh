@@ -34,7 +34,7 @@ build/consumer/msa_consumer
 rm -rf build/install build/consumer
 
 # The package's binding links the library built above (no second compile of the CUDA kernels).
-.venv/bin/python -m pip install -q --no-build-isolation \
+.venv/bin/python -m pip install -q --no-cache-dir --no-build-isolation \
   --config-settings=cmake.define.MSA_PREBUILT_LIBRARY="$PWD/build/libmsa.so" .
 # Run from outside the source tree so that `import msa` is the installed package.
 cd tests/python

@@ -127,18 +127,18 @@ def _worker(rank, world, store_path, outdir):
 
 
 def _spawn(world):
-    tmp = tempfile.mkdtemp(prefix="msa_cp_")
-    store = os.path.join(tmp, "store")
-    ctx = mp.start_processes(_worker, args=(world, store, tmp), nprocs=world, join=False,
-                             start_method="spawn")
-    deadline = time.monotonic() + SPAWN_DEADLINE_S
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.terminate()
-            pytest.fail(f"{world} processes did not finish within {SPAWN_DEADLINE_S} s")
-    return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False)
-            for r in range(world)]
+    with tempfile.TemporaryDirectory(prefix="msa_cp_") as tmp:
+        store = os.path.join(tmp, "store")
+        ctx = mp.start_processes(_worker, args=(world, store, tmp), nprocs=world, join=False,
+                                 start_method="spawn")
+        deadline = time.monotonic() + SPAWN_DEADLINE_S
+        while not ctx.join(timeout=5):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.terminate()
+                pytest.fail(f"{world} processes did not finish within {SPAWN_DEADLINE_S} s")
+        return [torch.load(os.path.join(tmp, f"rank{r}.pt"), weights_only=False)
+                for r in range(world)]
 
 
 _RESULTS = {}
