@@ -283,8 +283,10 @@ struct BwdResult {
   HostTensor dq, dk, dv, dq_idx, dk_idx;
 };
 
+// `index_grads`: which of dq_idx (bit 0) and dk_idx (bit 1) the call asks for; the other stays
+// NaN-filled and unbound.
 inline BwdResult run_backward(Problem& p, HostTensor* bi, Mode mode, FwdResult& f, HostTensor& dout, double gamma,
-                              bool deterministic = false) {
+                              bool deterministic = false, int index_grads = 3) {
   const Config& c = p.cfg;
   BwdResult r{HostTensor(c.dtype, {p.T, c.Hq, c.D}), HostTensor(c.dtype, {p.T, c.Hkv, c.D}),
               HostTensor(c.dtype, {p.T, c.Hkv, c.D}), HostTensor(c.dtype, {p.T, c.Hi, c.Di}),
@@ -304,8 +306,8 @@ inline BwdResult run_backward(Problem& p, HostTensor* bi, Mode mode, FwdResult& 
   bp.dv = r.dv.ref();
   bp.q_idx = p.q_idx.ref();
   bp.k_idx = p.k_idx.ref();
-  bp.dq_idx = r.dq_idx.ref();
-  bp.dk_idx = r.dk_idx.ref();
+  if (index_grads & 1) bp.dq_idx = r.dq_idx.ref();
+  if (index_grads & 2) bp.dk_idx = r.dk_idx.ref();
   bp.kl_weight = static_cast<float>(gamma);
   bp.opts = p.options(mode);
   bp.opts.deterministic = deterministic;

@@ -91,6 +91,24 @@ TEST_P(ForwardDtype, RoundsOnlyTheOutput) {
   }
 }
 
+// The largest finite float16, 65504, in every value: each output is a convex combination of
+// them, so it rounds to +-65504, not to infinity (a float16 rounds to infinity from 65520 up).
+TEST(ForwardDtype, LargestFloat16StaysFinite) {
+  Config c = make_config({150}, 4, 2, 16, 2, 1, 16, 3, 23);
+  c.dtype = DType::kFloat16;
+  Problem p(c);
+  for (int64_t x = 0; x < p.v.numel(); ++x) p.v.set(x, (x / c.D) % 2 ? -65504.0 : 65504.0);
+  HostTensor bi = run_select(p);
+  for (Mode mode : {Mode::kSparse, Mode::kDense}) {
+    FwdResult f = run_forward(p, mode == Mode::kSparse ? &bi : nullptr, mode, false);
+    for (int64_t g = 0; g < p.T; ++g)
+      for (int h = 0; h < c.Hq; ++h)
+        for (int d = 0; d < c.D; ++d)
+          ASSERT_EQ(f.out.at(g, h, d), (h / (c.Hq / c.Hkv)) % 2 ? -65504.0 : 65504.0)
+              << "row " << g << " head " << h << (mode == Mode::kSparse ? " sparse" : " warmup");
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Dtypes, ForwardDtype, ::testing::Values(DType::kFloat32, DType::kBFloat16, DType::kFloat16));
 
 // The caller's block_idx is a set: any order and any -1 position give the same result.
@@ -180,6 +198,23 @@ TEST(Kl, RowsSumToTheValue) {
   }
   EXPECT_NEAR(kl.get(0), sum / (p.T * c.Hi), 1e-6 * kl.get(0));
   EXPECT_EQ(kl.get(0), f.kl.get(0));
+  // Hi = 4 over Hik = 2 index key heads: index head i reads key head i / 2.
+  const double want = ref_kl(p, sets_from(p, bi));
+  EXPECT_NEAR(kl.get(0), want, 1e-6 * want);
+}
+
+// Scores thousands apart: most of the teacher's probabilities underflow to exactly 0, and their
+// terms of the KL (pi log(pi / sigma), 0 where pi = 0) add nothing; the value stays finite.
+TEST(Kl, TeacherZerosAddNothing) {
+  Config c = make_config({200}, 4, 2, 16, 2, 1, 16, 4, 81);
+  Problem p(c);
+  for (int64_t x = 0; x < p.q.numel(); ++x) p.q.set(x, 60 * p.q.get(x));
+  for (int64_t x = 0; x < p.k.numel(); ++x) p.k.set(x, 60 * p.k.get(x));
+  HostTensor bi = run_select(p);
+  FwdResult f = run_forward(p, &bi, Mode::kSparse, true);
+  const double want = ref_kl(p, sets_from(p, bi));
+  ASSERT_TRUE(std::isfinite(want));
+  EXPECT_NEAR(f.kl.get(0), want, 1e-6 * std::fabs(want));
 }
 
 // When the student equals the teacher, the KL is zero: one query head per index head, index

@@ -258,6 +258,30 @@ TEST(Gradients, KlGradTensorScalesGamma) {
 }
 
 // Deterministic mode (and the CPU backend always): bitwise-identical gradients run after run.
+// dq_idx or dk_idx alone (contract §4: the KL branch runs when either is given): each equals the
+// call that asks for both, bit for bit, and so do dq, dk and dv.
+TEST(Gradients, EitherIndexGradientAlone) {
+  Config c = make_config({210, 95}, 8, 2, 16, 4, 2, 16, 3, 91);
+  Problem p(c);
+  HostTensor bi = run_select(p);
+  std::mt19937_64 rng(17);
+  HostTensor w(c.dtype, {p.T, c.Hq, c.D});
+  w.randomize(rng);
+  FwdResult f = run_forward(p, &bi, Mode::kSparse, false);
+  BwdResult both = run_backward(p, &bi, Mode::kSparse, f, w, 1.3);
+  BwdResult dq_only = run_backward(p, &bi, Mode::kSparse, f, w, 1.3, false, 1);
+  BwdResult dk_only = run_backward(p, &bi, Mode::kSparse, f, w, 1.3, false, 2);
+  EXPECT_GT(inner_abs(both.dq_idx, both.dq_idx), 0.0);
+  EXPECT_GT(inner_abs(both.dk_idx, both.dk_idx), 0.0);
+  EXPECT_TRUE(dq_only.dq_idx.bitwise_equal(both.dq_idx));
+  EXPECT_TRUE(dk_only.dk_idx.bitwise_equal(both.dk_idx));
+  for (BwdResult* r : {&dq_only, &dk_only}) {
+    EXPECT_TRUE(r->dq.bitwise_equal(both.dq));
+    EXPECT_TRUE(r->dk.bitwise_equal(both.dk));
+    EXPECT_TRUE(r->dv.bitwise_equal(both.dv));
+  }
+}
+
 TEST(Gradients, BitwiseReproducible) {
   Config c = make_config({300, 211}, 8, 2, 16, 4, 1, 32, 4, 23);
   c.dtype = DType::kBFloat16;

@@ -161,6 +161,26 @@ TEST(Selection, NanStaysInItsSequence) {
   }
 }
 
+// A NaN score counts as -inf inside its block too (contract §2): a block whose last key scores
+// NaN keeps the maximum of its other keys, and the selection equals the brute force's.
+TEST(Selection, NanKeyLeavesItsBlockTheOtherKeysMaximum) {
+  Config c = sel({200}, 16, 4);
+  Problem p(c);
+  std::mt19937_64 rng(29);
+  p.q_idx.randomize_grid(rng, 2, 0.25);
+  p.k_idx.randomize_grid(rng, 2, 0.25);
+  for (int b : {1, 3, 4, 6, 8}) p.k_idx.set((16 * b + 15) * c.Di + 2, NAN);  // Hik = 1
+  p.k_idx.set((16 * 5 + 7) * c.Di, NAN);  // and one in the middle of block 5
+  HostTensor bi = run_select(p);
+  const Sets want = ref_select(p);
+  for (int64_t g = 0; g < p.T; ++g)
+    for (int i = 0; i < c.Hi; ++i)
+      for (int j = 0; j < c.k; ++j) {
+        const int expect = j < static_cast<int>(want[g][i].size()) ? want[g][i][j] : -1;
+        ASSERT_EQ(bi.idx(g, i, j), expect) << "row " << g << " head " << i << " slot " << j;
+      }
+}
+
 // select_blocks with FP8 scores and fp8_rerank = m on the CPU: block_idx (poisoned first), and
 // lse_idx into *lse when given.
 HostTensor select_fp8(Problem& p, int m, HostTensor* lse = nullptr) {
