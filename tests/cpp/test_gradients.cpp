@@ -33,6 +33,14 @@ double directional(HostTensor& x, const HostTensor& u, double eps, Loss&& loss) 
   return (plus - minus) / (2 * eps);
 }
 
+// A random output gradient dout [T, Hq, D] of p's dtype.
+HostTensor random_dout(const Problem& p, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  HostTensor dout(p.cfg.dtype, {p.T, p.cfg.Hq, p.cfg.D});
+  dout.randomize(rng);
+  return dout;
+}
+
 double inner(const HostTensor& a, const HostTensor& b) {
   double acc = 0;
   for (int64_t i = 0; i < a.numel(); ++i) acc += a.get(i) * b.get(i);
@@ -103,9 +111,7 @@ TEST_P(Gradients, MatchAnalyticReference) {
   HostTensor bi = run_select(p);
   HostTensor* bip = gc.mode == Mode::kSparse ? &bi : nullptr;
   const Sets sets = gc.mode == Mode::kSparse ? sets_from(p, bi) : all_causal_blocks(p);
-  std::mt19937_64 rng(gc.cfg.seed + 9);
-  HostTensor dout(gc.cfg.dtype, {p.T, gc.cfg.Hq, gc.cfg.D});
-  dout.randomize(rng);
+  HostTensor dout = random_dout(p, gc.cfg.seed + 9);
   FwdResult f = run_forward(p, bip, gc.mode, false);
   BwdResult g = run_backward(p, bip, gc.mode, f, dout, 2.5);
   const RefGrads r = ref_backward(p, sets, dout, 2.5);
@@ -207,9 +213,7 @@ TEST(Gradients, KlIsolation) {
   Config c = make_config({200}, 4, 2, 8, 2, 1, 16, 3, 21);
   Problem p(c);
   HostTensor bi = run_select(p);
-  std::mt19937_64 rng(8);
-  HostTensor dout(c.dtype, {p.T, c.Hq, c.D});
-  dout.randomize(rng);
+  HostTensor dout = random_dout(p, 8);
   FwdResult f = run_forward(p, &bi, Mode::kSparse, false);
   BwdResult g0 = run_backward(p, &bi, Mode::kSparse, f, dout, 0.0);
   BwdResult g1 = run_backward(p, &bi, Mode::kSparse, f, dout, 1.0);
@@ -232,9 +236,7 @@ TEST(Gradients, KlGradTensorScalesGamma) {
   Config c = make_config({100}, 4, 2, 8, 2, 1, 16, 3, 22);
   Problem p(c);
   HostTensor bi = run_select(p);
-  std::mt19937_64 rng(9);
-  HostTensor dout(c.dtype, {p.T, c.Hq, c.D});
-  dout.randomize(rng);
+  HostTensor dout = random_dout(p, 9);
   FwdResult f = run_forward(p, &bi, Mode::kSparse, false);
   BwdResult ref = run_backward(p, &bi, Mode::kSparse, f, dout, 0.5);
   HostTensor kg(DType::kFloat32, {1});
@@ -257,16 +259,13 @@ TEST(Gradients, KlGradTensorScalesGamma) {
   EXPECT_TRUE(got.dk_idx.bitwise_equal(ref.dk_idx));
 }
 
-// Deterministic mode (and the CPU backend always): bitwise-identical gradients run after run.
 // dq_idx or dk_idx alone (contract §4: the KL branch runs when either is given): each equals the
 // call that asks for both, bit for bit, and so do dq, dk and dv.
 TEST(Gradients, EitherIndexGradientAlone) {
   Config c = make_config({210, 95}, 8, 2, 16, 4, 2, 16, 3, 91);
   Problem p(c);
   HostTensor bi = run_select(p);
-  std::mt19937_64 rng(17);
-  HostTensor w(c.dtype, {p.T, c.Hq, c.D});
-  w.randomize(rng);
+  HostTensor w = random_dout(p, 17);
   FwdResult f = run_forward(p, &bi, Mode::kSparse, false);
   BwdResult both = run_backward(p, &bi, Mode::kSparse, f, w, 1.3);
   BwdResult dq_only = run_backward(p, &bi, Mode::kSparse, f, w, 1.3, false, 1);
@@ -282,14 +281,13 @@ TEST(Gradients, EitherIndexGradientAlone) {
   }
 }
 
+// Deterministic mode (and the CPU backend always): bitwise-identical gradients run after run.
 TEST(Gradients, BitwiseReproducible) {
   Config c = make_config({300, 211}, 8, 2, 16, 4, 1, 32, 4, 23);
   c.dtype = DType::kBFloat16;
   Problem p(c);
   HostTensor bi = run_select(p);
-  std::mt19937_64 rng(10);
-  HostTensor dout(c.dtype, {p.T, c.Hq, c.D});
-  dout.randomize(rng);
+  HostTensor dout = random_dout(p, 10);
   FwdResult f = run_forward(p, &bi, Mode::kSparse, false);
   BwdResult a = run_backward(p, &bi, Mode::kSparse, f, dout, 1.0, true);
   for (int rep = 0; rep < 3; ++rep) {
@@ -307,9 +305,7 @@ TEST(Gradients, WarmupEqualsSparseWhenKCoversAll) {
   Config c = make_config({150, 97}, 4, 2, 8, 2, 1, 16, 10, 24);
   Problem p(c);
   HostTensor bi = run_select(p);
-  std::mt19937_64 rng(11);
-  HostTensor dout(c.dtype, {p.T, c.Hq, c.D});
-  dout.randomize(rng);
+  HostTensor dout = random_dout(p, 11);
   FwdResult fs = run_forward(p, &bi, Mode::kSparse, true);
   FwdResult fd = run_forward(p, nullptr, Mode::kDense, true);
   EXPECT_TRUE(fs.out.bitwise_equal(fd.out));
