@@ -146,6 +146,21 @@ TEST(Forward, EmptySupportRow) {
   EXPECT_TRUE(std::isfinite(f.lse.at(49, 0)));
 }
 
+// A row whose every score is -inf (a -inf query component against positive key components):
+// lse = log sum exp(-inf) = -inf (contract §3), whatever NaN the output then carries.
+TEST(Forward, AllScoresMinusInfinity) {
+  Config c = make_config({64}, 2, 1, 8, 1, 1, 16, 2, 43);
+  Problem p(c);
+  for (int64_t j = 0; j < p.T; ++j) p.k.set(j * c.D, 1.0 + std::fabs(p.k.get(j * c.D)));
+  for (int d = 0; d < c.D; ++d) p.q.set((50 * c.Hq + 1) * c.D + d, d == 0 ? -INFINITY : 0.0);
+  HostTensor bi = run_select(p);
+  for (Mode mode : {Mode::kSparse, Mode::kDense}) {
+    FwdResult f = run_forward(p, mode == Mode::kSparse ? &bi : nullptr, mode, false);
+    EXPECT_EQ(f.lse.at(50, 1), -INFINITY) << (mode == Mode::kSparse ? "sparse" : "warmup");
+    EXPECT_TRUE(std::isfinite(f.lse.at(50, 0)));
+  }
+}
+
 // The selection excluding the own block is legal input: keys of earlier blocks only.
 TEST(Forward, CallerSelectionWithoutOwnBlock) {
   Config c = make_config({96}, 2, 1, 8, 1, 1, 16, 2, 43);
