@@ -325,4 +325,28 @@ TEST(Selection, Fp8RerankBreaksWhatE4M3Ties) {
   }
 }
 
+// The shortlist with exactly one candidate to spare (free slots + m + 1 candidates): 64 tokens,
+// Bk 16, k 2, m 1; blocks 0, 1 and 2 tie in E4M3 (as in e4m3_tie_problem) while block 2 is the
+// best by its inputs' own scores. The two shortlisted are blocks 0 and 1 (ties to the lower
+// index), so tokens of block 3 take block 0, not block 2 as a selection without the shortlist.
+TEST(Selection, Fp8RerankShortlistWithOneCandidateToSpare) {
+  Config c = sel({64}, 16, 2);
+  c.dtype = DType::kBFloat16;
+  c.Hi = 1;
+  Problem p(c);
+  for (int64_t x = 0; x < p.q_idx.numel(); ++x) p.q_idx.set(x, x % c.Di == 0 ? 1.0 : 0.0);
+  for (int64_t x = 0; x < p.k_idx.numel(); ++x) p.k_idx.set(x, 0.0);
+  for (int b = 0; b < 3; ++b) {
+    p.k_idx.set(16 * b * c.Di + 1, 100.0);  // the block's scale
+    p.k_idx.set((16 * b + 1) * c.Di, b == 2 ? 1.0078125 : 1.0);
+  }
+  const HostTensor bi = select_fp8(p, 1);
+  for (int64_t t = 48; t < 64; ++t) {
+    EXPECT_EQ(bi.idx(t, 0, 0), 0) << "token " << t;
+    EXPECT_EQ(bi.idx(t, 0, 1), 3) << "token " << t;
+  }
+  EXPECT_EQ(sets_from(p, bi), ref_select_shortlist(p, fp8_scored(p), 1));
+  EXPECT_EQ(ref_select(p)[48][0], (std::vector<int>{2, 3}));  // the inputs' own choice
+}
+
 }  // namespace msatest
