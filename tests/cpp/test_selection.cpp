@@ -240,20 +240,20 @@ TEST(Selection, Fp8ScoresFollowTheRule) {
   }
 }
 
-// 48 tokens, Bk 16, k 2, one index head: blocks 0 and 1 whose best keys differ by 2^-7 (apart in
-// bfloat16) but round to the same E4M3 value under the scale a large value elsewhere in each
-// block sets.
-Problem e4m3_tie_problem() {
-  Config c = sel({48}, 16, 2);
+// 16 (tied + 1) tokens, Bk 16, k 2, one index head: blocks 0 .. tied - 1 whose best keys round
+// to the same E4M3 value under the scale a large value elsewhere in each block sets, the last
+// one's 2^-7 above the others' (apart in bfloat16). tied = 2: blocks 0 and 1, 48 tokens.
+Problem e4m3_tie_problem(int tied = 2) {
+  Config c = sel({16 * (tied + 1)}, 16, 2);
   c.dtype = DType::kBFloat16;
   c.Hi = 1;
   Problem p(c);
   for (int64_t x = 0; x < p.q_idx.numel(); ++x) p.q_idx.set(x, x % c.Di == 0 ? 1.0 : 0.0);
   for (int64_t x = 0; x < p.k_idx.numel(); ++x) p.k_idx.set(x, 0.0);
-  p.k_idx.set(0 * c.Di + 1, 100.0);  // block 0, row 0: dim 1 (which the query ignores) sets the scale
-  p.k_idx.set(1 * c.Di + 0, 1.0);
-  p.k_idx.set(16 * c.Di + 1, 100.0);  // block 1 likewise
-  p.k_idx.set(17 * c.Di + 0, 1.0078125);
+  for (int b = 0; b < tied; ++b) {
+    p.k_idx.set(16 * b * c.Di + 1, 100.0);  // row 0: dim 1 (which the query ignores) sets the scale
+    p.k_idx.set((16 * b + 1) * c.Di, b == tied - 1 ? 1.0078125 : 1.0);
+  }
   return p;
 }
 
@@ -325,21 +325,12 @@ TEST(Selection, Fp8RerankBreaksWhatE4M3Ties) {
   }
 }
 
-// The shortlist with exactly one candidate to spare (free slots + m + 1 candidates): 64 tokens,
-// Bk 16, k 2, m 1; blocks 0, 1 and 2 tie in E4M3 (as in e4m3_tie_problem) while block 2 is the
-// best by its inputs' own scores. The two shortlisted are blocks 0 and 1 (ties to the lower
-// index), so tokens of block 3 take block 0, not block 2 as a selection without the shortlist.
+// The shortlist with exactly one candidate to spare (free slots + m + 1 candidates): m 1,
+// e4m3_tie_problem(3), whose blocks 0, 1 and 2 tie in E4M3 while block 2 is the best by its
+// inputs' own scores. The two shortlisted are blocks 0 and 1 (ties to the lower index), so
+// tokens of block 3 take block 0, not block 2 as a selection without the shortlist would.
 TEST(Selection, Fp8RerankShortlistWithOneCandidateToSpare) {
-  Config c = sel({64}, 16, 2);
-  c.dtype = DType::kBFloat16;
-  c.Hi = 1;
-  Problem p(c);
-  for (int64_t x = 0; x < p.q_idx.numel(); ++x) p.q_idx.set(x, x % c.Di == 0 ? 1.0 : 0.0);
-  for (int64_t x = 0; x < p.k_idx.numel(); ++x) p.k_idx.set(x, 0.0);
-  for (int b = 0; b < 3; ++b) {
-    p.k_idx.set(16 * b * c.Di + 1, 100.0);  // the block's scale
-    p.k_idx.set((16 * b + 1) * c.Di, b == 2 ? 1.0078125 : 1.0);
-  }
+  Problem p = e4m3_tie_problem(3);
   const HostTensor bi = select_fp8(p, 1);
   for (int64_t t = 48; t < 64; ++t) {
     EXPECT_EQ(bi.idx(t, 0, 0), 0) << "token " << t;
