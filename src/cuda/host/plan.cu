@@ -635,7 +635,8 @@ Status make_plan(const char* fn, const Problem& prob, int32_t nseq, bool sparse,
     const uint64_t segments = static_cast<uint64_t>(kv_tiles) * prob.Hkv * (prob.Hi / prob.Hkv);
     p.tbits = bits_for(static_cast<uint64_t>(prob.T));
     p.sbits = bits_for(static_cast<uint64_t>(prob.k > 0 ? prob.k - 1 : 0));
-    p.end_bit = bits_for(segments) + p.tbits + p.sbits;
+    p.seg_bit = p.tbits + p.sbits;
+    p.end_bit = bits_for(segments) + p.seg_bit;
     if (p.end_bit > 63 || segments >= (uint64_t(1) << 31))
       return fail(fn, "q", "too many tokens for the reverse index");
     p.invalid = (uint64_t(1) << p.end_bit) - 1;
@@ -649,7 +650,8 @@ Status make_plan(const char* fn, const Problem& prob, int32_t nseq, bool sparse,
     p.count = take(2 * sizeof(int32_t));
     size_t sort_bytes = 0, unique_bytes = 0, scan_bytes = 0, select_bytes = 0;
     cub::DoubleBuffer<uint64_t> kb(nullptr, nullptr);
-    cub::DeviceRadixSort::SortKeys(nullptr, sort_bytes, kb, static_cast<int>(p.n), 0, p.end_bit);
+    cub::DeviceRadixSort::SortKeys(nullptr, sort_bytes, kb, static_cast<int>(p.n), p.seg_bit,
+                                   p.end_bit);
     cub::DeviceSelect::Flagged(nullptr, unique_bytes, static_cast<const uint64_t*>(nullptr),
                                static_cast<const uint8_t*>(nullptr), static_cast<uint64_t*>(nullptr),
                                static_cast<int32_t*>(nullptr), static_cast<int>(p.n));

@@ -90,6 +90,7 @@ struct Plan {
   int32_t Hi_group = 0;  // column groups of the KV side
   int32_t m = 0;         // tokens per KV-side entry
   int tbits = 0, sbits = 0, end_bit = 0;  // key bits: token, slot; all
+  int seg_bit = 0;  // the segment's first bit (tbits + sbits): the keys are sorted from there
   uint64_t invalid = 0;
   size_t cub_bytes = 0;
   // byte offsets (sparse: keys_a, keys_b: the sort's buffers, then the segment starts; flags;

@@ -178,10 +178,14 @@ Status build_entries(const char* fn, const Plan& pl, const Problem& prob, const 
         t_hi, prob.Hi, prob.k, prob.opts.block_size, prob.Hkv, ipk, pl.tbits, pl.sbits,
         pl.invalid, choice, taken, paged, ka);
   }
+  // The keys by segment alone: key_kernel writes them in (token, index head, slot) order and the
+  // radix sort is stable, so a segment's keys keep their (token, slot) order, as a sort of the
+  // whole key would give them, in fewer passes (9-12 bits instead of 27-33). Invalid keys have
+  // every segment bit set, above every real segment (bits_for(segments) bits hold 0..segments).
   cub::DoubleBuffer<uint64_t> keys(ka, kb);
   size_t bytes = pl.cub_bytes;
   cudaError_t e = cub::DeviceRadixSort::SortKeys(at<void>(ws, pl.cub), bytes, keys,
-                                                 static_cast<int>(n), 0, pl.end_bit, stream);
+                                                 static_cast<int>(n), pl.seg_bit, pl.end_bit, stream);
   if (e != cudaSuccess) return cuda_error(fn, e);
   // The real keys, each (segment, token) once.
   if (n > 0) first_kernel<<<blocks, threads, 0, stream>>>(keys.Current(), n, pl.sbits, pl.invalid, flags);
