@@ -156,6 +156,22 @@ def test_unused_outputs():
     assert_close(gki, rg[1], 1e-5, "dk_idx")
 
 
+@pytest.mark.parametrize("which", [3, 4])
+def test_one_index_input_requires_grad(which):
+    """Only q_idx (3) or only k_idx (4) of the index inputs requires grad: it gets the same
+    gradient as when both do, the other none."""
+    T, Hq, Hkv, Hi, Hik, D, Di, Bk, top_k = 96, 4, 2, 2, 1, 8, 8, 16, 3
+    q, k, v, qi, ki = make_inputs(T, Hq, Hkv, Hi, Hik, D, Di)
+    out, kl = msa.sparse_attention(q, k, v, qi, ki, top_k, Bk)
+    want = grads(out.sum() + 2.0 * kl, (q, k, v, qi, ki))
+    xs = [t.detach().requires_grad_(i in (0, which)) for i, t in enumerate((q, k, v, qi, ki))]
+    out, kl = msa.sparse_attention(*xs, top_k, Bk)
+    (out.sum() + 2.0 * kl).backward()
+    assert want[which].abs().max() > 0
+    assert torch.equal(xs[0].grad, want[0]) and torch.equal(xs[which].grad, want[which])
+    assert xs[7 - which].grad is None
+
+
 def test_caller_block_idx():
     """A caller's selection (any order, -1 anywhere) drives attention and the KL."""
     T, Hq, Hkv, Hi, Hik, D, Di, Bk, kk = 80, 4, 2, 2, 1, 8, 8, 16, 3

@@ -31,10 +31,10 @@ def _direct_reference(Qp, Kp, Q, K, V, top_k, scale, warmup):
     return torch.stack(outs), sum(kl_terms) / B  # flash-msa: 1/(B*Hp*S)
 
 
-@pytest.mark.parametrize("top_k", [128, 256])
-def test_flash_msa_func_vs_reference(top_k):
+# scale None: D**-0.5 and Dp**-0.5 (equal here); 0.3: both logits, main and proxy, at 0.3.
+@pytest.mark.parametrize("top_k,scale", [(128, None), (256, 0.3)])
+def test_flash_msa_func_vs_reference(top_k, scale):
     inputs = _inputs(torch.float32)
-    scale = D ** -0.5
     out, kl = fm.flash_msa_func(*inputs, top_k, scale)
     assert out.shape == (B, S, Hq * D) and out.dtype == torch.float32
     assert kl.shape == () and kl.dtype == torch.float32

@@ -34,16 +34,16 @@ def test_positions_and_rotary():
     assert torch.equal(rotary(x, torch.zeros(6, dtype=torch.long), 500.0), x)
 
 
-@pytest.mark.parametrize("mode", ["sparse", "warmup"])
-def test_matches_functional_api(mode):
-    m = small(kl_weight=0.25, kl_value=True, mode=mode)
+@pytest.mark.parametrize("mode,sink,local", [("sparse", 1, 1), ("sparse", 0, 2), ("warmup", 1, 1)])
+def test_matches_functional_api(mode, sink, local):
+    m = small(kl_weight=0.25, kl_value=True, mode=mode, sink_blocks=sink, local_blocks=local)
     cu = torch.tensor([0, 21, 21, 37], dtype=torch.int32)
     x = torch.randn(37, 32, dtype=torch.float64)
     y, aux = m(x, cu)
     q, k, v, qi, ki = m.project(x, cu)
     if mode == "sparse":
-        out, kl = msa.sparse_attention(q, k, v, qi, ki, 3, 4, cu_seqlens=cu, sink_blocks=1,
-                                       local_blocks=1)
+        out, kl = msa.sparse_attention(q, k, v, qi, ki, 3, 4, cu_seqlens=cu, sink_blocks=sink,
+                                       local_blocks=local)
     else:
         out, kl = msa.warmup_attention(q, k, v, qi, ki, cu_seqlens=cu)
     assert torch.equal(y, m.o_proj(out.reshape(37, 32)))
