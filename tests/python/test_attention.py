@@ -123,11 +123,16 @@ def test_kl_value_and_helper():
     assert_close(wkl, r_wkl, 1e-5, "dense kl")
 
 
-def test_kl_value_off_keeps_gradients():
+@pytest.mark.parametrize("warmup", [False, True])
+def test_kl_value_off_keeps_gradients(warmup):
     T, Hq, Hkv, Hi, Hik, D, Di, Bk, top_k = 100, 4, 2, 2, 1, 8, 8, 16, 3
     q, k, v, qi, ki = make_inputs(T, Hq, Hkv, Hi, Hik, D, Di)
-    out1, kl1 = msa.sparse_attention(q, k, v, qi, ki, top_k, Bk, kl_value=True)
-    out2, kl2 = msa.sparse_attention(q, k, v, qi, ki, top_k, Bk, kl_value=False)
+    if warmup:
+        out1, kl1 = msa.warmup_attention(q, k, v, qi, ki, kl_value=True)
+        out2, kl2 = msa.warmup_attention(q, k, v, qi, ki, kl_value=False)
+    else:
+        out1, kl1 = msa.sparse_attention(q, k, v, qi, ki, top_k, Bk, kl_value=True)
+        out2, kl2 = msa.sparse_attention(q, k, v, qi, ki, top_k, Bk, kl_value=False)
     assert kl1.item() > 0 and kl2.item() == 0.0
     assert torch.equal(out1, out2)
     g1 = grads(out1.sum() + 3.0 * kl1, (q, k, v, qi, ki))

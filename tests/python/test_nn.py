@@ -113,6 +113,23 @@ def test_gradients():
     assert m.q_proj.weight.grad is None or m.q_proj.weight.grad.abs().sum() == 0
 
 
+@pytest.mark.parametrize("mode", ["sparse", "warmup"])
+def test_kl_value_off(mode):
+    """kl_value=False: the auxiliary loss is a zero, and every gradient is the one with the
+    exact value."""
+    x = torch.randn(26, 32, dtype=torch.float64)
+    got = []
+    for kl_value in (True, False):
+        torch.manual_seed(1)
+        m = small(kl_weight=0.5, mode=mode, kl_value=kl_value)
+        y, aux = m(x)
+        assert (float(aux.detach()) > 0) == kl_value
+        (y.square().sum() + aux).backward()
+        got.append([p.grad for p in m.parameters()])
+    for a, b in zip(*got):
+        assert torch.equal(a, b)
+
+
 def test_activation_checkpointing_gives_the_same_gradients():
     m = small(kl_weight=0.5)
     x = torch.randn(26, 32, dtype=torch.float64, requires_grad=True)
