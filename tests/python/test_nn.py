@@ -36,7 +36,8 @@ def test_positions_and_rotary():
 
 @pytest.mark.parametrize("mode,sink,local", [("sparse", 1, 1), ("sparse", 0, 2), ("warmup", 1, 1)])
 def test_matches_functional_api(mode, sink, local):
-    m = small(kl_weight=0.25, kl_value=True, mode=mode, sink_blocks=sink, local_blocks=local)
+    m = small(kl_weight=0.25, kl_value=True, mode=mode, sink_blocks=sink, local_blocks=local,
+              rope_theta=500.0)
     cu = torch.tensor([0, 21, 21, 37], dtype=torch.int32)
     x = torch.randn(37, 32, dtype=torch.float64)
     y, aux = m(x, cu)
@@ -48,10 +49,14 @@ def test_matches_functional_api(mode, sink, local):
         out, kl = msa.warmup_attention(q, k, v, qi, ki, cu_seqlens=cu)
     assert torch.equal(y, m.o_proj(out.reshape(37, 32)))
     assert torch.equal(aux, 0.25 * kl) and float(kl.detach()) > 0
-    # rotary at positions restarting in each sequence: the second sequence's first token
-    # projects like a first token
+    # rotary at positions restarting in each sequence (the second sequence's first token
+    # projects like a first token), at the module's base, on q, k, q_idx and k_idx, not on v
     pos = positions_of(cu, 37, "cpu")
-    assert torch.equal(q, rotary(m.q_proj(x).view(37, 4, 8), pos, m.rope_theta))
+    assert torch.equal(q, rotary(m.q_proj(x).view(37, 4, 8), pos, 500.0))
+    assert torch.equal(k, rotary(m.k_proj(x).view(37, 2, 8), pos, 500.0))
+    assert torch.equal(v, m.v_proj(x).view(37, 2, 8))
+    assert torch.equal(qi, rotary(m.q_idx_proj(x).view(37, 2, 8), pos, 500.0))
+    assert torch.equal(ki, rotary(m.k_idx_proj(x).view(37, 1, 8), pos, 500.0))
 
 
 def test_fp8_selection_scores():
