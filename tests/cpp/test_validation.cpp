@@ -151,6 +151,7 @@ TEST(Validation, Forward) {
       {"block_idx missing", "block_idx", [](P& p, Valid&) { p.block_idx = {}; }},
       {"block_idx dtype", "block_idx", [](P& p, Valid&) { p.block_idx = retyped(p.block_idx, DType::kFloat32); }},
       {"block_idx tokens", "block_idx", [](P& p, Valid&) { p.block_idx = reshaped(p.block_idx, 0, 20); }},
+      {"block_idx k past 2^20", "block_idx", [](P& p, Valid&) { p.block_idx = reshaped(p.block_idx, 2, (1 << 20) + 1); }},
       {"block_idx Hi vs q_idx", "q_idx", [](P& p, Valid&) { p.block_idx = reshaped(p.block_idx, 1, 1); }},
       {"block_idx future block", "block_idx", [](P& p, Valid& v) { v.bi.set(0, 2); }},
       {"block_idx below -1", "block_idx", [](P& p, Valid& v) { v.bi.set(5, -2); }},
