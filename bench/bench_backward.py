@@ -21,7 +21,9 @@ neighbouring tokens) and union (mean distinct blocks of 8 neighbouring tokens / 
 Effective TFLOP/s count the selected work only: forward 4 * D * Gi * (visible keys summed over
 (token, index head)), backward 2.5x that (the KL branch's extra work is not counted). Times are
 medians of CUDA-event timed calls after a warm-up, with the L2 cache flushed before each call.
-``--profile`` adds a per-kernel breakdown of one bwd+kl call (torch.profiler). ``--out PREFIX``
+``--profile`` adds a per-kernel breakdown of one bwd+kl call and of one whole training step
+(torch.profiler; for the step also its kernel count and the kernels' summed time, which against
+the step's own time is how long the GPU waited for the host). ``--out PREFIX``
 writes PREFIX.csv and PREFIX.json (``plot_bench.py PREFIX.csv`` plots them).
 
     python bench/bench_backward.py                 # paper + flash-msa heads, 16K..128K
@@ -126,6 +128,25 @@ def profile_kernels(fn, templates: bool = False) -> List[tuple]:
     return sorted(out.items(), key=lambda x: -x[1])
 
 
+def trace_step(fn) -> Dict:
+    """One call of fn (a training step) under torch.profiler: its kernels' times by name
+    (longest first), how many ran, and their sum (the profiled call's span is not reported: the
+    profiler slows the host, and with it the gaps between kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    evs = [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
+    by_name: Dict[str, float] = {}
+    for ev in evs:
+        name = ev.name.split("<")[0].split("(")[0][-60:]
+        by_name[name] = by_name.get(name, 0.0) + ev.device_time_total / 1e3
+    return {"kernels": sorted(by_name.items(), key=lambda x: -x[1]), "count": len(evs),
+            "busy_ms": sum(ev.device_time_total for ev in evs) / 1e3}
+
+
 def bench_case(msa, cfg: str, L: int, B: int, args, timer: Timer, device, dtype, gen) -> List[Dict]:
     h = HEADS[cfg]
     Hq, Hkv, Hi, Hik = h["Hq"], h["Hkv"], h["Hi"], h["Hik"]
@@ -225,6 +246,13 @@ def bench_case(msa, cfg: str, L: int, B: int, args, timer: Timer, device, dtype,
         if args.profile and device.type == "cuda":
             row["profile"] = profile_kernels(bwd(True))
             for name, ms in row["profile"][:10]:
+                log(f"      {ms:9.3f} ms  {name}")
+            tr = trace_step(step(False))
+            row["step_profile"], row["step_kernels"] = tr["kernels"], tr["count"]
+            row["step_busy_ms"] = tr["busy_ms"]
+            log(f"    step: {tr['count']} kernels, {tr['busy_ms']:.3f} ms of kernels in a "
+                f"{row['step_ms']:.3f} ms step")
+            for name, ms in tr["kernels"][:12]:
                 log(f"      {ms:9.3f} ms  {name}")
         rows.append(row)
         del qi, ki, bi, xs
