@@ -161,6 +161,11 @@ def test_activation_checkpointing_gives_the_same_gradients():
     (dict(kl_weight=-1.0), "kl_weight"),
     (dict(mode="dense"), "mode"),
     (dict(select_scores="e4m3"), "select_scores"),
+    (dict(sink_blocks=-1), "sink_blocks"),
+    (dict(kl_weight=float("nan")), "kl_weight"),
+    (dict(rope_theta=0.0), "rope_theta"),
+    (dict(fp8_rerank=65), "fp8_rerank"),
+    (dict(d_model=30, head_dim=None), "head_dim"),
 ])
 def test_bad_configurations_name_the_argument(kw, arg):
     with pytest.raises(ValueError, match=f"'{arg}'"):
