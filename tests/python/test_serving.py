@@ -198,6 +198,23 @@ def test_cache_allocator_and_pages():
     assert table.shape == (1, 1) and lens.tolist() == [1] and cu.tolist() == [0, 1]
 
 
+def test_cache_errors_name_the_argument():
+    """The cache's own checks: its page size and scales, a page table narrower than a sequence,
+    the new lengths of an append; a refused reserve or append changes nothing."""
+    _error(lambda: serving.PagedKVCache(4, 24, 1, 8), "page_size")
+    _error(lambda: serving.PagedKVCache(4, 16, 1, 8, scales="row"), "scales")
+    cache = serving.PagedKVCache(4, 16, 1, 8, dtype=torch.float32)
+    a, c = cache.add_sequence(), cache.add_sequence()
+    cache.reserve(a, 33)  # three pages
+    _error(lambda: cache.batch([a, c], max_pages=2), "max_pages")
+    assert cache.batch([a, c], max_pages=3)[0].shape == (2, 3)
+    _error(lambda: cache.append([a, c], [1]), "new_lens")
+    _error(lambda: cache.append([a, c], [1, -1]), "new_lens")
+    with pytest.raises(RuntimeError, match="more pages"):
+        cache.reserve(c, 17)
+    assert cache.seq_len(a) == 33 and cache.seq_len(c) == 0 and cache.num_free_pages == 1
+
+
 def test_wrapper_prefill_then_decode_with_four_tokens():
     """plan once; run per step (multi-token prediction, 4 new tokens per sequence), each step
     equal to the contiguous reference at its positions."""
