@@ -249,6 +249,27 @@ def test_bad_shard_raises_on_every_rank(world):
     assert "argument 'q'" in res[1]["errors"]["bad_tensor"]
 
 
+@pytest.mark.parametrize("kw, arg", [
+    (dict(layout="zigzag"), "layout"),
+    (dict(exchange="ring"), "exchange"),
+    (dict(block_size=24), "block_size"),
+    (dict(top_k=0), "top_k"),
+    (dict(q_idx=None), "q_idx"),
+    (dict(q_idx=None, k_idx=None), "q_idx"),
+    (dict(k_idx=None, block_idx=torch.zeros(32, 1, 2, dtype=torch.int32)), "k_idx"),
+    (dict(fwd_pass="tiles"), "fwd_pass"),
+])
+def test_bad_arguments_raise_before_any_collective(kw, arg):
+    """Arguments a rank can judge alone are refused before the first collective (no process
+    group is needed to see it), naming the argument."""
+    T, D = 32, 8
+    args = dict(q=torch.randn(T, 2, D), k=torch.randn(T, 1, D), v=torch.randn(T, 1, D),
+                q_idx=torch.randn(T, 1, D), k_idx=torch.randn(T, 1, D), top_k=2, block_size=8)
+    args.update(kw)
+    with pytest.raises(ValueError, match=f"argument '{arg}'"):
+        msad.sparse_attention(**args)
+
+
 def test_shard_positions_cover_each_token_once():
     cu = torch.tensor([0, 7, 7, 40, 41], dtype=torch.int32)
     for world in (1, 2, 3, 4):
