@@ -37,7 +37,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -110,21 +110,26 @@ class Timer:
         return statistics.median(times)
 
 
-def profile_kernels(fn, templates: bool = False) -> List[tuple]:
-    """(kernel, ms) of one call of fn, longest first; templates: keep the end of each kernel's
-    template arguments in its name (to tell a kernel's instantiations apart)."""
+def cuda_events(fn) -> list:
+    """The CUDA kernel events of one call of fn (after a warm-up call), by torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
+    return [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def profile_kernels(fn, templates: bool = False, events: Optional[list] = None) -> List[tuple]:
+    """(kernel, ms) of one call of fn (or of the given events), longest first; templates: keep
+    the end of each kernel's template arguments in its name (to tell a kernel's instantiations
+    apart)."""
     out = {}
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            name = ev.name.split("(")[0] if templates else ev.name.split("<")[0].split("(")[0]
-            name = name[-60:]
-            out[name] = out.get(name, 0.0) + ev.device_time_total / 1e3
+    for ev in cuda_events(fn) if events is None else events:
+        name = ev.name.split("(")[0] if templates else ev.name.split("<")[0].split("(")[0]
+        name = name[-60:]
+        out[name] = out.get(name, 0.0) + ev.device_time_total / 1e3
     return sorted(out.items(), key=lambda x: -x[1])
 
 
@@ -132,18 +137,8 @@ def trace_step(fn) -> Dict:
     """One call of fn (a training step) under torch.profiler: its kernels' times by name
     (longest first), how many ran, and their sum (the profiled call's span is not reported: the
     profiler slows the host, and with it the gaps between kernels)."""
-    from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    evs = [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
-    by_name: Dict[str, float] = {}
-    for ev in evs:
-        name = ev.name.split("<")[0].split("(")[0][-60:]
-        by_name[name] = by_name.get(name, 0.0) + ev.device_time_total / 1e3
-    return {"kernels": sorted(by_name.items(), key=lambda x: -x[1]), "count": len(evs),
+    evs = cuda_events(fn)
+    return {"kernels": profile_kernels(fn, events=evs), "count": len(evs),
             "busy_ms": sum(ev.device_time_total for ev in evs) / 1e3}
 
 

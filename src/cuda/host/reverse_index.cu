@@ -197,7 +197,7 @@ Status build_entries(const char* fn, const Plan& pl, const Problem& prob, const 
   // The sorted keys' buffer is free now: the segment starts go there.
   int32_t* seg_first = reinterpret_cast<int32_t*>(keys.Current());
   if (n > 0) {
-    head_kernel<<<blocks, threads, 0, stream>>>(ukeys, counts, pl.tbits + pl.sbits, seg_first);
+    head_kernel<<<blocks, threads, 0, stream>>>(ukeys, counts, pl.seg_bit, seg_first);
   }
   bytes = pl.cub_bytes;
   e = cub::DeviceScan::InclusiveScan(at<void>(ws, pl.cub), bytes, seg_first, seg_first, MaxOp{},
