@@ -16,9 +16,11 @@ Training starts on short sequences (--curriculum) and ends at --seq-len; every e
 --seq-len. Weights are float32; on the GPU the model runs under bf16 autocast.
 
 Reported per evaluation (CSV + PNG next to --out): answer accuracy and loss on held-out sequences;
-the KL of each MSA layer; the index recall, i.e. the share of the dense teacher's attention mass
-that the selected blocks hold (mean over layers, tokens and index heads) and how often the block
-holding the answer's value is selected for the ANS tokens (any index head, mean over layers);
+the KL of each MSA layer; the index recall (means over layers, tokens and index heads): the share
+of the dense teacher's attention mass that the selected blocks hold (recall_mass), the share its
+own top-k blocks hold (recall_oracle, what a perfect index would reach), the paper's score and
+block recall against that top-k (recall_score, recall_block), and how often the block holding the
+answer's value is selected for the ANS tokens (recall_answer: any index head, mean over layers);
 the step time of each model. At the end, the trained warmup model's block_idx of its layers at
 the training length is saved (PREFIX_block_idx.pt) for the kernel benchmarks.
 
@@ -107,12 +109,13 @@ class Model(nn.Module):
     "dense" runs SDPA on the attention layer's own q, k, v projections; "msa" runs the layer."""
 
     def __init__(self, vocab: int, d: int, layers: int, heads: int, kv_heads: int, block: int,
-                 top_k: int, kl_weight: float):
+                 top_k: int, kl_weight: float, head_dim=None, idx_heads=None):
         super().__init__()
         self.emb = nn.Embedding(vocab, d)
         self.blocks = nn.ModuleList(
-            Block(d, MSAAttention(d, heads, kv_heads, block_size=block, top_k=top_k,
-                                  sink_blocks=1, local_blocks=2, kl_weight=kl_weight))
+            Block(d, MSAAttention(d, heads, kv_heads, head_dim=head_dim, n_idx_heads=idx_heads,
+                                  block_size=block, top_k=top_k, sink_blocks=1, local_blocks=2,
+                                  kl_weight=kl_weight))
             for _ in range(layers))
         self.norm = nn.RMSNorm(d)
         self.head = nn.Linear(d, vocab)
@@ -146,19 +149,46 @@ class Model(nn.Module):
         return self.head(self.norm(h[:, ans_pos])), aux
 
 
+def selection_recall(pi: Tensor, sel: Tensor, rows: Tensor, block: int):
+    """Sums over query rows of how well selections `sel` [..., R, k] (block ids, -1 unused)
+    cover a teacher's attention `pi` [..., R, nblk] (each row's mass per key block) for the rows
+    at positions `rows` [R]. I* is the teacher's own top-k blocks (the row's causal blocks when
+    it has fewer than k). Returns a dict of sums over rows: "mass", the teacher mass inside the
+    selection; "oracle", the mass inside I*; "score", the paper's score recall
+    sum_{I* & sel} P_b / sum_{I*} P_b; "block", its block recall |I* & sel| / |I*|; "rows"."""
+    k = sel.shape[-1]
+    valid = sel >= 0
+    mass = (pi.gather(-1, sel.clamp(min=0)) * valid).sum(-1)
+    top_p, top_b = pi.topk(k, dim=-1)
+    kk = torch.clamp(rows // block + 1, max=k)  # |I*|: the row's causal blocks, at most k
+    star = torch.arange(k, device=pi.device) < kk[:, None]
+    # the selected blocks as a mask (unused slots go to a spare column past the last block)
+    nblk = pi.shape[-1]
+    chosen = torch.zeros(*pi.shape[:-1], nblk + 1, dtype=torch.bool, device=pi.device)
+    chosen = chosen.scatter_(-1, torch.where(valid, sel, nblk), True)[..., :nblk]
+    both = chosen.gather(-1, top_b) & star
+    oracle = (top_p * star).sum(-1)
+    score = (top_p * both).sum(-1) / oracle.clamp(min=1e-30)
+    return dict(mass=float(mass.sum()), oracle=float(oracle.sum()), score=float(score.sum()),
+                block=float((both.sum(-1) / kk).sum()), rows=mass.numel())
+
+
 @torch.no_grad()
 def recall(model: Model, x: Tensor, ans_pos: Tensor, value_pos: Tensor, max_rows: int = 8192,
            chunk: int = 1024):
-    """(teacher mass in the selected blocks, the same mass for a uniform teacher (chance: the
-    selected share of each row's causal keys), share of (layer, answer) where the ANS token's
-    selection holds the block of the answer's value), over the layers of `model` on (at most two
-    of) sequences x [B, L]. The masses are means over query rows: every row when L <= max_rows,
-    else an evenly strided sample of max_rows rows (an unbiased estimate of the mean); the dense
-    teacher of those rows is computed `chunk` rows at a time, so long sequences fit."""
+    """How well the MSA layers' selections cover their dense teachers on (at most two of)
+    sequences x [B, L]: the means over layers of selection_recall's "mass" (the dense teacher's
+    attention mass in the selected blocks), "oracle" (the mass in the teacher's own top-k
+    blocks: what a perfect index would hold), "score" and "block" (the paper's score and block
+    recall against that top-k), "chance" (the same mass for a uniform teacher: the selected
+    share of each row's causal keys), and "answer" (the share of (layer, answer) where the ANS
+    token's selection holds the block of the answer's value). The means are over query rows:
+    every row when L <= max_rows, else an evenly strided sample of max_rows rows (an unbiased
+    estimate); the dense teacher of those rows is computed `chunk` rows at a time."""
     x, value_pos = x[:2], value_pos[:2]
     B, L = x.shape
     h = model.emb(x)
-    mass, chance, hit = [], [], []
+    out: Dict[str, List[float]] = {}
     cu = torch.arange(B + 1, device=x.device, dtype=torch.int32) * L
     rows = torch.arange(0, L, max(1, L // max_rows), device=x.device)
     for b in model.blocks:
@@ -172,7 +202,8 @@ def recall(model: Model, x: Tensor, ans_pos: Tensor, value_pos: Tensor, max_rows
         kf = k.view(B, L, a.n_kv_heads, -1).transpose(1, 2).float().repeat_interleave(G, 1)
         sel = bi.view(B, L, a.n_idx_heads, -1).long().permute(0, 2, 1, 3)  # [B, Hi, L, k]
         nblk = -(-L // a.block_size)
-        kept_sum, keys_sum = 0.0, 0.0
+        sums = dict(mass=0.0, oracle=0.0, score=0.0, block=0.0, rows=0)
+        keys_sum = 0.0
         for r0 in range(0, rows.numel(), chunk):
             rr = rows[r0: r0 + chunk]
             s = qf[:, :, rr] @ kf.transpose(-1, -2) / math.sqrt(a.head_dim)  # [B, H, R, L]
@@ -182,21 +213,23 @@ def recall(model: Model, x: Tensor, ans_pos: Tensor, value_pos: Tensor, max_rows
             pi = F.pad(pi, (0, nblk * a.block_size - L)).view(B, a.n_idx_heads, rr.numel(), nblk,
                                                               -1).sum(-1)
             sr = sel[:, :, rr]
-            kept_sum += float((pi.gather(-1, sr.clamp(min=0)) * (sr >= 0)).sum(-1).sum())
+            for key, v in selection_recall(pi, sr, rr, a.block_size).items():
+                sums[key] += v
             keys = ((sr >= 0) * torch.clamp((rr[:, None] + 1) - sr.clamp(min=0) * a.block_size,
                                             0, a.block_size)).sum(-1)  # selected causal keys
             keys_sum += float((keys / (rr + 1)).sum())
             del pi
-        n = B * a.n_idx_heads * rows.numel()
-        mass.append(kept_sum / n)
-        chance.append(keys_sum / n)
+        n = sums.pop("rows")
+        for key, v in sums.items():
+            out.setdefault(key, []).append(v / n)
+        out.setdefault("chance", []).append(keys_sum / n)
         qsel = sel[:, :, ans_pos, :]  # the answering tokens' selections [B, Hi, queries, k]
         vb = (value_pos // a.block_size)[:, None, :, None]
-        hit.append(float((qsel == vb).any(3).any(1).float().mean()))
+        out.setdefault("answer", []).append(float((qsel == vb).any(3).any(1).float().mean()))
         a_out, _ = a(hn.view(B, L, -1))
         h = h + a_out
         h = h + b.mlp(b.n2(h))
-    return sum(mass) / len(mass), sum(chance) / len(chance), sum(hit) / len(hit)
+    return {key: sum(v) / len(v) for key, v in out.items()}
 
 
 def evaluate(model: Model, data, kind: str, mode: str):
@@ -212,8 +245,7 @@ def evaluate(model: Model, data, kind: str, mode: str):
                acc=float((logits.argmax(-1) == target).float().mean()),
                kl=float(aux) / (len(model.blocks) * model.blocks[0].attn.kl_weight or 1.0))
     if kind == "msa":
-        row["recall_mass"], row["recall_chance"], row["recall_answer"] = recall(model, x, ans_pos,
-                                                                                value_pos)
+        row.update({"recall_" + key: v for key, v in recall(model, x, ans_pos, value_pos).items()})
     return row
 
 
@@ -265,7 +297,8 @@ def run(args) -> Dict:
     # float32 weights (bf16 weights would drop AdamW's small updates); on the GPU the matmuls
     # and the attention run in bf16 under autocast.
     base = Model(args.vocab, args.d_model, args.layers, args.heads, args.kv_heads,
-                 args.block_size, args.top_k, args.kl_weight).to(device=device)
+                 args.block_size, args.top_k, args.kl_weight, args.head_dim or None,
+                 args.idx_heads or None).to(device=device)
     amp = ((lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda"
            else contextlib.nullcontext)
     init = {k: v.clone() for k, v in base.state_dict().items()}
@@ -273,6 +306,7 @@ def run(args) -> Dict:
     evals = make_batch(args, args.eval_batch, args.seq_len, gen_eval, device)
     rows: List[Dict] = []
     summary: Dict = {}
+    t_start = time.perf_counter()
     for name in args.models.split(","):
         model = base
         model.load_state_dict(init)
@@ -319,7 +353,9 @@ def run(args) -> Dict:
             model.set_mode("msa", "sparse")
             with amp():
                 save_selection(model, evals[0], args.out + "_block_idx.pt")
-    return dict(rows=rows, summary=summary)
+    return dict(rows=rows, summary=summary, wall_s=time.perf_counter() - t_start,
+                args={k: v for k, v in vars(args).items() if k != "curriculum"},
+                curriculum=args.curriculum)
 
 
 @torch.no_grad()
@@ -362,7 +398,9 @@ def write_report(prefix: str, result: Dict):
         print("matplotlib missing: no plot", file=sys.stderr)
         return
     panels = [("acc", "answer accuracy"), ("loss", "eval loss"), ("kl", "KL per layer"),
-              ("recall_mass", "teacher mass in selection"), ("recall_answer", "answer block selected")]
+              ("recall_mass", "teacher mass in selection"),
+              ("recall_score", "score recall (vs teacher top-k)"),
+              ("recall_answer", "answer block selected")]
     colors = {"dense": "tab:blue", "warmup": "tab:orange", "sparse": "tab:green"}
     fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
     for ax, (key, title) in zip(axes, panels):
@@ -405,6 +443,11 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=1)
     p.add_argument("--kv-heads", type=int, default=1)
+    p.add_argument("--head-dim", type=int, default=0,
+                   help="attention head width (0: d_model / heads); heads of 128 are the shape "
+                        "the Hopper kernels are built for")
+    p.add_argument("--idx-heads", type=int, default=0,
+                   help="index query heads (0: one per KV head)")
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--top-k", type=int, default=16)
     p.add_argument("--kl-weight", type=float, default=0.1)

@@ -27,7 +27,9 @@ def test_train_retrieval_tiny(tmp_path):
         for key in ("loss", "acc", "step_ms"):
             assert math.isfinite(float(r[key])), (r["model"], key)
         if r["model"] != "dense":
-            assert 0.0 < float(r["recall_mass"]) <= 1.0 + 1e-6
+            assert 0.0 < float(r["recall_mass"]) <= float(r["recall_oracle"]) + 1e-6 <= 1.0 + 2e-6
+            assert 0.0 <= float(r["recall_score"]) <= 1.0 + 1e-6
+            assert 0.0 <= float(r["recall_block"]) <= 1.0 + 1e-6
             assert 0.0 <= float(r["recall_answer"]) <= 1.0
             assert float(r["kl"]) > 0.0
     # the warmup model trains dense first, then sparse
@@ -97,3 +99,24 @@ def test_bench_forward_times_trained_selections(tmp_path, capsys):
     # and from the first blocks (where head 0 has one block), less there
     assert 0.3 < row["trained_layer0_overlap"] <= 0.375
     assert row["trained_layer0_union"] >= row["trained_layer0_overlap"]
+
+
+def test_selection_recall_by_hand():
+    """selection_recall on two rows worked by hand: block size 4, k 2. Row at position 9 (three
+    causal blocks) with teacher mass (0.5, 0.2, 0.3): its top-2 I* = {0, 2}; it selected {0, 1}:
+    mass 0.7, oracle 0.8, score recall 0.5 / 0.8, block recall 1 / 2. Row at position 2 (one
+    causal block, so |I*| = 1) with mass (1, 0, 0) selected {0, -1}: all four are 1."""
+    spec = importlib.util.spec_from_file_location("train_retrieval", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    pi = torch.tensor([[0.5, 0.2, 0.3], [1.0, 0.0, 0.0]])
+    sel = torch.tensor([[0, 1], [0, -1]])
+    got = mod.selection_recall(pi, sel, torch.tensor([9, 2]), 4)
+    assert got["rows"] == 2
+    assert math.isclose(got["mass"], 0.7 + 1.0, rel_tol=1e-6)
+    assert math.isclose(got["oracle"], 0.8 + 1.0, rel_tol=1e-6)
+    assert math.isclose(got["score"], 0.5 / 0.8 + 1.0, rel_tol=1e-6)
+    assert math.isclose(got["block"], 0.5 + 1.0, rel_tol=1e-6)
+    # selecting the teacher's own top-k gives full recall; order within a row does not matter
+    full = mod.selection_recall(pi, torch.tensor([[2, 0], [0, -1]]), torch.tensor([9, 2]), 4)
+    assert math.isclose(full["score"], 2.0, rel_tol=1e-6) and math.isclose(full["block"], 2.0)
