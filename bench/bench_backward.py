@@ -172,11 +172,26 @@ def bench_case(msa, cfg: str, L: int, B: int, args, timer: Timer, device, dtype,
             torch.autograd.backward(out, do4)
         dense_step = timer.ms(dense_train, reps)
         log(f"  dense fwd {dense_fwd:9.3f} ms, fwd+bwd {dense_step:9.3f} ms ({backend})")
-    for kind in sp.level_names(args.index):
-        # the level's index inputs and their selection ("mixed": calibrated on these inputs)
-        qi, ki, bi, st = sp.make_level(kind, cu, Hi, Hik, Di, Bk, k, dtype=dtype, device=device,
-                                       generator=gen, sink_blocks=SINK_BLOCKS,
-                                       local_blocks=LOCAL_BLOCKS)
+    cases = [(kind, None) for kind in sp.level_names(args.index)]
+    if args.trained:
+        # a trained index branch's selections (examples/train_retrieval.py), where the file's
+        # length and block size are this case's and B = 1
+        trained, trained_bk = sp.load_trained(args.trained, Hi, device)
+        cases += [(f"trained_{layer}", bi) for layer, bi in trained.items()
+                  if B == 1 and bi.shape[0] == L and trained_bk == Bk and bi.shape[2] == k]
+    for kind, given_bi in cases:
+        if given_bi is None:
+            # the level's index inputs and their selection ("mixed": calibrated on these inputs)
+            qi, ki, bi, st = sp.make_level(kind, cu, Hi, Hik, Di, Bk, k, dtype=dtype,
+                                           device=device, generator=gen,
+                                           sink_blocks=SINK_BLOCKS, local_blocks=LOCAL_BLOCKS)
+        else:
+            # the saved selection; index inputs of the right shape for the KL gradient (its
+            # cost does not depend on their values). Selection and the step select from index
+            # inputs, so they are timed on the levels only.
+            bi = given_bi
+            qi, ki = r(T, Hi, Di), r(T, Hik, Di)
+            st = dict(sp.selection_stats(bi, cu, k), alpha=float("nan"))
         alpha = st["alpha"]
         opts = dict(cu_seqlens=cu, sink_blocks=SINK_BLOCKS, local_blocks=LOCAL_BLOCKS)
         keys = bf.visible_keys(bi, B, L, Bk)
@@ -217,6 +232,14 @@ def bench_case(msa, cfg: str, L: int, B: int, args, timer: Timer, device, dtype,
         row["fwd_ms"] = timer.ms(fwd, reps)
         row["bwd_ms"] = timer.ms(bwd(False), reps)
         row["bwd_kl_ms"] = timer.ms(bwd(True), reps)
+        row["fwd_tflops"] = bf.tflops(fl, row["fwd_ms"])
+        row["bwd_tflops"] = bf.tflops(2.5 * fl, row["bwd_ms"])
+        row["bwd_kl_tflops"] = bf.tflops(2.5 * fl, row["bwd_kl_ms"])
+        if given_bi is not None:
+            log(f"  {kind}: fwd {row['fwd_ms']:.3f} ms, bwd {row['bwd_ms']:.3f} ms, "
+                f"bwd_kl {row['bwd_kl_ms']:.3f} ms")
+            rows.append(row)
+            continue
         row["step_ms"] = timer.ms(step(False), reps)
         row["step_klv_ms"] = timer.ms(step(True), reps)
         if args.graph and device.type == "cuda":
@@ -227,9 +250,6 @@ def bench_case(msa, cfg: str, L: int, B: int, args, timer: Timer, device, dtype,
         row["dq_pass"] = args.dq_pass
         row["bwd_chunk_tokens"] = args.bwd_chunk_tokens
         row["fwd_chunk_tokens"] = args.fwd_chunk_tokens
-        row["fwd_tflops"] = bf.tflops(fl, row["fwd_ms"])
-        row["bwd_tflops"] = bf.tflops(2.5 * fl, row["bwd_ms"])
-        row["bwd_kl_tflops"] = bf.tflops(2.5 * fl, row["bwd_kl_ms"])
         row["step_tflops"] = bf.tflops(3.5 * fl + sel_fl, row["step_ms"])
         if dense_step:
             row["step_speedup"] = dense_step / row["step_ms"]
@@ -313,6 +333,10 @@ def main(argv=None) -> int:
     ap.add_argument("--select-scores", choices=["input", "fp8"], default="input",
                     help="what the step's and the select column's selection ranks blocks by "
                          "(Options::select_scores; fwd and bwd run over the bf16 selection)")
+    ap.add_argument("--trained", default=None,
+                    help="also time the forward and backward over a trained model's saved "
+                         "selections (examples/train_retrieval.py's PREFIX_block_idx.pt) at "
+                         "lengths equal to the file's, B = 1")
     ap.add_argument("--out", default=None, help="write PREFIX.csv and PREFIX.json")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
@@ -360,10 +384,10 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"| {r['config']} | {bf.fmt_tokens(r['T'])} ({r['B']}) | {r['index']} | "
               f"{r['overlap']:.2f} / {r['union']:.2f} ({r['alpha']:.2f}) | "
-              f"{fmt(r['select_ms'])} | {fmt(r['fwd_ms'])} ({fmt(r['fwd_tflops'], '.0f')}) | "
+              f"{fmt(r.get('select_ms'))} | {fmt(r['fwd_ms'])} ({fmt(r['fwd_tflops'], '.0f')}) | "
               f"{fmt(r['bwd_ms'])} ({fmt(r['bwd_tflops'], '.0f')}) | "
-              f"{fmt(r['bwd_kl_ms'])} ({fmt(r['bwd_kl_tflops'], '.0f')}) | {fmt(r['step_ms'])} | "
-              f"{fmt(r['step_klv_ms'])} | {fmt(r['dense_step_ms'])} | "
+              f"{fmt(r['bwd_kl_ms'])} ({fmt(r['bwd_kl_tflops'], '.0f')}) | {fmt(r.get('step_ms'))} | "
+              f"{fmt(r.get('step_klv_ms'))} | {fmt(r['dense_step_ms'])} | "
               f"{fmt(r.get('step_speedup'), '.1f')}x ({fmt(r.get('ideal_speedup'), '.1f')}x) |")
     for r in rows:
         if r.get("step_graph_ms"):

@@ -399,11 +399,12 @@ def level_names(text: Union[str, Sequence[str]]) -> List[str]:
 
 def load_trained(path: str, Hi: int, device=None) -> Tuple[Dict[str, torch.Tensor], int]:
     """The selections a trained model saved (examples/train_retrieval.py: {"block_idx": {layer:
-    [T, Hi_file, k] int32}, "block_size": Bk}), each as [T, Hi, k] for a benchmark of Hi index
-    heads (index head i takes the file's head i % Hi_file), and the block size."""
+    [T, Hi_file, k] int32, or int16 in a copy made smaller}, "block_size": Bk}), each as int32
+    [T, Hi, k] for a benchmark of Hi index heads (index head i takes the file's head i % Hi_file),
+    and the block size."""
     saved = torch.load(path, map_location="cpu")
     out = {}
     for name, bi in saved["block_idx"].items():
         heads = torch.arange(Hi) % bi.shape[1]
-        out[name] = bi[:, heads, :].contiguous().to(device)
+        out[name] = bi[:, heads, :].to(torch.int32).contiguous().to(device)
     return out, int(saved["block_size"])

@@ -2,6 +2,7 @@
 CPU backend."""
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -14,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import bench_backward as bb  # noqa: E402
 import bench_forward as bf  # noqa: E402
 import bench_select_fp8 as bs  # noqa: E402
+import selection_patterns as sp  # noqa: E402
 
 LEVELS = ("shared", "mixed", "random")
 
@@ -148,6 +150,33 @@ def test_backward_cpu_smoke_run(tmp_path, capsys):
     assert rc == 0
     rows = json.loads((tmp_path / "bwd.json").read_text())["rows"]
     assert [r["select_scores"] for r in rows] == ["fp8"] and rows[0]["step_ms"] > 0
+
+
+def test_backward_trained_selection(tmp_path, capsys):
+    """--trained: the forward and backward timed over a saved selection (int16 copy) of a length
+    equal to the case's, its overlap and union those of the file's selection; a file of another
+    length is skipped."""
+    import msa
+    L, Bk, k = 512, 32, 8
+    g = torch.Generator().manual_seed(3)
+    cu = torch.tensor([0, L], dtype=torch.int32)
+    bi = msa.select_blocks(torch.randn(L, 1, 64, generator=g), torch.randn(L, 1, 64, generator=g),
+                           k, Bk, cu_seqlens=cu, sink_blocks=1, local_blocks=1)
+    path = tmp_path / "sel.pt"
+    torch.save(dict(block_idx={"layer0": bi.to(torch.int16)}, block_size=Bk), path)
+    rc = bb.main(["--device", "cpu", "--configs", "flash-msa", "--lengths", "512,256",
+                  "--head-dim", "64", "--top-k", str(k), "--block-size", str(Bk), "--reps", "1",
+                  "--dense-max-tokens", "0", "--index", "random", "--trained", str(path),
+                  "--out", str(tmp_path / "bwd")])
+    assert rc == 0
+    rows = json.loads((tmp_path / "bwd.json").read_text())["rows"]
+    assert [(r["T"], r["index"]) for r in rows] == [(L, "random"), (L, "trained_layer0"),
+                                                    (L // 2, "random")]
+    st = sp.selection_stats(bi, cu, k)
+    tr = rows[1]
+    assert math.isclose(tr["overlap"], st["overlap"]) and math.isclose(tr["union"], st["union"])
+    assert tr["fwd_ms"] > 0 and tr["bwd_ms"] > 0 and tr["bwd_kl_ms"] > 0 and "step_ms" not in tr
+    assert "| flash-msa | 512 (1) | trained_layer0 |" in capsys.readouterr().out
 
 
 def test_e4m3_serving_quality():
