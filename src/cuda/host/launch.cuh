@@ -114,9 +114,13 @@ Status launch_bwd_q(const BwdQArgs& a, cudaStream_t stream) {
 
 template <class Element, int kHeadDim, int kBlockN>
 Status launch_bwd_dq(const BwdDqArgs& a, cudaStream_t stream) {
-  using Traits = kern::BwdDqTraits<Element, kHeadDim, kBlockN>;
-  return detail::launch_query_tile<Traits, kern::BwdDqParams<Traits>>("backward",
-                                                                      kern::bwd_dq_kernel<Traits>, a, stream);
+  // Gi = 4: bwd_kv wrote K-major dS tiles (BwdKvArgs::ds)
+  auto launch = [&](auto k_major) {
+    using Traits = kern::BwdDqTraits<Element, kHeadDim, kBlockN, decltype(k_major)::value>;
+    return detail::launch_query_tile<Traits, kern::BwdDqParams<Traits>>(
+        "backward", kern::bwd_dq_kernel<Traits>, a, stream);
+  };
+  return a.heads_per_idx == 4 ? launch(cute::true_type{}) : launch(cute::false_type{});
 }
 
 template <class Element, int kDim, int kBlockN>

@@ -6,8 +6,10 @@
 //
 // dS of (token t, index head i, block_idx column j) is a [Bk keys][Gi heads] tile (dS^T, as the
 // KV side holds it), so a consumer warpgroup's 64 rows (64 / Gi tokens x Gi heads) over one
-// block are the MN-major A operand of dQ += dS K: each key's 64 row values are 16-byte (Gi = 4:
-// 8-byte) pieces of its tokens' tiles.
+// block are the MN-major A operand of dQ += dS K: each key's 64 row values are 16-byte pieces
+// of its tokens' tiles. At Gi = 4 a key's heads are only 8 bytes, so the tile is [Bk / 64][Gi
+// heads][64 keys] (BwdKvArgs::ds) and the A operand K-major: 16-byte pieces of 8 keys of one
+// head (BwdDqTraits::kKMajorDs).
 //
 // The tile, its block list and the K stream are the query-tile kernels' (device/kv_producer.cuh:
 // kBlockM = 128 rows = m tokens x the Gi query heads of one index head; warp 0 builds the union
@@ -37,11 +39,14 @@ namespace msa::cuda::kern {
 
 using cuda::BwdDqArgs;
 
-template <class Element_, int kHeadDim_, int kBlockN_>
+template <class Element_, int kHeadDim_, int kBlockN_, bool kKMajorDs_ = false>
 struct BwdDqTraits : QueryTileTraits<Element_, kHeadDim_, kBlockN_> {
   using Base = QueryTileTraits<Element_, kHeadDim_, kBlockN_>;
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_, kBlockN = kBlockN_, kBlockM = Base::kBlockM;
+  // Gi = 4: dS tiles [Bk / 64][4 heads][64 keys], the A operand K-major (see the top).
+  static constexpr bool kKMajorDs = kKMajorDs_;
+  static constexpr GMMA::Major kMajorDs = kKMajorDs ? GMMA::Major::K : GMMA::Major::MN;
   static_assert(kBlockM == cuda::kQueryTileRows);
   static constexpr int kRows = 64;  // a consumer warpgroup's rows
   // K stages, and dS stages per consumer warpgroup. A warpgroup also waits for the K stages of
@@ -55,16 +60,17 @@ struct BwdDqTraits : QueryTileTraits<Element_, kHeadDim_, kBlockN_> {
   using SmemLayoutKt = decltype(composition(
       SmemLayoutKV{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{},
                                           Step<_2, _1, _3>{})));
-  // dS of a warpgroup's rows over one block: (rows, keys), rows contiguous; kDsStages stages
-  // per warpgroup, warpgroup-major.
+  // dS of a warpgroup's rows over one block: (rows, keys), rows contiguous (kKMajorDs: keys);
+  // kDsStages stages per warpgroup, warpgroup-major.
   using SmemAtomDs = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
-                              GMMA::Major::MN, Element, Int<kRows>, Int<kBlockN>>());
+                              kMajorDs, Element, Int<kRows>, Int<kBlockN>>());
   using SmemLayoutDs =
       decltype(tile_to_shape(SmemAtomDs{}, Shape<Int<kRows>, Int<kBlockN>, Int<2 * kDsStages>>{}));
-  // dQ += dS K: rows x D over the keys, dS MN-major, the keys' block as the MN-major B operand.
+  // dQ += dS K: rows x D over the keys, dS MN-major (kKMajorDs: K-major), the keys' block as
+  // the MN-major B operand.
   using MmaDQ = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float, Shape<Int<kRows>, Int<kHeadDim>, Int<kBlockN>>,
-                           GMMA::Major::MN, GMMA::Major::MN>()));
+                           kMajorDs, GMMA::Major::MN>()));
 
   struct SharedStorage {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutKV>> k;
@@ -82,11 +88,12 @@ struct BwdDqParams : BwdDqArgs {
 };
 
 // One warp's share of its warpgroup's dS stage: rows [16 w, 16 w + 16) of the 64, i.e. 32 bytes
-// of every key, in pieces of 16 bytes (8 when Gi = 4). A lane's pieces all belong to one token of
-// the tile (`tok`) at a fixed head offset; its keys step by `key_step`, a multiple of the swizzle
-// atom's 8 rows, so its shared offsets step by a constant.
+// of every key, in pieces of 16 bytes (8 when Gi = 4 with MN-major tiles; the kernel takes
+// DsLoaderK there). A lane's pieces all belong to one token of the tile (`tok`) at a fixed head
+// offset; its keys step by `key_step`, a multiple of the swizzle atom's 8 rows, so its shared
+// offsets step by a constant.
 template <class Traits>
-struct DsLoader {
+struct DsLoaderMN {
   using Element = typename Traits::Element;
   static constexpr int kBlockN = Traits::kBlockN;
   int32_t gi, piece_elems;
@@ -98,7 +105,7 @@ struct DsLoader {
   int32_t iters;
 
   template <class SmemTensor>
-  __device__ DsLoader(const SmemTensor& stage0, int32_t Gi, int wg, int warp, int lane) : gi(Gi) {
+  __device__ DsLoaderMN(const SmemTensor& stage0, int32_t Gi, int wg, int warp, int lane) : gi(Gi) {
     const int piece_bytes = Gi >= 8 ? 16 : 8;
     piece_elems = piece_bytes / 2;
     const int ppk = 32 / piece_bytes;  // pieces per key in a warp's 32 bytes
@@ -129,6 +136,48 @@ struct DsLoader {
     }
   }
 };
+
+// The same share at Gi = 4 with K-major tiles ([Bk / 64][4 heads][64 keys]): the warp's 16 rows
+// are 4 tokens x 4 heads, each row Bk / 8 pieces of 8 keys. Lane l takes token l / 8 of the
+// warp and, for each of its 4 heads, the pieces l % 8 of each 64-key half: 4 Bk / 64 pieces,
+// whose shared offsets it keeps.
+template <class Traits>
+struct DsLoaderK {
+  using Element = typename Traits::Element;
+  static constexpr int kBlockN = Traits::kBlockN;
+  static constexpr int kHalves = kBlockN / 64;
+  static constexpr int kPieces = 4 * kHalves;
+  int32_t tok;  // the lane's token in the tile
+  int32_t src0;  // its first piece in the token's tile (elements)
+  int32_t soff[kPieces];  // shared offsets (elements) of piece (half h, head e): h * 4 + e
+
+  template <class SmemTensor>
+  __device__ DsLoaderK(const SmemTensor& stage0, int32_t /*Gi*/, int wg, int warp, int lane) {
+    const int tw = lane >> 3, c0 = lane & 7;
+    const int row0 = 16 * warp + 4 * tw;  // within the warpgroup
+    tok = (64 * wg + row0) / 4;
+    src0 = c0 * 8;
+    const auto* base = &stage0(0, 0);
+#pragma unroll
+    for (int h = 0; h < kHalves; ++h)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        soff[h * 4 + e] = static_cast<int32_t>(&stage0(row0 + e, 64 * h + 8 * c0) - base);
+  }
+
+  // The lane's pieces of one block into the stage at dst: from src (the tile of its token, the
+  // block's column), or zeros where `sel` is false.
+  __device__ void load(Element* dst, const Element* src, bool sel) const {
+#pragma unroll
+    for (int h = 0; h < kHalves; ++h)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        cp_async16(dst + soff[h * 4 + e], src + (h * 4 + e) * 64 + src0, sel);
+  }
+};
+
+template <class Traits>
+using DsLoader = std::conditional_t<Traits::kKMajorDs, DsLoaderK<Traits>, DsLoaderMN<Traits>>;
 
 // Warp roles, pipelines and work: see the top of the file.
 template <class Traits>

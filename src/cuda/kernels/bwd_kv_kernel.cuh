@@ -438,10 +438,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   // The dS tiles of entry en (dq from dS; see the loop): rdS (u[2j + a]: columns 8j + 2q,
   // 8j + 2q + 1 of row half a, q = lane % 4) into this warpgroup's staging tile as [token][key]
-  // [head], then one bulk copy per token to its tile (the warpgroup's 64 keys of it): token t
-  // by lane t / 4 of warp t % 4, so that no thread issues more than one copy per entry (an
-  // entry holds up to 16 tokens). The tile is free again once the copies issued for the entry
-  // before have read it (each issuing thread waits for its own). Gi is a power of two >= 4.
+  // [head] (Gi = 4: [token][head][key], args.h's BwdKvArgs::ds), then one bulk copy per token to
+  // its tile (the warpgroup's 64 keys of it): token t by lane t / 4 of warp t % 4, so that no
+  // thread issues more than one copy per entry (an entry holds up to 16 tokens). The tile is
+  // free again once the copies issued for the entry before have read it (each issuing thread
+  // waits for its own). Gi is a power of two >= 4.
   auto stage_ds = [&](const EntryRecord& en) {
     constexpr int kG = Traits::kGi;
     const int gs = kG > 0 ? log2_pow2(kG) : gi_shift;
@@ -457,14 +458,30 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // Column 8j + col0 (col0 < 8): for g <= 8 token col0 / g + j (8 / g), head col0 % g; for
     // g >= 8 token 8j / g, head col0 + 8j % g.
     const int key0 = 16 * (ltid >> 5) + (lane >> 2);
-    Element* base = stage + (((g <= 8 ? (col0 >> gs) * 64 : 0) + key0) << gs) + (col0 & (g - 1));
+    if (g == 4) {
+      // [token][head][key]: column 8j + col0 is token 2j + col0 / 4, head col0 % 4; the pair's
+      // two heads are 64 keys apart.
+      uint16_t* base4 = reinterpret_cast<uint16_t*>(stage) + ((col0 >> 2) * 4 + (col0 & 3)) * 64 + key0;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int t = g <= 8 ? j * (8 >> gs) : (8 * j) >> gs;
-      const int head = g <= 8 ? 0 : (8 * j) & (g - 1);
+      for (int j = 0; j < 8; ++j) {
 #pragma unroll
-      for (int a = 0; a < 2; ++a)
-        *reinterpret_cast<uint32_t*>(base + ((t * 64 + 8 * a) << gs) + head) = u[2 * j + a];
+        for (int a = 0; a < 2; ++a) {
+          const uint32_t w = u[2 * j + a];
+          uint16_t* d = base4 + j * 8 * 64 + 8 * a;
+          d[0] = static_cast<uint16_t>(w & 0xffffu);
+          d[64] = static_cast<uint16_t>(w >> 16);
+        }
+      }
+    } else {
+      Element* base = stage + (((g <= 8 ? (col0 >> gs) * 64 : 0) + key0) << gs) + (col0 & (g - 1));
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int t = g <= 8 ? j * (8 >> gs) : (8 * j) >> gs;
+        const int head = g <= 8 ? 0 : (8 * j) & (g - 1);
+#pragma unroll
+        for (int a = 0; a < 2; ++a)
+          *reinterpret_cast<uint32_t*>(base + ((t * 64 + 8 * a) << gs) + head) = u[2 * j + a];
+      }
     }
     cutlass::arch::fence_view_async_shared();
     cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(Barrier::kWarpGroup) + wg);
