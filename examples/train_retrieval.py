@@ -162,10 +162,13 @@ def selection_recall(pi: Tensor, sel: Tensor, rows: Tensor, block: int):
     at positions `rows` [R]. I* is the teacher's own top-k blocks (the row's causal blocks when
     it has fewer than k). Returns a dict of sums over rows: "mass", the teacher mass inside the
     selection; "oracle", the mass inside I*; "score", the paper's score recall
-    sum_{I* & sel} P_b / sum_{I*} P_b; "block", its block recall |I* & sel| / |I*|; "rows"."""
+    sum_{I* & sel} P_b / sum_{I*} P_b; "block", its block recall |I* & sel| / |I*|; "chance",
+    the mass a uniform teacher would have inside the selection (the selected share of the row's
+    causal keys); "rows"."""
     k = sel.shape[-1]
     valid = sel >= 0
     mass = (pi.gather(-1, sel.clamp(min=0)) * valid).sum(-1)
+    keys = (valid * torch.clamp((rows[:, None] + 1) - sel.clamp(min=0) * block, 0, block)).sum(-1)
     top_p, top_b = pi.topk(k, dim=-1)
     kk = torch.clamp(rows // block + 1, max=k)  # |I*|: the row's causal blocks, at most k
     star = torch.arange(k, device=pi.device) < kk[:, None]
@@ -177,7 +180,8 @@ def selection_recall(pi: Tensor, sel: Tensor, rows: Tensor, block: int):
     oracle = (top_p * star).sum(-1)
     score = (top_p * both).sum(-1) / oracle.clamp(min=1e-30)
     return dict(mass=float(mass.sum()), oracle=float(oracle.sum()), score=float(score.sum()),
-                block=float((both.sum(-1) / kk).sum()), rows=mass.numel())
+                block=float((both.sum(-1) / kk).sum()), chance=float((keys / (rows + 1)).sum()),
+                rows=mass.numel())
 
 
 @torch.no_grad()
@@ -209,8 +213,7 @@ def recall(model: Model, x: Tensor, ans_pos: Tensor, value_pos: Tensor, max_rows
         kf = k.view(B, L, a.n_kv_heads, -1).transpose(1, 2).float().repeat_interleave(G, 1)
         sel = bi.view(B, L, a.n_idx_heads, -1).long().permute(0, 2, 1, 3)  # [B, Hi, L, k]
         nblk = -(-L // a.block_size)
-        sums = dict(mass=0.0, oracle=0.0, score=0.0, block=0.0, rows=0)
-        keys_sum = 0.0
+        sums = dict(mass=0.0, oracle=0.0, score=0.0, block=0.0, chance=0.0, rows=0)
         for r0 in range(0, rows.numel(), chunk):
             rr = rows[r0: r0 + chunk]
             s = qf[:, :, rr] @ kf.transpose(-1, -2) / math.sqrt(a.head_dim)  # [B, H, R, L]
@@ -219,17 +222,12 @@ def recall(model: Model, x: Tensor, ans_pos: Tensor, value_pos: Tensor, max_rows
             del s
             pi = F.pad(pi, (0, nblk * a.block_size - L)).view(B, a.n_idx_heads, rr.numel(), nblk,
                                                               -1).sum(-1)
-            sr = sel[:, :, rr]
-            for key, v in selection_recall(pi, sr, rr, a.block_size).items():
+            for key, v in selection_recall(pi, sel[:, :, rr], rr, a.block_size).items():
                 sums[key] += v
-            keys = ((sr >= 0) * torch.clamp((rr[:, None] + 1) - sr.clamp(min=0) * a.block_size,
-                                            0, a.block_size)).sum(-1)  # selected causal keys
-            keys_sum += float((keys / (rr + 1)).sum())
             del pi
         n = sums.pop("rows")
         for key, v in sums.items():
             out.setdefault(key, []).append(v / n)
-        out.setdefault("chance", []).append(keys_sum / n)
         qsel = sel[:, :, ans_pos, :]  # the answering tokens' selections [B, Hi, queries, k]
         vb = (value_pos // a.block_size)[:, None, :, None]
         out.setdefault("answer", []).append(float((qsel == vb).any(3).any(1).float().mean()))

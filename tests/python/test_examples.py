@@ -105,7 +105,7 @@ def test_selection_recall_by_hand():
     """selection_recall on two rows worked by hand: block size 4, k 2. Row at position 9 (three
     causal blocks) with teacher mass (0.5, 0.2, 0.3): its top-2 I* = {0, 2}; it selected {0, 1}:
     mass 0.7, oracle 0.8, score recall 0.5 / 0.8, block recall 1 / 2. Row at position 2 (one
-    causal block, so |I*| = 1) with mass (1, 0, 0) selected {0, -1}: all four are 1."""
+    causal block, so |I*| = 1) with mass (1, 0, 0) selected {0, -1}: all five are 1."""
     spec = importlib.util.spec_from_file_location("train_retrieval", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -117,6 +117,8 @@ def test_selection_recall_by_hand():
     assert math.isclose(got["oracle"], 0.8 + 1.0, rel_tol=1e-6)
     assert math.isclose(got["score"], 0.5 / 0.8 + 1.0, rel_tol=1e-6)
     assert math.isclose(got["block"], 0.5 + 1.0, rel_tol=1e-6)
+    # a uniform teacher: 8 of row 9's 10 causal keys are in blocks 0 and 1, row 2's 3 in block 0
+    assert math.isclose(got["chance"], 0.8 + 1.0, rel_tol=1e-6)
     # selecting the teacher's own top-k gives full recall; order within a row does not matter
     full = mod.selection_recall(pi, torch.tensor([[2, 0], [0, -1]]), torch.tensor([9, 2]), 4)
     assert math.isclose(full["score"], 2.0, rel_tol=1e-6) and math.isclose(full["block"], 2.0)
