@@ -142,6 +142,103 @@ def trace_step(fn) -> Dict:
             "busy_ms": sum(ev.device_time_total for ev in evs) / 1e3}
 
 
+def host_split(fn, reps: int = 5) -> Dict:
+    """The host time of one call of fn (GPU kept busy, no profiler) inside the binding's calls
+    (the library's host code and the DLPack import of their tensors), by function, and inside
+    the workspace allocations they call back; medians over reps calls, in ms. Also the time of
+    one tensor's DLPack export (``t.__dlpack__()``), in us."""
+    import msa._ops as ops
+    real_c, real_alloc = ops._C, ops._alloc
+    spent: Dict[str, List[float]] = {}
+
+    def add(name, dt):
+        spent.setdefault(name, [0.0, 0])
+        spent[name][0] += dt
+        spent[name][1] += 1
+
+    class Timed:
+        def __getattr__(self, name):
+            f = getattr(real_c, name)
+
+            def g(*a, **kw):
+                t0 = time.perf_counter()
+                try:
+                    return f(*a, **kw)
+                finally:
+                    add("_C." + name, time.perf_counter() - t0)
+            return g
+
+    def alloc(device):
+        a = real_alloc(device)
+
+        def g(nbytes):
+            t0 = time.perf_counter()
+            try:
+                return a(nbytes)
+            finally:
+                add("workspace alloc", time.perf_counter() - t0)
+        return g
+
+    runs = []
+    ops._C, ops._alloc = Timed(), alloc
+    try:
+        for _ in range(reps):
+            spent.clear()
+            torch.cuda._sleep(200_000_000)
+            t0 = time.perf_counter()
+            fn()
+            total = time.perf_counter() - t0
+            torch.cuda.synchronize()
+            runs.append((total, {k: tuple(v) for k, v in spent.items()}))
+    finally:
+        ops._C, ops._alloc = real_c, real_alloc
+    runs.sort(key=lambda r: r[0])
+    total, parts = runs[len(runs) // 2]
+    t = torch.empty(4, device="cuda")
+    for _ in range(10):
+        t.__dlpack__()
+    t0 = time.perf_counter()
+    for _ in range(1000):
+        t.__dlpack__()
+    dl_us = (time.perf_counter() - t0) * 1e3
+    return {"host_ms": total * 1e3, "dlpack_us": dl_us,
+            "parts": {k: (v[0] * 1e3, v[1]) for k, v in parts.items()}}
+
+
+def host_profile(fn, top: int = 14) -> Dict:
+    """Where one call of fn (a training step) spends host time: torch.profiler's CPU events of
+    that call (after a warm-up call), self time summed by name (ops, the library's Python
+    wrapper inside them, and the CUDA runtime calls), longest first, with their counts; and the
+    call's wall time on the host, profiled and not (``host_ms``: the GPU kept busy by a sleep
+    kernel first, so that no launch waits for a free queue slot and the call's own time is the
+    host's)."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    eager = []
+    for _ in range(5):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of the call
+        t0 = time.perf_counter()
+        fn()
+        eager.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        fn()
+        profiled_ms = (time.perf_counter() - t0) * 1e3
+        torch.cuda.synchronize()
+    split = host_split(fn)
+    rows = {}
+    for ev in prof.key_averages():
+        if ev.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        rows[ev.key] = (ev.self_cpu_time_total / 1e3, ev.count, ev.cpu_time_total / 1e3)
+    top_rows = sorted(rows.items(), key=lambda x: -x[1][0])[:top]
+    return {"host_ms": statistics.median(eager), "profiled_ms": profiled_ms, "split": split,
+            "self": [(k, *v) for k, v in top_rows],
+            "ops": {k: v for k, v in rows.items() if k.startswith("msa::")}}
+
+
 def bench_case(msa, cfg: str, L: int, B: int, args, timer: Timer, device, dtype, gen) -> List[Dict]:
     h = HEADS[cfg]
     Hq, Hkv, Hi, Hik = h["Hq"], h["Hkv"], h["Hi"], h["Hik"]
@@ -269,6 +366,20 @@ def bench_case(msa, cfg: str, L: int, B: int, args, timer: Timer, device, dtype,
                 f"{row['step_ms']:.3f} ms step")
             for name, ms in tr["kernels"][:12]:
                 log(f"      {ms:9.3f} ms  {name}")
+        if args.host_profile and device.type == "cuda":
+            hp = host_profile(step(False))
+            row["host_profile"] = hp
+            sp_ = hp["split"]
+            log(f"    step's host time {hp['host_ms']:.3f} ms ({sp_['host_ms']:.3f} ms timed by parts, "
+                f"{hp['profiled_ms']:.3f} ms profiled); one tensor's __dlpack__ "
+                f"{sp_['dlpack_us']:.1f} us")
+            for name, (ms, n) in sp_["parts"].items():
+                log(f"      {ms:8.3f} ms in {n} calls of {name}")
+            log("    profiled self ms / calls / total ms:")
+            for name, self_ms, n, tot in hp["self"]:
+                log(f"      {self_ms:8.3f} {n:5d} {tot:8.3f}  {name[-60:]}")
+            for name, (self_ms, n, tot) in hp["ops"].items():
+                log(f"      op {name}: {n} calls, {tot:.3f} ms with what it calls")
         rows.append(row)
         del qi, ki, bi, xs
     return rows
@@ -313,6 +424,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dense-max-tokens", type=int, default=131072)
     ap.add_argument("--no-l2-flush", action="store_true")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="also break the step's host time down by op and CUDA runtime call")
     ap.add_argument("--graph", action="store_true",
                     help="also time the training step captured in a CUDA graph (step_graph_ms)")
     ap.add_argument("--kl-pass", choices=["auto", "fused", "separate", "teacher"], default="auto",
