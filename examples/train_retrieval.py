@@ -315,7 +315,12 @@ def run(args) -> Dict:
     for name in args.models.split(","):
         model = base
         model.load_state_dict(init)
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+        # the index projections learn only from the KL; --idx-lr-mult scales their step
+        idx = [p for n, p in model.named_parameters() if "_idx_proj" in n]
+        main = [p for n, p in model.named_parameters() if "_idx_proj" not in n]
+        opt = torch.optim.AdamW([dict(params=main, lr_mult=1.0),
+                                 dict(params=idx, lr_mult=args.idx_lr_mult)],
+                                lr=args.lr, weight_decay=0.0)
         gen = torch.Generator().manual_seed(args.seed + 2)  # the same batches for every model
         times = []
         for step in range(1, args.steps + 1):
@@ -331,7 +336,7 @@ def run(args) -> Dict:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
             for g in opt.param_groups:
-                g["lr"] = lr_at(args, step, L)
+                g["lr"] = lr_at(args, step, L) * g["lr_mult"]
             with amp():
                 logits, aux = model(x, ans_pos)
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
@@ -457,6 +462,8 @@ def main(argv=None) -> int:
     p.add_argument("--top-k", type=int, default=16)
     p.add_argument("--kl-weight", type=float, default=0.1)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--idx-lr-mult", type=float, default=1.0,
+                   help="learning rate of the index projections, as a multiple of --lr")
     p.add_argument("--lr-warmup", type=int, default=50)
     p.add_argument("--lr-decay-start", type=int, default=0,
                    help="from this step on, a cosine decay of the learning rate to --lr-min x "
