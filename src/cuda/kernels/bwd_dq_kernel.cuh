@@ -7,9 +7,9 @@
 // dS of (token t, index head i, block_idx column j) is a [Bk keys][Gi heads] tile (dS^T, as the
 // KV side holds it), so a consumer warpgroup's 64 rows (64 / Gi tokens x Gi heads) over one
 // block are the MN-major A operand of dQ += dS K: each key's 64 row values are 16-byte pieces
-// of its tokens' tiles. At Gi = 4 a key's heads are only 8 bytes, so the tile is [Bk / 64][8 key
-// chunks][Gi heads][8 keys] (BwdKvArgs::ds) and the A operand K-major: 16-byte pieces of 8 keys
-// of one head (BwdDqTraits::kKMajorDs).
+// of its tokens' tiles. At Gi = 4 a key's heads are only 8 bytes, so the tile is [Bk / 64][Gi
+// heads][64 keys] (BwdKvArgs::ds) and the A operand K-major: 16-byte pieces of 8 keys of one
+// head (BwdDqTraits::kKMajorDs).
 //
 // The tile, its block list and the K stream are the query-tile kernels' (device/kv_producer.cuh:
 // kBlockM = 128 rows = m tokens x the Gi query heads of one index head; warp 0 builds the union
@@ -137,7 +137,7 @@ struct DsLoaderMN {
   }
 };
 
-// The same share at Gi = 4 with K-major tiles ([Bk / 64][8 key chunks][4 heads][8 keys]): the warp's 16 rows
+// The same share at Gi = 4 with K-major tiles ([Bk / 64][4 heads][64 keys]): the warp's 16 rows
 // are 4 tokens x 4 heads, each row Bk / 8 pieces of 8 keys. Lane l takes token l / 8 of the
 // warp and, for each of its 4 heads, the pieces l % 8 of each 64-key half: 4 Bk / 64 pieces,
 // whose shared offsets it keeps.
@@ -148,15 +148,15 @@ struct DsLoaderK {
   static constexpr int kHalves = kBlockN / 64;
   static constexpr int kPieces = 4 * kHalves;
   int32_t tok;  // the lane's token in the tile
-  int32_t c0;    // its 8-key chunk within each 64-key half
+  int32_t src0;  // its first piece in the token's tile (elements)
   int32_t soff[kPieces];  // shared offsets (elements) of piece (half h, head e): h * 4 + e
 
   template <class SmemTensor>
   __device__ DsLoaderK(const SmemTensor& stage0, int32_t /*Gi*/, int wg, int warp, int lane) {
-    const int tw = lane >> 3;
-    c0 = lane & 7;
+    const int tw = lane >> 3, c0 = lane & 7;
     const int row0 = 16 * warp + 4 * tw;  // within the warpgroup
     tok = (64 * wg + row0) / 4;
+    src0 = c0 * 8;
     const auto* base = &stage0(0, 0);
 #pragma unroll
     for (int h = 0; h < kHalves; ++h)
@@ -172,7 +172,7 @@ struct DsLoaderK {
     for (int h = 0; h < kHalves; ++h)
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        cp_async16(dst + soff[h * 4 + e], src + ((h * 8 + c0) * 4 + e) * 8, sel);
+        cp_async16(dst + soff[h * 4 + e], src + (h * 4 + e) * 64 + src0, sel);
   }
 };
 

@@ -97,11 +97,6 @@ struct BwdKVTraits : KvSideTraits<Element_, kHeadDim_, kBlockN_, kMode_ == KvKl:
                     kProducerRegs * 128 + kConsumerRegs * kConsumerThreads <= kLaunchRegs * kThreads,
                 "setmaxnreg asks for more registers than the CTA holds");
   static constexpr int kRing = 2 * kStages;  // entry records in shared memory
-  // dq from dS, Gi = 4: a token's 256 staged values start 264 elements (528 bytes) apart, so
-  // that the four column pairs of a quad store to distinct banks (see stage_ds).
-  static constexpr int kDsTokenStride4 = 264;
-  static constexpr int kDsStageElems =
-      64 * Base::kBlockC + (kGi_ == 0 || kGi_ == 4 ? (Base::kBlockC / 4) * (kDsTokenStride4 - 256) : 0);
   using typename Base::SmemLayoutK;
   using typename Base::SmemLayoutQ;
   using typename Base::SmemLayoutQi;
@@ -159,10 +154,9 @@ struct BwdKVTraits : KvSideTraits<Element_, kHeadDim_, kBlockN_, kMode_ == KvKl:
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> v;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> dout;
-    // dq from dS: each consumer warpgroup's dS of one entry, [token][key][head] (its 64 keys;
-    // Gi = 4: [token][key chunk][head][8 keys], tokens kDsTokenStride4 apart),
+    // dq from dS: each consumer warpgroup's dS of one entry, [token][key][head] (its 64 keys),
     // staged for the bulk copies to the tokens' tiles (none with the fused KL branch: no room).
-    alignas(128) Element ds_stage[kKl ? 8 : kWarpGroups * kDsStageElems];
+    alignas(128) Element ds_stage[kKl ? 8 : kWarpGroups * 64 * kBlockC];
     float lse[kStages][kBlockC];   // LSE (natural log) per column
     float delta[kStages][kBlockC];  // rowsum(dO * O) per column
     EntryRecord ring[kRing];
@@ -444,7 +438,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   // The dS tiles of entry en (dq from dS; see the loop): rdS (u[2j + a]: columns 8j + 2q,
   // 8j + 2q + 1 of row half a, q = lane % 4) into this warpgroup's staging tile as [token][key]
-  // [head] (Gi = 4: [token][key chunk][head][8 keys], args.h's BwdKvArgs::ds), then one bulk copy per token to
+  // [head] (Gi = 4: [token][head][key], args.h's BwdKvArgs::ds), then one bulk copy per token to
   // its tile (the warpgroup's 64 keys of it): token t by lane t / 4 of warp t % 4, so that no
   // thread issues more than one copy per entry (an entry holds up to 16 tokens). The tile is
   // free again once the copies issued for the entry before have read it (each issuing thread
@@ -454,7 +448,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const int gs = kG > 0 ? log2_pow2(kG) : gi_shift;
     const int g = 1 << gs;
     const int ltid = fresh_thread_index() % 128, lane = ltid & 31, col0 = 2 * (lane & 3);
-    Element* stage = ss.ds_stage + wg * Traits::kDsStageElems;
+    Element* stage = ss.ds_stage + wg * 64 * kBlockC;
     const uint32_t* u = reinterpret_cast<const uint32_t*>(rdS.data());
     static_assert(kEntryTokens <= 16, "four issuing lanes per warp");
     const bool issuer = lane < 4;
@@ -465,21 +459,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // g >= 8 token 8j / g, head col0 + 8j % g.
     const int key0 = 16 * (ltid >> 5) + (lane >> 2);
     if (g == 4) {
-      // [token][key chunk][head][8 keys], tokens kDsTokenStride4 apart: column 8j + col0 is
-      // token 2j + col0 / 4, head col0 % 4; key key0 + 8a is in chunk 2 warp + a at key0 % 8;
-      // the pair's two heads are 8 apart. A store's quad columns fall on banks 0-3, 8-11, 4-7,
-      // 12-15 (+ the lane's key pair): no conflicts.
-      constexpr int kTs = Traits::kDsTokenStride4;
-      uint16_t* base4 = reinterpret_cast<uint16_t*>(stage) + (col0 >> 2) * kTs + (col0 & 3) * 8 +
-                        (ltid >> 5) * 2 * 32 + (lane >> 2);
+      // [token][head][key]: column 8j + col0 is token 2j + col0 / 4, head col0 % 4; the pair's
+      // two heads are 64 keys apart.
+      uint16_t* base4 = reinterpret_cast<uint16_t*>(stage) + ((col0 >> 2) * 4 + (col0 & 3)) * 64 + key0;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
 #pragma unroll
         for (int a = 0; a < 2; ++a) {
           const uint32_t w = u[2 * j + a];
-          uint16_t* d = base4 + j * 2 * kTs + a * 32;
+          uint16_t* d = base4 + j * 8 * 64 + 8 * a;
           d[0] = static_cast<uint16_t>(w & 0xffffu);
-          d[8] = static_cast<uint16_t>(w >> 16);
+          d[64] = static_cast<uint16_t>(w >> 16);
         }
       }
     } else {
@@ -499,7 +489,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if (issuer && t < en.count) {
       const int32_t ih = r * ipk + en.seg - list.seg0;
       const int32_t bytes = 64 * g * static_cast<int32_t>(sizeof(Element));
-      SM90_BULK_COPY_S2G::copy(stage + t * (g == 4 ? Traits::kDsTokenStride4 : 64 * g),
+      SM90_BULK_COPY_S2G::copy(stage + t * 64 * g,
                                as<Element>(p.ds) +
                                    ((((en.tok[t] - p.ds_tok_lo) * p.Hi + ih) * p.top_k + en.slot[t]) * kBlockN +
                                     64 * wg) * g,
