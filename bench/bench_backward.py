@@ -184,7 +184,7 @@ def host_split(fn, reps: int = 5) -> Dict:
     try:
         for _ in range(reps):
             spent.clear()
-            torch.cuda._sleep(200_000_000)
+            torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of the call
             t0 = time.perf_counter()
             fn()
             total = time.perf_counter() - t0
@@ -209,19 +209,10 @@ def host_profile(fn, top: int = 14) -> Dict:
     """Where one call of fn (a training step) spends host time: torch.profiler's CPU events of
     that call (after a warm-up call), self time summed by name (ops, the library's Python
     wrapper inside them, and the CUDA runtime calls), longest first, with their counts; and the
-    call's wall time on the host, profiled and not (``host_ms``: the GPU kept busy by a sleep
-    kernel first, so that no launch waits for a free queue slot and the call's own time is the
-    host's)."""
+    call's wall time on the host, profiled and not (``split``: host_split's)."""
     from torch.profiler import ProfilerActivity, profile
     fn()
     torch.cuda.synchronize()
-    eager = []
-    for _ in range(5):
-        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of the call
-        t0 = time.perf_counter()
-        fn()
-        eager.append((time.perf_counter() - t0) * 1e3)
-        torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         fn()
@@ -234,7 +225,7 @@ def host_profile(fn, top: int = 14) -> Dict:
             continue
         rows[ev.key] = (ev.self_cpu_time_total / 1e3, ev.count, ev.cpu_time_total / 1e3)
     top_rows = sorted(rows.items(), key=lambda x: -x[1][0])[:top]
-    return {"host_ms": statistics.median(eager), "profiled_ms": profiled_ms, "split": split,
+    return {"profiled_ms": profiled_ms, "split": split,
             "self": [(k, *v) for k, v in top_rows],
             "ops": {k: v for k, v in rows.items() if k.startswith("msa::")}}
 
@@ -370,8 +361,8 @@ def bench_case(msa, cfg: str, L: int, B: int, args, timer: Timer, device, dtype,
             hp = host_profile(step(False))
             row["host_profile"] = hp
             sp_ = hp["split"]
-            log(f"    step's host time {hp['host_ms']:.3f} ms ({sp_['host_ms']:.3f} ms timed by parts, "
-                f"{hp['profiled_ms']:.3f} ms profiled); one tensor's __dlpack__ "
+            log(f"    step's host time {sp_['host_ms']:.3f} ms ({hp['profiled_ms']:.3f} ms "
+                "profiled); one tensor's __dlpack__ "
                 f"{sp_['dlpack_us']:.1f} us")
             for name, (ms, n) in sp_["parts"].items():
                 log(f"      {ms:8.3f} ms in {n} calls of {name}")
