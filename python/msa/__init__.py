@@ -280,7 +280,7 @@ def sparse_attention(
         top_k = block_idx.shape[2]
     has_idx = q_idx is not None
     cu = _cu_seqlens(cu_seqlens, q.device)
-    out, lse, bi, kl = torch.ops.msa.forward(
+    out, lse, bi, kl = _ops.forward_call(
         q, k, v, q_idx, k_idx, None if select else block_idx, cu, False, select, block_size,
         top_k, sink_blocks, local_blocks, _scale("scale", scale), _scale("scale_idx", scale_idx),
         bool(kl_value) and has_idx, bool(deterministic), kl_pass, fwd_pass, select_scores,
@@ -329,7 +329,7 @@ def warmup_attention(
         raise ValueError("msa: argument 'k_idx': q_idx and k_idx must be given together")
     _kl_pass(kl_pass)
     cu = _cu_seqlens(cu_seqlens, q.device)
-    out, lse, _, kl = torch.ops.msa.forward(
+    out, lse, _, kl = _ops.forward_call(
         q, k, v, q_idx, k_idx, None, cu, True, False, 128, 16, 0, 1,
         _scale("scale", scale), _scale("scale_idx", scale_idx),
         bool(kl_value) and q_idx is not None, bool(deterministic), kl_pass)

@@ -221,8 +221,7 @@ def _(q_idx, k_idx, cu_seqlens, top_k, block_size, sink_blocks, local_blocks, sc
 # --------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("msa::forward", mutates_args=())
-def forward(
+def _forward_impl(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -297,6 +296,9 @@ def forward(
     return out, lse, bi_out, kl
 
 
+forward = torch.library.custom_op("msa::forward", mutates_args=())(_forward_impl)
+
+
 @forward.register_fake
 def _(q, k, v, q_idx, k_idx, block_idx, cu_seqlens, dense, select, block_size, top_k,
       sink_blocks, local_blocks, scale, scale_idx, want_kl, deterministic, kl_pass="auto",
@@ -324,8 +326,7 @@ def _(q, k, v, q_idx, k_idx, block_idx, cu_seqlens, dense, select, block_size, t
 # --------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("msa::backward", mutates_args=())
-def backward(
+def _backward_impl(
     dout: Tensor,
     q: Tensor,
     k: Tensor,
@@ -390,6 +391,9 @@ def backward(
             dq_pass=dq_pass, bwd_chunk_tokens=bwd_chunk_tokens, check_values=check_values,
             values=((cu_seqlens, None if dense else block_idx), q.shape[0], block_size))
     return dq, dk, dv, dq_idx, dk_idx
+
+
+backward = torch.library.custom_op("msa::backward", mutates_args=())(_backward_impl)
 
 
 @backward.register_fake
@@ -478,6 +482,7 @@ def _forward_setup_context(ctx, inputs, output):
     ctx.has_idx = q_idx is not None and k_idx is not None
     ctx.mark_non_differentiable(lse, bi_out)
     ctx.set_materialize_grads(False)
+    ctx.eager = False
 
 
 def _forward_backward(ctx, grad_out, grad_lse, grad_bi, grad_kl):
@@ -493,7 +498,7 @@ def _forward_backward(ctx, grad_out, grad_lse, grad_bi, grad_kl):
     kl_grad = grad_kl.reshape(1).float() if (want_dq_idx or want_dk_idx) else None
     # CUDA: the forward checked the values of these saved tensors, so the backward skips the
     # check and its host wait (the CPU checks anyway, for free).
-    dq, dk, dv, dq_idx, dk_idx = backward(
+    dq, dk, dv, dq_idx, dk_idx = (_backward_impl if ctx.eager else backward)(
         grad_out, q, k, v, out, lse, q_idx, k_idx, support, cu_seqlens, kl_grad, ctx.dense,
         ctx.block_size, ctx.scale, ctx.scale_idx, want_dq_idx, want_dk_idx, ctx.deterministic,
         kl_pass=ctx.kl_pass, check_values=q.device.type != "cuda", dq_pass=ctx.dq_pass,
@@ -504,3 +509,52 @@ def _forward_backward(ctx, grad_out, grad_lse, grad_bi, grad_kl):
 
 torch.library.register_autograd("msa::forward", _forward_backward,
                                 setup_context=_forward_setup_context)
+
+
+# --------------------------------------------------------------------------------------------
+# The eager route of msa::forward
+# --------------------------------------------------------------------------------------------
+#
+# Through torch.library a call pays the dispatcher, the op's Python autograd wrapper (defaults
+# filled in, the schema's aliasing checked) and, in the backward, the same again for
+# msa::backward: about as much host time as the library's own host code, and more than the
+# forward's kernels take at 16K tokens, so the GPU waits for the host. Outside torch.compile,
+# with plain tensors and no torch function/dispatch mode or functorch transform active, the
+# forward and its backward run as a torch.autograd.Function over the same implementations
+# (same checks, same kernels, same saved tensors); anything else goes through the op.
+
+
+class _ForwardFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _forward_impl(*inputs)
+        _forward_setup_context(ctx, inputs, output)
+        ctx.eager = True
+        return output
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):
+        return _forward_backward(ctx, *grads)
+
+
+_PLAIN = (Tensor, torch.nn.Parameter)
+_EAGER_DEVICES = ("cpu", "cuda")
+
+
+def _plain_eager(tensors) -> bool:
+    """Whether a call on ``tensors`` may skip the torch.library dispatch (see above)."""
+    if (torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled()
+            or torch._C._len_torch_dispatch_stack() > 0
+            or torch._C._functorch.peek_interpreter_stack() is not None):
+        return False
+    return all(t is None or (type(t) in _PLAIN and t.device.type in _EAGER_DEVICES)
+               for t in tensors)
+
+
+def forward_call(*inputs) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """msa::forward's outputs for ``inputs`` (its arguments in order), with its autograd: the
+    eager route where it may run, the op otherwise."""
+    if _plain_eager(inputs[:7]):
+        return _ForwardFunction.apply(*inputs)
+    return forward(*inputs)

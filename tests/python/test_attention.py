@@ -1,5 +1,7 @@
 """msa.sparse_attention / warmup_attention / kl_divergence against the eager reference."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -414,3 +416,49 @@ def test_selection_tolerance_f32():
     bad[150, 0] = bad[150, 0].sort().values
     with pytest.raises(AssertionError):
         check_selection(bad, qi, ki, top_k, Bk, tol=0.0)
+
+
+class _OpNames(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the names of the ops dispatched under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("warmup", [False, True], ids=["sparse", "warmup"])
+def test_eager_route_matches_the_op(warmup):
+    """Plain eager calls skip torch.library's dispatch (an autograd.Function over the same
+    implementation); under a dispatch mode they go through msa::forward / msa::backward. Both
+    routes give the same bits, forward and backward."""
+    T, Hq, Hkv, Hi, Hik, D, Di, Bk = 150, 4, 2, 2, 1, 16, 8, 16
+    cu = torch.tensor([0, 61, 150], dtype=torch.int32)
+    inputs = make_inputs(T, Hq, Hkv, Hi, Hik, D, Di, torch.float32, requires_grad=False)
+    w = torch.randn(T, Hq, D)
+
+    def run(mode):
+        xs = [t.clone().requires_grad_(True) for t in inputs]
+        with mode:
+            if warmup:
+                out, kl = msa.warmup_attention(*xs, cu_seqlens=cu)
+            else:
+                out, kl = msa.sparse_attention(*xs, 3, Bk, cu_seqlens=cu, sink_blocks=1)
+            grad_fn = type(out.grad_fn).__name__
+            g = torch.autograd.grad((out * w).sum() + 0.5 * kl, xs)
+        return out.detach(), kl.detach(), g, grad_fn
+
+    plain = run(contextlib.nullcontext())
+    names = _OpNames()
+    dispatched = run(names)
+    assert "_ForwardFunction" in plain[3]
+    assert "msa.forward" in " ".join(names.names) and "msa.backward" in " ".join(names.names)
+    assert "_ForwardFunction" not in dispatched[3]
+    assert torch.equal(plain[0], dispatched[0]) and torch.equal(plain[1], dispatched[1])
+    for a, b, name in zip(plain[2], dispatched[2], ["dq", "dk", "dv", "dq_idx", "dk_idx"]):
+        assert a.abs().max() > 0, name
+        assert torch.equal(a, b), name
+
