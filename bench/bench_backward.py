@@ -121,14 +121,21 @@ def cuda_events(fn) -> list:
     return [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
 
 
+def _kernel_name(name: str, templates: bool = False) -> str:
+    """A kernel's name without its arguments (and template arguments unless ``templates``),
+    its last 60 characters."""
+    name = name.replace("(anonymous namespace)::", "")
+    name = name.split("(")[0] if templates else name.split("<")[0].split("(")[0]
+    return name[-60:]
+
+
 def profile_kernels(fn, templates: bool = False, events: Optional[list] = None) -> List[tuple]:
     """(kernel, ms) of one call of fn (or of the given events), longest first; templates: keep
     the end of each kernel's template arguments in its name (to tell a kernel's instantiations
     apart)."""
     out = {}
     for ev in cuda_events(fn) if events is None else events:
-        name = ev.name.split("(")[0] if templates else ev.name.split("<")[0].split("(")[0]
-        name = name[-60:]
+        name = _kernel_name(ev.name, templates)
         out[name] = out.get(name, 0.0) + ev.device_time_total / 1e3
     return sorted(out.items(), key=lambda x: -x[1])
 
@@ -138,7 +145,11 @@ def trace_step(fn) -> Dict:
     (longest first), how many ran, and their sum (the profiled call's span is not reported: the
     profiler slows the host, and with it the gaps between kernels)."""
     evs = cuda_events(fn)
-    return {"kernels": profile_kernels(fn, events=evs), "count": len(evs),
+    counts: Dict[str, int] = {}
+    for ev in evs:
+        name = _kernel_name(ev.name)
+        counts[name] = counts.get(name, 0) + 1
+    return {"kernels": profile_kernels(fn, events=evs), "count": len(evs), "counts": counts,
             "busy_ms": sum(ev.device_time_total for ev in evs) / 1e3}
 
 
@@ -194,6 +205,28 @@ def host_split(fn, reps: int = 5) -> Dict:
         ops._C, ops._alloc = real_c, real_alloc
     runs.sort(key=lambda r: r[0])
     total, parts = runs[len(runs) // 2]
+    # the call's GPU time with all of its work queued before the GPU reaches it (the events
+    # after a sleep kernel): the kernels and the GPU's own time between them, no host wait
+    def after_sleep(cycles):
+        torch.cuda._sleep(cycles)
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        return s.elapsed_time(e)
+    queued = statistics.median(after_sleep(20_000_000) for _ in range(reps))  # ~10 ms ahead
+    # the GPU's cycles per ms, then the call's time when the GPU starts it `lead` ms after the
+    # host does (a sleep kernel of that length before it): how much of the step's time over
+    # `queued` is the host's lead-in before its first kernels
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    torch.cuda._sleep(20_000_000)
+    e.record()
+    e.synchronize()
+    per_ms = 20_000_000 / s.elapsed_time(e)
+    leads = {lead: statistics.median(after_sleep(max(1, int(lead * per_ms))) for _ in range(reps))
+             for lead in (0.0, 0.1, 0.25, 0.5, 1.0)}
     t = torch.empty(4, device="cuda")
     for _ in range(10):
         t.__dlpack__()
@@ -201,7 +234,7 @@ def host_split(fn, reps: int = 5) -> Dict:
     for _ in range(1000):
         t.__dlpack__()
     dl_us = (time.perf_counter() - t0) * 1e3
-    return {"host_ms": total * 1e3, "dlpack_us": dl_us,
+    return {"host_ms": total * 1e3, "dlpack_us": dl_us, "queued_ms": queued, "lead_ms": leads,
             "parts": {k: (v[0] * 1e3, v[1]) for k, v in parts.items()}}
 
 
@@ -219,13 +252,26 @@ def host_profile(fn, top: int = 14) -> Dict:
         profiled_ms = (time.perf_counter() - t0) * 1e3
         torch.cuda.synchronize()
     split = host_split(fn)
+    # Python's own view of the unprofiled call: the functions with the most self time
+    import cProfile
+    import pstats
+    pr = cProfile.Profile()
+    torch.cuda._sleep(200_000_000)
+    pr.enable()
+    fn()
+    pr.disable()
+    torch.cuda.synchronize()
+    py = []
+    for (file, line, func), (_, ncalls, tt, ct, _) in pstats.Stats(pr).stats.items():
+        py.append((f"{os.path.basename(file)}:{line}({func})", ncalls, tt * 1e3, ct * 1e3))
+    py.sort(key=lambda x: -x[2])
     rows = {}
     for ev in prof.key_averages():
         if ev.device_type != torch.autograd.DeviceType.CPU:
             continue
         rows[ev.key] = (ev.self_cpu_time_total / 1e3, ev.count, ev.cpu_time_total / 1e3)
     top_rows = sorted(rows.items(), key=lambda x: -x[1][0])[:top]
-    return {"profiled_ms": profiled_ms, "split": split,
+    return {"profiled_ms": profiled_ms, "split": split, "python": py[:2 * top],
             "self": [(k, *v) for k, v in top_rows],
             "ops": {k: v for k, v in rows.items() if k.startswith("msa::")}}
 
@@ -256,6 +302,8 @@ def bench_case(msa, cfg: str, L: int, B: int, args, timer: Timer, device, dtype,
         do4 = dout.view(B, L, Hq, D).transpose(1, 2)
 
         def dense_train():
+            for t in (qg, kg, vg):  # as a training step's zero_grad(set_to_none=True)
+                t.grad = None
             out = run_g()
             torch.autograd.backward(out, do4)
         dense_step = timer.ms(dense_train, reps)
@@ -309,6 +357,8 @@ def bench_case(msa, cfg: str, L: int, B: int, args, timer: Timer, device, dtype,
 
         def step(klv: bool):
             def run():
+                for t in xs:  # as a training step's zero_grad(set_to_none=True)
+                    t.grad = None
                 o, kl = msa.sparse_attention(*xs, k, Bk, kl_value=klv, kl_pass=args.kl_pass,
                                              fwd_pass=args.fwd_pass, dq_pass=args.dq_pass,
                                              bwd_chunk_tokens=args.bwd_chunk_tokens,
@@ -355,20 +405,25 @@ def bench_case(msa, cfg: str, L: int, B: int, args, timer: Timer, device, dtype,
             row["step_busy_ms"] = tr["busy_ms"]
             log(f"    step: {tr['count']} kernels, {tr['busy_ms']:.3f} ms of kernels in a "
                 f"{row['step_ms']:.3f} ms step")
-            for name, ms in tr["kernels"][:12]:
-                log(f"      {ms:9.3f} ms  {name}")
+            for name, ms in tr["kernels"]:
+                log(f"      {ms:9.3f} ms  {tr['counts'][name]:3d}x {name}")
         if args.host_profile and device.type == "cuda":
             hp = host_profile(step(False))
             row["host_profile"] = hp
             sp_ = hp["split"]
             log(f"    step's host time {sp_['host_ms']:.3f} ms ({hp['profiled_ms']:.3f} ms "
                 "profiled); one tensor's __dlpack__ "
-                f"{sp_['dlpack_us']:.1f} us")
+                f"{sp_['dlpack_us']:.1f} us; the step queued ahead of the GPU "
+                f"{sp_['queued_ms']:.3f} ms (L2 not flushed); with the host a lead of "
+                + ", ".join(f"{a} ms: {b:.3f}" for a, b in sp_["lead_ms"].items()))
             for name, (ms, n) in sp_["parts"].items():
                 log(f"      {ms:8.3f} ms in {n} calls of {name}")
             log("    profiled self ms / calls / total ms:")
             for name, self_ms, n, tot in hp["self"]:
                 log(f"      {self_ms:8.3f} {n:5d} {tot:8.3f}  {name[-60:]}")
+            log("    cProfile (GPU busy) self ms / calls / total ms:")
+            for name, n, self_ms, tot in hp["python"]:
+                log(f"      {self_ms:8.3f} {n:5d} {tot:8.3f}  {name[-70:]}")
             for name, (self_ms, n, tot) in hp["ops"].items():
                 log(f"      op {name}: {n} calls, {tot:.3f} ms with what it calls")
         rows.append(row)
