@@ -101,12 +101,7 @@ class Timer:
         for _ in range(reps):
             if self.flush is not None:
                 self.flush.zero_()
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e))
+            times.append(bf.event_ms(fn))
         return statistics.median(times)
 
 
@@ -209,22 +204,12 @@ def host_split(fn, reps: int = 5) -> Dict:
     # after a sleep kernel): the kernels and the GPU's own time between them, no host wait
     def after_sleep(cycles):
         torch.cuda._sleep(cycles)
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        return s.elapsed_time(e)
+        return bf.event_ms(fn)
     queued = statistics.median(after_sleep(20_000_000) for _ in range(reps))  # ~10 ms ahead
     # the GPU's cycles per ms, then the call's time when the GPU starts it `lead` ms after the
     # host does (a sleep kernel of that length before it): how much of the step's time over
     # `queued` is the host's lead-in before its first kernels
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    torch.cuda._sleep(20_000_000)
-    e.record()
-    e.synchronize()
-    per_ms = 20_000_000 / s.elapsed_time(e)
+    per_ms = 20_000_000 / bf.event_ms(lambda: torch.cuda._sleep(20_000_000))
     leads = {lead: statistics.median(after_sleep(max(1, int(lead * per_ms))) for _ in range(reps))
              for lead in (0.0, 0.1, 0.25, 0.5, 1.0)}
     t = torch.empty(4, device="cuda")

@@ -204,6 +204,16 @@ def attention_flops(keys: int, Hq: int, Hi: int, D: int) -> float:
 # --------------------------------------------------------------------------------------------
 
 
+
+def event_ms(fn) -> float:
+    """Milliseconds of one fn() on the current CUDA stream, between two CUDA events."""
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    fn()
+    e.record()
+    e.synchronize()
+    return s.elapsed_time(e)
+
 class Timer:
     """Median time of a call (ms): CUDA events on the GPU, perf_counter on the CPU."""
 
@@ -222,12 +232,7 @@ class Timer:
 
     def _once(self, fn) -> float:
         if self.cuda:
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            return s.elapsed_time(e)
+            return event_ms(fn)
         t0 = time.perf_counter()
         fn()
         return (time.perf_counter() - t0) * 1e3

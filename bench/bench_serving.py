@@ -48,20 +48,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import msa  # noqa: E402
 from msa import serving  # noqa: E402
 import selection_patterns as sp  # noqa: E402
+from bench_forward import event_ms as _event_ms  # noqa: E402
 from bench_select_fp8 import recall  # noqa: E402
 
 HQ, HKV, HI, HIK, D, DI, BK, K = 64, 4, 4, 1, 128, 128, 128, 16
 SINK, LOCAL = 1, 4
-
-
-def _event_ms(fn) -> float:
-    """Milliseconds of one fn() between two CUDA events."""
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    fn()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b)
 
 
 def _warm(fns, warmup_ms: float) -> None:
