@@ -37,7 +37,8 @@ where the sparse step is 1.8x faster than the dense one; docs/perf.md, 2026-12-0
 With two index heads per KV head (``--idx-heads 4``, each serving two query heads) and 550 steps
 at 32K, the warmup-then-sparse model alone (``--models warmup --steps 1800 --eval-every 500``)
 reached the paper's score recall 0.82 at full accuracy in about 5 minutes, where one index head
-per KV head stays at 0.73-0.78 (docs/perf.md, 2026-12-04; one of two seeds learned the task).
+per KV head stays at 0.73-0.78; its sparse step, though, takes about the dense step's time
+(docs/perf.md, 2026-12-04; one of two seeds learned the task).
 """
 
 import argparse
