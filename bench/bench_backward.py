@@ -152,7 +152,8 @@ def host_split(fn, reps: int = 5) -> Dict:
     """The host time of one call of fn (GPU kept busy, no profiler) inside the binding's calls
     (the library's host code and the DLPack import of their tensors), by function, and inside
     the workspace allocations they call back; medians over reps calls, in ms. Also the time of
-    one tensor's DLPack export (``t.__dlpack__()``), in us."""
+    one tensor's DLPack export (``t.__dlpack__()``), in us; the call's GPU time with all of its
+    work queued ahead (``queued_ms``) and with the host 0-1 ms ahead of the GPU (``lead_ms``)."""
     import msa._ops as ops
     real_c, real_alloc = ops._C, ops._alloc
     spent: Dict[str, List[float]] = {}

@@ -204,7 +204,6 @@ def attention_flops(keys: int, Hq: int, Hi: int, D: int) -> float:
 # --------------------------------------------------------------------------------------------
 
 
-
 def event_ms(fn) -> float:
     """Milliseconds of one fn() on the current CUDA stream, between two CUDA events."""
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -213,6 +212,7 @@ def event_ms(fn) -> float:
     e.record()
     e.synchronize()
     return s.elapsed_time(e)
+
 
 class Timer:
     """Median time of a call (ms): CUDA events on the GPU, perf_counter on the CPU."""

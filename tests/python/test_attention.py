@@ -461,4 +461,3 @@ def test_eager_route_matches_the_op(warmup):
     for a, b, name in zip(plain[2], dispatched[2], ["dq", "dk", "dv", "dq_idx", "dk_idx"]):
         assert a.abs().max() > 0, name
         assert torch.equal(a, b), name
-
