@@ -460,6 +460,15 @@ Config shape(std::vector<int64_t> lens, int Hq, int Hkv, int D, int Hi, int Hik,
 
 // Lengths 1, 113, 799, 4224 and empty sequences; G = Hq/Hkv in {1, 2, 4, 8, 16}; Hi = Hkv and
 // 2 Hkv; Hik = 1 and Hi; D, Di and Bk 64 and 128; bf16 and fp16; default and own streams.
+// One sequence of 3000 tokens and 4200 of 0-9 tokens: more KV-side work items (KV tile ids x
+// KV heads: 8648) than one CTA lays out, so the work lists take the multi-kernel path.
+std::vector<int64_t> many_sequences() {
+  std::vector<int64_t> lens{3000};
+  const int64_t cycle[] = {1, 2, 0, 5, 9};
+  for (int i = 0; i < 4200; ++i) lens.push_back(cycle[i % 5]);
+  return lens;
+}
+
 const CudaCase kCases[] = {
     //                      seqlens            Hq Hkv  D   Hi Hik Di  Bk  k  dtype seed
     {"G1_D128_Di128_Bk128", shape({799},        2, 2, 128, 2, 1, 128, 128, 4, kBf16, 1), false, true},
@@ -484,6 +493,7 @@ const CudaCase kCases[] = {
     // Gi = 8: the KV-side backward's kernel with Gi at run time on the teacher route (Gi = 4 and
     // 16 take kernels with Gi a constant), 8 tokens per entry.
     {"G8_Hi2_D128_Bk128", shape({1500, 77}, 16, 2, 128, 2, 1, 128, 128, 5, kBf16, 13, 1, 2), false, false},
+    {"ManySequences_G4_D128_Bk128", shape(many_sequences(), 8, 2, 128, 2, 1, 128, 128, 4, kBf16, 14), true, false},
 };
 
 class CudaVsCpu : public ::testing::TestWithParam<CudaCase> {

@@ -59,6 +59,9 @@ constexpr int kEntryChunks = sizeof(EntryRecord) / 16;
 struct EntryListParams {
   const EntryRecord* records;  // sparse: every item's records, sorted by seg
   const int32_t* count;        // sparse: number of records (device)
+  // sparse: [segments + 1], the first record of each segment (the number of records past the
+  // last), so that a list is found with two loads instead of two binary searches
+  const int32_t* seg_start;
   bool dense;
 };
 
@@ -82,19 +85,8 @@ struct EntryList {
       n = int64_t(ng) * ipk;
       return;
     }
-    const int64_t total = *p.count;
-    lo = lower_bound(p.records, total, seg0);
-    n = lower_bound(p.records, total, seg0 + ipk) - lo;
-  }
-
-  // The first record whose segment is >= seg.
-  __device__ static int64_t lower_bound(const EntryRecord* a, int64_t n, int32_t seg) {
-    int64_t lo = 0, hi = n;
-    while (lo < hi) {
-      const int64_t mid = (lo + hi) >> 1;
-      if (a[mid].seg < seg) lo = mid + 1; else hi = mid;
-    }
-    return lo;
+    lo = p.seg_start[seg0];
+    n = p.seg_start[seg0 + ipk] - lo;
   }
 
   // Entry e's record into dst (shared memory): sparse, 16-byte cp.async copies by threads
@@ -143,10 +135,15 @@ __host__ __device__ inline int32_t group_tokens(int32_t heads_per_idx) {
   return m < 16 ? m : 16;
 }
 
+// A KV-side CTA's work (WorkListParams::cta): chunk c of `chunks` of work item `item` (-1: none).
+struct alignas(16) CtaWork {
+  int32_t item, c, chunks, pad;
+};
+
 struct WorkListParams {
-  const int32_t* chunk_start;  // [items] exclusive scan of the chunk counts, in `order`
-  const int32_t* num_chunks;   // [items]
-  const int32_t* order;        // [items] the items, longest entry list first (ties by item)
+  // [grid] each CTA's item and chunk: the items longest entry list first (ties by item), their
+  // chunks one after another (host/reverse_index.cu, build_work)
+  const CtaWork* cta;
   const int32_t* slot_start;   // [items] first partial slot of a split item
   int32_t* arrivals;           // [items] chunks of a split item that have finished (zeroed)
   float* partials;             // split items' fp32 partial sums, per slot
@@ -165,19 +162,13 @@ struct WorkItem {
 // tokens, flash-msa's heads, in item order the SMs of bwd_kv were busy 82% of its time).
 __device__ inline WorkItem decode_work(const WorkListParams& p, int32_t Hkv, int64_t w) {
   WorkItem it;
-  int32_t lo = 0, hi = p.items - 1;
-  while (lo < hi) {  // the last position whose first chunk is <= w
-    const int32_t mid = (lo + hi + 1) >> 1;
-    if (p.chunk_start[mid] <= w) lo = mid; else hi = mid - 1;
-  }
-  const int64_t c = w - p.chunk_start[lo];
-  const int32_t item = p.order[lo];
-  if (c < 0 || c >= p.num_chunks[item]) return it;
-  it.item = item;
-  it.x = item / Hkv;
-  it.r = item % Hkv;
-  it.c = static_cast<int32_t>(c);
-  it.chunks = p.num_chunks[item];
+  const CtaWork cw = p.cta[w];
+  if (cw.item < 0) return it;
+  it.item = cw.item;
+  it.x = cw.item / Hkv;
+  it.r = cw.item % Hkv;
+  it.c = cw.c;
+  it.chunks = cw.chunks;
   return it;
 }
 

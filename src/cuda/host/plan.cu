@@ -648,6 +648,8 @@ Status make_plan(const char* fn, const Problem& prob, int32_t nseq, bool sparse,
     p.starts = take(4 * size_t(p.entries));
     p.records = take(sizeof(kern::EntryRecord) * size_t(p.entries));
     p.count = take(2 * sizeof(int32_t));
+    p.segments = static_cast<int64_t>(segments);
+    p.seg_start = take(4 * (size_t(segments) + 1));
     size_t sort_bytes = 0, unique_bytes = 0, scan_bytes = 0, select_bytes = 0;
     cub::DoubleBuffer<uint64_t> kb(nullptr, nullptr);
     cub::DeviceRadixSort::SortKeys(nullptr, sort_bytes, kb, static_cast<int>(p.n), p.seg_bit,
@@ -669,6 +671,7 @@ Status make_plan(const char* fn, const Problem& prob, int32_t nseq, bool sparse,
              : double(p.Hi_group) * double(kv_tiles) * double(kern::num_tile_ids(nseq, prob.T, p.m));
   if (kv_tiles * prob.Hkv >= (int64_t(1) << 31)) return fail(fn, "q", "too many tokens for the CUDA KV-side passes");
   p.items = static_cast<int32_t>(kv_tiles * prob.Hkv);
+  p.size_bits = e_bound >= 4294967295.0 ? 32 : std::max(1, bits_for(static_cast<uint64_t>(e_bound)));
   size_t scan_bytes = 0, order_bytes = 0;
   cub::DeviceScan::ExclusiveSum(nullptr, scan_bytes, static_cast<int32_t*>(nullptr),
                                 static_cast<int32_t*>(nullptr), p.items);
@@ -697,6 +700,7 @@ Status make_plan(const char* fn, const Problem& prob, int32_t nseq, bool sparse,
     w->sizes_sorted = take(4 * size_t(p.items));
     w->ids = take(4 * size_t(p.items));
     w->order = take(4 * size_t(p.items));
+    w->cta = take(sizeof(kern::CtaWork) * size_t(w->grid));
     w->partials = take(sizeof(float) * 2 * size_t(Bk) * prob.D * size_t(w->slots));
     return Status::Ok();
   };

@@ -96,6 +96,8 @@ struct Plan {
   // byte offsets (sparse: keys_a, keys_b: the sort's buffers, then the segment starts; flags;
   // starts, records: the entries; count: unique keys, entries)
   size_t delta = 0, keys_a = 0, keys_b = 0, flags = 0, starts = 0, records = 0, count = 0, cub = 0;
+  int64_t segments = 0;  // sparse: (KV tile, KV head, index head of it) segments
+  size_t seg_start = 0;  // ... and each one's first record, [segments + 1]
   size_t lse_idx = 0, dq_acc = 0, dk_acc = 0, kl_acc = 0, total = 0;
   // A KV-side work list: bwd_kv's (chunks bounded by the partial-sum slots they may need) or
   // the KL kernel's (fixed-point atomics: any chunk size is free).
@@ -106,8 +108,10 @@ struct Plan {
            partials = 0;
     // The items longest first (build_work): their entry counts, sorted; their ids, sorted.
     size_t sizes = 0, sizes_sorted = 0, ids = 0, order = 0;
+    size_t cta = 0;  // [grid] kern::CtaWork
   };
   int32_t items = 0;
+  int size_bits = 32;  // bits of an item's entry count (the bound of every list's entries)
   Work kv, kl_work;  // kv: bwd_kv's list, or the KV-block forward's; kl_work: the KL passes'
   // KlRoute::kTeacher: bwd_kv and kl_grad run `passes` times over bwd_kv's work list, each over
   // the CTAs whose first record is in [pass * pass_records, (pass + 1) * pass_records); the

@@ -3,9 +3,12 @@
 //   build_entries  block_idx -> one key per (token, index head, slot): (segment = (KV tile, KV
 //                  head, index head of it), token, slot), sorted (CUB radix sort), repeats dropped,
 //                  and each segment's run of tokens cut into records of m consecutive tokens (the
-//                  entries read by kern::EntryList, device/entry_list.cuh);
+//                  entries read by kern::EntryList, device/entry_list.cuh), with each segment's
+//                  first record (a list is two loads, not two binary searches);
 //   build_work     each (KV block, KV head) item's entry list cut into chunks of at most
-//                  `chunk` entries, one CTA each, laid out by an exclusive scan.
+//                  `chunk` entries, one CTA each, the items longest first, laid out by an
+//                  exclusive scan, and each CTA's chunk in a table (kern::CtaWork): up to 8192
+//                  items by one CTA (CUB's block sort and scans), more by CUB's device-wide ones.
 // Dense mode enumerates its entries on the device and needs no reverse index.
 #pragma once
 
