@@ -35,9 +35,10 @@ Status choose_pass(const char* fn, const Problem& prob, const FwdArgs& a, const 
   cudaError_t e = cudaMemsetAsync(s, 0, 2 * sizeof(unsigned long long), stream);
   if (e == cudaSuccess) e = cudaMemsetAsync(seen, 0, pl.items_seen_bytes(), stream);
   if (e != cudaSuccess) return cuda_error(fn, e);
-  const size_t counts = 32 * size_t(std::max(a.uni.bitmap_words, 1));  // a byte per block, per warp
-  const int warps = static_cast<int>(std::clamp<size_t>((96 << 10) / counts, 1, 8));
-  const size_t smem = warps * counts;
+  // A byte per block and the staged rows, per warp.
+  const size_t per_warp = 32 * size_t(std::max(a.uni.bitmap_words, 1)) + 4 * size_t(kern::kChoiceStage);
+  const int warps = static_cast<int>(std::clamp<size_t>((96 << 10) / per_warp, 1, 8));
+  const size_t smem = warps * per_warp;
   e = cudaFuncSetAttribute(kern::pass_choice_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            static_cast<int>(smem));
   if (e != cudaSuccess) return cuda_error(fn, e);

@@ -14,21 +14,28 @@ namespace msa::cuda::kern {
 
 using cuda::FwdArgs;
 
+// A warp's block_idx entries staged in shared memory: kChoiceStage of them (whole rows).
+constexpr int kChoiceStage = 512;
+constexpr int kChoiceLoads = kChoiceStage / 32;
+
 // One warp per (tile, index head) of `p` (the query-tile forward's arguments, split set): it
 // counts the tokens selecting each block (a block repeated in a row counts once) in one byte per
-// block of the sequence (8 * bitmap_words words of shared memory per warp), writes
-// p.split.taken[t, ih, slot] = (the slot's block has at least share_min tokens) for the tile's
-// tokens, and adds kAuto's sums (device/pass_choice.cuh); the block's warps are summed before
-// two atomic adds. `sums` is zero before the launch, as is `seen`, a bit per KV-side work item
-// (KV tile x, KV head r: bit x * Hkv + r) set by the first tile that sends it a pair.
+// block of the sequence (8 * bitmap_words words of shared memory per warp, then kChoiceStage
+// words for its rows), writes p.split.taken[t, ih, slot] = (the slot's block has at least
+// share_min tokens) for the tile's tokens, and adds kAuto's sums (device/pass_choice.cuh); the
+// block's warps are summed before two atomic adds. `sums` is zero before the launch, as is
+// `seen`, a bit per KV-side work item (KV tile x, KV head r: bit x * Hkv + r) set by the first
+// tile that sends it a pair. The rows are read in chunks of whole rows staged in shared memory,
+// each chunk's loads issued together (one memory latency a chunk, not one per entry).
 __global__ void pass_choice_kernel(const __grid_constant__ FwdArgs p, int32_t bk,
                                    unsigned long long* sums, uint32_t* seen) {
   extern __shared__ uint32_t counts[];
   __shared__ unsigned long long block_sums[2];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warps = blockDim.x / 32;
   if (threadIdx.x < 2) block_sums[threadIdx.x] = 0ull;
   __syncthreads();
-  const int64_t w = int64_t(blockIdx.x) * (blockDim.x / 32) + warp;
+  const int64_t w = int64_t(blockIdx.x) * warps + warp;
   unsigned long long plain = 0, split = 0;
   if (w < p.num_tiles * p.Hi) {
     const int64_t tile_id = w / p.Hi;
@@ -37,34 +44,72 @@ __global__ void pass_choice_kernel(const __grid_constant__ FwdArgs p, int32_t bk
     p.paged.place(tile);  // a prefill's tokens: positions after their cached keys
     if (tile.count > 0) {
       uint32_t* cw = counts + warp * 8 * p.uni.bitmap_words;  // block b: byte b % 4 of word b / 4
+      int32_t* staged = reinterpret_cast<int32_t*>(counts + warps * 8 * p.uni.bitmap_words) + warp * kChoiceStage;
       const int32_t nwords = (tile.pos0 + tile.count - 1) / bk / 4 + 1;
       for (int32_t x = lane; x < nwords; x += 32) cw[x] = 0u;
-      __syncwarp();
       const int64_t tok0 = tile.seq_start + tile.first;
       const int32_t* rows = p.block_idx + tok0 * p.bi_s0 + ih * p.bi_s1;
       const int32_t k = p.top_k, total = tile.count * k;
-      // The slot's block, or -1 where it is invalid or repeats an earlier slot of the row.
-      auto block_of = [&](int32_t e, bool first_only) {
-        const int32_t tok = e / k, s = e - tok * k;
-        const int32_t* row = rows + tok * p.bi_s0;
-        const int32_t b = row[s];
-        if (b < 0 || b > (tile.pos0 + tok) / bk) return -1;
+      const int32_t chunk = kChoiceStage / k * k;  // k <= 32: at least 16 rows
+      // A lane's entries step by 32: q32 rows and r32 slots (no division per entry).
+      const int32_t q32 = 32 / k, r32 = 32 - q32 * k;
+      const int bk_shift = __ffs(bk) - 1;  // Bk is a power of two (64 or 128)
+      struct Pos {
+        int32_t tok, s;
+      };
+      auto first_pos = [&](int32_t e) { return Pos{e / k, e - e / k * k}; };
+      auto step = [&](Pos& at) {
+        at.tok += q32;
+        at.s += r32;
+        if (at.s >= k) {
+          at.s -= k;
+          ++at.tok;
+        }
+      };
+      // Entries [e0, e0 + chunk) of the tile into `staged`.
+      auto stage = [&](int32_t e0) {
+        int32_t v[kChoiceLoads];
+        Pos at = first_pos(e0 + lane);
+#pragma unroll
+        for (int i = 0; i < kChoiceLoads; ++i) {
+          const int32_t e = e0 + 32 * i + lane;
+          v[i] = 32 * i + lane < chunk && e < total ? rows[at.tok * p.bi_s0 + at.s] : -1;
+          step(at);
+        }
+        __syncwarp();  // the warp is done with the chunk before
+#pragma unroll
+        for (int i = 0; i < kChoiceLoads; ++i) staged[32 * i + lane] = v[i];
+        __syncwarp();
+      };
+      // Entry e (at row at.tok, slot at.s) of the staged chunk starting at e0: its block, or -1
+      // where it is invalid or repeats an earlier slot of the row.
+      auto block_of = [&](int32_t e0, int32_t e, const Pos& at, bool first_only) {
+        const int32_t* row = staged + (e - e0 - at.s);
+        const int32_t b = row[at.s];
+        if (b < 0 || b > ((tile.pos0 + at.tok) >> bk_shift)) return -1;
         if (first_only)
-          for (int32_t s2 = 0; s2 < s; ++s2)
+          for (int32_t s2 = 0; s2 < at.s; ++s2)
             if (row[s2] == b) return -1;
         return b;
       };
       // a tile's tokens count at most 128 < 256 per block: no carry into the next byte
-      for (int32_t e = lane; e < total; e += 32)
-        if (const int32_t b = block_of(e, true); b >= 0) atomicAdd(&cw[b >> 2], 1u << (8 * (b & 3)));
+      for (int32_t e0 = 0; e0 < total; e0 += chunk) {
+        stage(e0);
+        Pos at = first_pos(e0 + lane);
+        for (int32_t e = e0 + lane; e < min(total, e0 + chunk); e += 32, step(at))
+          if (const int32_t b = block_of(e0, e, at, true); b >= 0) atomicAdd(&cw[b >> 2], 1u << (8 * (b & 3)));
+      }
       __syncwarp();
       const uint32_t keep = static_cast<uint32_t>(p.split.share_min);
       if (p.split.taken != nullptr) {
-        for (int32_t e = lane; e < total; e += 32) {
-          const int32_t tok = e / k, s = e - tok * k;
-          const int32_t b = block_of(e, false);
-          const bool kept = b >= 0 && ((cw[b >> 2] >> (8 * (b & 3))) & 0xffu) >= keep;
-          p.split.taken[((tok0 + tok) * p.Hi + ih) * k + s] = kept;
+        for (int32_t e0 = 0; e0 < total; e0 += chunk) {
+          if (total > chunk) stage(e0);  // one chunk: still staged
+          Pos at = first_pos(e0 + lane);
+          for (int32_t e = e0 + lane; e < min(total, e0 + chunk); e += 32, step(at)) {
+            const int32_t b = block_of(e0, e, at, false);
+            const bool kept = b >= 0 && ((cw[b >> 2] >> (8 * (b & 3))) & 0xffu) >= keep;
+            p.split.taken[((tok0 + at.tok) * p.Hi + ih) * k + at.s] = kept;
+          }
         }
       }
       const unsigned long long tile_cost = static_cast<unsigned long long>(p.tile_tokens) * kKvCostDen;
