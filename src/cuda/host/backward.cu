@@ -85,22 +85,38 @@ void launch_delta(const TensorRef& dout, const TensorRef& out, int64_t rows, int
                                                          out.stride[0], out.stride[1], rows, Hq, delta);
 }
 
-// out[t, h, :] = acc[t, h, :] * 2^-32 * coef, coef = base * kl_weight * (kl_grad ? kl_grad[0] : 1).
+// out[t, h, :] = acc[t, h, :] * 2^-32 * coef, coef = base * kl_weight * (kl_grad ? kl_grad[0] : 1):
+// four values a thread (two 16-byte loads of the sums; one 8-byte store where the output's rows
+// allow it: `vec`), a row's D / 4 threads one after another (d4_shift = log2(D / 4): D is 64 or
+// 128, the compiled head dims).
 template <class Element>
 __global__ void finalize_grad_kernel(const unsigned long long* acc, int64_t rows, int32_t H,
-                                     int32_t D, Element* out, int64_t s0, int64_t s1,
+                                     int d4_shift, Element* out, int64_t s0, int64_t s1, bool vec,
                                      const float* kl_grad, double base) {
   const double coef = base * (kl_grad != nullptr ? static_cast<double>(kl_grad[0]) : 1.0) /
                       kern::kFixedOne;
-  const int64_t n = rows * H * D;
-  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
+  const int64_t n4 = (rows * H) << d4_shift;
+  const int32_t d4_mask = (1 << d4_shift) - 1;
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < n4;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t row = e / D;
-    const int32_t d = static_cast<int32_t>(e - row * D);
+    const int64_t row = e >> d4_shift;
+    const int32_t d = 4 * static_cast<int32_t>(e & d4_mask);
     const int64_t t = row / H;
     const int32_t h = static_cast<int32_t>(row - t * H);
-    const double v = static_cast<double>(static_cast<long long>(acc[e])) * coef;
-    out[t * s0 + h * s1 + d] = static_cast<Element>(static_cast<float>(v));
+    const longlong2 a = reinterpret_cast<const longlong2*>(acc)[2 * e];
+    const longlong2 b = reinterpret_cast<const longlong2*>(acc)[2 * e + 1];
+    cutlass::Array<Element, 4> o;
+    o[0] = static_cast<Element>(static_cast<float>(static_cast<double>(a.x) * coef));
+    o[1] = static_cast<Element>(static_cast<float>(static_cast<double>(a.y) * coef));
+    o[2] = static_cast<Element>(static_cast<float>(static_cast<double>(b.x) * coef));
+    o[3] = static_cast<Element>(static_cast<float>(static_cast<double>(b.y) * coef));
+    Element* dst = out + t * s0 + h * s1 + d;
+    if (vec) {
+      *reinterpret_cast<cutlass::Array<Element, 4>*>(dst) = o;
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) dst[i] = o[i];
+    }
   }
 }
 
@@ -129,19 +145,34 @@ __global__ void finalize_dkv_kernel(const float* dk_sum, const float* dv_sum, in
   }
 }
 
-// LSE_idx[row] (natural log) from kl_grad_kernel's per-slot (max in log2 units, sum) partials,
-// added in block_idx column order (sum 0: no partial there).
-__global__ void lse_combine_kernel(const float2* part, int64_t rows, int32_t k, float* lse_idx) {
-  for (int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; row < rows;
-       row += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+// LSE_idx[row] (natural log) from kl_lse_kernel's per-slot (max in log2 units, sum) partials
+// (sum 0: no partial there). `lanes` (16 or 32, >= min(k, 32)) lanes per row, 32 / lanes rows a
+// warp: lane j of a row takes slots j, j + lanes, ...; the max and the sum are then butterfly
+// reductions over the row's lanes (a fixed order: the same bits every run).
+__global__ void lse_combine_kernel(const float2* part, int64_t rows, int32_t k, int lanes, float* lse_idx) {
+  const int lane = threadIdx.x & 31, sub = lane & (lanes - 1);
+  const int64_t rows_per_warp = 32 / lanes;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
+  for (int64_t r0 = warp * rows_per_warp; r0 < rows; r0 += warps * rows_per_warp) {  // warp-uniform
+    const int64_t row = r0 + lane / lanes;
     const float2* pr = part + row * k;
     float mx = -INFINITY;
-    for (int32_t s = 0; s < k; ++s)
-      if (pr[s].y > 0.f) mx = fmaxf(mx, pr[s].x);
+    if (row < rows)
+      for (int32_t s = sub; s < k; s += lanes) {
+        const float2 v = pr[s];
+        if (v.y > 0.f) mx = fmaxf(mx, v.x);
+      }
+    for (int o = lanes / 2; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
     float sum = 0.f;
-    for (int32_t s = 0; s < k; ++s)
-      if (pr[s].y > 0.f) sum += pr[s].y * exp2f(pr[s].x - mx);
-    lse_idx[row] = sum > 0.f ? (mx + log2f(sum)) * 0.69314718055994531f : -INFINITY;
+    if (row < rows)
+      for (int32_t s = sub; s < k; s += lanes) {
+        const float2 v = pr[s];
+        if (v.y > 0.f) sum += v.y * exp2f(v.x - mx);
+      }
+    for (int o = lanes / 2; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (row < rows && sub == 0)
+      lse_idx[row] = sum > 0.f ? (mx + log2f(sum)) * 0.69314718055994531f : -INFINITY;
   }
 }
 
@@ -223,11 +254,13 @@ Status run_kl(const char* fn, const Plan& pl, const Problem& prob, const KlInput
 template <class Element>
 Status finalize_grad(const unsigned long long* acc, int64_t T, int32_t H, int32_t D,
                      const TensorRef& out, const float* kl_grad, double base, cudaStream_t stream) {
-  const int64_t n = T * H * D;
-  const int blocks = static_cast<int>(std::min<int64_t>((n + 255) / 256, num_sms() * 32));
-  if (n == 0) return Status::Ok();
+  const int64_t n4 = T * H * D / 4;
+  const int blocks = static_cast<int>(std::min<int64_t>((n4 + 255) / 256, num_sms() * 32));
+  if (n4 == 0) return Status::Ok();
   finalize_grad_kernel<Element><<<blocks, 256, 0, stream>>>(
-      acc, T, H, D, static_cast<Element*>(out.data), out.stride[0], out.stride[1], kl_grad, base);
+      acc, T, H, D == 128 ? 5 : 4, static_cast<Element*>(out.data), out.stride[0], out.stride[1],
+      reinterpret_cast<uintptr_t>(out.data) % 8 == 0 && out.stride[0] % 4 == 0 && out.stride[1] % 4 == 0,
+      kl_grad, base);
   return Status::Ok();
 }
 
@@ -292,9 +325,11 @@ Status teacher_lse(const Plan& pl, const Problem& prob, KlArgs g, const BwdKvArg
   g.lse_part = at<float>(ws, pl.lse_part);
   MSA_TRY((launch_kl_grad<typename V::Element, V::kDim, V::kBlockN>(g, stream)));
   const int64_t rows = (t1 - t0) * prob.Hi;
-  const int blocks = static_cast<int>(std::min<int64_t>((rows + 255) / 256, num_sms() * 32));
+  const int lanes = prob.k <= 16 ? 16 : 32;
+  const int64_t threads = rows * lanes;
+  const int blocks = static_cast<int>(std::min<int64_t>((threads + 255) / 256, num_sms() * 32));
   lse_combine_kernel<<<blocks, 256, 0, stream>>>(reinterpret_cast<const float2*>(g.lse_part) + t0 * prob.Hi * prob.k,
-                                                 rows, prob.k, at<float>(ws, pl.lse_idx) + t0 * prob.Hi);
+                                                 rows, prob.k, lanes, at<float>(ws, pl.lse_idx) + t0 * prob.Hi);
   return Status::Ok();
 }
 

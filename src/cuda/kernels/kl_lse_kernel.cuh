@@ -3,7 +3,7 @@
 // it selected), the block's (max, sum of exp2) of the index logits
 //   x(t, j) = scale_idx * q_idx[t, i] . k_idx[j] * log2(e)   over the block's keys j <= t,
 // to the slot of p.lse_part at the block's column of t's block_idx row; the backward's combine
-// adds a row's slots in column order (lse_combine_kernel), so that LSE_idx costs one pass over
+// adds a row's slots in a fixed order (lse_combine_kernel), so that LSE_idx costs one pass over
 // the selected blocks only.
 //
 // KV-side, as kl_grad_kernel.cuh (one CTA per chunk of the work list of one KV block and one KV
