@@ -1355,6 +1355,61 @@ TEST(Cuda, Float32AndFloat64AreCpuOnly) {
   expect_error(msa::forward(f64.forward()), StatusCode::kInvalidArgument, "argument 'q'", "forward float64");
 }
 
+// With value checks off a row listing a block twice is the caller's to avoid (contract §3), but
+// the reverse index counts a (token, block) once, so the KV side (dk, dv, and the KL gradient's
+// dq_idx, dk_idx) gives the bits of the row without the repeat: the last column of every row
+// set to its first block, against it set to -1. (dq reads the dS tile of each column, and the
+// repeat's is never written: not compared.)
+TEST(Cuda, RepeatedBlockCountsOnceOnTheKvSide) {
+  SKIP_WITHOUT_CUDA();
+  const Config c = shape({900, 300}, 8, 2, 128, 2, 1, 128, 128, 4, kBf16, 33);
+  if (!kernels_built(c, true, false)) GTEST_SKIP() << "kernel variant not built into this library";
+  SmallCall s(c);
+  const int64_t T = s.p.T;
+  HostTensor dout(kBf16, {T, c.Hq, c.D});
+  std::mt19937_64 rng(9);
+  randomize_nonzero(dout, rng, 1.0);
+  s.dout = DeviceTensor::upload(dout, nullptr);
+  HostTensor bi = s.bi.download(nullptr), rep = bi;
+  int64_t repeats = 0;
+  for (int64_t row = 0; row < T * c.Hi; ++row) {
+    const int64_t first = row * c.k, last = first + c.k - 1;
+    bi.set(last, -1);
+    rep.set(last, rep.get(first) >= 0 ? rep.get(first) : -1);
+    repeats += rep.get(first) >= 0;
+  }
+  ASSERT_GT(repeats, 0);
+  s.bi = DeviceTensor::upload(bi, nullptr);
+  require_ok(msa::forward(s.forward()));
+  struct Grads {
+    HostTensor dk, dv, dq_idx, dk_idx;
+  };
+  auto run = [&](HostTensor& block_idx) {
+    DeviceTensor dbi = DeviceTensor::upload(block_idx, nullptr);
+    DeviceTensor dq_idx = DeviceTensor::poisoned(kBf16, {T, c.Hi, c.Di}, nullptr);
+    DeviceTensor dk_idx = DeviceTensor::poisoned(kBf16, {T, c.Hik, c.Di}, nullptr);
+    msa::BackwardParams b = s.backward();
+    b.block_idx = dbi.ref();
+    b.q_idx = s.d.q_idx.ref();
+    b.k_idx = s.d.k_idx.ref();
+    b.dq_idx = dq_idx.ref();
+    b.dk_idx = dk_idx.ref();
+    b.kl_weight = 1000.f;
+    b.launch.check_values = false;
+    const size_t need = msa::workspace_size(b);
+    DeviceTensor ws(DType::kInt32, {static_cast<int64_t>((need + 3) / 4)});
+    b.launch.workspace = ws.ref().data;
+    b.launch.workspace_bytes = need;
+    require_ok(msa::backward(b));
+    return Grads{s.dk.download(nullptr), s.dv.download(nullptr), dq_idx.download(nullptr), dk_idx.download(nullptr)};
+  };
+  const Grads want = run(bi), got = run(rep);
+  EXPECT_EQ(differing(got.dk, want.dk), 0) << "dk";
+  EXPECT_EQ(differing(got.dv, want.dv), 0) << "dv";
+  EXPECT_EQ(differing(got.dq_idx, want.dq_idx), 0) << "dq_idx";
+  EXPECT_EQ(differing(got.dk_idx, want.dk_idx), 0) << "dk_idx";
+}
+
 // The backward and the KL value need device workspace: without it (or with too little) the call
 // fails naming launch.workspace and writes nothing; with workspace_size bytes it runs.
 TEST(Cuda, BackwardAndKlNeedTheirWorkspace) {
