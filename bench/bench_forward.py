@@ -572,7 +572,8 @@ def target_lines(rows: List[Dict], targets: Optional[List[Dict]] = None) -> List
         v = worst[t["key"]]
         ok = v <= thr if t["at_most"] else v >= thr
         ov = worst.get(t["overlap"]) if t["overlap"] else None
-        out.append(f"| {t['name']} | {rel} | {v:.1f} | {_f(ov)} | {'met' if ok else 'MISSED'} |")
+        shown = f"{v:.2f}" if t["at_most"] else f"{v:.1f}"  # times near a bound: two decimals
+        out.append(f"| {t['name']} | {rel} | {shown} | {_f(ov)} | {'met' if ok else 'MISSED'} |")
     return out
 
 

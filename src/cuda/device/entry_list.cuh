@@ -16,7 +16,9 @@
 //
 // Lists are uneven (a sink block is selected by every token; in dense mode the first block by
 // all), so an item's list is cut into chunks of at most `chunk` entries and each chunk is one
-// CTA. The chunks are laid out by an exclusive scan of the per-item chunk counts (WorkList).
+// CTA. The chunks are laid out by an exclusive scan of the per-item chunk counts, the items
+// longest first, and each CTA reads its item and chunk from a table (WorkListParams::cta); an
+// item's records start at its first segment's entry of EntryListParams::seg_start.
 #pragma once
 
 #include <cute/tensor.hpp>
