@@ -1344,7 +1344,26 @@ struct SmallCall {
     b.opts = p.options();
     return b;
   }
+  // ... with the KL gradient into dq_idx and dk_idx (kl_weight 1000).
+  msa::BackwardParams kl_backward(DeviceTensor& dq_idx, DeviceTensor& dk_idx) {
+    msa::BackwardParams b = backward();
+    b.q_idx = d.q_idx.ref();
+    b.k_idx = d.k_idx.ref();
+    b.dq_idx = dq_idx.ref();
+    b.dk_idx = dk_idx.ref();
+    b.kl_weight = 1000.f;
+    return b;
+  }
 };
+
+// Device workspace of workspace_size(b) bytes, set in b.launch.
+DeviceTensor give_workspace(msa::BackwardParams& b) {
+  const size_t need = msa::workspace_size(b);
+  DeviceTensor ws(DType::kInt32, {static_cast<int64_t>((need + 3) / 4)});
+  b.launch.workspace = ws.ref().data;
+  b.launch.workspace_bytes = need;
+  return ws;
+}
 
 TEST(Cuda, Float32AndFloat64AreCpuOnly) {
   SKIP_WITHOUT_CUDA();
@@ -1388,18 +1407,10 @@ TEST(Cuda, RepeatedBlockCountsOnceOnTheKvSide) {
     DeviceTensor dbi = DeviceTensor::upload(block_idx, nullptr);
     DeviceTensor dq_idx = DeviceTensor::poisoned(kBf16, {T, c.Hi, c.Di}, nullptr);
     DeviceTensor dk_idx = DeviceTensor::poisoned(kBf16, {T, c.Hik, c.Di}, nullptr);
-    msa::BackwardParams b = s.backward();
+    msa::BackwardParams b = s.kl_backward(dq_idx, dk_idx);
     b.block_idx = dbi.ref();
-    b.q_idx = s.d.q_idx.ref();
-    b.k_idx = s.d.k_idx.ref();
-    b.dq_idx = dq_idx.ref();
-    b.dk_idx = dk_idx.ref();
-    b.kl_weight = 1000.f;
     b.launch.check_values = false;
-    const size_t need = msa::workspace_size(b);
-    DeviceTensor ws(DType::kInt32, {static_cast<int64_t>((need + 3) / 4)});
-    b.launch.workspace = ws.ref().data;
-    b.launch.workspace_bytes = need;
+    const DeviceTensor ws = give_workspace(b);
     require_ok(msa::backward(b));
     return Grads{s.dk.download(nullptr), s.dv.download(nullptr), dq_idx.download(nullptr), dk_idx.download(nullptr)};
   };
@@ -1633,17 +1644,9 @@ TEST(Cuda, KlPassOption) {
     auto run = [&](msa::KlPass pass, HostTensor* dqi, HostTensor* dki) -> msa::Status {
       DeviceTensor dq_idx = DeviceTensor::poisoned(kBf16, {T, c.Hi, c.Di}, nullptr);
       DeviceTensor dk_idx = DeviceTensor::poisoned(kBf16, {T, c.Hik, c.Di}, nullptr);
-      msa::BackwardParams b = s.backward();
-      b.q_idx = s.d.q_idx.ref();
-      b.k_idx = s.d.k_idx.ref();
-      b.dq_idx = dq_idx.ref();
-      b.dk_idx = dk_idx.ref();
-      b.kl_weight = 1000.f;
+      msa::BackwardParams b = s.kl_backward(dq_idx, dk_idx);
       b.opts.kl_pass = pass;
-      const size_t need = msa::workspace_size(b);
-      DeviceTensor ws(DType::kInt32, {static_cast<int64_t>((need + 3) / 4)});
-      b.launch.workspace = ws.ref().data;
-      b.launch.workspace_bytes = need;
+      const DeviceTensor ws = give_workspace(b);
       const msa::Status st = msa::backward(b);
       if (st.ok()) {
         *dqi = dq_idx.download(nullptr);
