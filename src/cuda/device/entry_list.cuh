@@ -60,7 +60,6 @@ constexpr int kEntryChunks = sizeof(EntryRecord) / 16;
 
 struct EntryListParams {
   const EntryRecord* records;  // sparse: every item's records, sorted by seg
-  const int32_t* count;        // sparse: number of records (device)
   // sparse: [segments + 1], the first record of each segment (the number of records past the
   // last), so that a list is found with two loads instead of two binary searches
   const int32_t* seg_start;

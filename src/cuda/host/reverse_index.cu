@@ -188,7 +188,7 @@ struct WorkListCta {
     int32_t order[kItems];   // by position: the item
   };
 };
-constexpr int32_t kWorkListItems = 1024 * 8;  // the largest CTA's
+constexpr int32_t kWorkListItems = WorkListCta<1024, 8>::kItems;  // the largest CTA's
 
 template <int kThreads, int kPer>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -333,7 +333,6 @@ Status build_entries(const char* fn, const Plan& pl, const Problem& prob, const 
     if (e != cudaSuccess) return cuda_error(fn, e);
   }
   out->records = records;
-  out->count = counts + 1;
   out->seg_start = seg_start;
   out->dense = false;
   return Status::Ok();
