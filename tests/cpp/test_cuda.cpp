@@ -458,8 +458,6 @@ Config shape(std::vector<int64_t> lens, int Hq, int Hkv, int D, int Hi, int Hik,
   return c;
 }
 
-// Lengths 1, 113, 799, 4224 and empty sequences; G = Hq/Hkv in {1, 2, 4, 8, 16}; Hi = Hkv and
-// 2 Hkv; Hik = 1 and Hi; D, Di and Bk 64 and 128; bf16 and fp16; default and own streams.
 // One sequence of 3000 tokens and 4200 of 0-9 tokens: more KV-side work items (KV tile ids x
 // KV heads: 8648) than one CTA lays out, so the work lists take the multi-kernel path.
 std::vector<int64_t> many_sequences() {
@@ -469,6 +467,8 @@ std::vector<int64_t> many_sequences() {
   return lens;
 }
 
+// Lengths 1, 113, 799, 4224 and empty sequences; G = Hq/Hkv in {1, 2, 4, 8, 16}; Hi = Hkv and
+// 2 Hkv; Hik = 1 and Hi; D, Di and Bk 64 and 128; bf16 and fp16; default and own streams.
 const CudaCase kCases[] = {
     //                      seqlens            Hq Hkv  D   Hi Hik Di  Bk  k  dtype seed
     {"G1_D128_Di128_Bk128", shape({799},        2, 2, 128, 2, 1, 128, 128, 4, kBf16, 1), false, true},
@@ -1407,6 +1407,8 @@ TEST(Cuda, RepeatedBlockCountsOnceOnTheKvSide) {
     DeviceTensor dbi = DeviceTensor::upload(block_idx, nullptr);
     DeviceTensor dq_idx = DeviceTensor::poisoned(kBf16, {T, c.Hi, c.Di}, nullptr);
     DeviceTensor dk_idx = DeviceTensor::poisoned(kBf16, {T, c.Hik, c.Di}, nullptr);
+    s.dk = DeviceTensor::poisoned(kBf16, {T, c.Hkv, c.D}, nullptr);  // each call writes its own
+    s.dv = DeviceTensor::poisoned(kBf16, {T, c.Hkv, c.D}, nullptr);
     msa::BackwardParams b = s.kl_backward(dq_idx, dk_idx);
     b.block_idx = dbi.ref();
     b.launch.check_values = false;
