@@ -48,6 +48,9 @@ import selection_patterns as sp  # noqa: E402
 HEADS = {
     "paper": dict(Hq=64, Hkv=4, Hi=4, Hik=1),
     "flash-msa": dict(Hq=16, Hkv=2, Hi=4, Hik=1),
+    # examples/train_retrieval.py's heads: one index head per KV head (Gi = 4), or two (Gi = 2)
+    "retrieval": dict(Hq=8, Hkv=2, Hi=2, Hik=1),
+    "retrieval-hi4": dict(Hq=8, Hkv=2, Hi=4, Hik=1),
 }
 # flash-msa's published GH200 numbers at its benchmark shape (16K tokens, top-k 2048 tokens,
 # Hq=16, Hkv=2, Hp=4): forward 6.4-11.4 ms, backward 23.4-24.4 ms.

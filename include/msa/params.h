@@ -50,7 +50,7 @@ enum class FwdPass : int32_t { kAuto = 0, kQueryTile = 1, kKvBlock = 2, kSplit =
 // passes of `bwd_chunk_tokens` tokens (the dS of one pass is the workspace). kAuto: the
 // backend's choice (CUDA: kFromDs in sparse mode where it can run, kQueryTile otherwise).
 // kNotSupported naming 'dq_pass' where kFromDs cannot run (CUDA: it needs Hq / Hi a power of two
-// from 4 to 64, top_k <= 32, and the KL gradient, if any, by kTeacher). The CPU backend has one
+// from 2 to 64, top_k <= 32, and the KL gradient, if any, by kTeacher). The CPU backend has one
 // implementation and accepts every value. Results agree to rounding.
 enum class DqPass : int32_t { kAuto = 0, kQueryTile = 1, kFromDs = 2 };
 

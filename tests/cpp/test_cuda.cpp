@@ -493,6 +493,12 @@ const CudaCase kCases[] = {
     // Gi = 8: the KV-side backward's kernel with Gi at run time on the teacher route (Gi = 4 and
     // 16 take kernels with Gi a constant), 8 tokens per entry.
     {"G8_Hi2_D128_Bk128", shape({1500, 77}, 16, 2, 128, 2, 1, 128, 128, 5, kBf16, 13, 1, 2), false, false},
+    // Gi = 2 (examples/train_retrieval.py's --idx-heads 4): the KV-side backward takes two
+    // records of 16 tokens x 2 heads a step, here often of the KV head's two index heads; dq
+    // from K-major dS tiles of two heads. G = 2: the same in dense mode (KV heads as the column
+    // groups), one index head per KV head in sparse mode.
+    {"G4_Hi4_Gi2_D128_Bk128", shape({1500, 300}, 8, 2, 128, 4, 1, 128, 128, 5, kBf16, 15, 1, 2), false, false},
+    {"G2_Gi2_D128_Bk128", shape({1100, 0, 517}, 4, 2, 128, 2, 1, 128, 128, 7, kBf16, 16), true, false},
     {"ManySequences_G4_D128_Bk128", shape(many_sequences(), 8, 2, 128, 2, 1, 128, 128, 4, kBf16, 14), true, false},
 };
 
@@ -889,7 +895,7 @@ TEST_P(CudaVsCpu, BackwardGivenBlockIdx) {
   }
 }
 
-// dq from dS (Options.dq_pass): where it can run (Hq / Hi a power of two from 4 to 64, k <= 32)
+// dq from dS (Options.dq_pass): where it can run (Hq / Hi a power of two from 2 to 64, k <= 32)
 // kAuto takes it; the query tiles (kQueryTile) and kFromDs in passes of 97 tokens (dK and dV
 // then fp32 sums across passes; the KL gradient per pass) agree with the CPU backend, and two
 // calls in passes give the same bits. Elsewhere kFromDs is refused naming 'dq_pass'.
@@ -897,7 +903,7 @@ TEST_P(CudaVsCpu, BackwardDqPasses) {
   SKIP_UNLESS_BUILT(cfg(), true, false);
   const Config& c = cfg();
   const int gi = c.Hq / c.Hi;
-  const bool from_ds = gi >= 4 && gi <= 64 && (gi & (gi - 1)) == 0 && c.k <= 32;
+  const bool from_ds = gi >= 2 && gi <= 64 && (gi & (gi - 1)) == 0 && c.k <= 32;
   HostTensor bi = scrambled_block_idx(p(), c.seed + 14);
   BwdCase b = bwd_case(Mode::kSparse, &bi);
   const bool kl = kl_on_gpu(c);

@@ -135,6 +135,29 @@ struct ColumnLoader {
       advance(tok, head);
     }
   }
+
+  // load_two over an entry step of two records: the tile's tokens [0, split) are the first
+  // record's (toks0, count0, heads from head0), tokens [split, 2 split) the second's (toks1,
+  // count1, heads from head1); srcA/srcB point at head 0 of packed token 0.
+  template <class Element>
+  __device__ void load_two_halves(Element* dstA, const Element* srcA, int64_t a0, int64_t a1,
+                                  Element* dstB, const Element* srcB, int64_t b0, int64_t b1,
+                                  int32_t split, const int32_t* toks0, int32_t count0, int32_t head0_,
+                                  const int32_t* toks1, int32_t count1, int32_t head1_) const {
+    int32_t tok = tok0, head = head0;
+#pragma unroll 1
+    for (int j = 0; j < kIters; ++j) {
+      const bool second = tok >= split;
+      const int32_t tt = second ? tok - split : tok;
+      const bool ok = tt < (second ? count1 : count0);
+      const int64_t t = ok ? (second ? toks1 : toks0)[tt] : 0;
+      const int32_t hd = (second ? head1_ : head0_) + head;
+      const int32_t off = soff0 + j * dsoff;
+      cp_async16(dstA + off, srcA + t * a0 + hd * a1 + chunk * 8, ok);
+      cp_async16(dstB + off, srcB + t * b0 + hd * b1 + chunk * 8, ok);
+      advance(tok, head);
+    }
+  }
 };
 
 // The rows of a block of keys: rows [0, count) of a swizzled [kRowsTile, kDim] tile by cp.async

@@ -290,9 +290,9 @@ struct BwdKvArgs : KvSideArgs {
   float scale = 0.f, scale_log2 = 0.f;  // signed
   // dq from dS (Options.dq_pass = kFromDs): every entry's dS, in the element type (the values
   // the dK product uses), to ds[((t - ds_tok_lo) * Hi + i) * top_k + slot] as a [Bk keys][Gi
-  // heads] tile (dS^T of token t, index head i, block_idx column slot); at Gi = 4 as [Bk / 64]
-  // [Gi heads][64 keys] (each head's keys contiguous, so that bwd_dq loads 16 bytes at a time,
-  // not a key's 8); null: not written.
+  // heads] tile (dS^T of token t, index head i, block_idx column slot); at Gi = 2 and 4 as
+  // [Bk / 64][Gi heads][64 keys] (each head's keys contiguous, so that bwd_dq loads 16 bytes at
+  // a time, not a key's 4 or 8); null: not written.
   void* ds = nullptr;
   int64_t ds_tok_lo = 0;
   // Passes of tokens: dK (unscaled) and dV are added to these fp32 [T, Hkv, D] sums (zeroed

@@ -114,13 +114,17 @@ Status launch_bwd_q(const BwdQArgs& a, cudaStream_t stream) {
 
 template <class Element, int kHeadDim, int kBlockN>
 Status launch_bwd_dq(const BwdDqArgs& a, cudaStream_t stream) {
-  // Gi = 4: bwd_kv wrote K-major dS tiles (BwdKvArgs::ds)
-  auto launch = [&](auto k_major) {
-    using Traits = kern::BwdDqTraits<Element, kHeadDim, kBlockN, decltype(k_major)::value>;
+  // Gi = 2 and 4: bwd_kv wrote K-major dS tiles (BwdKvArgs::ds)
+  auto launch = [&](auto ds_gi) {
+    using Traits = kern::BwdDqTraits<Element, kHeadDim, kBlockN, decltype(ds_gi)::value>;
     return detail::launch_query_tile<Traits, kern::BwdDqParams<Traits>>(
         "backward", kern::bwd_dq_kernel<Traits>, a, stream);
   };
-  return a.heads_per_idx == 4 ? launch(cute::true_type{}) : launch(cute::false_type{});
+  switch (a.heads_per_idx) {
+    case 2: return launch(cute::Int<2>{});
+    case 4: return launch(cute::Int<4>{});
+    default: return launch(cute::Int<0>{});
+  }
 }
 
 template <class Element, int kDim, int kBlockN>
@@ -179,8 +183,10 @@ Status launch_bwd_kv(const BwdKvArgs& a, cudaStream_t stream) {
                                                                      a, stream);
   };
   // Gi as a compile-time constant for the head counts of the common models (flash-msa's 4, the
-  // paper's 16): their per-entry index arithmetic folds into constant offsets.
+  // paper's 16): their per-entry index arithmetic folds into constant offsets. Gi = 2 (an index
+  // head per two query heads) takes two records a step (BwdKVTraits::kRecs).
   auto by_gi = [&](auto mode) {
+    if (a.heads_per_idx == 2) return launch(mode, cute::Int<2>{});
     if (a.heads_per_idx == 4) return launch(mode, cute::Int<4>{});
     if (a.heads_per_idx == 16) return launch(mode, cute::Int<16>{});
     return launch(mode, cute::Int<0>{});

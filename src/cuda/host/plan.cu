@@ -187,9 +187,9 @@ namespace {
 std::string dq_from_ds_limit(const Problem& prob, bool kl) {
   const int32_t gi = prob.Hq / prob.Hi;
   if (prob.opts.mode != Mode::kSparse) return "kFromDs needs mode kSparse";
-  if (gi < 4 || gi > 64 || (gi & (gi - 1)) != 0)
-    return "kFromDs needs Hq / Hi a power of two from 4 to 64 (a dS tile row holds 8 or 16 "
-           "bytes of heads), got " + std::to_string(gi);
+  if (gi < 2 || gi > 64 || (gi & (gi - 1)) != 0)
+    return "kFromDs needs Hq / Hi a power of two from 2 to 64 (dS tiles of whole 16-byte "
+           "pieces), got " + std::to_string(gi);
   if (prob.k > 32) return "kFromDs needs top_k <= 32, got " + std::to_string(prob.k);
   if (kl && kl_route(prob) != KlRoute::kTeacher)
     return "kFromDs needs the KL gradient by kl_pass kTeacher (or kAuto where it takes it)";

@@ -7,9 +7,9 @@
 // dS of (token t, index head i, block_idx column j) is a [Bk keys][Gi heads] tile (dS^T, as the
 // KV side holds it), so a consumer warpgroup's 64 rows (64 / Gi tokens x Gi heads) over one
 // block are the MN-major A operand of dQ += dS K: each key's 64 row values are 16-byte pieces
-// of its tokens' tiles. At Gi = 4 a key's heads are only 8 bytes, so the tile is [Bk / 64][Gi
-// heads][64 keys] (BwdKvArgs::ds) and the A operand K-major: 16-byte pieces of 8 keys of one
-// head (BwdDqTraits::kKMajorDs).
+// of its tokens' tiles. At Gi = 2 and 4 a key's heads are only 4 or 8 bytes, so the tile is
+// [Bk / 64][Gi heads][64 keys] (BwdKvArgs::ds) and the A operand K-major: 16-byte pieces of 8
+// keys of one head (BwdDqTraits::kDsGi).
 //
 // The tile, its block list and the K stream are the query-tile kernels' (device/kv_producer.cuh:
 // kBlockM = 128 rows = m tokens x the Gi query heads of one index head; warp 0 builds the union
@@ -39,13 +39,18 @@ namespace msa::cuda::kern {
 
 using cuda::BwdDqArgs;
 
-template <class Element_, int kHeadDim_, int kBlockN_, bool kKMajorDs_ = false>
+template <class Element_, int kHeadDim_, int kBlockN_, int kDsGi_ = 0>
 struct BwdDqTraits : QueryTileTraits<Element_, kHeadDim_, kBlockN_> {
   using Base = QueryTileTraits<Element_, kHeadDim_, kBlockN_>;
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_, kBlockN = kBlockN_, kBlockM = Base::kBlockM;
-  // Gi = 4: dS tiles [Bk / 64][4 heads][64 keys], the A operand K-major (see the top).
-  static constexpr bool kKMajorDs = kKMajorDs_;
+  // kDsGi = Gi = 2 or 4: dS tiles [Bk / 64][Gi heads][64 keys], the A operand K-major (see the
+  // top); 0: Gi >= 8 at run time, [Bk keys][Gi heads] tiles, MN-major.
+  static constexpr int kDsGi = kDsGi_;
+  static_assert(kDsGi == 0 || kDsGi == 2 || kDsGi == 4, "K-major dS tiles at Gi = 2 or 4");
+  static constexpr bool kKMajorDs = kDsGi != 0;
+  // A warp's 16 rows hold at most 16 / Gi tokens (at Gi >= 8 at most 2, from 0 or 8 rows in).
+  static constexpr int kWarpTokens = kDsGi == 2 ? 8 : 4;
   static constexpr GMMA::Major kMajorDs = kKMajorDs ? GMMA::Major::K : GMMA::Major::MN;
   static_assert(kBlockM == cuda::kQueryTileRows);
   static constexpr int kRows = 64;  // a consumer warpgroup's rows
@@ -137,42 +142,47 @@ struct DsLoaderMN {
   }
 };
 
-// The same share at Gi = 4 with K-major tiles ([Bk / 64][4 heads][64 keys]): the warp's 16 rows
-// are 4 tokens x 4 heads, each row Bk / 8 pieces of 8 keys. Lane l takes token l / 8 of the
-// warp and, for each of its 4 heads, the pieces l % 8 of each 64-key half: 4 Bk / 64 pieces,
-// whose shared offsets it keeps.
+// The same share at Gi = 2 or 4 with K-major tiles ([Bk / 64][Gi heads][64 keys]): the warp's
+// 16 rows are 16 / Gi tokens x Gi heads, each row Bk / 8 pieces of 8 keys. 2 Gi lanes share a
+// token: lane l takes token l / (2 Gi) of the warp and, for each of its Gi heads and each 64-key
+// half, the pieces l % (2 Gi) + 2 Gi q (q < 4 / Gi) of the 8: 4 Bk / 64 pieces, whose shared
+// offsets it keeps.
 template <class Traits>
 struct DsLoaderK {
   using Element = typename Traits::Element;
   static constexpr int kBlockN = Traits::kBlockN;
+  static constexpr int kG = Traits::kDsGi;
+  static constexpr int kLanes = 2 * kG;       // lanes per token
+  static constexpr int kPer = 8 / kLanes;     // pieces per (half, head) and lane
   static constexpr int kHalves = kBlockN / 64;
-  static constexpr int kPieces = 4 * kHalves;
+  static constexpr int kPieces = kHalves * kG * kPer;  // = 4 Bk / 64
   int32_t tok;  // the lane's token in the tile
   int32_t src0;  // its first piece in the token's tile (elements)
-  int32_t soff[kPieces];  // shared offsets (elements) of piece (half h, head e): h * 4 + e
+  int32_t soff[kPieces];  // shared offsets (elements) of piece ((half, head) he, q)
 
   template <class SmemTensor>
   __device__ DsLoaderK(const SmemTensor& stage0, int32_t /*Gi*/, int wg, int warp, int lane) {
-    const int tw = lane >> 3, c0 = lane & 7;
-    const int row0 = 16 * warp + 4 * tw;  // within the warpgroup
-    tok = (64 * wg + row0) / 4;
+    const int tw = lane / kLanes, c0 = lane % kLanes;
+    const int row0 = 16 * warp + kG * tw;  // within the warpgroup
+    tok = (64 * wg + row0) / kG;
     src0 = c0 * 8;
     const auto* base = &stage0(0, 0);
 #pragma unroll
-    for (int h = 0; h < kHalves; ++h)
+    for (int he = 0; he < kHalves * kG; ++he)
 #pragma unroll
-      for (int e = 0; e < 4; ++e)
-        soff[h * 4 + e] = static_cast<int32_t>(&stage0(row0 + e, 64 * h + 8 * c0) - base);
+      for (int q = 0; q < kPer; ++q)
+        soff[he * kPer + q] = static_cast<int32_t>(
+            &stage0(row0 + he % kG, 64 * (he / kG) + 8 * (c0 + kLanes * q)) - base);
   }
 
   // The lane's pieces of one block into the stage at dst: from src (the tile of its token, the
   // block's column), or zeros where `sel` is false.
   __device__ void load(Element* dst, const Element* src, bool sel) const {
 #pragma unroll
-    for (int h = 0; h < kHalves; ++h)
+    for (int he = 0; he < kHalves * kG; ++he)
 #pragma unroll
-      for (int e = 0; e < 4; ++e)
-        cp_async16(dst + soff[h * 4 + e], src + (h * 4 + e) * 64 + src0, sel);
+      for (int q = 0; q < kPer; ++q)
+        cp_async16(dst + soff[he * kPer + q], src + he * 64 + src0 + 8 * kLanes * q, sel);
   }
 };
 
@@ -218,7 +228,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // warp's tokens are at most 4 apart, and a lane ballots for its own) and its dS tiles.
   const bool tok_ok = ld.tok >= lo_w && ld.tok <= hi_w;
   const int32_t qpos = tile.pos0 + ld.tok;  // the lane's token's position in its sequence
-  constexpr int kWarpTokens = 4;            // a warp's 16 rows hold at most 16 / 4 tokens (Gi >= 4)
+  constexpr int kWarpTokens = Traits::kWarpTokens;
   const int32_t wtok0 = (64 * wg + 16 * warp) / Gi;  // the warp's first token
   const int my_wt = ld.tok - wtok0;
   int32_t row[kWarpTokens];

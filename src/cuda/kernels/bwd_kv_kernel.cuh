@@ -6,7 +6,8 @@
 // sums, and the last of them to finish adds them in chunk order and writes the result, so the
 // result does not depend on scheduling and no floating-point atomics are used.
 //
-// The scores are computed transposed, with the keys as MMA rows: S^T = K Q^T and dP^T = V dO^T (SS wgmma, 64 keys per consumer warpgroup, 64 columns per entry),
+// The scores are computed transposed, with the keys as MMA rows: S^T = K Q^T and dP^T = V dO^T (SS wgmma, 64 keys per consumer warpgroup, 64 columns per entry;
+// at Gi = 2 an entry step is two records of 16 tokens x 2 heads, BwdKVTraits::kRecs),
 // which leaves P^T and dS^T in registers as the A operands of dV += P^T dO and dK += dS^T Q
 // (RS wgmma).
 //
@@ -69,8 +70,11 @@ enum class KvKl { kNone, kFused, kTeacher };
 
 // With kFused, Di == kHeadDim. Entries in flight: 4, or 2 with the fused KL branch, whose tiles
 // take the shared memory of two stages. kGi_: Gi (heads per index head) as a compile-time
-// constant (a power of two >= 4; the launch picks it for the common head counts), or 0: Gi at
+// constant (a power of two >= 2; the launch picks it for the common head counts), or 0: Gi at
 // run time. Each is its own kernel: one kernel's code paths for several Gi made ptxas spill.
+// At Gi = 2 an entry of m = 16 tokens fills 32 of the 64 columns, so the kGi = 2 kernel takes
+// two records a step (kRecs): columns 0-31 are the first's, 32-63 the second's (of the same KV
+// block and head, perhaps of another index head), and the MMAs run full.
 template <class Element_, int kHeadDim_, int kBlockN_, KvKl kMode_ = KvKl::kNone, int kGi_ = 0>
 struct BwdKVTraits : KvSideTraits<Element_, kHeadDim_, kBlockN_, kMode_ == KvKl::kFused ? 2 : 4> {
   using Base = KvSideTraits<Element_, kHeadDim_, kBlockN_, kMode_ == KvKl::kFused ? 2 : 4>;
@@ -81,8 +85,10 @@ struct BwdKVTraits : KvSideTraits<Element_, kHeadDim_, kBlockN_, kMode_ == KvKl:
   static constexpr bool kTeacher = kMode_ == KvKl::kTeacher;
   static constexpr bool kHeadMean = kKl || kTeacher;  // the teacher tile and its butterfly sums
   static constexpr int kGi = kGi_;
-  static_assert(kGi == 0 || (!kKl && kGi >= 4 && (kGi & (kGi - 1)) == 0 && kGi <= 64),
-                "a constant Gi is a power of two >= 4, without the fused KL branch");
+  static_assert(kGi == 0 || (!kKl && kGi >= 2 && (kGi & (kGi - 1)) == 0 && kGi <= 64),
+                "a constant Gi is a power of two >= 2, without the fused KL branch");
+  static constexpr int kRecs = kGi == 2 ? 2 : 1;  // records per entry step (see above)
+  static_assert(kRecs == 1 || kEntryTokens * 2 * kRecs == 64, "two records of 16 tokens x 2 heads");
   static constexpr int kBatch = 64;  // tokens of a dk_idx batch
   static constexpr int kBlockC = Base::kBlockC, kTok = Base::kTok, kStages = Base::kStages;
   static constexpr int kWarpGroups = Base::kWarpGroups;  // consumers
@@ -96,7 +102,9 @@ struct BwdKVTraits : KvSideTraits<Element_, kHeadDim_, kBlockN_, kMode_ == KvKl:
   static_assert(kWarpGroups == 1 ||
                     kProducerRegs * 128 + kConsumerRegs * kConsumerThreads <= kLaunchRegs * kThreads,
                 "setmaxnreg asks for more registers than the CTA holds");
-  static constexpr int kRing = 2 * kStages;  // entry records in shared memory
+  static constexpr int kRing = 2 * kStages * kRecs;  // entry records in shared memory
+  // Lanes per warp that issue an entry's bulk dS copies (a token each: four warps).
+  static constexpr int kDsIssuers = kEntryTokens * kRecs / 4;
   using typename Base::SmemLayoutK;
   using typename Base::SmemLayoutQ;
   using typename Base::SmemLayoutQi;
@@ -136,14 +144,16 @@ struct BwdKVTraits : KvSideTraits<Element_, kHeadDim_, kBlockN_, kMode_ == KvKl:
 
   // The KL branch's tiles; one element each without kKl (never touched then), but the teacher
   // tile with kTeacher too.
+  // (kRecs = 2 writes the teacher from registers: no tile.)
   static constexpr int kl_size(int n) { return kKl ? n : 1; }
-  static constexpr int teacher_size(int n) { return kHeadMean ? n : 1; }
+  static constexpr int teacher_size(int n) { return kHeadMean && kRecs == 1 ? n : 1; }
+  static constexpr int kKlAlign = kKl ? 1024 : 16;  // the swizzled tiles' alignment, where used
   struct KlStorage {
-    alignas(1024) cute::array_aligned<Element, kl_size(cosize_v<SmemLayoutK>)> k_idx;
-    alignas(1024) cute::array_aligned<Element, kl_size(cosize_v<SmemLayoutQi>)> q_idx;
-    alignas(1024) cute::array_aligned<Element, kl_size(cosize_v<SmemLayoutQb>)> q_batch;
-    alignas(1024) cute::array_aligned<Element, kl_size(cosize_v<SmemLayoutDSb>)> ds_batch;
-    alignas(1024) cute::array_aligned<Element, kl_size(cosize_v<SmemLayoutDS>)> ds;
+    alignas(kKlAlign) cute::array_aligned<Element, kl_size(cosize_v<SmemLayoutK>)> k_idx;
+    alignas(kKlAlign) cute::array_aligned<Element, kl_size(cosize_v<SmemLayoutQi>)> q_idx;
+    alignas(kKlAlign) cute::array_aligned<Element, kl_size(cosize_v<SmemLayoutQb>)> q_batch;
+    alignas(kKlAlign) cute::array_aligned<Element, kl_size(cosize_v<SmemLayoutDSb>)> ds_batch;
+    alignas(kKlAlign) cute::array_aligned<Element, kl_size(cosize_v<SmemLayoutDS>)> ds;
     float teacher[teacher_size(kBlockN * kTeacherStride)];
     float lidx[kStages][kl_size(kTok)];  // LSE_idx per token
   };
@@ -179,7 +189,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr int kBlockN = Traits::kBlockN, kBlockC = Traits::kBlockC, kHeadDim = Traits::kHeadDim;
   constexpr int kConsumerThreads = Traits::kConsumerThreads, kStages = Traits::kStages;
   constexpr int kRing = Traits::kRing;
-  constexpr int kTok = Traits::kTok;
+  constexpr int kTok = Traits::kTok, kRecs = Traits::kRecs;
   using SharedStorage = typename Traits::SharedStorage;
 
   extern __shared__ __align__(1024) char smem_raw[];
@@ -196,7 +206,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int tid = threadIdx.x;
   const int32_t Gi = p.heads_per_idx, m = p.group_tokens, ipk = p.idx_per_kv;
 
-  constexpr uint32_t kFullArrivals = 128 + EntryList::kRecordWriters;
+  constexpr int kWriters = EntryList::kRecordWriters;  // per record
+  constexpr uint32_t kFullArrivals = 128 + kRecs * kWriters;
   if (tid == 0) {
     for (int st = 0; st < kStages; ++st) {
       Bar::init(&ss.full[st], kFullArrivals);
@@ -229,25 +240,46 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
     constexpr int kStageElems = kBlockC * kHeadDim;
 #pragma unroll 1
-    for (int64_t e = e_begin; e < e_end; ++e) {
-      const int32_t i = static_cast<int32_t>(e - e_begin);
+    for (int64_t e = e_begin; e < e_end; e += kRecs) {
+      const int32_t i = static_cast<int32_t>((e - e_begin) / kRecs);
       const int st = i % kStages;
       if (i >= kStages) Bar::wait(&ss.empty[st], static_cast<uint32_t>((i / kStages - 1) & 1));
-      EntryRecord& en = ss.ring[i % kRing];
-      list.write_record(p.list, e, &en, pt, list.record_chunk(p.list, e, pt));
+      EntryRecord* recs = ss.ring + (i * kRecs) % kRing;
+      {  // record e + h by producer threads [h kWriters, (h + 1) kWriters); none past the chunk
+        const int h = pt / kWriters, rt = pt % kWriters;
+        if (h < kRecs) {
+          if (e + h < e_end) {
+            list.write_record(p.list, e + h, &recs[h], rt, list.record_chunk(p.list, e + h, rt));
+          } else if (rt == 0) {
+            recs[h].count = 0;
+            recs[h].seg = list.seg0;
+          }
+        }
+      }
       cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(Barrier::kProducer));
+      const EntryRecord& en = recs[0];
       const int32_t count = en.count;
       const int32_t head0 = (r * ipk + en.seg - list.seg0) * Gi;
       const ColumnLoader<kHeadDim, 128> cols(sQ(_, _, 0), Gi, pt);
-      cols.load_two(ss.q.data() + st * kStageElems, as<Element>(p.q) + head0 * p.q_s1, p.q_s0, p.q_s1,
-                    ss.dout.data() + st * kStageElems, as<Element>(p.dout) + head0 * p.do_s1,
-                    p.do_s0, p.do_s1, en.tok, count);
+      if constexpr (kRecs == 1) {
+        cols.load_two(ss.q.data() + st * kStageElems, as<Element>(p.q) + head0 * p.q_s1, p.q_s0, p.q_s1,
+                      ss.dout.data() + st * kStageElems, as<Element>(p.dout) + head0 * p.do_s1,
+                      p.do_s0, p.do_s1, en.tok, count);
+      } else {
+        const int32_t head1 = (r * ipk + recs[1].seg - list.seg0) * Gi;
+        cols.load_two_halves(ss.q.data() + st * kStageElems, as<Element>(p.q), p.q_s0, p.q_s1,
+                             ss.dout.data() + st * kStageElems, as<Element>(p.dout), p.do_s0, p.do_s1,
+                             kEntryTokens, en.tok, count, head0, recs[1].tok, recs[1].count, head1);
+      }
       if (pt < kBlockC) {
+        // Column c: record c / (m Gi) of the step, its token and head.
         const int c = pt;
-        const int32_t tok = c / Gi;
-        const bool ok = tok < count && c < m * Gi;
-        const int64_t tk = ok ? en.tok[tok] : 0;
-        const int32_t h = head0 + (ok ? c - tok * Gi : 0);
+        const EntryRecord& er = recs[kRecs == 1 ? 0 : c / (kEntryTokens * 2)];
+        const int cc = kRecs == 1 ? c : c % (kEntryTokens * 2);
+        const int32_t tok = cc / Gi;
+        const bool ok = tok < er.count && cc < m * Gi;
+        const int64_t tk = ok ? er.tok[tok] : 0;
+        const int32_t h = (kRecs == 1 ? head0 : (r * ipk + er.seg - list.seg0) * Gi) + (ok ? cc - tok * Gi : 0);
         cp_async4(&ss.lse[st][c], p.lse + tk * p.lse_s0 + h * p.lse_s1, ok);
         cp_async4(&ss.delta[st][c], p.delta + tk * p.Hq + h, ok);
       }
@@ -265,7 +297,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         }
       }
       cutlass::arch::cpasync_barrier_arrive_noinc(&ss.full[st]);
-      if (pt < EntryList::kRecordWriters) Bar::arrive(&ss.full[st]);
+      if (pt < kRecs * kWriters) Bar::arrive(&ss.full[st]);
     }
     cp_async_wait_all();
     return;
@@ -438,30 +470,31 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   // The dS tiles of entry en (dq from dS; see the loop): rdS (u[2j + a]: columns 8j + 2q,
   // 8j + 2q + 1 of row half a, q = lane % 4) into this warpgroup's staging tile as [token][key]
-  // [head] (Gi = 4: [token][head][key], args.h's BwdKvArgs::ds), then one bulk copy per token to
-  // its tile (the warpgroup's 64 keys of it): token t by lane t / 4 of warp t % 4, so that no
-  // thread issues more than one copy per entry (an entry holds up to 16 tokens). The tile is
-  // free again once the copies issued for the entry before have read it (each issuing thread
-  // waits for its own). Gi is a power of two >= 4.
-  auto stage_ds = [&](const EntryRecord& en) {
+  // [head] (Gi = 2 and 4: [token][head][key], args.h's BwdKvArgs::ds), then one bulk copy per
+  // token to its tile (the warpgroup's 64 keys of it): token t by lane t / 4 of warp t % 4, so
+  // that no thread issues more than one copy per entry (an entry step holds up to 16 tokens, 32
+  // with kRecs = 2: token t is then token t % 16 of record t / 16). The tile is free again once
+  // the copies issued for the entry before have read it (each issuing thread waits for its
+  // own). Gi is a power of two >= 2.
+  auto stage_ds = [&](const EntryRecord* recs) {
     constexpr int kG = Traits::kGi;
     const int gs = kG > 0 ? log2_pow2(kG) : gi_shift;
     const int g = 1 << gs;
     const int ltid = fresh_thread_index() % 128, lane = ltid & 31, col0 = 2 * (lane & 3);
     Element* stage = ss.ds_stage + wg * 64 * kBlockC;
     const uint32_t* u = reinterpret_cast<const uint32_t*>(rdS.data());
-    static_assert(kEntryTokens <= 16, "four issuing lanes per warp");
-    const bool issuer = lane < 4;
+    static_assert(Traits::kDsIssuers <= 8, "a token per issuing lane of four warps");
+    const bool issuer = lane < Traits::kDsIssuers;
     if (issuer) tma_store_wait<0>();
     cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(Barrier::kWarpGroup) + wg);
     static_assert(kCols == 16, "an entry's 64 columns: 8 chunks of 8 per thread row");
     // Column 8j + col0 (col0 < 8): for g <= 8 token col0 / g + j (8 / g), head col0 % g; for
     // g >= 8 token 8j / g, head col0 + 8j % g.
     const int key0 = 16 * (ltid >> 5) + (lane >> 2);
-    if (g == 4) {
-      // [token][head][key]: column 8j + col0 is token 2j + col0 / 4, head col0 % 4; the pair's
-      // two heads are 64 keys apart.
-      uint16_t* base4 = reinterpret_cast<uint16_t*>(stage) + ((col0 >> 2) * 4 + (col0 & 3)) * 64 + key0;
+    if (g <= 4) {
+      // [token][head][key]: column 8j + col0 is token 8j / g + col0 / g, head col0 % g (Gi = 2:
+      // token 4j + col0 / 2, head 0); the pair's two heads are 64 keys apart.
+      uint16_t* base4 = reinterpret_cast<uint16_t*>(stage) + ((col0 >> gs) * g + (col0 & (g - 1))) * 64 + key0;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
 #pragma unroll
@@ -486,12 +519,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     cutlass::arch::fence_view_async_shared();
     cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(Barrier::kWarpGroup) + wg);
     const int t = lane * 4 + (ltid >> 5);
-    if (issuer && t < en.count) {
+    const EntryRecord& en = recs[kRecs == 1 ? 0 : t / kEntryTokens];
+    const int tt = kRecs == 1 ? t : t % kEntryTokens;
+    if (issuer && tt < en.count) {
       const int32_t ih = r * ipk + en.seg - list.seg0;
       const int32_t bytes = 64 * g * static_cast<int32_t>(sizeof(Element));
       SM90_BULK_COPY_S2G::copy(stage + t * 64 * g,
                                as<Element>(p.ds) +
-                                   ((((en.tok[t] - p.ds_tok_lo) * p.Hi + ih) * p.top_k + en.slot[t]) * kBlockN +
+                                   ((((en.tok[tt] - p.ds_tok_lo) * p.Hi + ih) * p.top_k + en.slot[tt]) * kBlockN +
                                     64 * wg) * g,
                                bytes);
       tma_store_arrive();
@@ -503,6 +538,24 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // the entry's record.
   auto write_teacher = [&](int32_t i) {
     constexpr int kG = Traits::kGi;
+    if constexpr (kRecs == 2) {
+      // Gi = 2: a token's two columns are the thread's pair (col0 + 8j, + 1: token col0 / 2 + 4j
+      // of the step, so token col0 / 2 + 4 (j % 4) of record j / 4), so its mean needs no
+      // exchange and goes from registers to the record's teacher rows ([key][m = 16]).
+      const int col0 = get<1>(cSrc(0, 0));
+      const int64_t rec0 = list.lo + e_begin + int64_t(i) * kRecs - p.pass_first;
+      const int nrec = static_cast<int>(min<int64_t>(kRecs, e_end - (e_begin + int64_t(i) * kRecs)));
+#pragma unroll
+      for (int a = 0; a < kRows; ++a) {
+        const int key = get<0>(cSrc(a, 0));
+#pragma unroll
+        for (int j = 0; j < kCols / 2; ++j) {
+          const int h = j / 4, t = col0 / 2 + 4 * (j % 4);
+          if (h < nrec) p.teacher[((rec0 + h) * kBlockN + key) * kEntryTokens + t] = (S(a, 2 * j) + S(a, 2 * j + 1)) * 0.5f;
+        }
+      }
+      return;
+    }
     const int gs = kG > 0 ? log2_pow2(kG) : gi_shift;
     const int g = 1 << gs;
     const int ltid = fresh_thread_index(), lane = ltid & 31, col0 = 2 * (lane & 3);
@@ -573,7 +626,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // and dK products; without the fused KL branch also the entry's dS tiles for bwd_dq.
   // Column c (its token's position in the block: lim; -1: no token) sees the block's rows up to
   // lim; an entry whose every column holds a token past the block's last key sees all of them.
-  auto entry_math = [&](const EntryRecord& en, int st, int32_t i) {
+  auto entry_math = [&](const EntryRecord* recs, int st, int32_t i) {
+    const EntryRecord& en = recs[0];
     constexpr int kG = Traits::kGi;
     const int g = kG > 0 ? kG : Gi;
     auto col_token = [&](int col) {
@@ -583,7 +637,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     };
     const int col0 = get<1>(cSrc(0, 0));
     const float scale_log2 = p.scale_log2;
-    const bool whole = en.count * g == kBlockC && en.tok[0] - key_base >= kBlockN - 1;
+    bool whole = en.count * g * kRecs == kBlockC && en.tok[0] - key_base >= kBlockN - 1;
+    if constexpr (kRecs == 2) whole = whole && recs[1].count == en.count && recs[1].tok[0] - key_base >= kBlockN - 1;
     if (whole) {
 #pragma unroll
       for (int c = 0; c < kCols; ++c) {
@@ -602,8 +657,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
       for (int c = 0; c < kCols; ++c) {
         const int col = col0 + 8 * (c >> 1) + (c & 1);
-        const int32_t t = col_token(col);
-        const int32_t lim = entry_selects(en, t) ? static_cast<int32_t>(en.tok[t] - key_base) : -1;
+        // kRecs = 2: column col is column col % 32 of record col / 32
+        const EntryRecord& er = recs[kRecs == 1 ? 0 : col / (kBlockC / 2)];
+        const int32_t t = col_token(kRecs == 1 ? col : col % (kBlockC / 2));
+        const int32_t lim = entry_selects(er, t) ? static_cast<int32_t>(er.tok[t] - key_base) : -1;
         const float lse2 = ss.lse[st][col] * static_cast<float>(M_LOG2E);
         const float delta = ss.delta[st][col];
 #pragma unroll
@@ -620,18 +677,19 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     convert_into(tSrdP, rdS);
     // dq from dS (p.ds): the entry's dS, the values dK's product reads, staged before the
     // GEMMs take the registers (an operand of a GEMM in flight is not to be read); the bulk
-    // copies to the tokens' tiles then run under the GEMMs. Gi is a power of two >= 4 here.
+    // copies to the tokens' tiles then run under the GEMMs. Gi is a power of two >= 2 here.
     if constexpr (!Traits::kKl) {
-      if (p.ds != nullptr) stage_ds(en);
+      if (p.ds != nullptr) stage_ds(recs);
     }
   };
 
   Bar::wait(&ss.kv_full, 0);
-  const int32_t entries = static_cast<int32_t>(e_end - e_begin);
+  const int32_t entries = static_cast<int32_t>((e_end - e_begin + kRecs - 1) / kRecs);  // steps
   for (int32_t i = 0; i < entries; ++i) {
     const int st = i % kStages;
     Bar::wait(&ss.full[st], static_cast<uint32_t>((i / kStages) & 1));
-    const EntryRecord& en = ss.ring[i % kRing];
+    const EntryRecord* recs = ss.ring + (i * kRecs) % kRing;
+    const EntryRecord& en = recs[0];
     if constexpr (Traits::kKl) {
       const int32_t ik = (r * ipk + en.seg - list.seg0) / p.idx_per_key;
       if (ik != loaded_ik) {  // another index key head: (re)load this warpgroup's index keys
@@ -653,7 +711,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         flush_batch();
       }
     }
-    if (en.count == 0) {
+    if (en.count == 0 && (kRecs == 1 || recs[1].count == 0)) {
       if constexpr (Traits::kKl) run_dq();
       Bar::arrive(&ss.empty[st]);
       continue;
@@ -667,7 +725,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     wg_gemm<true>(mma_s, tSrK, tSrQ(_, _, _, st), tSrS);
     wg_gemm<true>(mma_s, tSrV, tSrdO(_, _, _, st), tSrdP);
     warpgroup_wait<0>();
-    entry_math(en, st, i);
+    entry_math(recs, st, i);
     // Every read of the score accumulators happens before the GEMMs are issued (ptxas
     // serialises the wgmma pipeline if one is scheduled inside it). With kKl the index scores
     // S_idx^T go first, so that the student below runs under dV and dK.
@@ -743,7 +801,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   } else {
     // The last bulk copies of dS done (their shared source lives as long as the CTA), by each
     // thread that issued some.
-    if (p.ds != nullptr && (fresh_thread_index() & 31) < 4) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+    if (p.ds != nullptr && (fresh_thread_index() & 31) < Traits::kDsIssuers) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
   }
 
   Tensor cKV = thr_kv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
