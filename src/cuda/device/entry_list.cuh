@@ -257,23 +257,25 @@ struct RecordSteps {
 };
 
 // A chunk's entries [begin, end) through kStages shared-memory stages, kStages - 1 of them in
-// flight ahead of the one being computed. issue(record, stage) starts the cp.async loads of one
+// flight ahead of the one being computed. issue(records, stage) starts the cp.async loads of one
 // entry's rows; each entry is one commit group (empty past the end, so that the wait counts stay
-// right).
+// right). An entry is kRecs consecutive records (kRecs = 2: two records of 16 tokens x 2 heads
+// fill an entry's 64 rows at Gi = 2; a missing second record reads as count 0) and is named by
+// its first record e (begin, begin + kRecs, ...).
 //
-// The rows' addresses come from the entry's record, so records run kLead = kStages - 1 entries
-// ahead of the rows, through a ring of kRing = 2 * kStages shared-memory slots: entry n's record
-// is copied in the group of entry n - kLead, which has landed when entry n's rows are issued.
-// The ring holds the record of every entry from the one before the entry being computed (the
-// KL branch finishes an entry one entry late) to the last one in flight.
+// The rows' addresses come from the entry's records, so records run kLead = kStages - 1 entries
+// ahead of the rows, through a ring of kRing = 2 * kStages * kRecs shared-memory slots: entry n's
+// records are copied in the group of entry n - kLead, which has landed when entry n's rows are
+// issued. The ring holds the records of every entry from the one before the entry being
+// computed (the KL branch finishes an entry one entry late) to the last one in flight.
 //
 // kSyncThreads = 0: the whole CTA shares the stream (its syncs are __syncthreads). Otherwise the
 // kSyncThreads threads of one group (a warpgroup) own it: tid is the thread's index in the group
 // and `bar` the named barrier the group syncs on, so that groups run their streams independently.
-template <int kStages, int kSyncThreads = 0>
+template <int kStages, int kSyncThreads = 0, int kRecs = 1>
 struct EntryStream {
   static constexpr int kLead = kStages - 1;
-  static constexpr int kRing = 2 * kStages;
+  static constexpr int kRing = 2 * kStages * kRecs;
   int64_t begin, end, next;
   EntryRecord* ring;
   int tid;
@@ -284,8 +286,7 @@ struct EntryStream {
   __device__ EntryStream(const EntryList& list, const EntryListParams& lp, int64_t begin_,
                          int64_t end_, EntryRecord* ring_, int tid_ = threadIdx.x, uint32_t bar_ = 0)
       : begin(begin_), end(end_), next(begin_), ring(ring_), tid(tid_), bar(bar_) {
-    for (int64_t e = begin; e < begin + kLead && e < end; ++e)
-      list.issue_record(lp, e, &ring[slot(e)], thread());
+    for (int64_t e = begin; e < begin + kLead * kRecs && e < end; e += kRecs) issue_records(list, lp, e);
     cp_async_commit();
     cp_async_wait_all();
     cutlass::arch::fence_view_async_shared();
@@ -307,9 +308,25 @@ struct EntryStream {
       cutlass::arch::NamedBarrier::sync(kSyncThreads, bar);
   }
 
-  __device__ int stage(int64_t e) const { return static_cast<int>((e - begin) % kStages); }
-  __device__ int slot(int64_t e) const { return static_cast<int>((e - begin) % kRing); }
+  __device__ int64_t index(int64_t e) const { return kRecs == 1 ? e - begin : (e - begin) / kRecs; }
+  __device__ int stage(int64_t e) const { return static_cast<int>(index(e) % kStages); }
+  __device__ int slot(int64_t e) const { return static_cast<int>(index(e) % (2 * kStages)) * kRecs; }
   __device__ const EntryRecord& record(int64_t e) const { return ring[slot(e)]; }
+  __device__ const EntryRecord* records(int64_t e) const { return ring + slot(e); }
+
+  // Entry e's records into its ring slots (cp.async; a missing one: count 0, by a plain store
+  // that the group's next sync publishes).
+  __device__ void issue_records(const EntryList& list, const EntryListParams& lp, int64_t e) {
+#pragma unroll
+    for (int h = 0; h < kRecs; ++h) {
+      const int t = thread() - h * kEntryTokens;  // record h by the threads from h * 16 on
+      if (e + h < end) {
+        if (t >= 0) list.issue_record(lp, e + h, &ring[slot(e) + h], t);
+      } else if (t == 0) {
+        ring[slot(e) + h].count = 0;
+      }
+    }
+  }
 
   // The rows of the first kStages - 1 entries (after the loads that ride with the first).
   template <class Issue>
@@ -326,10 +343,10 @@ struct EntryStream {
 
   template <class Issue>
   __device__ void issue_next(const EntryList& list, const EntryListParams& lp, Issue&& issue) {
-    if (next < end) issue(ring[slot(next)], stage(next));
-    if (next + kLead < end) list.issue_record(lp, next + kLead, &ring[slot(next + kLead)], thread());
+    if (next < end) issue(records(next), stage(next));
+    if (next + kLead * kRecs < end) issue_records(list, lp, next + kLead * kRecs);
     cp_async_commit();
-    ++next;
+    next += kRecs;
   }
 };
 

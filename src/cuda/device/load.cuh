@@ -136,6 +136,26 @@ struct ColumnLoader {
     }
   }
 
+  // load over an entry of two records: the tile's tokens [0, split) are the first record's
+  // (toks0, count0, heads from head0), tokens [split, 2 split) the second's; src points at head 0
+  // of packed token 0.
+  template <class Element>
+  __device__ void load_halves(Element* dst, const Element* src, int64_t s0, int64_t s1, int32_t split,
+                              const int32_t* toks0, int32_t count0, int32_t head0_,
+                              const int32_t* toks1, int32_t count1, int32_t head1_) const {
+    int32_t tok = tok0, head = head0;
+#pragma unroll
+    for (int j = 0; j < kIters; ++j) {
+      const bool second = tok >= split;
+      const int32_t tt = second ? tok - split : tok;
+      const bool ok = tt < (second ? count1 : count0);
+      const int64_t t = ok ? (second ? toks1 : toks0)[tt] : 0;
+      const int32_t hd = (second ? head1_ : head0_) + head;
+      cp_async16(dst + soff0 + j * dsoff, src + t * s0 + hd * s1 + chunk * 8, ok);
+      advance(tok, head);
+    }
+  }
+
   // load_two over an entry step of two records: the tile's tokens [0, split) are the first
   // record's (toks0, count0, heads from head0), tokens [split, 2 split) the second's (toks1,
   // count1, heads from head1); srcA/srcB point at head 0 of packed token 0.

@@ -207,12 +207,17 @@ Status launch_fwd_kv(const FwdKvArgs& a, cudaStream_t stream) {
     return static_cast<unsigned>(std::min<int64_t>((threads + 255) / 256, int64_t(num_sms()) * 128));
   };
   kern::fwd_zero_kernel<Element><<<grid(pairs * a.top_k / 2 + 1), 256, 0, stream>>>(a);
-  auto launch = [&](auto scaled) {  // scaled: K and V an E4M3 cache's codes, with its page scales
-    using Traits = kern::FwdKvTraits<Element, kHeadDim, kBlockN, decltype(scaled)::value>;
+  // scaled: K and V an E4M3 cache's codes, with its page scales; recs: records an entry (two at
+  // Gi = 2, FwdKvTraits::kRecs)
+  auto launch = [&](auto scaled, auto recs) {
+    using Traits = kern::FwdKvTraits<Element, kHeadDim, kBlockN, decltype(scaled)::value, decltype(recs)::value>;
     return detail::launch_kv_side<Traits, kern::FwdKvParams<Traits>>("forward", kern::fwd_kv_kernel<Traits>, a,
                                                                      stream);
   };
-  const Status st = a.kv_scale != nullptr ? launch(cute::true_type{}) : launch(cute::false_type{});
+  auto by_recs = [&](auto scaled) {
+    return a.heads_per_idx == 2 ? launch(scaled, cute::Int<2>{}) : launch(scaled, cute::Int<1>{});
+  };
+  const Status st = a.kv_scale != nullptr ? by_recs(cute::true_type{}) : by_recs(cute::false_type{});
   if (!st.ok()) return st;
   // The split: the query tiles that run next merge the partials.
   if (a.taken == nullptr)

@@ -6,7 +6,8 @@
 //
 // fwd_kv_kernel: one CTA walks one chunk of the entry list of one (KV block, KV head) item
 // (device/entry_list.cuh: records of up to m tokens that selected the block through one index
-// head; an entry's 64 rows are (token, head) pairs, row = token slot * Gi + head). The block's K
+// head; an entry's 64 rows are (token, head) pairs, row = token slot * Gi + head; at Gi = 2 an
+// entry is two records, FwdKvTraits::kRecs). The block's K
 // and V stay in shared memory for the whole chunk. Per entry, with the entry's rows as MMA rows
 // (as a query tile's rows, so every reduction stays inside a quad of one warp):
 //   S = Q K^T                       (SS wgmma, 64 rows x kBlockN keys),
@@ -51,12 +52,15 @@ using cuda::FwdKvArgs;
 
 // kScaledKV: K and V are an E4M3 cache's codes (as Element) with per-page scales: the item's
 // scores times its block's k scale (and each row's query scale, FP8 queries), its partial O
-// times its v scale.
-template <class Element_, int kHeadDim_, int kBlockN_, bool kScaledKV_ = false>
+// times its v scale. kRecs = 2 (Gi = 2, where a record's 16 tokens x 2 heads fill half of an
+// entry's 64 rows): an entry is two records, rows 0-31 the first's, 32-63 the second's.
+template <class Element_, int kHeadDim_, int kBlockN_, bool kScaledKV_ = false, int kRecs_ = 1>
 struct FwdKvTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_, kBlockN = kBlockN_;
   static constexpr bool kScaledKV = kScaledKV_;
+  static constexpr int kRecs = kRecs_;
+  static_assert(kRecs == 1 || (kRecs == 2 && kEntryTokens * 2 * kRecs == 64), "two records of 16 x 2 rows");
   static constexpr int kRows = 64;  // an entry's (token, head) rows: one wgmma M
   static constexpr int kWarpGroups = 2;
   static constexpr int kThreads = 128 * kWarpGroups;
@@ -84,7 +88,7 @@ struct FwdKvTraits {
     // accumulator's stores hit 32 distinct banks), copied out in whole 16-byte row chunks.
     alignas(16) Element o[kWarpGroups][kRows * kOStride];
     int64_t row_slot[kWarpGroups][kRows];  // the partial slot of each staged row (-1: none)
-    EntryRecord ring[kWarpGroups][EntryStream<kStages, 128>::kRing];
+    EntryRecord ring[kWarpGroups][EntryStream<kStages, 128, kRecs>::kRing];
   };
 };
 
@@ -100,6 +104,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     fwd_kv_kernel(const __grid_constant__ FwdKvParams<Traits> p) {
   using Element = typename Traits::Element;
   constexpr int kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim, kStages = Traits::kStages;
+  constexpr int kRecs = Traits::kRecs;
   using SharedStorage = typename Traits::SharedStorage;
 
   extern __shared__ __align__(1024) char smem_raw[];
@@ -143,24 +148,32 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       sV, as<Element>(p.v) + key_row * p.v_s0 + r * p.v_s1, p.v_s0, tile.count, tid, Traits::kThreads);
   cp_async_commit();
 
-  // This warpgroup's half of the chunk. The stream's constructor waits for all of the thread's
-  // copies (K and V included); the CTA barrier then makes every thread's visible to all.
-  const int64_t half = (e_end - e_begin + 1) / 2;
-  const int64_t my_begin = wg == 0 ? e_begin : e_begin + half;
-  const int64_t my_end = wg == 0 ? e_begin + half : e_end;
-  EntryStream<kStages, 128> stream(list, p.list, my_begin, my_end, ss.ring[wg], lt,
-                                   static_cast<uint32_t>(Barrier::kWarpGroup) + wg);
+  // This warpgroup's half of the chunk's entries (of kRecs records). The stream's constructor
+  // waits for all of the thread's copies (K and V included); the CTA barrier then makes every
+  // thread's visible to all.
+  const int64_t half = ((e_end - e_begin + kRecs - 1) / kRecs + 1) / 2 * kRecs;
+  const int64_t my_begin = wg == 0 ? e_begin : min(e_begin + half, e_end);
+  const int64_t my_end = wg == 0 ? min(e_begin + half, e_end) : e_end;
+  EntryStream<kStages, 128, kRecs> stream(list, p.list, my_begin, my_end, ss.ring[wg], lt,
+                                          static_cast<uint32_t>(Barrier::kWarpGroup) + wg);
   __syncthreads();
 
   // An entry's Q rows into stage st of this warpgroup (cp.async by its 128 threads).
   constexpr int kStageElems = Traits::kRows * kHeadDim;
   const ColumnLoader<kHeadDim, 128> rows_in(sQ(_, _, wg * kStages), Gi, lt);
-  auto issue = [&](const EntryRecord& en, int st) {
+  auto issue = [&](const EntryRecord* recs, int st) {
+    const EntryRecord& en = recs[0];
     const int32_t head0 = (r * ipk + en.seg - list.seg0) * Gi;
-    int32_t t[ColumnLoader<kHeadDim, 128>::kIters];
-    rows_in.tokens(en.tok, en.count, t);
-    rows_in.load(ss.q.data() + (wg * kStages + st) * kStageElems, as<Element>(p.q) + head0 * p.q_s1,
-                 p.q_s0, p.q_s1, t);
+    if constexpr (kRecs == 1) {
+      int32_t t[ColumnLoader<kHeadDim, 128>::kIters];
+      rows_in.tokens(en.tok, en.count, t);
+      rows_in.load(ss.q.data() + (wg * kStages + st) * kStageElems, as<Element>(p.q) + head0 * p.q_s1,
+                   p.q_s0, p.q_s1, t);
+    } else {
+      const int32_t head1 = (r * ipk + recs[1].seg - list.seg0) * Gi;
+      rows_in.load_halves(ss.q.data() + (wg * kStages + st) * kStageElems, as<Element>(p.q), p.q_s0,
+                          p.q_s1, kEntryTokens, en.tok, en.count, head0, recs[1].tok, recs[1].count, head1);
+    }
   };
   stream.start(list, p.list, issue);
 
@@ -183,11 +196,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Tensor O = make_tensor(tOrO.data(), acc_rowcol(tOrO.layout()));
   Tensor cOrc = make_tensor(cO.data(), acc_rowcol(cO.layout()));
   constexpr int kRowsThr = decltype(size<0>(S))::value;  // rows this thread holds (2)
-  // This thread's rows: token slot and head.
+  // This thread's rows: token slot and head (in record my_rec of an entry: kRecs = 2 puts rows
+  // 0-31, warps 0 and 1, in the first record and rows 32-63 in the second).
   int32_t row_t[kRowsThr], row_h[kRowsThr];
+  const int my_rec = kRecs == 1 ? 0 : lt / 64;
 #pragma unroll
   for (int a = 0; a < kRowsThr; ++a) {
-    const int row = get<0>(cSrc(a, 0));
+    const int row = get<0>(cSrc(a, 0)) - 32 * my_rec;
     row_t[a] = row / Gi;
     row_h[a] = row - row_t[a] * Gi;
   }
@@ -197,7 +212,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // are ascending) lies inside the block, before its last key, needs the causal mask; rows past
   // the entry's tokens are left unmasked (never stored).
   float mx[kRowsThr], sum[kRowsThr];
-  auto softmax = [&](const EntryRecord& en) {
+  auto softmax = [&](const EntryRecord* recs) {
+    const EntryRecord& en = recs[my_rec];
     const bool causal = en.tok[0] - key_base < kBlockN - 1;
     constexpr int kCols = decltype(size<1>(S))::value;
     constexpr int kWays = 4;  // independent chains of the row max and sum
@@ -241,7 +257,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // of 256-byte rows. The warpgroup's previous copy-out finished before the stream's last sync.
   Element* so = ss.o[wg];
   int64_t* row_slot = ss.row_slot[wg];
-  auto store = [&](const EntryRecord& en, const float (&m)[kRowsThr], const float (&l)[kRowsThr]) {
+  auto store = [&](const EntryRecord* recs, const float (&m)[kRowsThr], const float (&l)[kRowsThr]) {
+    const EntryRecord& en = recs[my_rec];
     const int32_t head0 = (r * ipk + en.seg - list.seg0) * Gi;
 #pragma unroll
     for (int a = 0; a < kRowsThr; ++a) {
@@ -290,15 +307,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     stream.issue_next(list, p.list, issue);
     wg_gemm<true>(mma_s, tSrQ(_, _, _, wg * kStages + stream.stage(my_begin)), tSrK, tSrS);
     warpgroup_wait<0>();
-    softmax(stream.record(my_begin));
+    softmax(stream.records(my_begin));
     convert_into(tSrS, rP);
   }
   float m[kRowsThr], l[kRowsThr];  // the max and sum of the entry whose O = P V is in flight
-  for (int64_t e = my_begin; e + 1 < my_end; ++e) {
+  for (int64_t e = my_begin; e + kRecs < my_end; e += kRecs) {
     // Entry e + 1 has landed; entry e's stage (its S is done) is refilled.
     stream.wait();
     stream.issue_next(list, p.list, issue);
-    wg_gemm<true>(mma_s, tSrQ(_, _, _, wg * kStages + stream.stage(e + 1)), tSrK, tSrS);
+    wg_gemm<true>(mma_s, tSrQ(_, _, _, wg * kStages + stream.stage(e + kRecs)), tSrK, tSrS);
     wg_gemm<true, true>(mma_o, tOrP, tOrV, tOrO);
 #pragma unroll
     for (int a = 0; a < kRowsThr; ++a) {
@@ -306,9 +323,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       l[a] = sum[a];
     }
     warpgroup_wait<1>();
-    softmax(stream.record(e + 1));
+    softmax(stream.records(e + kRecs));
     warpgroup_wait<0>();
-    store(stream.record(e), m, l);
+    store(stream.records(e), m, l);
     convert_into(tSrS, rP);
   }
   if (my_begin < my_end) {
@@ -317,7 +334,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // The staging tile is free once every thread has copied out the previous entry (inside the
     // loop, the next entry's stream wait is that barrier).
     cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(Barrier::kWarpGroup) + wg);
-    store(stream.record(my_end - 1), mx, sum);
+    store(stream.records(my_begin + (my_end - 1 - my_begin) / kRecs * kRecs), mx, sum);
   }
   cp_async_wait_all();
 }

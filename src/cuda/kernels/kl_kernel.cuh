@@ -106,7 +106,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   const ColumnLoader<kDim, kThreads> cols_in(sQ(_, _, 0), Gi, tid);
   constexpr int kStageElems = kBlockC * kDim;
-  auto issue = [&](const EntryRecord& en, int st) {
+  auto issue = [&](const EntryRecord* recs, int st) {
+    const EntryRecord& en = recs[0];
     const int32_t count = en.count;
     const int32_t i = r * ipk + en.seg - list.seg0;
     const int32_t head0 = i * Gi;
