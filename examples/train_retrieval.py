@@ -463,7 +463,8 @@ def main(argv=None) -> int:
                    help="attention head width (0: d_model / heads); heads of 128 are the shape "
                         "the Hopper kernels are built for")
     p.add_argument("--idx-heads", type=int, default=0,
-                   help="index query heads (0: one per KV head)")
+                   help="index query heads (0: one per KV head; e.g. 2 per KV head, an index "
+                        "head per Hq / Hi query heads, for a sharper teacher)")
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--top-k", type=int, default=16)
     p.add_argument("--kl-weight", type=float, default=0.1)

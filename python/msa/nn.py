@@ -61,7 +61,10 @@ class MSAAttention(nn.Module):
         n_heads, n_kv_heads: main query heads ``Hq`` and KV heads ``Hkv`` (``Hkv`` divides ``Hq``).
         head_dim: main head dim ``D`` (even; default ``d_model // n_heads``).
         n_idx_heads: index query heads ``Hi``: a multiple of ``Hkv`` that divides ``Hq``
-            (default ``Hkv``: one per GQA group).
+            (default ``Hkv``: one per GQA group). The CUDA backward has Gi-constant kernels for
+            ``Hq / Hi`` = 2, 4 and 16 (others take Gi at run time); the selection and the KL
+            gradient scale with ``Hi``, and an index head over fewer query heads learns a
+            sharper teacher (docs/perf.md, the retrieval runs at 32K).
         n_idx_key_heads: index key heads ``Hik`` (divides ``Hi``; default 1, shared).
         idx_head_dim: index head dim ``Di`` (even; default ``head_dim``; the CUDA backend's KL
             gradient needs ``Di == D``).
