@@ -273,7 +273,8 @@ def index_flops_of(pos: torch.Tensor) -> float:
     return 2 * DI * HI * float((pos + 1).sum())
 
 
-def prefill_case(cache: Cache, prefix: int, chunk: int, dev, alpha: float = 0.44, e4m3: bool = False):
+def prefill_case(cache: Cache, prefix: int, chunk: int, dev, alpha: float = 0.44, e4m3: bool = False,
+                 profile: bool = False):
     total = prefix + chunk
     per = -(-total // BK)
     cu_full = torch.tensor([0, total], dtype=torch.int32, device=dev)
@@ -298,6 +299,13 @@ def prefill_case(cache: Cache, prefix: int, chunk: int, dev, alpha: float = 0.44
                                                           block_idx=bi, fwd_pass=fp, **kw), iters=5, warmup=1)
                   for fp in ("auto", "query_tile", "split", "kv_block")}
         t_attend = t_pass["auto"]
+        if profile:  # each walk's kernels (torch.profiler), longest first
+            from bench_backward import profile_kernels
+            for fp in t_pass:
+                ks = profile_kernels(lambda: serving.paged_forward(q, cache.k, cache.v, page_table, seq_lens, cu,
+                                                                   block_idx=bi, fwd_pass=fp, **kw))
+                print(f"prefill {chunk} after {prefix} {fp}: {t_pass[fp]:.3f} ms; kernels "
+                      + ", ".join(f"{n} {ms:.3f}" for n, ms in ks[:8]), flush=True)
         # FP8 index scores (E4M3 copies of q_idx and of the pages), re-ranked (4) and alone (0).
         t_fp8, bi_fp8 = {}, {}
         for m in (4, 0):
@@ -374,6 +382,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="write PREFIX.csv and PREFIX.json")
     p.add_argument("--no-prefill", action="store_true")
     p.add_argument("--no-decode", action="store_true")
+    p.add_argument("--profile", action="store_true", help="print each prefill walk's kernels (torch.profiler)")
+    p.add_argument("--prefill-shapes", default=None,
+                   help="the prefills as PREFIX:CHUNK,... (default 131072:8192,131072:32768,1048576:8192,1048576:32768)")
     p.add_argument("--ctx", type=int, nargs="*", help="decode context lengths (default: a grid)")
     p.add_argument("--batch", type=int, nargs="*", help="decode batches")
     p.add_argument("--q-len", type=int, nargs="*", help="decode new tokens per sequence")
@@ -410,9 +421,13 @@ def main(argv=None) -> int:
                     print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}),
                           flush=True)
     if not args.no_prefill:
-        for prefix, chunk in ([(131072, 8192), (1 << 20, 8192)] if args.quick else
-                              [(131072, 8192), (131072, 32768), (1 << 20, 8192), (1 << 20, 32768)]):
-            r = prefill_case(cache, prefix, chunk, dev, alpha=args.prefill_alpha, e4m3=True in fp8s)
+        shapes = ([(131072, 8192), (1 << 20, 8192)] if args.quick else
+                  [(131072, 8192), (131072, 32768), (1 << 20, 8192), (1 << 20, 32768)])
+        if args.prefill_shapes:
+            shapes = [tuple(int(x) for x in s.split(":")) for s in args.prefill_shapes.split(",")]
+        for prefix, chunk in shapes:
+            r = prefill_case(cache, prefix, chunk, dev, alpha=args.prefill_alpha, e4m3=True in fp8s,
+                             profile=args.profile)
             rows.append(r)
             print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}),
                   flush=True)

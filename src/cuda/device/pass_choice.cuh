@@ -27,13 +27,15 @@
 namespace msa::cuda::kern {
 
 constexpr unsigned long long kKvCostNum = 21, kKvCostDen = 10;  // kKvCost = 2.1
-// A work item's cost in the same units (a tile's token visiting a block: kKvCostDen), fitted on
-// the H200 to the split's times of prefills of 8K and 32K tokens after 128K and 1M cached ones
-// (docs/perf.md, 2026-12-02; a least-squares fit of the time to the split's sum and its items:
-// 0.35 us an item, the query tiles' rate being 0.2 ns a unit). Where few tokens share a block
-// (8K new tokens after 1M) it makes kAuto take the faster query tiles; training shapes give an
-// item hundreds of pairs, so the term moves their sums by a few percent.
-constexpr unsigned long long kKvItemCost = 1770;
+// A work item's cost in the same units (a tile's token visiting a block: kKvCostDen), set on the
+// H200 from the times of both walks over prefills of 1K to 32K new tokens after 128K and 1M
+// cached ones (docs/perf.md, 2026-12-04): the split's time fits 0.25 ns a unit of its sum plus
+// 0.12 us an item, the query tiles' 0.2 ns a unit, and every value from 650 to 780 makes kAuto
+// take the faster walk on all ten (0.35 us an item, 1770, on 2026-12-02, before a KV-side CTA
+// found its work in two loads). Where a short chunk's tokens share few blocks the items outweigh
+// the pairs and kAuto takes the query tiles; training shapes give an item hundreds of pairs, so
+// the term moves their sums by a few percent.
+constexpr unsigned long long kKvItemCost = 700;
 
 // The fewest of a tile's `tile_tokens` tokens that keep a block with the tile.
 __host__ __device__ constexpr int32_t share_min(int32_t tile_tokens) {
