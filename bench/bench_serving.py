@@ -424,7 +424,13 @@ def main(argv=None) -> int:
         shapes = ([(131072, 8192), (1 << 20, 8192)] if args.quick else
                   [(131072, 8192), (131072, 32768), (1 << 20, 8192), (1 << 20, 32768)])
         if args.prefill_shapes:
-            shapes = [tuple(int(x) for x in s.split(":")) for s in args.prefill_shapes.split(",")]
+            try:
+                shapes = [tuple(int(x) for x in s.split(":")) for s in args.prefill_shapes.split(",")]
+            except ValueError:
+                shapes = []
+            if not shapes or any(len(x) != 2 or min(x) < 1 for x in shapes):
+                p.error(f"argument --prefill-shapes: expected PREFIX:CHUNK,... of positive integers, "
+                        f"got {args.prefill_shapes!r}")
         for prefix, chunk in shapes:
             r = prefill_case(cache, prefix, chunk, dev, alpha=args.prefill_alpha, e4m3=True in fp8s,
                              profile=args.profile)
