@@ -458,12 +458,15 @@ Config shape(std::vector<int64_t> lens, int Hq, int Hkv, int D, int Hi, int Hik,
   return c;
 }
 
-// One sequence of 3000 tokens and 4200 of 0-9 tokens: more KV-side work items (KV tile ids x
-// KV heads: 8648) than one CTA lays out, so the work lists take the multi-kernel path.
+// 4200 sequences of 0-9 tokens, then one of 3000: more KV-side work items (KV tile ids x KV
+// heads: 8648) than one CTA lays out, so the work lists take the multi-kernel path; the long
+// sequence's tiles come last, so a CTA's lookup of its tile (e.g. the FP8 re-ranking's, over
+// thousands of segments) finds it deep in the tables.
 std::vector<int64_t> many_sequences() {
-  std::vector<int64_t> lens{3000};
+  std::vector<int64_t> lens;
   const int64_t cycle[] = {1, 2, 0, 5, 9};
   for (int i = 0; i < 4200; ++i) lens.push_back(cycle[i % 5]);
+  lens.push_back(3000);
   return lens;
 }
 

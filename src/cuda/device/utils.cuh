@@ -100,6 +100,23 @@ CUTE_DEVICE int fresh_thread_index() {
 // log2 of a power of two, at compile time where x is a constant.
 CUTE_HOST_DEVICE constexpr int log2_pow2(int x) { return x <= 1 ? 0 : 1 + log2_pow2(x >> 1); }
 
+// The last s in [0, n) with v[s] <= x, where v is nondecreasing and v[0] <= x, found by the
+// whole CTA (every thread calls it and gets the answer): each round samples blockDim.x values of
+// the remaining range with independent loads and narrows it by __syncthreads_count, so that
+// n <= blockDim.x^r takes r rounds of one load each instead of a binary search's log2(n)
+// dependent loads (a CTA that looks up its work item before its first copy waits on them).
+CUTE_DEVICE int64_t cta_last_le(const int32_t* v, int64_t n, int32_t x) {
+  int64_t lo = 0, len = n;
+  while (len > 1) {
+    const int64_t stride = (len + blockDim.x - 1) / blockDim.x;
+    const int64_t s = lo + int64_t(threadIdx.x) * stride;
+    const int taken = __syncthreads_count(s < lo + len && v[s] <= x);  // a prefix of the samples
+    lo += int64_t(taken - 1) * stride;
+    len = min(stride, len - int64_t(taken - 1) * stride);
+  }
+  return lo;
+}
+
 // Element conversion of a register tensor into another of the same shape.
 template <class TSrc, class TDst>
 CUTE_DEVICE void convert_into(TSrc const& src, TDst& dst) {

@@ -59,8 +59,9 @@ struct RerankTraits {
   };
 };
 
-// Warp roles: none (all 256 threads load, then each warpgroup multiplies its 64 rows). Work: chunk
-// blockIdx.x of the segments' lists (CTAs past the last chunk leave).
+// Warp roles: none (all 256 threads look up the chunk's segment together and load, then each
+// warpgroup multiplies its 64 rows). Work: chunk blockIdx.x of the segments' lists (CTAs past the
+// last chunk leave).
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads) rerank_score_kernel(const __grid_constant__ SelectArgs a) {
   using Element = typename Traits::Element;
@@ -70,12 +71,7 @@ __global__ void __launch_bounds__(Traits::kThreads) rerank_score_kernel(const __
   if (chunk >= r.chunk_start[r.nseg]) return;
   const int32_t nr = r.ranges;
   // The segment: the last s with chunk_start[s] <= chunk (empty segments share their start).
-  int64_t lo = 0, hi = r.nseg - 1;
-  while (lo < hi) {
-    const int64_t mid = (lo + hi + 1) >> 1;
-    if (r.chunk_start[mid] <= chunk) lo = mid; else hi = mid - 1;
-  }
-  const int64_t seg = lo;
+  const int64_t seg = cta_last_le(r.chunk_start, r.nseg, chunk);
   const int32_t e0 = r.seg_start[seg * nr] + (chunk - r.chunk_start[seg]) * kRows;
   const int32_t count = min(kRows, r.seg_start[(seg + 1) * nr] - e0);
   const int32_t ik = static_cast<int32_t>(seg % a.Hik);
