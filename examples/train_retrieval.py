@@ -145,7 +145,8 @@ class Model(nn.Module):
     def attend(self, attn: MSAAttention, h: Tensor, B: int, L: int):
         if self.kind == "msa":
             return attn(h.view(B, L, -1))
-        q, k, v, _, _ = attn.project(h, torch.arange(B + 1, device=h.device, dtype=torch.int32) * L)
+        q, k, v, _, _ = attn.project(h, torch.arange(B + 1, device=h.device, dtype=torch.int32) * L,
+                                     index=False)
         o = F.scaled_dot_product_attention(
             q.view(B, L, attn.n_heads, -1).transpose(1, 2), k.view(B, L, attn.n_kv_heads, -1).transpose(1, 2),
             v.view(B, L, attn.n_kv_heads, -1).transpose(1, 2), is_causal=True, enable_gqa=True)

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 import msa
 
-__all__ = ["MSAAttention", "rotary", "positions_of"]
+__all__ = ["MSAAttention", "rotary", "rotary_table", "positions_of"]
 
 
 def positions_of(cu_seqlens: Optional[Tensor], T: int, device) -> Tensor:
@@ -33,15 +33,26 @@ def positions_of(cu_seqlens: Optional[Tensor], T: int, device) -> Tensor:
     return t - cu[seq]
 
 
-def rotary(x: Tensor, pos: Tensor, theta: float) -> Tensor:
+def rotary_table(pos: Tensor, d: int, theta: float, dtype: torch.dtype = torch.float32) -> Tuple[Tensor, Tensor]:
+    """cos and sin [T, 1, d / 2] of the rotary angles at positions pos [T] for head width d,
+    in dtype: what :func:`rotary` computes when it is given no table (one table can serve every
+    tensor of the same width and compute dtype)."""
+    half = d // 2
+    inv = theta ** (-torch.arange(half, device=pos.device, dtype=dtype) * 2.0 / d)
+    ang = pos.to(dtype)[:, None] * inv[None, :]  # [T, half]
+    return ang.cos()[:, None, :], ang.sin()[:, None, :]
+
+
+def rotary(x: Tensor, pos: Tensor, theta: float,
+           table: Optional[Tuple[Tensor, Tensor]] = None) -> Tensor:
     """Rotary embedding of x [T, H, d] (d even; the two halves of the last dim rotate as pairs)
-    at positions pos [T], computed in float32 (float64 for float64 x) and returned in x's dtype."""
+    at positions pos [T], computed in float32 (float64 for float64 x) and returned in x's dtype.
+    ``table``: :func:`rotary_table`'s (cos, sin) for these positions, width and compute dtype,
+    when the caller shares one between tensors."""
     d = x.shape[-1]
     half = d // 2
     ct = torch.float64 if x.dtype == torch.float64 else torch.float32
-    inv = theta ** (-torch.arange(half, device=x.device, dtype=ct) * 2.0 / d)
-    ang = pos.to(ct)[:, None] * inv[None, :]  # [T, half]
-    cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
+    cos, sin = table if table is not None else rotary_table(pos, d, theta, ct)
     xf = x.to(ct)
     a, b = xf[..., :half], xf[..., half:]
     return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1).to(x.dtype)
@@ -160,18 +171,29 @@ class MSAAttention(nn.Module):
                 f"idx_head_dim={self.idx_head_dim}, block_size={self.block_size}, "
                 f"top_k={self.top_k}, mode={self.mode}")
 
-    def project(self, x: Tensor, cu_seqlens: Optional[Tensor]) -> Tuple[Tensor, ...]:
+    def project(self, x: Tensor, cu_seqlens: Optional[Tensor], index: bool = True) -> Tuple[Tensor, ...]:
         """The branches' inputs for packed x [T, d_model]: q, k, v, q_idx, k_idx (rotary applied
-        to q, k, q_idx, k_idx at each token's position in its sequence)."""
+        to q, k, q_idx, k_idx at each token's position in its sequence). ``index=False`` leaves
+        the index branch out (q_idx, k_idx None): the main branch alone, e.g. for a dense
+        baseline built from the same weights."""
         T = x.shape[0]
         pos = positions_of(cu_seqlens, T, x.device)
-        q = rotary(self.q_proj(x).view(T, self.n_heads, self.head_dim), pos, self.rope_theta)
-        k = rotary(self.k_proj(x).view(T, self.n_kv_heads, self.head_dim), pos, self.rope_theta)
+        tables = {}  # (width, compute dtype) -> (cos, sin), shared by the tensors that match
+
+        def rot(y: Tensor) -> Tensor:
+            ct = torch.float64 if y.dtype == torch.float64 else torch.float32
+            key = (y.shape[-1], ct)
+            if key not in tables:
+                tables[key] = rotary_table(pos, y.shape[-1], self.rope_theta, ct)
+            return rotary(y, pos, self.rope_theta, tables[key])
+
+        q = rot(self.q_proj(x).view(T, self.n_heads, self.head_dim))
+        k = rot(self.k_proj(x).view(T, self.n_kv_heads, self.head_dim))
         v = self.v_proj(x).view(T, self.n_kv_heads, self.head_dim)
-        qi = rotary(self.q_idx_proj(x).view(T, self.n_idx_heads, self.idx_head_dim), pos,
-                    self.rope_theta)
-        ki = rotary(self.k_idx_proj(x).view(T, self.n_idx_key_heads, self.idx_head_dim), pos,
-                    self.rope_theta)
+        if not index:
+            return q, k, v, None, None
+        qi = rot(self.q_idx_proj(x).view(T, self.n_idx_heads, self.idx_head_dim))
+        ki = rot(self.k_idx_proj(x).view(T, self.n_idx_key_heads, self.idx_head_dim))
         return q, k, v, qi, ki
 
     def forward(self, x: Tensor, cu_seqlens: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import msa
-from msa.nn import MSAAttention, positions_of, rotary
+from msa.nn import MSAAttention, positions_of, rotary, rotary_table
 
 SMALL = dict(d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, n_idx_heads=2, n_idx_key_heads=1,
              idx_head_dim=8, block_size=4, top_k=3, sink_blocks=1, local_blocks=1)
@@ -32,6 +32,9 @@ def test_positions_and_rotary():
     w = z * torch.polar(torch.ones_like(ang), ang)[:, None, :]
     torch.testing.assert_close(got, torch.cat([w.real, w.imag], -1), rtol=1e-6, atol=1e-6)
     assert torch.equal(rotary(x, torch.zeros(6, dtype=torch.long), 500.0), x)
+    # a table shared between tensors gives the same bits as each tensor's own
+    table = rotary_table(pos, 8, 500.0, torch.float64)
+    assert torch.equal(rotary(x, pos, 500.0, table), got)
 
 
 @pytest.mark.parametrize("mode,sink,local", [("sparse", 1, 1), ("sparse", 0, 2), ("warmup", 1, 1)])
@@ -57,6 +60,10 @@ def test_matches_functional_api(mode, sink, local):
     assert torch.equal(v, m.v_proj(x).view(37, 2, 8))
     assert torch.equal(qi, rotary(m.q_idx_proj(x).view(37, 2, 8), pos, 500.0))
     assert torch.equal(ki, rotary(m.k_idx_proj(x).view(37, 1, 8), pos, 500.0))
+    # the main branch alone (a dense baseline of the same weights): the same q, k, v, no index
+    q2, k2, v2, qi2, ki2 = m.project(x, cu, index=False)
+    assert torch.equal(q2, q) and torch.equal(k2, k) and torch.equal(v2, v)
+    assert qi2 is None and ki2 is None
 
 
 def test_fp8_selection_scores():
