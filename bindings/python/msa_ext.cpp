@@ -279,11 +279,12 @@ NB_MODULE(_C, m) {
          const OptArray& lse_idx, const nb::int_& block_size, const nb::int_& top_k,
          const nb::int_& sink_blocks, const nb::int_& local_blocks, float scale_idx,
          const std::string& select_scores, const nb::int_& fp8_rerank, uintptr_t stream,
-         bool check_values, const nb::object& workspace_alloc) {
+         bool check_values, const nb::object& workspace_alloc, const OptArray& cu_seqlens_k) {
         msa::SelectParams p;
         p.q_idx = to_ref("q_idx", q_idx);
         p.k_idx = to_ref("k_idx", k_idx);
         p.cu_seqlens = to_ref("cu_seqlens", cu_seqlens);
+        p.cu_seqlens_k = to_ref("cu_seqlens_k", cu_seqlens_k);
         p.block_idx = to_ref("block_idx", block_idx);
         p.lse_idx = to_ref("lse_idx", lse_idx);
         p.opts = options(nb::int_(0), block_size, top_k, sink_blocks, local_blocks, 0.f, scale_idx, false);
@@ -293,7 +294,8 @@ NB_MODULE(_C, m) {
       nb::arg("q_idx"), nb::arg("k_idx"), nb::arg("cu_seqlens").none(), nb::arg("block_idx"),
       nb::arg("lse_idx").none() = nb::none(), nb::arg("block_size") = 128, nb::arg("top_k") = 16,
       nb::arg("sink_blocks") = 0, nb::arg("local_blocks") = 1, nb::arg("scale_idx") = 0.f,
-      nb::arg("select_scores") = "input", nb::arg("fp8_rerank") = 4, nb::arg("stream") = 0, nb::arg("check_values") = true, nb::arg("workspace_alloc") = nb::none());
+      nb::arg("select_scores") = "input", nb::arg("fp8_rerank") = 4, nb::arg("stream") = 0, nb::arg("check_values") = true,
+      nb::arg("workspace_alloc") = nb::none(), nb::arg("cu_seqlens_k").none() = nb::none());
 
   m.def(
       "forward",
@@ -303,12 +305,14 @@ NB_MODULE(_C, m) {
          const nb::int_& block_size, const nb::int_& top_k, const nb::int_& sink_blocks,
          const nb::int_& local_blocks, float scale, float scale_idx, bool deterministic,
          const std::string& fwd_pass, const nb::int_& fwd_chunk_tokens, const std::string& select_scores,
-         const nb::int_& fp8_rerank, uintptr_t stream, bool check_values, const nb::object& workspace_alloc) {
+         const nb::int_& fp8_rerank, uintptr_t stream, bool check_values, const nb::object& workspace_alloc,
+         const OptArray& cu_seqlens_k) {
         msa::ForwardParams p;
         p.q = to_ref("q", q);
         p.k = to_ref("k", k);
         p.v = to_ref("v", v);
         p.cu_seqlens = to_ref("cu_seqlens", cu_seqlens);
+        p.cu_seqlens_k = to_ref("cu_seqlens_k", cu_seqlens_k);
         p.block_idx = to_ref("block_idx", block_idx);
         p.select = select;
         p.q_idx = to_ref("q_idx", q_idx);
@@ -330,7 +334,8 @@ NB_MODULE(_C, m) {
       nb::arg("scale_idx") = 0.f, nb::arg("deterministic") = false, nb::arg("fwd_pass") = "auto",
       nb::arg("fwd_chunk_tokens") = 0, nb::arg("select_scores") = "input", nb::arg("fp8_rerank") = 4,
       nb::arg("stream") = 0,
-      nb::arg("check_values") = true, nb::arg("workspace_alloc") = nb::none());
+      nb::arg("check_values") = true, nb::arg("workspace_alloc") = nb::none(),
+      nb::arg("cu_seqlens_k").none() = nb::none());
 
   m.def(
       "backward",
@@ -341,7 +346,7 @@ NB_MODULE(_C, m) {
          const nb::int_& mode, const nb::int_& block_size, float scale, float scale_idx,
          bool deterministic, const std::string& kl_pass, const std::string& dq_pass,
          const nb::int_& bwd_chunk_tokens, uintptr_t stream, bool check_values,
-         const nb::object& workspace_alloc) {
+         const nb::object& workspace_alloc, const OptArray& cu_seqlens_k) {
         msa::BackwardParams p;
         p.q = to_ref("q", q);
         p.k = to_ref("k", k);
@@ -350,6 +355,7 @@ NB_MODULE(_C, m) {
         p.lse = to_ref("lse", lse);
         p.dout = to_ref("dout", dout);
         p.cu_seqlens = to_ref("cu_seqlens", cu_seqlens);
+        p.cu_seqlens_k = to_ref("cu_seqlens_k", cu_seqlens_k);
         p.block_idx = to_ref("block_idx", block_idx);
         p.dq = to_ref("dq", dq);
         p.dk = to_ref("dk", dk);
@@ -374,14 +380,16 @@ NB_MODULE(_C, m) {
       nb::arg("block_size") = 128, nb::arg("scale") = 0.f, nb::arg("scale_idx") = 0.f,
       nb::arg("deterministic") = false, nb::arg("kl_pass") = "auto", nb::arg("dq_pass") = "auto",
       nb::arg("bwd_chunk_tokens") = 0, nb::arg("stream") = 0,
-      nb::arg("check_values") = true, nb::arg("workspace_alloc") = nb::none());
+      nb::arg("check_values") = true, nb::arg("workspace_alloc") = nb::none(),
+      nb::arg("cu_seqlens_k").none() = nb::none());
 
   m.def(
       "kl_divergence",
       [](const Array& q, const Array& k, const Array& lse, const Array& q_idx, const Array& k_idx,
          const OptArray& cu_seqlens, const OptArray& block_idx, const Array& kl,
          const OptArray& kl_rows, const nb::int_& mode, const nb::int_& block_size, float scale,
-         float scale_idx, uintptr_t stream, bool check_values, const nb::object& workspace_alloc) {
+         float scale_idx, uintptr_t stream, bool check_values, const nb::object& workspace_alloc,
+         const OptArray& cu_seqlens_k) {
         msa::KlParams p;
         p.q = to_ref("q", q);
         p.k = to_ref("k", k);
@@ -389,6 +397,7 @@ NB_MODULE(_C, m) {
         p.q_idx = to_ref("q_idx", q_idx);
         p.k_idx = to_ref("k_idx", k_idx);
         p.cu_seqlens = to_ref("cu_seqlens", cu_seqlens);
+        p.cu_seqlens_k = to_ref("cu_seqlens_k", cu_seqlens_k);
         p.block_idx = to_ref("block_idx", block_idx);
         p.kl = to_ref("kl", kl);
         p.kl_rows = to_ref("kl_rows", kl_rows);
@@ -399,7 +408,8 @@ NB_MODULE(_C, m) {
       nb::arg("cu_seqlens").none(), nb::arg("block_idx").none(), nb::arg("kl"),
       nb::arg("kl_rows").none() = nb::none(), nb::arg("mode") = 0, nb::arg("block_size") = 128,
       nb::arg("scale") = 0.f, nb::arg("scale_idx") = 0.f, nb::arg("stream") = 0,
-      nb::arg("check_values") = true, nb::arg("workspace_alloc") = nb::none());
+      nb::arg("check_values") = true, nb::arg("workspace_alloc") = nb::none(),
+      nb::arg("cu_seqlens_k").none() = nb::none());
 
   // ---- serving over a paged cache (docs/contract.md §6) ----------------------------------------
 

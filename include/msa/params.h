@@ -3,7 +3,18 @@
 // Shapes use the names of the contract (docs/contract.md): T packed query/key tokens, Hq/Hkv main heads, D main head
 // dim, Hi/Hik index query/key heads, Di index head dim, k blocks per (token, index head).
 // Tokens are packed FlashAttention-style; `cu_seqlens` [nseq+1] (int32) marks the sequences
-// (absent: one sequence of T tokens). Every tensor's last dimension must be contiguous; the
+// (absent: one sequence of T tokens).
+//
+// Keys apart from queries (`cu_seqlens_k`, optional, in SelectParams, ForwardParams,
+// BackwardParams and KlParams): [nseq+1] int32 offsets that pack the key-side tensors (k, v,
+// k_idx and their gradients dk, dv, dk_idx: Tk rows) by sequence, while `cu_seqlens` packs the
+// query-side ones (q, q_idx, block_idx, out, lse, dout, dq, dq_idx, lse_idx, kl_rows: T rows).
+// Sequence s has m_s keys and n_s <= m_s queries, its queries being its last n_s positions:
+// query u of it sits at position m_s - n_s + u and sees keys 0 .. that position (causal
+// attention aligned to the bottom right, as FlashAttention aligns it). A chunk of queries after
+// a prefix, or a context-parallel rank's queries over the keys it gathered, needs no rows for
+// the keys' own queries. Absent: the keys are the queries' tokens (Tk = T, m_s = n_s). Without
+// `cu_seqlens`, `cu_seqlens_k` must hold one sequence ([2]). docs/contract.md §1. Every tensor's last dimension must be contiguous; the
 // other strides are free. All tensors of one call live on one device, which picks the backend.
 #pragma once
 
@@ -115,6 +126,7 @@ struct SelectParams {
   TensorRef q_idx;       // in  [T, Hi, Di]
   TensorRef k_idx;       // in  [T, Hik, Di], same dtype as q_idx
   TensorRef cu_seqlens;  // in  [nseq+1] int32, optional
+  TensorRef cu_seqlens_k;  // in [nseq+1] int32, optional: k_idx is [Tk, Hik, Di] (see above)
   TensorRef block_idx;   // out [T, Hi, k] int32: ascending block ids, then -1 padding
   TensorRef lse_idx;     // out [T, Hi] fp32, optional: log-normaliser of the index softmax
                          //     over the selected support (what the KL needs)
@@ -129,6 +141,7 @@ struct ForwardParams {
   TensorRef k;           // in  [T, Hkv, D]
   TensorRef v;           // in  [T, Hkv, D]
   TensorRef cu_seqlens;  // in  [nseq+1] int32, optional
+  TensorRef cu_seqlens_k;  // in [nseq+1] int32, optional: k, v, k_idx have Tk rows (see above)
   // kSparse: [T, Hi, k] int32. An input, unless `select` is set, in which case it is written
   // first from q_idx/k_idx (docs/contract.md §2). Unused in kDense mode.
   TensorRef block_idx;
@@ -149,6 +162,7 @@ struct BackwardParams {
   TensorRef lse;         // in  [T, Hq] fp32: the forward LSE
   TensorRef dout;        // in  [T, Hq, D], dtype of q
   TensorRef cu_seqlens;  // in  [nseq+1] int32, optional
+  TensorRef cu_seqlens_k;  // in [nseq+1] int32, optional: k, v, k_idx, dk, dv, dk_idx have Tk rows
   TensorRef block_idx;   // in  [T, Hi, k] int32 (kSparse)
   TensorRef dq;          // out [T, Hq, D], dtype of q
   TensorRef dk, dv;      // out [T, Hkv, D], dtype of q
@@ -171,6 +185,7 @@ struct KlParams {
   TensorRef q_idx;       // in  [T, Hi, Di]
   TensorRef k_idx;       // in  [T, Hik, Di]
   TensorRef cu_seqlens;  // in  [nseq+1] int32, optional
+  TensorRef cu_seqlens_k;  // in [nseq+1] int32, optional: k, k_idx have Tk rows (see above)
   TensorRef block_idx;   // in  [T, Hi, k] int32 (kSparse)
   TensorRef kl;          // out [1] fp32: 1/(N*Hi) * sum over (t, i) of KL(pi || sigma)
   TensorRef kl_rows;     // out [T, Hi] fp32, optional: the unnormalised per-row KL(pi || sigma)

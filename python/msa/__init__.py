@@ -8,6 +8,12 @@ Layout (FlashAttention-style packed tokens, contract §1):
   serves query heads ``[i*Hq/Hi, (i+1)*Hq/Hi)``), ``k_idx`` [T, Hik, Di] (Hik divides Hi);
 * ``cu_seqlens`` int32 [nseq+1], cumulative sequence offsets (None: one sequence of T tokens).
   Nothing crosses a sequence boundary; positions and blocks are counted inside each sequence.
+* ``cu_seqlens_k`` int32 [nseq+1] (optional): keys apart from queries. ``k``, ``v``, ``k_idx``
+  then hold ``Tk`` rows packed by these offsets, and each sequence's ``n_s`` queries are the
+  last ``n_s`` positions of its ``m_s >= n_s`` keys (causal attention aligned to the bottom
+  right, as FlashAttention aligns it): a chunk of queries after a prefix of keys, or a
+  context-parallel rank's queries over the keys it gathered (contract §1). The CPU backend
+  runs it; the CUDA backend refuses it naming the argument.
 
 Dtypes: float16 / bfloat16 (float32, and float64 on the CPU, for tests); every tensor of a call
 shares q's dtype and device. Any strides are accepted; a tensor whose last dimension is not
@@ -125,7 +131,7 @@ def _tensor(name: str, t, rank: int, shape: str, optional: bool = False) -> Opti
     return t
 
 
-def _cu_seqlens(cu, device: torch.device) -> Optional[Tensor]:
+def _cu_seqlens(cu, device: torch.device, name: str = "cu_seqlens") -> Optional[Tensor]:
     """cu_seqlens as int32. Other integer dtypes are converted; values outside int32 must not
     wrap around (a plain cast turns [0, 2**32 + 20, 40] into [0, 20, 40]):
 
@@ -138,22 +144,22 @@ def _cu_seqlens(cu, device: torch.device) -> Optional[Tensor]:
     """
     if cu is None:
         return None
-    _tensor("cu_seqlens", cu, 1, "[nseq+1] int32")
+    _tensor(name, cu, 1, "[nseq+1] int32")
     if cu.dtype != torch.int32:
         if cu.dtype.is_floating_point or cu.dtype.is_complex or cu.dtype == torch.bool:
-            raise ValueError(f"msa: argument 'cu_seqlens': expected dtype int32, got {cu.dtype}")
+            raise ValueError(f"msa: argument '{name}': expected dtype int32, got {cu.dtype}")
         info = torch.iinfo(cu.dtype)
         if info.min < _INT32_MIN or info.max > _INT32_MAX:
             if cu.device.type == "cpu":
                 if cu.numel() and (int(cu.min()) < _INT32_MIN or int(cu.max()) > _INT32_MAX):
                     raise ValueError(
-                        f"msa: argument 'cu_seqlens': values must fit in int32, got "
+                        f"msa: argument '{name}': values must fit in int32, got "
                         f"{cu.tolist()}")
             else:
                 cu = cu.clamp(_INT32_MIN, _INT32_MAX)
         cu = cu.to(torch.int32)
     if cu.device != device:
-        raise ValueError(f"msa: argument 'cu_seqlens': expected device {device} (that of q), "
+        raise ValueError(f"msa: argument '{name}': expected device {device} (that of q), "
                          f"got {cu.device}")
     return cu
 
@@ -189,6 +195,7 @@ def sparse_attention(
     dq_pass: str = "auto",
     bwd_chunk_tokens: int = 0,
     fwd_chunk_tokens: int = 0,
+    cu_seqlens_k: Optional[Tensor] = None,
 ):
     """MSA training attention: index selection, sparse attention, KL loss (contract §2-§4).
 
@@ -202,6 +209,10 @@ def sparse_attention(
             [1, 2**20]; unused when ``block_idx`` is given (its last dim is ``k``), but checked.
         block_size: tokens per block (``Bk``).
         cu_seqlens: int32 [nseq+1] sequence offsets (None: one sequence).
+        cu_seqlens_k: int32 [nseq+1] key offsets (None: the keys are the queries' tokens):
+            ``k``, ``v``, ``k_idx`` then have ``Tk`` rows and each sequence's queries are the
+            last positions of its keys (see the module's docstring); their gradients have
+            ``Tk`` rows too. CPU backend only.
         block_idx: int32 [T, Hi, k], a caller's selection (ascending or not, ``-1`` = empty
             slot; entries must be causal: ``-1`` or ``0..t//block_size``). When given, the
             selection is skipped and attention and KL run over it.
@@ -285,7 +296,7 @@ def sparse_attention(
         top_k, sink_blocks, local_blocks, _scale("scale", scale), _scale("scale_idx", scale_idx),
         bool(kl_value) and has_idx, bool(deterministic), kl_pass, fwd_pass, select_scores,
         _int("fp8_rerank", fp8_rerank, 0, 64), dq_pass, _int("bwd_chunk_tokens", bwd_chunk_tokens, 0),
-        _int("fwd_chunk_tokens", fwd_chunk_tokens, 0))
+        _int("fwd_chunk_tokens", fwd_chunk_tokens, 0), _cu_seqlens(cu_seqlens_k, q.device, "cu_seqlens_k"))
     result = (out, kl)
     if return_lse:
         result += (lse,)
@@ -308,6 +319,7 @@ def warmup_attention(
     return_lse: bool = False,
     deterministic: bool = False,
     kl_pass: str = "auto",
+    cu_seqlens_k: Optional[Tensor] = None,
 ):
     """Indexer warmup (docs/contract.md §5): dense causal attention, KL over the full causal support.
 
@@ -317,7 +329,7 @@ def warmup_attention(
     attention probabilities and ``sigma`` the index softmax, both over all ``j <= t`` of the
     token's sequence. Its gradient trains q_idx, k_idx. ``q_idx``/``k_idx`` may be None (plain
     dense causal attention, ``kl`` = 0). ``kl_value=False`` skips the exact value (``kl`` = 0,
-    gradient unchanged). ``kl_pass`` as in :func:`sparse_attention`.
+    gradient unchanged). ``kl_pass`` and ``cu_seqlens_k`` as in :func:`sparse_attention`.
     Returns ``(out, kl)`` (+ ``lse`` [T, Hq] float32 if ``return_lse``).
     """
     _tensor("q", q, 3, "[T, Hq, D]")
@@ -332,7 +344,8 @@ def warmup_attention(
     out, lse, _, kl = _ops.forward_call(
         q, k, v, q_idx, k_idx, None, cu, True, False, 128, 16, 0, 1,
         _scale("scale", scale), _scale("scale_idx", scale_idx),
-        bool(kl_value) and q_idx is not None, bool(deterministic), kl_pass)
+        bool(kl_value) and q_idx is not None, bool(deterministic), kl_pass, "auto", "input", 4,
+        "auto", 0, 0, _cu_seqlens(cu_seqlens_k, q.device, "cu_seqlens_k"))
     return (out, kl, lse) if return_lse else (out, kl)
 
 
@@ -348,6 +361,7 @@ def select_blocks(
     scale_idx: Optional[float] = None,
     select_scores: str = "input",
     fp8_rerank: int = 4,
+    cu_seqlens_k: Optional[Tensor] = None,
 ) -> Tensor:
     """Index selection alone (docs/contract.md §2). Not differentiable.
 
@@ -361,7 +375,8 @@ def select_blocks(
     values ``e4m3(x * scale)``; on the GPU the scores come from FP8 tensor-core products.
     With ``fp8_rerank = m > 0`` (default 4) those scores only shortlist: the best (free slots +
     m) blocks by them are ranked again by the inputs' own scores, which keeps nearly all of the
-    "input" selection (``fp8_rerank=0``: the FP8 scores decide alone).
+    "input" selection (``fp8_rerank=0``: the FP8 scores decide alone). ``cu_seqlens_k``: keys
+    apart from queries (``k_idx`` [Tk, Hik, Di]), as in :func:`sparse_attention`.
 
     Returns ``block_idx`` [T, Hi, top_k] int32: ascending block ids, then -1 padding.
     """
@@ -374,7 +389,8 @@ def select_blocks(
     cu = _cu_seqlens(cu_seqlens, q_idx.device)
     return torch.ops.msa.select_blocks(q_idx, k_idx, cu, top_k, block_size, sink_blocks,
                                        local_blocks, _scale("scale_idx", scale_idx), select_scores,
-                                       _int("fp8_rerank", fp8_rerank, 0, 64))
+                                       _int("fp8_rerank", fp8_rerank, 0, 64),
+                                       _cu_seqlens(cu_seqlens_k, q_idx.device, "cu_seqlens_k"))
 
 
 def kl_divergence(
@@ -390,6 +406,7 @@ def kl_divergence(
     scale: Optional[float] = None,
     scale_idx: Optional[float] = None,
     return_rows: bool = False,
+    cu_seqlens_k: Optional[Tensor] = None,
 ):
     """Exact KL value (docs/contract.md §4) from a forward's LSE. Not differentiable.
 
@@ -399,6 +416,8 @@ def kl_divergence(
         q_idx [T, Hi, Di], k_idx [T, Hik, Di]: index queries and keys.
         block_idx: [T, Hi, k] int32, the forward's selection; None: the dense causal support
             of the warmup (docs/contract.md §5).
+        cu_seqlens_k: keys apart from queries (k, k_idx with Tk rows), as in
+            :func:`sparse_attention`.
     Returns:
         ``kl`` 0-dim float32 = ``1/(T*Hi) * sum_{t,i} KL(pi_i(t) || sigma_i(t))``; with
         ``return_rows`` also the unnormalised per-row terms [T, Hi] float32.
@@ -414,7 +433,8 @@ def kl_divergence(
     cu = _cu_seqlens(cu_seqlens, q.device)
     kl, rows = torch.ops.msa.kl_divergence(q, k, lse, q_idx, k_idx, block_idx, cu,
                                            block_idx is None, block_size,
-                                           _scale("scale", scale), _scale("scale_idx", scale_idx))
+                                           _scale("scale", scale), _scale("scale_idx", scale_idx),
+                                           _cu_seqlens(cu_seqlens_k, q.device, "cu_seqlens_k"))
     return (kl, rows) if return_rows else kl
 
 

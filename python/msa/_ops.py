@@ -193,9 +193,11 @@ def select_blocks(
     scale_idx: float,
     select_scores: str = "input",
     fp8_rerank: int = 4,
+    cu_seqlens_k: Optional[Tensor] = None,
 ) -> Tensor:
     """block_idx [T, Hi, top_k] int32: ascending selected block ids, then -1 (docs/contract.md §2).
-    ``select_scores``: "input" or "fp8" (Options.select_scores); ``fp8_rerank``: Options.fp8_rerank."""
+    ``select_scores``: "input" or "fp8" (Options.select_scores); ``fp8_rerank``: Options.fp8_rerank.
+    ``cu_seqlens_k``: keys apart from queries (k_idx [Tk, Hik, Di]; msa/params.h, contract §1)."""
     _need_select_scores(select_scores)
     _need_rank("q_idx", q_idx, 3, "[T, Hi, Di]")
     _need_int("top_k", top_k, 1, _MAX_TOP_K)
@@ -204,14 +206,14 @@ def select_blocks(
     _launch(_C.select_blocks, q_idx.device, _lc(q_idx), _lc(k_idx), _lc(cu_seqlens), block_idx,
             None, block_size=block_size, top_k=top_k, sink_blocks=sink_blocks,
             local_blocks=local_blocks, scale_idx=scale_idx, select_scores=select_scores,
-            fp8_rerank=fp8_rerank,
+            fp8_rerank=fp8_rerank, cu_seqlens_k=_lc(cu_seqlens_k),
             values=((cu_seqlens, None), q_idx.shape[0], block_size))
     return block_idx
 
 
 @select_blocks.register_fake
 def _(q_idx, k_idx, cu_seqlens, top_k, block_size, sink_blocks, local_blocks, scale_idx,
-      select_scores="input", fp8_rerank=4):
+      select_scores="input", fp8_rerank=4, cu_seqlens_k=None):
     _need_select_scores(select_scores)
     return q_idx.new_empty((q_idx.shape[0], q_idx.shape[1], top_k), dtype=torch.int32)
 
@@ -246,6 +248,7 @@ def _forward_impl(
     dq_pass: str = "auto",
     bwd_chunk_tokens: int = 0,
     fwd_chunk_tokens: int = 0,
+    cu_seqlens_k: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(out [T, Hq, D] dtype of q, lse [T, Hq] fp32, block_idx, kl 0-dim fp32).
 
@@ -258,7 +261,8 @@ def _forward_impl(
     ``fp8_rerank`` how many FP8-scored candidates beyond the free slots the inputs' scores rank
     again (Options.fp8_rerank). ``dq_pass`` and ``bwd_chunk_tokens`` are for the autograd
     backward (see ``msa::backward``); they are checked here. ``fwd_chunk_tokens``: the tokens
-    of one pass of the KV-block forward (Options.fwd_chunk_tokens).
+    of one pass of the KV-block forward (Options.fwd_chunk_tokens). ``cu_seqlens_k``: keys apart
+    from queries (k, v, k_idx with Tk rows; msa/params.h, contract §1).
     """
     _need_kl_pass(kl_pass)
     _need_fwd_pass(fwd_pass)
@@ -292,6 +296,7 @@ def _forward_impl(
             top_k=top_k, sink_blocks=sink_blocks, local_blocks=local_blocks, scale=scale,
             scale_idx=scale_idx, deterministic=deterministic, fwd_pass=fwd_pass,
             fwd_chunk_tokens=fwd_chunk_tokens, select_scores=select_scores, fp8_rerank=fp8_rerank,
+            cu_seqlens_k=_lc(cu_seqlens_k),
             values=((cu_seqlens, None if sel or dense else block_idx), T, block_size))
     return out, lse, bi_out, kl
 
@@ -303,7 +308,7 @@ forward = torch.library.custom_op("msa::forward", mutates_args=())(_forward_impl
 def _(q, k, v, q_idx, k_idx, block_idx, cu_seqlens, dense, select, block_size, top_k,
       sink_blocks, local_blocks, scale, scale_idx, want_kl, deterministic, kl_pass="auto",
       fwd_pass="auto", select_scores="input", fp8_rerank=4, dq_pass="auto", bwd_chunk_tokens=0,
-      fwd_chunk_tokens=0):
+      fwd_chunk_tokens=0, cu_seqlens_k=None):
     _need_kl_pass(kl_pass)
     _need_fwd_pass(fwd_pass)
     _need_select_scores(select_scores)
@@ -349,6 +354,7 @@ def _backward_impl(
     check_values: bool = True,
     dq_pass: str = "auto",
     bwd_chunk_tokens: int = 0,
+    cu_seqlens_k: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dq_idx, dk_idx).
 
@@ -360,7 +366,8 @@ def _backward_impl(
     ``cu_seqlens`` and ``block_idx`` first (a host wait; the CPU always checks). ``dq_pass``: how
     the sparse backward computes dq, "auto" | "query_tile" | "from_ds" (msa::DqPass), and
     ``bwd_chunk_tokens`` the tokens of one of its passes with "from_ds" (0: the backend's
-    choice).
+    choice). ``cu_seqlens_k``: keys apart from queries (dk, dv, dk_idx then have the Tk rows of
+    k, v, k_idx).
     """
     _need_kl_pass(kl_pass)
     _need_dq_pass(dq_pass)
@@ -389,7 +396,7 @@ def _backward_impl(
             mode=_MODE_DENSE if dense else _MODE_SPARSE, block_size=block_size,
             scale=scale, scale_idx=scale_idx, deterministic=deterministic, kl_pass=kl_pass,
             dq_pass=dq_pass, bwd_chunk_tokens=bwd_chunk_tokens, check_values=check_values,
-            values=((cu_seqlens, None if dense else block_idx), q.shape[0], block_size))
+            cu_seqlens_k=_lc(cu_seqlens_k), values=((cu_seqlens, None if dense else block_idx), q.shape[0], block_size))
     return dq, dk, dv, dq_idx, dk_idx
 
 
@@ -399,7 +406,7 @@ backward = torch.library.custom_op("msa::backward", mutates_args=())(_backward_i
 @backward.register_fake
 def _(dout, q, k, v, out, lse, q_idx, k_idx, block_idx, cu_seqlens, kl_grad, dense,
       block_size, scale, scale_idx, want_dq_idx, want_dk_idx, deterministic, kl_pass="auto",
-      check_values=True, dq_pass="auto", bwd_chunk_tokens=0):
+      check_values=True, dq_pass="auto", bwd_chunk_tokens=0, cu_seqlens_k=None):
     _need_kl_pass(kl_pass)
     _need_dq_pass(dq_pass)
     _need_int("bwd_chunk_tokens", bwd_chunk_tokens, 0)
@@ -429,9 +436,11 @@ def kl_divergence(
     block_size: int,
     scale: float,
     scale_idx: float,
+    cu_seqlens_k: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """(kl 0-dim fp32, kl_rows [T, Hi] fp32): the exact KL loss (docs/contract.md §4) and its
-    unnormalised per-(token, index head) terms, from the forward's LSE."""
+    unnormalised per-(token, index head) terms, from the forward's LSE. ``cu_seqlens_k``: keys
+    apart from queries (k, k_idx with Tk rows)."""
     _need_rank("q_idx", q_idx, 3, "[T, Hi, Di]")
     dev = q.device
     kl = torch.zeros((), dtype=torch.float32, device=dev)
@@ -441,13 +450,14 @@ def kl_divergence(
     _launch(_C.kl_divergence, dev, _lc(q), _lc(k), _lc(lse), _lc(q_idx), _lc(k_idx),
             _lc(cu_seqlens), None if dense else _lc(block_idx), kl.view(1), kl_rows,
             mode=_MODE_DENSE if dense else _MODE_SPARSE, block_size=block_size,
-            scale=scale, scale_idx=scale_idx,
+            scale=scale, scale_idx=scale_idx, cu_seqlens_k=_lc(cu_seqlens_k),
             values=((cu_seqlens, None if dense else block_idx), q.shape[0], block_size))
     return kl, kl_rows
 
 
 @kl_divergence.register_fake
-def _(q, k, lse, q_idx, k_idx, block_idx, cu_seqlens, dense, block_size, scale, scale_idx):
+def _(q, k, lse, q_idx, k_idx, block_idx, cu_seqlens, dense, block_size, scale, scale_idx,
+      cu_seqlens_k=None):
     return (q.new_empty((), dtype=torch.float32),
             q.new_empty((q_idx.shape[0], q_idx.shape[1]), dtype=torch.float32))
 
@@ -467,9 +477,10 @@ def _forward_setup_context(ctx, inputs, output):
     kl_pass = inputs[17] if len(inputs) > 17 else "auto"
     dq_pass = inputs[21] if len(inputs) > 21 else "auto"
     bwd_chunk_tokens = inputs[22] if len(inputs) > 22 else 0
+    cu_seqlens_k = inputs[24] if len(inputs) > 24 else None
     out, lse, bi_out, kl = output
     support = None if dense else (bi_out if select else block_idx)
-    ctx.save_for_backward(q, k, v, q_idx, k_idx, support, cu_seqlens, out, lse)
+    ctx.save_for_backward(q, k, v, q_idx, k_idx, support, cu_seqlens, out, lse, cu_seqlens_k)
     ctx.dense = dense
     ctx.block_size = block_size
     ctx.scale = scale
@@ -486,13 +497,13 @@ def _forward_setup_context(ctx, inputs, output):
 
 
 def _forward_backward(ctx, grad_out, grad_lse, grad_bi, grad_kl):
-    q, k, v, q_idx, k_idx, support, cu_seqlens, out, lse = ctx.saved_tensors
+    q, k, v, q_idx, k_idx, support, cu_seqlens, out, lse, cu_seqlens_k = ctx.saved_tensors
     needs = ctx.needs_input_grad
     want_dq_idx = ctx.has_idx and grad_kl is not None and needs[3]
     want_dk_idx = ctx.has_idx and grad_kl is not None and needs[4]
     want_main = needs[0] or needs[1] or needs[2]
     if not (want_main or want_dq_idx or want_dk_idx):
-        return (None,) * 18
+        return (None,) * ctx.num_inputs
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     kl_grad = grad_kl.reshape(1).float() if (want_dq_idx or want_dk_idx) else None
@@ -502,7 +513,7 @@ def _forward_backward(ctx, grad_out, grad_lse, grad_bi, grad_kl):
         grad_out, q, k, v, out, lse, q_idx, k_idx, support, cu_seqlens, kl_grad, ctx.dense,
         ctx.block_size, ctx.scale, ctx.scale_idx, want_dq_idx, want_dk_idx, ctx.deterministic,
         kl_pass=ctx.kl_pass, check_values=q.device.type != "cuda", dq_pass=ctx.dq_pass,
-        bwd_chunk_tokens=ctx.bwd_chunk_tokens)
+        bwd_chunk_tokens=ctx.bwd_chunk_tokens, cu_seqlens_k=cu_seqlens_k)
     return (dq if needs[0] else None, dk if needs[1] else None, dv if needs[2] else None,
             dq_idx if want_dq_idx else None, dk_idx if want_dk_idx else None) + (None,) * (ctx.num_inputs - 5)
 

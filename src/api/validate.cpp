@@ -295,9 +295,11 @@ Status main_qk(Check& c, const TensorRef& q, const TensorRef& k, Problem* prob) 
   prob->dtype = q.dtype;
   MSA_TRY(c.tensor("k", k, 3, false));
   MSA_TRY(c.dtype("k", k, q.dtype));
-  MSA_TRY(c.shape("k", k, {prob->T, -1, prob->D}, "[T, Hkv, D]"));
+  MSA_TRY(c.shape("k", k, {prob->keys_apart ? -1 : prob->T, -1, prob->D},
+                  prob->keys_apart ? "[Tk, Hkv, D]" : "[T, Hkv, D]"));
   MSA_TRY(check_head_dim(c, "k", k.shape[1], "the head count Hkv (dim 1)"));
   prob->Hkv = static_cast<int32_t>(k.shape[1]);
+  prob->Tk = k.shape[0];
   if (prob->Hq % prob->Hkv != 0)
     return c.fail("k", "Hkv = " + std::to_string(prob->Hkv) + " must divide Hq = " + std::to_string(prob->Hq));
   return Status::Ok();
@@ -308,7 +310,7 @@ Status main_qkv(Check& c, const TensorRef& q, const TensorRef& k, const TensorRe
   MSA_TRY(main_qk(c, q, k, prob));
   MSA_TRY(c.tensor("v", v, 3, false));
   MSA_TRY(c.dtype("v", v, q.dtype));
-  return c.shape("v", v, {prob->T, prob->Hkv, prob->D}, "[T, Hkv, D]");
+  return c.shape("v", v, {prob->Tk, prob->Hkv, prob->D}, prob->keys_apart ? "[Tk, Hkv, D]" : "[T, Hkv, D]");
 }
 
 // q_idx [T, Hi, Di] (`shape` names it): fills Hi, Di (and T, dtype when `standalone`: a call
@@ -340,7 +342,9 @@ Status index_qk(Check& c, const TensorRef& qi, const TensorRef& ki, bool standal
   MSA_TRY(index_queries(c, qi, standalone, "[T, Hi, Di]", prob));
   MSA_TRY(c.tensor("k_idx", ki, 3, false));
   MSA_TRY(c.dtype("k_idx", ki, qi.dtype));
-  MSA_TRY(c.shape("k_idx", ki, {prob->T, -1, prob->Di}, "[T, Hik, Di]"));
+  // Key rows: Tk (read off k_idx when it is the call's first key tensor), else T.
+  if (standalone) prob->Tk = prob->keys_apart ? ki.shape[0] : prob->T;
+  MSA_TRY(c.shape("k_idx", ki, {prob->Tk, -1, prob->Di}, prob->keys_apart ? "[Tk, Hik, Di]" : "[T, Hik, Di]"));
   MSA_TRY(check_head_dim(c, "k_idx", ki.shape[1], "the index key head count Hik (dim 1)"));
   prob->Hik = static_cast<int32_t>(ki.shape[1]);
   if (prob->Hi % prob->Hik != 0)
@@ -464,9 +468,63 @@ Status seqlens_values(const Check& c, const TensorRef& cu, Problem* prob, const 
   return Status::Ok();
 }
 
+// cu_seqlens_k (keys apart from queries, params.h): int32 [nseq+1] with the nseq of cu_seqlens
+// (absent: [2]). Called after the key tensors' shapes (prob->Tk known).
+Status key_seqlens_shape(Check& c, const TensorRef& cu_k, const TensorRef& cu) {
+  if (!cu_k.defined()) return Status::Ok();
+  MSA_TRY(c.tensor("cu_seqlens_k", cu_k, 1, false));
+  MSA_TRY(c.dtype("cu_seqlens_k", cu_k, DType::kInt32));
+  const int64_t want = cu.defined() ? cu.shape[0] : 2;
+  if (cu_k.shape[0] != want)
+    return c.fail("cu_seqlens_k", "expected shape [nseq+1] = [" + std::to_string(want) + "] (" +
+                                      (cu.defined() ? "that of cu_seqlens" : "one sequence: cu_seqlens is not given") +
+                                      "), got " + shape_str(cu_k));
+  return Status::Ok();
+}
+
+// Its values on the CPU (after seqlens_values: prob->cu known): 0 = cu_k[0] <= ... <= cu_k[nseq]
+// = Tk and every sequence's keys at least its queries (they are its last positions); `start`
+// (optional) receives m_s - n_s, the position of each sequence's first query. Absent: cu_k =
+// cu (and start 0). For CUDA tensors prob->cu_k stays empty.
+Status key_seqlens_values(const Check& c, const TensorRef& cu_k, Problem* prob,
+                          std::vector<int64_t>* start = nullptr) {
+  prob->cu_k.clear();
+  if (!cu_k.defined()) {
+    prob->cu_k = prob->cu;
+    if (start) start->assign(prob->cu.empty() ? 0 : prob->cu.size() - 1, 0);
+    return Status::Ok();
+  }
+  if (cu_k.device.type != DeviceType::kCpu) return Status::Ok();
+  const int32_t* v = static_cast<const int32_t*>(cu_k.data);
+  const int64_t n = cu_k.shape[0];
+  std::vector<int64_t>& ck = prob->cu_k;
+  ck.resize(n);
+  for (int64_t s = 0; s < n; ++s) ck[s] = v[s * cu_k.stride[0]];
+  if (ck[0] != 0) return c.fail("cu_seqlens_k", "must start at 0, got " + std::to_string(ck[0]));
+  for (int64_t s = 1; s < n; ++s)
+    if (ck[s] < ck[s - 1])
+      return c.fail("cu_seqlens_k", "must be non-decreasing, but cu_seqlens_k[" + std::to_string(s) + "] = " +
+                                        std::to_string(ck[s]) + " < cu_seqlens_k[" + std::to_string(s - 1) +
+                                        "] = " + std::to_string(ck[s - 1]));
+  if (ck[n - 1] != prob->Tk)
+    return c.fail("cu_seqlens_k", "must end at Tk = " + std::to_string(prob->Tk) + " (the key tensors' rows), got " +
+                                      std::to_string(ck[n - 1]));
+  if (start) start->assign(n - 1, 0);
+  for (int64_t s = 0; s + 1 < n; ++s) {
+    const int64_t m = ck[s + 1] - ck[s], q = prob->cu[s + 1] - prob->cu[s];
+    if (m < q)
+      return c.fail("cu_seqlens_k", "sequence " + std::to_string(s) + " has " + std::to_string(m) +
+                                        " keys, fewer than its " + std::to_string(q) +
+                                        " queries (cu_seqlens): the queries are the last positions of their "
+                                        "sequence's keys");
+    if (start) (*start)[s] = m - q;
+  }
+  return Status::Ok();
+}
+
 // A caller's block_idx on the CPU: every entry -1 or a block in [0, blk(t)], no duplicates.
-// `start[s]` (optional) is the position of sequence s's first row: 0 in training, seq_lens[s] - n_s
-// for the new tokens of a serving call.
+// `start[s]` (optional) is the position of sequence s's first row: 0 in training (m_s - n_s with
+// cu_seqlens_k), seq_lens[s] - n_s for the new tokens of a serving call.
 Status block_idx_values(const Check& c, const TensorRef& bi, const Problem& prob,
                         const std::vector<int64_t>* start = nullptr) {
   if (bi.device.type != DeviceType::kCpu || prob.k == 0) return Status::Ok();
@@ -682,10 +740,11 @@ Status validate(const SelectParams& p, Problem* prob) {
   Check c("select_blocks");
   *prob = Problem{};
   MSA_TRY(c.ranks({{"q_idx", &p.q_idx}, {"k_idx", &p.k_idx}, {"cu_seqlens", &p.cu_seqlens},
-                   {"block_idx", &p.block_idx}, {"lse_idx", &p.lse_idx}}));
+                   {"cu_seqlens_k", &p.cu_seqlens_k}, {"block_idx", &p.block_idx}, {"lse_idx", &p.lse_idx}}));
   MSA_TRY(option_ranges(c, p.opts));
   MSA_TRY(c.option("mode", p.opts.mode == Mode::kSparse, "select_blocks needs kSparse mode"));
   MSA_TRY(selection_options(c, p.opts));
+  prob->keys_apart = p.cu_seqlens_k.defined();
   MSA_TRY(index_qk(c, p.q_idx, p.k_idx, /*standalone=*/true, prob));
   resolve_options(p.opts, prob);
   prob->k = p.opts.top_k;
@@ -693,19 +752,22 @@ Status validate(const SelectParams& p, Problem* prob) {
   if (p.lse_idx.defined())
     MSA_TRY(out_tensor(c, "lse_idx", p.lse_idx, DType::kFloat32, {prob->T, prob->Hi}, "[T, Hi]"));
   MSA_TRY(seqlens_shape(c, p.cu_seqlens));
+  MSA_TRY(key_seqlens_shape(c, p.cu_seqlens_k, p.cu_seqlens));
   MSA_TRY(c.no_aliasing());
-  return seqlens_values(c, p.cu_seqlens, prob);
+  MSA_TRY(seqlens_values(c, p.cu_seqlens, prob));
+  return key_seqlens_values(c, p.cu_seqlens_k, prob);
 }
 
 Status validate(const ForwardParams& p, Problem* prob) {
   Check c("forward");
   *prob = Problem{};
   MSA_TRY(c.ranks({{"q", &p.q}, {"k", &p.k}, {"v", &p.v}, {"cu_seqlens", &p.cu_seqlens},
-                   {"block_idx", &p.block_idx}, {"q_idx", &p.q_idx}, {"k_idx", &p.k_idx},
-                   {"out", &p.out}, {"lse", &p.lse}, {"kl", &p.kl}}));
+                   {"cu_seqlens_k", &p.cu_seqlens_k}, {"block_idx", &p.block_idx}, {"q_idx", &p.q_idx},
+                   {"k_idx", &p.k_idx}, {"out", &p.out}, {"lse", &p.lse}, {"kl", &p.kl}}));
   MSA_TRY(option_ranges(c, p.opts));
   const bool sparse = p.opts.mode == Mode::kSparse;
   if (sparse && p.select) MSA_TRY(selection_options(c, p.opts));
+  prob->keys_apart = p.cu_seqlens_k.defined();
   MSA_TRY(main_qkv(c, p.q, p.k, p.v, prob));
   const bool need_index = (sparse && p.select) || p.kl.defined();
   if (sparse) MSA_TRY(block_idx_shape(c, p.block_idx, /*output=*/p.select, prob));
@@ -723,9 +785,12 @@ Status validate(const ForwardParams& p, Problem* prob) {
   MSA_TRY(out_tensor(c, "lse", p.lse, DType::kFloat32, {prob->T, prob->Hq}, "[T, Hq]"));
   if (p.kl.defined()) MSA_TRY(scalar_out(c, "kl", p.kl));
   MSA_TRY(seqlens_shape(c, p.cu_seqlens));
+  MSA_TRY(key_seqlens_shape(c, p.cu_seqlens_k, p.cu_seqlens));
   MSA_TRY(c.no_aliasing());  // the layout is all checked: the values of inputs come last
   MSA_TRY(seqlens_values(c, p.cu_seqlens, prob));
-  if (sparse && !p.select) MSA_TRY(block_idx_values(c, p.block_idx, *prob));
+  std::vector<int64_t> start;
+  MSA_TRY(key_seqlens_values(c, p.cu_seqlens_k, prob, &start));
+  if (sparse && !p.select) MSA_TRY(block_idx_values(c, p.block_idx, *prob, &start));
   return Status::Ok();
 }
 
@@ -733,12 +798,14 @@ Status validate(const BackwardParams& p, Problem* prob) {
   Check c("backward");
   *prob = Problem{};
   MSA_TRY(c.ranks({{"q", &p.q}, {"k", &p.k}, {"v", &p.v}, {"out", &p.out}, {"lse", &p.lse},
-                   {"dout", &p.dout}, {"cu_seqlens", &p.cu_seqlens}, {"block_idx", &p.block_idx},
+                   {"dout", &p.dout}, {"cu_seqlens", &p.cu_seqlens}, {"cu_seqlens_k", &p.cu_seqlens_k},
+                   {"block_idx", &p.block_idx},
                    {"dq", &p.dq}, {"dk", &p.dk}, {"dv", &p.dv}, {"q_idx", &p.q_idx},
                    {"k_idx", &p.k_idx}, {"dq_idx", &p.dq_idx}, {"dk_idx", &p.dk_idx},
                    {"kl_grad", &p.kl_grad}}));
   MSA_TRY(option_ranges(c, p.opts));
   MSA_TRY(c.option("kl_weight", std::isfinite(p.kl_weight), "must be finite"));
+  prob->keys_apart = p.cu_seqlens_k.defined();
   MSA_TRY(main_qkv(c, p.q, p.k, p.v, prob));
   const bool sparse = p.opts.mode == Mode::kSparse;
   const bool kl = p.dq_idx.defined() || p.dk_idx.defined();
@@ -755,17 +822,23 @@ Status validate(const BackwardParams& p, Problem* prob) {
   MSA_TRY(in_tensor(c, "lse", p.lse, DType::kFloat32, {T, prob->Hq}, "[T, Hq]"));
   MSA_TRY(in_tensor(c, "dout", p.dout, prob->dtype, {T, prob->Hq, prob->D}, "[T, Hq, D]"));
   MSA_TRY(out_tensor(c, "dq", p.dq, prob->dtype, {T, prob->Hq, prob->D}, "[T, Hq, D]"));
-  MSA_TRY(out_tensor(c, "dk", p.dk, prob->dtype, {T, prob->Hkv, prob->D}, "[T, Hkv, D]"));
-  MSA_TRY(out_tensor(c, "dv", p.dv, prob->dtype, {T, prob->Hkv, prob->D}, "[T, Hkv, D]"));
+  const int64_t Tk = prob->Tk;
+  const bool apart = prob->keys_apart;
+  MSA_TRY(out_tensor(c, "dk", p.dk, prob->dtype, {Tk, prob->Hkv, prob->D}, apart ? "[Tk, Hkv, D]" : "[T, Hkv, D]"));
+  MSA_TRY(out_tensor(c, "dv", p.dv, prob->dtype, {Tk, prob->Hkv, prob->D}, apart ? "[Tk, Hkv, D]" : "[T, Hkv, D]"));
   if (p.dq_idx.defined())
     MSA_TRY(out_tensor(c, "dq_idx", p.dq_idx, prob->dtype, {T, prob->Hi, prob->Di}, "[T, Hi, Di]"));
   if (p.dk_idx.defined())
-    MSA_TRY(out_tensor(c, "dk_idx", p.dk_idx, prob->dtype, {T, prob->Hik, prob->Di}, "[T, Hik, Di]"));
+    MSA_TRY(out_tensor(c, "dk_idx", p.dk_idx, prob->dtype, {Tk, prob->Hik, prob->Di},
+                       apart ? "[Tk, Hik, Di]" : "[T, Hik, Di]"));
   if (p.kl_grad.defined()) MSA_TRY(in_tensor(c, "kl_grad", p.kl_grad, DType::kFloat32, {1}, "[1]"));
   MSA_TRY(seqlens_shape(c, p.cu_seqlens));
+  MSA_TRY(key_seqlens_shape(c, p.cu_seqlens_k, p.cu_seqlens));
   MSA_TRY(c.no_aliasing());  // the layout is all checked: the values of inputs come last
   MSA_TRY(seqlens_values(c, p.cu_seqlens, prob));
-  if (sparse) MSA_TRY(block_idx_values(c, p.block_idx, *prob));
+  std::vector<int64_t> start;
+  MSA_TRY(key_seqlens_values(c, p.cu_seqlens_k, prob, &start));
+  if (sparse) MSA_TRY(block_idx_values(c, p.block_idx, *prob, &start));
   return Status::Ok();
 }
 
@@ -773,9 +846,10 @@ Status validate(const KlParams& p, Problem* prob) {
   Check c("kl_divergence");
   *prob = Problem{};
   MSA_TRY(c.ranks({{"q", &p.q}, {"k", &p.k}, {"lse", &p.lse}, {"q_idx", &p.q_idx},
-                   {"k_idx", &p.k_idx}, {"cu_seqlens", &p.cu_seqlens}, {"block_idx", &p.block_idx},
-                   {"kl", &p.kl}, {"kl_rows", &p.kl_rows}}));
+                   {"k_idx", &p.k_idx}, {"cu_seqlens", &p.cu_seqlens}, {"cu_seqlens_k", &p.cu_seqlens_k},
+                   {"block_idx", &p.block_idx}, {"kl", &p.kl}, {"kl_rows", &p.kl_rows}}));
   MSA_TRY(option_ranges(c, p.opts));
+  prob->keys_apart = p.cu_seqlens_k.defined();
   MSA_TRY(main_qk(c, p.q, p.k, prob));
   const bool sparse = p.opts.mode == Mode::kSparse;
   if (sparse) MSA_TRY(block_idx_shape(c, p.block_idx, false, prob));
@@ -787,9 +861,12 @@ Status validate(const KlParams& p, Problem* prob) {
   if (p.kl_rows.defined())
     MSA_TRY(out_tensor(c, "kl_rows", p.kl_rows, DType::kFloat32, {prob->T, prob->Hi}, "[T, Hi]"));
   MSA_TRY(seqlens_shape(c, p.cu_seqlens));
+  MSA_TRY(key_seqlens_shape(c, p.cu_seqlens_k, p.cu_seqlens));
   MSA_TRY(c.no_aliasing());  // the layout is all checked: the values of inputs come last
   MSA_TRY(seqlens_values(c, p.cu_seqlens, prob));
-  if (sparse) MSA_TRY(block_idx_values(c, p.block_idx, *prob));
+  std::vector<int64_t> start;
+  MSA_TRY(key_seqlens_values(c, p.cu_seqlens_k, prob, &start));
+  if (sparse) MSA_TRY(block_idx_values(c, p.block_idx, *prob, &start));
   return Status::Ok();
 }
 

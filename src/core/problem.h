@@ -21,6 +21,11 @@ struct Problem {
   // Sequence offsets, cu[s]..cu[s+1]; a single sequence [0, T] when cu_seqlens is absent.
   // Read on the host: available for CPU tensors only (empty for CUDA).
   std::vector<int64_t> cu;
+  // Keys apart from queries (cu_seqlens_k given): Tk key rows, and on the CPU their offsets
+  // cu_k (else Tk = T and cu_k = cu).
+  bool keys_apart = false;
+  int64_t Tk = 0;
+  std::vector<int64_t> cu_k;
 
   int32_t group() const { return Hq / Hkv; }               // G: query heads per KV head
   int32_t heads_per_idx() const { return Hq / Hi; }        // query heads per index head
@@ -38,6 +43,7 @@ inline KlParams kl_params_of(const ForwardParams& p) {
   kp.q_idx = p.q_idx;
   kp.k_idx = p.k_idx;
   kp.cu_seqlens = p.cu_seqlens;
+  kp.cu_seqlens_k = p.cu_seqlens_k;
   kp.block_idx = p.block_idx;
   kp.kl = p.kl;
   kp.opts = p.opts;

@@ -37,7 +37,7 @@ void forward_impl(const Problem& prob, const ForwardParams& p) {
 
   parallel_for(prob.T, [&](int64_t g, int) {
     thread_local std::vector<int64_t> keys;
-    const int64_t base = layout.cu[layout.seq_of[g]];
+    const int64_t base = layout.cu_k[layout.seq_of[g]];  // key row of position 0
     for (int32_t i = 0; i < Hl; ++i) {
       support.keys(g, i, &keys);
       for (int32_t h = i * hpi; h < (i + 1) * hpi; ++h) {
@@ -66,7 +66,7 @@ void kl_impl(const Problem& prob, const TensorRef& q_t, const TensorRef& k_t, co
   parallel_for(prob.T, [&](int64_t g, int) {
     thread_local std::vector<int64_t> keys;
     thread_local std::vector<double> q, pi, sc;
-    const int64_t base = layout.cu[layout.seq_of[g]];
+    const int64_t base = layout.cu_k[layout.seq_of[g]];
     q.resize(std::max(D, Di));
     for (int32_t i = 0; i < prob.Hi; ++i) {
       support.keys(g, i, &keys);
@@ -130,7 +130,7 @@ void backward_impl(const Problem& prob, const BackwardParams& p) {
   parallel_for(prob.T, [&](int64_t g, int) {
     thread_local std::vector<int64_t> keys;
     thread_local std::vector<double> q, o, acc, pi, sc;
-    const int64_t base = layout.cu[layout.seq_of[g]];
+    const int64_t base = layout.cu_k[layout.seq_of[g]];
     q.resize(std::max(D, Di));
     o.resize(D);
     acc.resize(std::max(D, Di));
@@ -174,8 +174,8 @@ void backward_impl(const Problem& prob, const BackwardParams& p) {
     thread_local std::vector<int64_t> trows;
     thread_local std::vector<double> q, o, dk_acc, dv_acc;
     const int32_t r = static_cast<int32_t>(task / nb);
-    const int64_t gb = task % nb, s = layout.seq_of_block[gb], base = layout.cu[s];
-    const int64_t j0 = (gb - layout.block_base[s]) * Bk, j1 = std::min<int64_t>(j0 + Bk, layout.seq_len(s));
+    const int64_t gb = task % nb, s = layout.seq_of_block[gb], base = layout.cu_k[s];
+    const int64_t j0 = (gb - layout.block_base[s]) * Bk, j1 = std::min<int64_t>(j0 + Bk, layout.key_len(s));
     q.resize(D);
     o.resize(D);
     dk_acc.assign((j1 - j0) * D, 0.0);
@@ -183,7 +183,7 @@ void backward_impl(const Problem& prob, const BackwardParams& p) {
     for (int32_t h = r * G; h < (r + 1) * G; ++h) {
       support.rows_of_block(h / hpi, gb, &trows);
       for (int64_t t : trows) {
-        const int64_t g = base + t;
+        const int64_t g = layout.query_row(s, t);
         load(m.q.row(g, h), D, q.data());
         load(dout.row(g, h), D, o.data());
         const double l = lse.at(g, h), dl = delta[static_cast<size_t>(g) * Hq + h];
@@ -211,15 +211,15 @@ void backward_impl(const Problem& prob, const BackwardParams& p) {
     thread_local std::vector<int64_t> trows;
     thread_local std::vector<double> qi, qh, acc;
     const int32_t ik = static_cast<int32_t>(task / nb);
-    const int64_t gb = task % nb, s = layout.seq_of_block[gb], base = layout.cu[s];
-    const int64_t j0 = (gb - layout.block_base[s]) * Bk, j1 = std::min<int64_t>(j0 + Bk, layout.seq_len(s));
+    const int64_t gb = task % nb, s = layout.seq_of_block[gb], base = layout.cu_k[s];
+    const int64_t j0 = (gb - layout.block_base[s]) * Bk, j1 = std::min<int64_t>(j0 + Bk, layout.key_len(s));
     qi.resize(Di);
     qh.resize(static_cast<size_t>(hpi) * D);
     acc.assign((j1 - j0) * Di, 0.0);
     for (int32_t i = ik * ipk; i < (ik + 1) * ipk; ++i) {
       support.rows_of_block(i, gb, &trows);
       for (int64_t t : trows) {
-        const int64_t g = base + t;
+        const int64_t g = layout.query_row(s, t);
         load(q_idx.row(g, i), Di, qi.data());
         for (int32_t x = 0; x < hpi; ++x) load(m.q.row(g, i * hpi + x), D, &qh[static_cast<size_t>(x) * D]);
         const double lidx = lse_idx[static_cast<size_t>(g) * prob.Hi + i];

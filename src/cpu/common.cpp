@@ -5,13 +5,13 @@
 
 namespace msa::cpu {
 
-Layout::Layout(const Problem& prob) : cu(prob.cu), Bk(prob.opts.block_size) {
+Layout::Layout(const Problem& prob) : cu(prob.cu), cu_k(prob.cu_k), Bk(prob.opts.block_size) {
   const int64_t nseq = prob.num_seqs();
   seq_of.resize(prob.T);
   block_base.assign(nseq + 1, 0);
   for (int64_t s = 0; s < nseq; ++s) {
     for (int64_t g = cu[s]; g < cu[s + 1]; ++g) seq_of[g] = static_cast<int32_t>(s);
-    block_base[s + 1] = block_base[s] + (seq_len(s) + Bk - 1) / Bk;
+    block_base[s + 1] = block_base[s] + (key_len(s) + Bk - 1) / Bk;
   }
   seq_of_block.resize(num_blocks());
   for (int64_t s = 0; s < nseq; ++s)
@@ -35,7 +35,7 @@ Support::Support(const Problem& prob, const Layout& layout, const TensorRef& blo
       for (int32_t i = 0; i < prob.Hi; ++i)
         for (int32_t j = 0; j < k_; ++j) {
           const int32_t b = bi_[g * s0_ + i * s1_ + j * s2_];
-          if (b >= 0) fn(static_cast<size_t>(i) * nb + layout.block_base[s] + b, g - layout.cu[s]);
+          if (b >= 0) fn(static_cast<size_t>(i) * nb + layout.block_base[s] + b, layout.pos(g));
         }
     }
   };
@@ -48,7 +48,7 @@ Support::Support(const Problem& prob, const Layout& layout, const TensorRef& blo
 
 void Support::blocks(int64_t g, int32_t i, std::vector<int32_t>* out) const {
   out->clear();
-  const int64_t t = g - layout_.cu[layout_.seq_of[g]];
+  const int64_t t = layout_.pos(g);
   const int32_t own = static_cast<int32_t>(t / layout_.Bk);
   if (dense_) {
     for (int32_t b = 0; b <= own; ++b) out->push_back(b);
@@ -64,7 +64,7 @@ void Support::blocks(int64_t g, int32_t i, std::vector<int32_t>* out) const {
 void Support::keys(int64_t g, int32_t i, std::vector<int64_t>* out) const {
   thread_local std::vector<int32_t> blk;
   blocks(g, i, &blk);
-  keys_of_blocks(blk, g - layout_.cu[layout_.seq_of[g]], layout_.Bk, out);
+  keys_of_blocks(blk, layout_.pos(g), layout_.Bk, out);
 }
 
 void keys_of_blocks(const std::vector<int32_t>& blocks, int64_t t, int32_t Bk, std::vector<int64_t>* out) {
@@ -80,7 +80,7 @@ void Support::rows_of_block(int32_t i, int64_t gb, std::vector<int64_t>* out) co
   if (dense_) {
     const int64_t s = layout_.seq_of_block[gb];
     const int64_t b = gb - layout_.block_base[s];
-    for (int64_t t = b * layout_.Bk; t < layout_.seq_len(s); ++t) out->push_back(t);
+    for (int64_t t = std::max(b * layout_.Bk, layout_.start(s)); t < layout_.key_len(s); ++t) out->push_back(t);
     return;
   }
   const int64_t nb = layout_.num_blocks();

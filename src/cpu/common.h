@@ -61,9 +61,12 @@ void axpy(double alpha, const E* x, int n, double* y) {
   for (int d = 0; d < n; ++d) y[d] += alpha * to_double(x[d]);
 }
 
-// Row layout of the packed batch: sequence of each token, first token and block of each sequence.
+// Row layout of the packed batch: sequence of each query row, first query row, key row and
+// block of each sequence. Sequence s has key_len(s) keys (rows cu_k[s] ..) and its queries (rows
+// cu[s] ..) are its last positions, from start(s) on (0 unless keys are apart from queries).
 struct Layout {
-  std::vector<int64_t> cu;          // sequence offsets [nseq + 1]
+  std::vector<int64_t> cu;          // query offsets [nseq + 1]
+  std::vector<int64_t> cu_k;        // key offsets [nseq + 1] (cu unless keys are apart)
   std::vector<int32_t> seq_of;      // [T]
   std::vector<int64_t> block_base;  // [nseq + 1]: first global block id of each sequence
   std::vector<int32_t> seq_of_block;  // [num_blocks()]
@@ -71,7 +74,11 @@ struct Layout {
 
   Layout(const Problem& prob);
   int64_t num_blocks() const { return block_base.back(); }
-  int64_t seq_len(int64_t s) const { return cu[s + 1] - cu[s]; }
+  int64_t key_len(int64_t s) const { return cu_k[s + 1] - cu_k[s]; }
+  // Position of sequence s's first query, and of query row g; query row of position t of s.
+  int64_t start(int64_t s) const { return key_len(s) - (cu[s + 1] - cu[s]); }
+  int64_t pos(int64_t g) const { return start(seq_of[g]) + g - cu[seq_of[g]]; }
+  int64_t query_row(int64_t s, int64_t t) const { return cu[s] + t - start(s); }
 };
 
 // Which key blocks a (token, index head) row attends to.
@@ -83,10 +90,10 @@ class Support {
   // Blocks of row (global token g, index head i) in ascending order.
   void blocks(int64_t g, int32_t i, std::vector<int32_t>* out) const;
 
-  // Local key positions j <= t of the row, ascending.
+  // Local key positions j <= t of the row (t its position), ascending.
   void keys(int64_t g, int32_t i, std::vector<int64_t>* out) const;
 
-  // Reverse index: local positions t of the rows (of index head i, in the sequence of global
+  // Reverse index: positions t of the query rows (of index head i, in the sequence of global
   // block gb) whose support holds block gb, ascending.
   void rows_of_block(int32_t i, int64_t gb, std::vector<int64_t>* out) const;
 

@@ -16,17 +16,17 @@ namespace msa::cpu {
 namespace {
 
 // The dequantised E4M3 copies of q_idx (a group per row) and k_idx (a group per block of one
-// sequence and index key head), packed [T, H, Di] in double.
+// sequence and index key head), packed [T, Hi, Di] and [Tk, Hik, Di] in double.
 template <class E>
 void fp8_copies(const Problem& prob, const Layout& layout, const Rows<const E>& q_idx,
                 const Rows<const E>& k_idx, std::vector<double>* q8, std::vector<double>* k8) {
   const int32_t Di = prob.Di, Bk = prob.opts.block_size;
   fp8_copy_queries(prob, q_idx, q8);
-  k8->resize(static_cast<size_t>(prob.T) * prob.Hik * Di);
+  k8->resize(static_cast<size_t>(prob.Tk) * prob.Hik * Di);
   parallel_for(layout.num_blocks(), [&](int64_t gb, int) {
     const int32_t s = layout.seq_of_block[gb];
-    const int64_t j0 = layout.cu[s] + (gb - layout.block_base[s]) * Bk;
-    const int64_t j1 = std::min<int64_t>(j0 + Bk, layout.cu[s + 1]);
+    const int64_t j0 = layout.cu_k[s] + (gb - layout.block_base[s]) * Bk;
+    const int64_t j1 = std::min<int64_t>(j0 + Bk, layout.cu_k[s + 1]);
     for (int32_t ik = 0; ik < prob.Hik; ++ik)
       fp8_copy_block(Di, j0, j1 - j0, [&](int64_t j) { return k_idx.row(j, ik); },
                      k8->data() + (j0 * prob.Hik + ik) * Di, int64_t(prob.Hik) * Di);
@@ -47,7 +47,7 @@ void select_impl(const Problem& prob, const TensorRef& q_idx_t, const TensorRef&
   if (fp8) fp8_copies(prob, layout, q_idx, k_idx, &q8, &k8);
 
   parallel_for(prob.T, [&](int64_t g, int) {
-    const int64_t s = layout.seq_of[g], base = layout.cu[s], t = g - base;
+    const int64_t s = layout.seq_of[g], base = layout.cu_k[s], t = layout.pos(g);
     for (int32_t i = 0; i < prob.Hi; ++i) {
       const int32_t ik = i / prob.idx_per_key();
       const auto key_row = [&](int64_t j) { return k_idx.row(base + j, ik); };

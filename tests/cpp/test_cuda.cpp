@@ -1161,6 +1161,71 @@ TEST(Cuda, AllSequencesEmpty) {
   CUDA_CHECK(cudaDeviceSynchronize());
 }
 
+// Keys apart from queries (cu_seqlens_k) run on the CPU backend only: each training call on CUDA
+// tensors answers kNotSupported naming the argument, and writes nothing.
+TEST(Cuda, KeysApartRefusedByName) {
+  SKIP_WITHOUT_CUDA();
+  const Config c = shape({256, 128}, 4, 2, 128, 2, 1, 128, 128, 2, kBf16, 24);
+  Problem p = random_problem(c);
+  DeviceInputs d(p, nullptr);
+  DeviceTensor out(c.dtype, {p.T, c.Hq, c.D}), lse(DType::kFloat32, {p.T, c.Hq}), bi(DType::kInt32, {p.T, c.Hi, c.k});
+  DeviceTensor kl(DType::kFloat32, {1}), dq(c.dtype, {p.T, c.Hq, c.D}), dk(c.dtype, {p.T, c.Hkv, c.D}),
+      dv(c.dtype, {p.T, c.Hkv, c.D});
+  auto refused = [](const msa::Status& s, const char* fn) {
+    EXPECT_EQ(s.code, StatusCode::kNotSupported) << fn << ": " << s.message;
+    EXPECT_NE(s.message.find("argument 'cu_seqlens_k'"), std::string::npos) << fn << ": " << s.message;
+  };
+  msa::SelectParams sp;
+  sp.q_idx = d.q_idx.ref();
+  sp.k_idx = d.k_idx.ref();
+  sp.cu_seqlens = d.cu.ref();
+  sp.cu_seqlens_k = d.cu.ref();
+  sp.block_idx = bi.ref();
+  sp.opts = p.options();
+  refused(msa::select_blocks(sp), "select_blocks");
+  EXPECT_EQ(msa::workspace_size(sp), 0u);
+  msa::ForwardParams f;
+  f.q = d.q.ref();
+  f.k = d.k.ref();
+  f.v = d.v.ref();
+  f.cu_seqlens = d.cu.ref();
+  f.cu_seqlens_k = d.cu.ref();
+  f.q_idx = d.q_idx.ref();
+  f.k_idx = d.k_idx.ref();
+  f.block_idx = bi.ref();
+  f.select = true;
+  f.out = out.ref();
+  f.lse = lse.ref();
+  f.opts = p.options();
+  refused(msa::forward(f), "forward");
+  msa::KlParams kp;
+  kp.q = d.q.ref();
+  kp.k = d.k.ref();
+  kp.lse = lse.ref();
+  kp.q_idx = d.q_idx.ref();
+  kp.k_idx = d.k_idx.ref();
+  kp.cu_seqlens = d.cu.ref();
+  kp.cu_seqlens_k = d.cu.ref();
+  kp.kl = kl.ref();
+  kp.opts = p.options(Mode::kDense);
+  refused(msa::kl_divergence(kp), "kl_divergence");
+  msa::BackwardParams bp;
+  bp.q = d.q.ref();
+  bp.k = d.k.ref();
+  bp.v = d.v.ref();
+  bp.out = out.ref();
+  bp.lse = lse.ref();
+  bp.dout = out.ref();
+  bp.cu_seqlens = d.cu.ref();
+  bp.cu_seqlens_k = d.cu.ref();
+  bp.dq = dq.ref();
+  bp.dk = dk.ref();
+  bp.dv = dv.ref();
+  bp.opts = p.options(Mode::kDense);
+  refused(msa::backward(bp), "backward");
+  CUDA_CHECK(cudaDeviceSynchronize());
+}
+
 // q, k, v as views of one fused [T, Hq + 2 Hkv, D] projection (token stride larger than a row):
 // the same result as contiguous tensors, or kNotSupported naming the argument.
 TEST(Cuda, FusedQkvStrides) {
