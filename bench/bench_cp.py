@@ -167,6 +167,7 @@ def bench_case(msa, msad, T: int, level: str, h: Dict, args, timer: Timer, devic
             def cp(kl_value=False, phase_times=False):
                 out, kl, stats = msad.sparse_attention(
                     *shard, cu_seqlens=cu, layout=layout, exchange=exchange, kl_value=kl_value,
+                    call=args.call,
                     return_stats=True, phase_times=phase_times, **opts)
                 loss = (out * g_shard).float().sum() + kl
                 grads = torch.autograd.grad(loss, shard)
@@ -178,6 +179,10 @@ def bench_case(msa, msad, T: int, level: str, h: Dict, args, timer: Timer, devic
             fwd_b = _all_reduce(msad.moved_bytes(stats, "forward"), dist.ReduceOp.SUM)
             bwd_b = _all_reduce(msad.moved_bytes(stats, "backward"), dist.ReduceOp.SUM)
             fetched = _all_reduce(stats["fetched_tokens"], dist.ReduceOp.SUM)
+            # the largest call over the ranks: its key rows and its query rows (all the key rows
+            # with call="rows", the shard's with call="keys")
+            call_keys = _all_reduce(stats["call_tokens"], dist.ReduceOp.MAX)
+            call_rows = _all_reduce(stats["call_queries"], dist.ReduceOp.MAX)
             phases = {}
             if args.phases:  # one more step, the device synchronised between phases
                 cp(phase_times=True)
@@ -208,6 +213,7 @@ def bench_case(msa, msad, T: int, level: str, h: Dict, args, timer: Timer, devic
                 ms_cp=round(tcp, 3), speedup=round(t1 / tcp, 3) if tcp else float("nan"),
                 mb_forward=round(fwd_b / 2**20, 3), mb_backward=round(bwd_b / 2**20, 3),
                 mb_total=round((fwd_b + bwd_b) / 2**20, 3), fetched_tokens=int(fetched),
+                call=stats["call"], call_key_rows=int(call_keys), call_query_rows=int(call_rows),
                 **phases,
                 **{f"err_{n}": f"{e:.2e}" for n, e in errs.items()}))
             log(f"  {fmt_tokens(T)} {level} {layout} {exchange}: 1 GPU {t1:.1f} ms, "
@@ -242,7 +248,7 @@ def fit_case(msa, msad, T: int, level: str, alpha, h: Dict, args, timer: Timer, 
                 local_blocks=sp.LOCAL_BLOCKS)
 
     def cp():
-        out, kl = msad.sparse_attention(*shard, cu_seqlens=cu, layout="balanced",
+        out, kl = msad.sparse_attention(*shard, cu_seqlens=cu, layout="balanced", call=args.call,
                                         exchange="selected", kl_value=False, **opts)
         # the gradient of <out, g> + kl without materialising the product (its fp32 copy alone
         # would be 32 bytes per token and query head)
@@ -405,6 +411,8 @@ def parse_args(argv=None):
                     help="start this many local processes (instead of torchrun)")
     ap.add_argument("--timeout", type=int, default=600, help="collective timeout, seconds")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--call", choices=["auto", "keys", "rows"], default="auto",
+                    help="msa.distributed's call layout (auto: keys on the CPU, rows on CUDA)")
     ap.add_argument("--phases", action="store_true",
                     help="after timing, one step with the device synchronised between phases: "
                          "every rank's time per phase (select, exchanges, forward, backward...)")

@@ -27,12 +27,18 @@ How a step runs (``exchange="selected"``):
    positions over each sequence's gathered index keys (see "Limits and costs");
 3. fetch only the K/V rows of the blocks this rank's queries selected: the per-owner lists of
    requested rows are exchanged first (all-to-all of int64 ids), then the rows (all-to-all);
-4. run ``msa::forward`` with a caller's ``block_idx`` on a *compact* packed call: per sequence,
-   the union of the selected blocks in ascending order, one ``Bk``-row slot each, and this
-   rank's queries at their offsets in their own block's slot; the block ids are remapped to the
-   slots (a monotone map, so the support, the causal mask in the own block and the order of the
-   blocks are those of the single-process call). Rows that hold only fetched keys are queries
-   with an empty selection (``block_idx`` all ``-1``): ``out = 0``, no KL term, no gradient.
+4. run ``msa::forward`` with a caller's ``block_idx`` on a *compact* packed call, its block
+   ids remapped to the call's (a monotone map, so the support, the causal mask in the own
+   block and the order of the blocks are those of the single-process call). ``call="keys"``
+   (where the backend takes keys apart from queries, ``cu_seqlens_k``: the CPU): one call
+   sequence per run of this rank's consecutive positions in a sequence, its queries the
+   shard's own rows (no copy of ``q``, ``out``, ``dout``, ``dq``) and its keys the blocks
+   before the run that its queries selected, one ``Bk``-row slot each, then the sequence's
+   rows from the run's first block to its end, so the queries are the last positions of their
+   keys. ``call="rows"`` (CUDA for now): per sequence, the union of the selected blocks in
+   ascending order, one ``Bk``-row slot each, and this rank's queries at their offsets in
+   their own block's slot; rows that hold only fetched keys are queries with an empty
+   selection (``block_idx`` all ``-1``): ``out = 0``, no KL term, no gradient.
 5. backward (``msa::backward`` on the same call): ``dq`` and ``dq_idx`` are this rank's rows;
    the ``dk, dv, dk_idx`` of fetched rows go back to their owners (all-to-all), and every owner
    sums the contributions in rank order ``0 .. W-1`` (in float32, float64 for float64 inputs),
@@ -49,7 +55,9 @@ in rank order. The KL gradient's weight is handed to ``msa::backward`` as the fl
 to float32 rounding of that factor (relative 6e-8), the rest to the rounding of the partial sums.
 
 Bytes moved: ``return_stats=True`` adds a dict of the bytes this rank received per phase
-(payload, without padding); the backward adds its phases to the same dict when it runs.
+(payload, without padding); the backward adds its phases to the same dict when it runs. The
+same dict gives the call's layout (``call``), its key rows (``call_tokens``), query rows
+(``call_queries``) and blocks, and the key rows fetched from other ranks (``fetched_tokens``).
 
 Limits and costs (measured against the single-process call):
 
@@ -59,8 +67,11 @@ Limits and costs (measured against the single-process call):
   of ``Bk`` rows (one copy of them). Beyond that call's limits (more than 32 index heads per
   index key head, ``top_k`` > 256) it falls back to ``select_blocks`` over each sequence's
   prefix up to this rank's last query, with zero rows at the other positions.
-* The compact call holds one query row per fetched key row (zero queries), so ``q``, ``out``,
-  ``dout`` and ``dq`` of the call are as large as the call, not as the shard.
+* With ``call="rows"`` the compact call holds one query row per fetched key row (zero
+  queries), so ``q``, ``out``, ``dout`` and ``dq`` of the call are as large as the call, not
+  as the shard; ``call="keys"`` holds only the shard's queries (a key row that two runs of a
+  zigzag shard read is in the call twice, fetched once, and its gradients summed in run order
+  before they go back).
 * Everything is host-orchestrated (block lists and split sizes are read on the host): not
   capturable in a CUDA graph. Every rank must call the function with the same options and run
   the backward (as in any context-parallel model); a rank whose shard or options do not match
@@ -106,6 +117,10 @@ __all__ = ["sparse_attention", "shard_positions", "shard", "multicast_off"]
 
 _LAYOUTS = ("contiguous", "balanced")
 _EXCHANGES = ("selected", "allgather")
+_CALLS = ("keys", "rows")
+# Devices whose backend runs a call over keys apart from queries (cu_seqlens_k): call="auto"
+# takes "keys" there, "rows" elsewhere.
+_KEYS_APART_DEVICES = ("cpu",)
 
 
 # --------------------------------------------------------------------------------------------
@@ -286,7 +301,8 @@ def _plan(comm: _Comm, q, k, v, q_idx, k_idx, block_idx, cu_seqlens, opts) -> _P
         top_k=opts["top_k"] if block_idx is None else shp(block_idx, 2),
         block_size=opts["block_size"], sink_blocks=opts["sink_blocks"],
         local_blocks=opts["local_blocks"], layout=_LAYOUTS.index(opts["layout"]),
-        exchange=_EXCHANGES.index(opts["exchange"]), has_idx=int(has_idx),
+        exchange=_EXCHANGES.index(opts["exchange"]), call=_CALLS.index(opts["call"]),
+        has_idx=int(has_idx),
         caller_block_idx=int(block_idx is not None), kl_value=int(opts["kl_value"]),
         cu_seqlens=_hash(cu_vals), scale=_float_bits(opts["scale"]),
         scale_idx=_float_bits(opts["scale_idx"]), kl_pass=opts["kl_pass_code"],
@@ -416,6 +432,12 @@ def _geometry(p: _Plan, dev: torch.device) -> _Geometry:
         cu_q = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(run_len, 0)])
         i32 = lambda t: t.to(torch.int32).to(dev)  # noqa: E731
         g.sel_cu_q, g.sel_page_table, g.sel_seq_lens = i32(cu_q), i32(page_table), i32(run_end)
+        # the runs (host) and each row's run (device), for the call over keys apart
+        g.run_seq, g.run_t0, g.run_len, g.run_end = run_seq, g.t_loc[first], run_len, run_end
+        g.run_of_row = (torch.cumsum(first.long(), 0) - 1).to(dev)
+    else:
+        g.run_seq = g.run_t0 = g.run_len = g.run_end = torch.zeros(0, dtype=torch.int64)
+        g.run_of_row = torch.zeros(0, dtype=torch.int64, device=dev)
     _GEOMETRY_CACHE[key] = g
     while len(_GEOMETRY_CACHE) > _GEOMETRY_CACHE_SIZE:
         _GEOMETRY_CACHE.popitem(last=False)
@@ -480,6 +502,66 @@ def _layout_call(p: _Plan, bi_local: Optional[Tensor], allgather: bool, dev: tor
         bi_call = bi_call.to(torch.int32)
     return dict(rows=rows, qrow=qrow, cu_call=cu_call, bi_call=bi_call, T_call=T_call,
                 blocks=nub)
+
+
+def _layout_keys_call(p: _Plan, bi_local: Optional[Tensor], allgather: bool, dev: torch.device):
+    """The call over keys apart (``call="keys"``): one call sequence per run of this rank's
+    consecutive positions in a sequence (its queries, in the shard's row order, so ``q`` and
+    the query-side tensors are the shard's own), whose keys are the blocks before the run's first
+    block that its queries selected (every such block with ``allgather``), one ``Bk``-row slot
+    each in ascending order, then the sequence's rows from that block's start to the run's end:
+    the run's queries are the last positions of its keys (cu_seqlens_k). Returns the global rows
+    of the call's keys (on ``dev``; a row that two runs read appears in both), the key offsets,
+    and this rank's block ids remapped to the call's."""
+    Bk, cu, g = p.Bk, p.cu, p.geo
+    R = int(g.run_len.numel())
+    fb = g.run_t0 // Bk  # first own block of each run: the blocks below it are gathered
+    pbase = torch.cumsum(fb, 0) - fb  # each run's offset in the (run, block < fb) bitmap
+    nbits = int(fb.sum())
+    if allgather:
+        used = torch.ones(nbits, dtype=torch.bool)
+    else:
+        b = bi_local.long()
+        run_row = g.run_of_row
+        fb_row = fb.to(dev)[run_row][:, None, None]
+        valid = (b >= 0) & (b < fb_row)
+        used_d = torch.zeros(max(nbits, 1), dtype=torch.bool, device=dev)
+        used_d[(pbase.to(dev)[run_row][:, None, None] + b)[valid]] = True
+        used = used_d[:nbits].cpu()
+        del valid, fb_row
+    idx = torch.nonzero(used).flatten()  # by run, then block
+    run_of = torch.searchsorted(pbase, idx, right=True) - 1
+    # runs with fb = 0 share pbase with the next run; searchsorted(right) picks the last of them,
+    # the one whose bits start there
+    blk = idx - pbase[run_of]
+    nsel = torch.bincount(run_of, minlength=R) if R else torch.zeros(0, dtype=torch.int64)
+    sel_first = torch.cumsum(nsel, 0) - nsel
+    cmap = torch.full((max(nbits, 1),), -1, dtype=torch.int64)
+    cmap[idx] = torch.arange(idx.numel()) - sel_first[run_of]
+    own_len = g.run_end - fb * Bk
+    m = nsel * Bk + own_len  # keys per call sequence
+    cu_k = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(m, 0)])
+    Tk = int(cu_k[-1])
+    # segments of the call's keys in call order: a run's selected blocks, then its own rows
+    seq0 = cu[g.run_seq]  # global row of each run's sequence's position 0
+    starts = torch.cat([seq0[run_of] + blk * Bk, seq0 + fb * Bk])
+    lens = torch.cat([torch.full_like(blk, Bk), own_len])
+    order = torch.argsort(torch.cat([run_of * 2, torch.arange(R) * 2 + 1]), stable=True)
+    starts, lens = starts[order].to(dev), lens[order].to(dev)
+    seg = torch.repeat_interleave(torch.arange(lens.numel(), device=dev), lens, output_size=Tk)
+    first = torch.cumsum(lens, 0) - lens
+    rows = starts[seg] + torch.arange(Tk, device=dev) - first[seg]
+    bi_call = None
+    if bi_local is not None:
+        b = bi_local.long()
+        run_row = g.run_of_row
+        fb_row = fb.to(dev)[run_row][:, None, None]
+        below = cmap.to(dev)[(pbase.to(dev)[run_row][:, None, None] + b).clamp(min=0, max=max(nbits, 1) - 1)]
+        own = nsel.to(dev)[run_row][:, None, None] + b - fb_row
+        bi_call = torch.where(b < 0, torch.full_like(b, -1), torch.where(b < fb_row, below, own))
+        bi_call = bi_call.to(torch.int32)
+    return dict(rows=rows, cu_k=cu_k.to(torch.int32).to(dev), bi_call=bi_call, Tk=Tk,
+                blocks=int(idx.numel()) + int(((g.run_end + Bk - 1) // Bk - fb).sum()))
 
 
 # The paged selection's limits (serving kernels): index heads per index key head, and top_k.
@@ -577,40 +659,17 @@ class _CPAttention(torch.autograd.Function):
         kk = bi_local.shape[2]
         ph.mark("select")
 
+        if opts["call"] == "keys":
+            return _keys_forward(ctx, comm, p, opts, stats, ph, q, k, v, q_idx, k_idx,
+                                 k_idx_full, bi_local, allgather)
+
         # 3. the compact call and the rows it needs from every owner
         lay = _layout_call(p, bi_local, allgather, dev)
         rows, T_call = lay["rows"], lay["T_call"]
-        owner = p.geo.owner[rows]
-        lid = p.geo.lidx[rows]
-        req_rows = [torch.nonzero(owner == o).flatten() for o in range(W)]  # call rows by owner
-        req_ids = [lid[x] for x in req_rows]  # their indices in the owner's shard
         ph.mark("layout")
         F = p.Hkv * p.D
-        kv_local = torch.cat([k.detach().reshape(-1, F), v.detach().reshape(-1, F)], 1)
-        kv_call = torch.empty((T_call, 2 * F), dtype=dtype, device=dev)
-        mine = req_rows[r].to(dev)
-        kv_call.index_copy_(0, mine, kv_local.index_select(0, req_ids[r].to(dev)))
-        send_counts = [int(x.numel()) if o != r else 0 for o, x in enumerate(req_ids)]
-        if allgather:
-            parts = comm.all_gather_rows(kv_local, p.sizes)
-            for o in range(W):
-                if o != r:
-                    stats["kv_allgather"] += _nbytes(parts[o])
-                    kv_call[req_rows[o].to(dev)] = parts[o][req_ids[o].to(dev)]
-            del parts
-            served = None  # the peers' requests are exchanged in the backward
-        else:
-            served = _exchange_ids(comm, req_ids, send_counts, stats, "kv_request_ids")
-            send = torch.cat([kv_local[served[o].to(dev)] for o in range(W)])
-            recv = comm.all_to_all(send, [int(x.numel()) for x in served], send_counts)
-            stats["kv_fetch"] += _nbytes(recv)
-            off = 0
-            for o in range(W):
-                c = send_counts[o]
-                if c:
-                    kv_call.index_copy_(0, req_rows[o].to(dev), recv[off: off + c])
-                off += c
-            del send, recv
+        kv_call, (req_rows, req_ids, served, send_counts) = _fetch_kv(comm, p, k, v, rows,
+                                                                      allgather, stats)
         ph.mark("kv_exchange")
         k_call = kv_call[:, :F].reshape(T_call, p.Hkv, p.D)
         v_call = kv_call[:, F:].reshape(T_call, p.Hkv, p.D)
@@ -628,6 +687,7 @@ class _CPAttention(torch.autograd.Function):
             k_idx_call = k_idx_full[rows.to(dev)]
         del k_idx_full
         stats["call_tokens"] += T_call
+        stats["call_queries"] += T_call
         stats["fetched_tokens"] += T_call - int(req_rows[r].numel())
         stats["call_blocks"] += lay["blocks"]
         ph.mark("call_build")
@@ -645,18 +705,11 @@ class _CPAttention(torch.autograd.Function):
             lse_c = torch.zeros((0, p.Hq), dtype=torch.float32, device=dev)
             kl_c = torch.zeros((), dtype=torch.float32, device=dev)
         ph.mark("forward")
-        kl = torch.zeros((), dtype=torch.float32, device=dev)
-        if want_kl:
-            # this rank's term renormalised from 1/(T_call*Hi) to 1/(N*Hi); ranks summed in order
-            term = kl_c.double().reshape(1) * (T_call / p.N if p.N else 0.0)
-            terms = comm.all_gather_rows(term.reshape(1, 1), [1] * W)
-            stats["kl_allgather"] += 8 * (W - 1)
-            tot = torch.zeros((1, 1), dtype=torch.float64, device=dev)
-            for o in range(W):
-                tot = tot + terms[o]
-            kl = tot.reshape(()).float()
+        kl = _global_kl(comm, p, kl_c, T_call, stats) if want_kl else \
+            torch.zeros((), dtype=torch.float32, device=dev)
 
         ctx.comm, ctx.p, ctx.opts, ctx.stats = comm, p, opts, stats
+        ctx.call = "rows"
         ctx.req_rows, ctx.req_ids, ctx.served, ctx.send_counts = (req_rows, req_ids, served,
                                                                   send_counts)
         ctx.T_call = T_call
@@ -671,6 +724,8 @@ class _CPAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_kl, grad_lse, grad_bi):
+        if ctx.call == "keys":
+            return _keys_backward(ctx, grad_out, grad_kl)
         comm, p, opts, stats = ctx.comm, ctx.p, ctx.opts, ctx.stats
         (q_call, k_call, v_call, q_idx_call, k_idx_call, bi_call, cu_call, out_c, lse_c,
          qrow) = ctx.saved_tensors
@@ -707,30 +762,8 @@ class _CPAttention(torch.autograd.Function):
         del parts
         ph.mark("backward")
 
-        served = ctx.served
-        if served is None:
-            served = _exchange_ids(comm, ctx.req_ids, ctx.send_counts, stats, "grad_request_ids")
-        send = torch.cat([g_call[ctx.req_rows[o].to(dev)] if o != r else g_call[:0]
-                          for o in range(W)])
-        recv_counts = [int(x.numel()) for x in served]
-        recv = comm.all_to_all(send, ctx.send_counts, recv_counts)
-        stats["grad_return"] += _nbytes(recv)
-        ph.mark("grad_exchange")
-        # every owner sums the contributions in rank order 0 .. W-1 (bitwise repeatable)
-        acc_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        acc = _return_grads(ctx, g_call, ph)
         n = p.sizes[r]
-        acc = torch.zeros((n, 2 * F + Fi), dtype=acc_dtype, device=dev)
-        off = 0
-        for o in range(W):  # the rows of one source are distinct: one add per element
-            if o == r:
-                acc.index_add_(0, ctx.req_ids[r].to(dev),
-                               g_call[ctx.req_rows[r].to(dev)].to(acc_dtype))
-            else:
-                c = recv_counts[o]
-                if c:
-                    acc.index_add_(0, served[o].to(dev), recv[off: off + c].to(acc_dtype))
-                off += c
-        acc = acc.to(dtype)
         dk = acc[:, :F].reshape(n, p.Hkv, p.D)
         dv = acc[:, F: 2 * F].reshape(n, p.Hkv, p.D)
         dq = dq_c.index_select(0, qrow)
@@ -738,6 +771,205 @@ class _CPAttention(torch.autograd.Function):
         dk_idx = acc[:, 2 * F:].reshape(n, p.Hik, p.Di) if want_idx else None
         ph.mark("grad_sum")
         return None, None, None, None, None, dq, dk, dv, dq_idx, dk_idx
+
+
+def _global_kl(comm: _Comm, p: _Plan, kl_c: Tensor, n_call: int, stats) -> Tensor:
+    """The global KL value from this rank's call's (normalised by its ``n_call`` queries): every
+    rank's term renormalised to 1/(N*Hi), the terms summed in rank order."""
+    dev = kl_c.device
+    term = kl_c.double().reshape(1) * (n_call / p.N if p.N else 0.0)
+    terms = comm.all_gather_rows(term.reshape(1, 1), [1] * p.W)
+    stats["kl_allgather"] += 8 * (p.W - 1)
+    tot = torch.zeros((1, 1), dtype=torch.float64, device=dev)
+    for o in range(p.W):
+        tot = tot + terms[o]
+    return tot.reshape(()).float()
+
+
+def _keys_forward(ctx, comm: _Comm, p: _Plan, opts, stats, ph, q, k, v, q_idx, k_idx, k_idx_full,
+                  bi_local, allgather):
+    """Steps 3-4 with ``call="keys"``: the call holds this rank's queries as they are (one call
+    sequence per run, see ``_layout_keys_call``) over the keys it gathered, passed apart from the
+    queries (cu_seqlens_k); a key row that two runs read is fetched once."""
+    dev, dtype = q.device, q.dtype
+    n, has_idx, F = p.sizes[p.r], p.has_idx, p.Hkv * p.D
+    lay = _layout_keys_call(p, bi_local, allgather, dev)
+    rows, Tk = lay["rows"], lay["Tk"]
+    urows, inv = torch.unique(rows, sorted=True, return_inverse=True)
+    ph.mark("layout")
+    kv_u, routing = _fetch_kv(comm, p, k, v, urows, allgather, stats)
+    ph.mark("kv_exchange")
+    kv_call = kv_u.index_select(0, inv)
+    del kv_u
+    k_call = kv_call[:, :F].reshape(Tk, p.Hkv, p.D)
+    v_call = kv_call[:, F:].reshape(Tk, p.Hkv, p.D)
+    k_idx_call = k_idx_full[rows] if has_idx else None
+    del k_idx_full
+    cu_q, cu_k, bi_call = p.geo.sel_cu_q, lay["cu_k"], lay["bi_call"]
+    kk = bi_call.shape[2]
+    stats["call_tokens"] += Tk
+    stats["call_queries"] += n
+    stats["fetched_tokens"] += int(urows.numel()) - int(routing[0][p.r].numel())
+    stats["call_blocks"] += lay["blocks"]
+    ph.mark("call_build")
+    want_kl = bool(opts["kl_value"]) and has_idx
+    qd = q.detach()
+    qid = q_idx.detach() if has_idx else None
+    if n:
+        out, lse, _, kl_c = torch.ops.msa.forward(
+            qd, k_call, v_call, qid, k_idx_call, bi_call, cu_q, False, False, p.Bk, kk,
+            opts["sink_blocks"], opts["local_blocks"], opts["scale"], opts["scale_idx"], want_kl,
+            opts["deterministic"], opts["kl_pass"], opts["fwd_pass"], "input", 4, "auto", 0, 0,
+            cu_k)
+    else:
+        out = qd.new_zeros(qd.shape)
+        lse = torch.zeros((0, p.Hq), dtype=torch.float32, device=dev)
+        kl_c = torch.zeros((), dtype=torch.float32, device=dev)
+    ph.mark("forward")
+    kl = _global_kl(comm, p, kl_c, n, stats) if want_kl else \
+        torch.zeros((), dtype=torch.float32, device=dev)
+    ctx.comm, ctx.p, ctx.opts, ctx.stats = comm, p, opts, stats
+    ctx.call = "keys"
+    ctx.req_rows, ctx.req_ids, ctx.served, ctx.send_counts = routing
+    ctx.n_u = int(urows.numel())
+    ctx.save_for_backward(qd, k_call, v_call, qid, k_idx_call, bi_call, cu_q, cu_k, out, lse,
+                          inv)
+    ph.mark("kl_and_outputs")
+    ctx.mark_non_differentiable(lse, bi_local)
+    ctx.set_materialize_grads(False)
+    return out, kl, lse, bi_local
+
+
+def _sum_repeats(g: Tensor, inv: Tensor, n_u: int) -> Tensor:
+    """[n_u, F]: the rows of ``g`` summed by ``inv`` (row i of ``g`` goes to row inv[i]), in
+    float32 (float64 for float64) and in the order of the rows of ``g`` (bitwise repeatable: one
+    index_add per occurrence level, whose targets are distinct), rounded to ``g``'s dtype."""
+    if inv.numel() == n_u:  # no key row read by two runs
+        out = torch.empty_like(g[:n_u])
+        return out.index_copy_(0, inv, g)
+    acc_dtype = torch.float64 if g.dtype == torch.float64 else torch.float32
+    acc = torch.zeros((n_u, g.shape[1]), dtype=acc_dtype, device=g.device)
+    order = torch.argsort(inv, stable=True)
+    sv = inv[order]
+    starts = torch.ones_like(sv, dtype=torch.bool)
+    starts[1:] = sv[1:] != sv[:-1]
+    first = torch.cummax(torch.where(starts, torch.arange(sv.numel(), device=g.device),
+                                     torch.zeros_like(sv)), 0).values
+    level = torch.arange(sv.numel(), device=g.device) - first
+    for lv in range(int(level.max()) + 1 if level.numel() else 0):
+        sel = order[level == lv]
+        acc.index_add_(0, inv[sel], g[sel].to(acc_dtype))
+    return acc.to(g.dtype)
+
+
+def _keys_backward(ctx, grad_out, grad_kl):
+    comm, p, opts, stats = ctx.comm, ctx.p, ctx.opts, ctx.stats
+    (q, k_call, v_call, q_idx, k_idx_call, bi_call, cu_q, cu_k, out, lse,
+     inv) = ctx.saved_tensors
+    dev, dtype = q.device, q.dtype
+    n, has_idx, F = p.sizes[p.r], p.has_idx, p.Hkv * p.D
+    Fi = p.Hik * p.Di if has_idx else 0
+    Tk = k_call.shape[0]
+    want_idx = has_idx and grad_kl is not None
+    ph = _Phases(opts["phase_times"], stats, dev)
+    dq = dq_idx = None
+    if n:
+        dout = grad_out.to(dtype) if grad_out is not None else torch.zeros_like(out)
+        kl_grad = None
+        if want_idx:
+            kl_grad = (grad_kl.detach().double().reshape(1) * (n / p.N)).float()
+        dq, dk_c, dv_c, dq_idx, dki_c = torch.ops.msa.backward(
+            dout, q, k_call, v_call, out, lse, q_idx, k_idx_call, bi_call, cu_q, kl_grad, False,
+            p.Bk, opts["scale"], opts["scale_idx"], want_idx, want_idx, opts["deterministic"],
+            kl_pass=opts["kl_pass"], check_values=dev.type != "cuda", cu_seqlens_k=cu_k)
+        if has_idx and not want_idx:
+            dki_c = torch.zeros_like(k_idx_call)
+    else:
+        dq = q.new_zeros(q.shape)
+        dk_c = dv_c = k_call.new_zeros(k_call.shape)
+        dki_c = k_call.new_zeros((0, p.Hik, p.Di)) if has_idx else None
+    parts = [dk_c.reshape(Tk, F), dv_c.reshape(Tk, F)]
+    if has_idx:
+        parts.append(dki_c.reshape(Tk, Fi))
+    g_u = _sum_repeats(torch.cat(parts, 1), inv, ctx.n_u)
+    del parts
+    ph.mark("backward")
+    acc = _return_grads(ctx, g_u, ph)
+    dk = acc[:, :F].reshape(n, p.Hkv, p.D)
+    dv = acc[:, F: 2 * F].reshape(n, p.Hkv, p.D)
+    dk_idx = acc[:, 2 * F:].reshape(n, p.Hik, p.Di) if want_idx else None
+    ph.mark("grad_sum")
+    return None, None, None, None, None, dq, dk, dv, dq_idx if want_idx else None, dk_idx
+
+
+def _fetch_kv(comm: _Comm, p: _Plan, k: Tensor, v: Tensor, rows: Tensor, allgather: bool,
+              stats):
+    """K and V ([rows, 2 Hkv D]) of the global rows ``rows`` (distinct, on the device): this
+    rank's own copied, the others' fetched from their owners (one all-to-all of the requested
+    row ids, one of the rows) or, with ``allgather``, taken from an all-gather of every shard.
+    Also returns the routing the backward sends the gradients back by: the positions in
+    ``rows`` of each owner's rows, their indices in the owner's shard, the rows each peer
+    requested from this rank (None with ``allgather``: exchanged in the backward) and the counts
+    this rank requested."""
+    W, r, dev, dtype = p.W, p.r, k.device, k.dtype
+    owner = p.geo.owner[rows]
+    lid = p.geo.lidx[rows]
+    req_rows = [torch.nonzero(owner == o).flatten() for o in range(W)]  # rows by owner
+    req_ids = [lid[x] for x in req_rows]  # their indices in the owner's shard
+    F = p.Hkv * p.D
+    kv_local = torch.cat([k.detach().reshape(-1, F), v.detach().reshape(-1, F)], 1)
+    kv = torch.empty((rows.numel(), 2 * F), dtype=dtype, device=dev)
+    kv.index_copy_(0, req_rows[r].to(dev), kv_local.index_select(0, req_ids[r].to(dev)))
+    send_counts = [int(x.numel()) if o != r else 0 for o, x in enumerate(req_ids)]
+    if allgather:
+        parts = comm.all_gather_rows(kv_local, p.sizes)
+        for o in range(W):
+            if o != r:
+                stats["kv_allgather"] += _nbytes(parts[o])
+                kv[req_rows[o].to(dev)] = parts[o][req_ids[o].to(dev)]
+        del parts
+        served = None
+    else:
+        served = _exchange_ids(comm, req_ids, send_counts, stats, "kv_request_ids")
+        send = torch.cat([kv_local[served[o].to(dev)] for o in range(W)])
+        recv = comm.all_to_all(send, [int(x.numel()) for x in served], send_counts)
+        stats["kv_fetch"] += _nbytes(recv)
+        off = 0
+        for o in range(W):
+            c = send_counts[o]
+            if c:
+                kv.index_copy_(0, req_rows[o].to(dev), recv[off: off + c])
+            off += c
+        del send, recv
+    return kv, (req_rows, req_ids, served, send_counts)
+
+
+def _return_grads(ctx, g: Tensor, ph) -> Tensor:
+    """Sends every owner the gradient rows ``g`` ([rows, F], the rows of ``_fetch_kv``) of its
+    keys and sums, for this rank's shard, the contributions of every rank in rank order 0 ..
+    W-1 (bitwise repeatable): [n, F] in the inputs' dtype."""
+    comm, p, stats = ctx.comm, ctx.p, ctx.stats
+    W, r, dev, dtype = p.W, p.r, g.device, g.dtype
+    served = ctx.served
+    if served is None:
+        served = _exchange_ids(comm, ctx.req_ids, ctx.send_counts, stats, "grad_request_ids")
+    send = torch.cat([g[ctx.req_rows[o].to(dev)] if o != r else g[:0] for o in range(W)])
+    recv_counts = [int(x.numel()) for x in served]
+    recv = comm.all_to_all(send, ctx.send_counts, recv_counts)
+    stats["grad_return"] += _nbytes(recv)
+    ph.mark("grad_exchange")
+    acc_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    acc = torch.zeros((p.sizes[r], g.shape[1]), dtype=acc_dtype, device=dev)
+    off = 0
+    for o in range(W):  # the rows of one source are distinct: one add per element
+        if o == r:
+            acc.index_add_(0, ctx.req_ids[r].to(dev), g[ctx.req_rows[r].to(dev)].to(acc_dtype))
+        else:
+            c = recv_counts[o]
+            if c:
+                acc.index_add_(0, served[o].to(dev), recv[off: off + c].to(acc_dtype))
+            off += c
+    return acc.to(dtype)
 
 
 def _exchange_ids(comm: _Comm, req_ids: List[Tensor], send_counts: List[int], stats,
@@ -764,7 +996,8 @@ def _exchange_ids(comm: _Comm, req_ids: List[Tensor], send_counts: List[int], st
 
 
 _STAT_KEYS = ("k_idx_allgather", "kv_request_ids", "kv_fetch", "kv_allgather", "kl_allgather",
-              "grad_request_ids", "grad_return", "call_tokens", "fetched_tokens", "call_blocks")
+              "grad_request_ids", "grad_return", "call_tokens", "call_queries", "fetched_tokens",
+              "call_blocks")
 
 
 def sparse_attention(
@@ -793,6 +1026,7 @@ def sparse_attention(
     kl_pass: str = "auto",
     fwd_pass: str = "auto",
     phase_times: bool = False,
+    call: str = "auto",
 ):
     """Context-parallel :func:`msa.sparse_attention` over the process group ``group``.
 
@@ -804,6 +1038,12 @@ def sparse_attention(
 
     ``exchange``: "selected" fetches only the K/V rows of the blocks this rank's queries selected
     (all-to-all of per-owner row lists); "allgather" all-gathers K and V (the baseline).
+    ``call``: how the library call over the gathered keys is laid out: "keys" (this rank's
+    queries as they are, over the keys passed apart with ``cu_seqlens_k``: one call sequence
+    per run of consecutive positions; no query rows for fetched keys, no copies of ``q``,
+    ``out``, ``dout``, ``dq``), "rows" (every gathered key row also a query row, zero and with
+    an empty selection: what a backend without keys apart runs) or "auto" ("keys" where the
+    backend runs keys apart from queries: the CPU; "rows" on CUDA).
     ``block_idx`` [n, Hi, k] int32: a caller's selection for this rank's queries (block ids of
     their own sequences, -1 = empty); then no selection runs and ``q_idx``/``k_idx`` may be None
     (no KL). The other options are those of :func:`msa.sparse_attention`.
@@ -824,6 +1064,12 @@ def sparse_attention(
     if exchange not in _EXCHANGES:
         raise ValueError(f"msa.distributed: argument 'exchange': expected 'selected' or "
                          f"'allgather', got {exchange!r}")
+    if call not in _CALLS + ("auto",):
+        raise ValueError(f"msa.distributed: argument 'call': expected 'auto', 'keys' or 'rows', "
+                         f"got {call!r}")
+    if call == "auto":
+        dev_type = q.device.type if isinstance(q, Tensor) else "cpu"
+        call = "keys" if dev_type in _KEYS_APART_DEVICES else "rows"
     _int("block_size", block_size, 1)
     _int("sink_blocks", sink_blocks, 0)
     _int("local_blocks", local_blocks, 1)
@@ -846,12 +1092,13 @@ def sparse_attention(
     opts = dict(top_k=top_k, block_size=block_size, sink_blocks=sink_blocks,
                 local_blocks=local_blocks, scale=_scale("scale", scale),
                 scale_idx=_scale("scale_idx", scale_idx), kl_value=bool(kl_value),
-                layout=layout, exchange=exchange, deterministic=bool(deterministic),
+                layout=layout, exchange=exchange, call=call, deterministic=bool(deterministic),
                 kl_pass=kl_pass, fwd_pass=fwd_pass,
                 kl_pass_code=_ops._KL_PASSES.index(kl_pass),
                 fwd_pass_code=_ops._FWD_PASSES.index(fwd_pass),
                 phase_times=bool(phase_times))
     stats: Dict[str, int] = {key: 0 for key in _STAT_KEYS}
+    stats["call"] = call
     ph = _Phases(opts["phase_times"], stats,
                  q.device if isinstance(q, Tensor) else torch.device("cpu"))
     p = _plan(comm, q, k, v, q_idx, k_idx, block_idx, cu, opts)

@@ -3,8 +3,9 @@ single-process call.
 
 Each spawn of W processes (W = 2 and 3; a FileStore on a temporary file, collective timeouts
 of 60 s and a deadline on the whole spawn, so a failure never hangs) runs every case: varlen
-batches in both layouts and both exchange modes, twice each (bitwise repeatability), and the
-bad-shard cases. The workers save their results; the tests here compare them with the
+batches in both layouts, both exchange modes and both call layouts (``call="keys"``, the
+queries over keys apart; ``call="rows"``, a query row per gathered key), twice each (bitwise
+repeatability), and the bad-shard cases. The workers save their results; the tests here compare them with the
 single-process call computed in this process.
 """
 
@@ -34,6 +35,7 @@ CASES = [
 HEADS = dict(Hq=4, Hkv=2, Hi=2, Hik=1, D=8, Di=8)
 LAYOUTS = ("contiguous", "balanced")
 EXCHANGES = ("selected", "allgather")
+CALLS = ("keys", "rows")
 KL_WEIGHT = 0.7
 
 
@@ -68,13 +70,13 @@ def _reference(name):
                 **{"d" + n: g for n, g in zip(NAMES, gs)})
 
 
-def _run_case(name, layout, exchange, rank, world):
+def _run_case(name, layout, exchange, call, rank, world):
     x, cu = _inputs(name)
     opts = next(c for c in CASES if c[0] == name)[3]
     pos = msad.shard_positions(layout, rank, world, cu[-1].item(), cu)
     ins = [x[n][pos].clone().requires_grad_(True) for n in NAMES]
     out, kl, lse, bi, stats = msad.sparse_attention(
-        *ins, cu_seqlens=cu, layout=layout, exchange=exchange, return_lse=True,
+        *ins, cu_seqlens=cu, layout=layout, exchange=exchange, call=call, return_lse=True,
         return_block_idx=True, return_stats=True, **opts)
     loss = (out * x["gout"][pos]).sum() + KL_WEIGHT * kl
     gs = torch.autograd.grad(loss, ins)
@@ -93,12 +95,13 @@ def _worker(rank, world, store_path, outdir):
         for name, *_ in CASES:
             for layout in LAYOUTS:
                 for exchange in EXCHANGES:
-                    a = _run_case(name, layout, exchange, rank, world)
-                    b = _run_case(name, layout, exchange, rank, world)
-                    a["repeat_equal"] = all(
-                        torch.equal(a["d" + n], b["d" + n]) for n in NAMES) and torch.equal(
-                        a["out"], b["out"]) and torch.equal(a["kl"], b["kl"])
-                    res[(name, layout, exchange)] = a
+                    for call in CALLS:
+                        a = _run_case(name, layout, exchange, call, rank, world)
+                        b = _run_case(name, layout, exchange, call, rank, world)
+                        a["repeat_equal"] = all(
+                            torch.equal(a["d" + n], b["d" + n]) for n in NAMES) and torch.equal(
+                            a["out"], b["out"]) and torch.equal(a["kl"], b["kl"])
+                        res[(name, layout, exchange, call)] = a
         # bad shards: every rank gets an error naming the problem, none hangs
         x, cu = _inputs("varlen64")
         errors = {}
@@ -160,15 +163,16 @@ def _ref(name):
 
 
 @pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("call", CALLS)
 @pytest.mark.parametrize("exchange", EXCHANGES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("case", [c[0] for c in CASES])
-def test_matches_single_process(case, layout, exchange, world):
+def test_matches_single_process(case, layout, exchange, call, world):
     ref = _ref(case)
     f64 = next(c for c in CASES if c[0] == case)[2] == torch.float64
     rtol = 1e-12 if f64 else 2e-6
     rtol_idx = 1e-6  # the KL weight reaches the op as a float32 factor (see the module)
-    per_rank = [res[(case, layout, exchange)] for res in _results(world)]
+    per_rank = [res[(case, layout, exchange, call)] for res in _results(world)]
     T = ref["out"].shape[0]
     seen = torch.zeros(T, dtype=torch.int64)
     for r, got in enumerate(per_rank):
@@ -193,13 +197,30 @@ def test_matches_single_process(case, layout, exchange, world):
 def test_selected_exchange_moves_fewer_bytes(world):
     for case in [c[0] for c in CASES]:
         for layout in LAYOUTS:
-            sel = [res[(case, layout, "selected")]["stats"] for res in _results(world)]
-            ag = [res[(case, layout, "allgather")]["stats"] for res in _results(world)]
+            sel = [res[(case, layout, "selected", "keys")]["stats"] for res in _results(world)]
+            ag = [res[(case, layout, "allgather", "keys")]["stats"] for res in _results(world)]
             sel_b = sum(msad.moved_bytes(s) for s in sel)
             ag_b = sum(msad.moved_bytes(s) for s in ag)
             assert 0 < sel_b < ag_b, (case, layout, sel_b, ag_b)
             assert sum(s["kv_allgather"] for s in sel) == 0
             assert sum(s["kv_fetch"] for s in ag) == 0
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_keys_call_fetches_no_more_than_rows_call(world):
+    # The call over keys apart fetches the same blocks' rows up to each run's end: the same rows
+    # as the row call's with contiguous shards, no more with zigzag ones (whose first run's last
+    # block may hold later rows the row call fetches); its call holds only this rank's queries.
+    for case in [c[0] for c in CASES]:
+        for layout in LAYOUTS:
+            for res in _results(world):
+                keys = res[(case, layout, "selected", "keys")]["stats"]
+                rows = res[(case, layout, "selected", "rows")]["stats"]
+                if layout == "contiguous":
+                    assert keys["kv_fetch"] == rows["kv_fetch"], (case, layout)
+                else:
+                    assert keys["kv_fetch"] <= rows["kv_fetch"], (case, layout)
+                assert keys["grad_return"] <= rows["grad_return"], (case, layout)
 
 
 def _readable_rows(cu, positions, r):
@@ -220,10 +241,10 @@ def test_selected_exchange_sends_only_the_readable_index_keys(world):
     for name, cu, dtype, _ in CASES:
         row = HEADS["Hik"] * HEADS["Di"] * torch.empty((), dtype=dtype).element_size()
         for layout in LAYOUTS:
-            positions = [res[r][(name, layout, "selected")]["pos"] for r in range(world)]
+            positions = [res[r][(name, layout, "selected", "keys")]["pos"] for r in range(world)]
             for r in range(world):
-                sel = res[r][(name, layout, "selected")]["stats"]["k_idx_allgather"]
-                ag = res[r][(name, layout, "allgather")]["stats"]["k_idx_allgather"]
+                sel = res[r][(name, layout, "selected", "keys")]["stats"]["k_idx_allgather"]
+                ag = res[r][(name, layout, "allgather", "keys")]["stats"]["k_idx_allgather"]
                 assert sel == _readable_rows(cu, positions, r) * row, (name, layout, r)
                 assert ag == (cu[-1] - positions[r].numel()) * row, (name, layout, r)
                 if layout == "contiguous" and r == 0:
@@ -233,7 +254,7 @@ def test_selected_exchange_sends_only_the_readable_index_keys(world):
                     assert sel == sum(x.numel() for x in positions[:r]) * row, (name, r)
             if layout == "balanced":
                 # zigzag: rank 0 holds each sequence's last chunk and reads all the others' rows
-                assert res[0][(name, layout, "selected")]["stats"]["k_idx_allgather"] == (
+                assert res[0][(name, layout, "selected", "keys")]["stats"]["k_idx_allgather"] == (
                     cu[-1] - positions[0].numel()) * row, name
 
 
