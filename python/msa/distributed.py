@@ -113,7 +113,7 @@ from torch import Tensor  # noqa: E402
 from . import _ops  # noqa: E402,F401  (registers torch.ops.msa.*)
 from . import _cu_seqlens, _int, _kl_pass, _scale, _MAX_TOP_K  # noqa: E402
 
-__all__ = ["sparse_attention", "shard_positions", "shard", "multicast_off"]
+__all__ = ["sparse_attention", "warmup_attention", "shard_positions", "shard", "multicast_off"]
 
 _LAYOUTS = ("contiguous", "balanced")
 _EXCHANGES = ("selected", "allgather")
@@ -304,6 +304,7 @@ def _plan(comm: _Comm, q, k, v, q_idx, k_idx, block_idx, cu_seqlens, opts) -> _P
         exchange=_EXCHANGES.index(opts["exchange"]), call=_CALLS.index(opts["call"]),
         has_idx=int(has_idx),
         caller_block_idx=int(block_idx is not None), kl_value=int(opts["kl_value"]),
+        dense=int(opts["dense"]),
         cu_seqlens=_hash(cu_vals), scale=_float_bits(opts["scale"]),
         scale_idx=_float_bits(opts["scale_idx"]), kl_pass=opts["kl_pass_code"],
         fwd_pass=opts["fwd_pass_code"],
@@ -438,6 +439,7 @@ def _geometry(p: _Plan, dev: torch.device) -> _Geometry:
     else:
         g.run_seq = g.run_t0 = g.run_len = g.run_end = torch.zeros(0, dtype=torch.int64)
         g.run_of_row = torch.zeros(0, dtype=torch.int64, device=dev)
+        g.sel_cu_q = torch.zeros(1, dtype=torch.int32, device=dev)
     _GEOMETRY_CACHE[key] = g
     while len(_GEOMETRY_CACHE) > _GEOMETRY_CACHE_SIZE:
         _GEOMETRY_CACHE.popitem(last=False)
@@ -651,12 +653,13 @@ class _CPAttention(torch.autograd.Function):
             del send, recv
         ph.mark("k_idx_gather")
 
-        # 2. selection with global positions
-        if block_idx is None:
+        # 2. selection with global positions (none in the dense warmup)
+        if opts["dense"]:
+            bi_local = None
+        elif block_idx is None:
             bi_local = _select(p, q_idx.detach(), k_idx_full, opts)
         else:
             bi_local = block_idx.to(device=dev, dtype=torch.int32)
-        kk = bi_local.shape[2]
         ph.mark("select")
 
         if opts["call"] == "keys":
@@ -664,6 +667,7 @@ class _CPAttention(torch.autograd.Function):
                                  k_idx_full, bi_local, allgather)
 
         # 3. the compact call and the rows it needs from every owner
+        kk = bi_local.shape[2]
         lay = _layout_call(p, bi_local, allgather, dev)
         rows, T_call = lay["rows"], lay["T_call"]
         ph.mark("layout")
@@ -790,10 +794,12 @@ def _keys_forward(ctx, comm: _Comm, p: _Plan, opts, stats, ph, q, k, v, q_idx, k
                   bi_local, allgather):
     """Steps 3-4 with ``call="keys"``: the call holds this rank's queries as they are (one call
     sequence per run, see ``_layout_keys_call``) over the keys it gathered, passed apart from the
-    queries (cu_seqlens_k); a key row that two runs read is fetched once."""
+    queries (cu_seqlens_k); a key row that two runs read is fetched once. The dense warmup
+    (``bi_local`` None) reads every key of each run's prefix."""
     dev, dtype = q.device, q.dtype
     n, has_idx, F = p.sizes[p.r], p.has_idx, p.Hkv * p.D
-    lay = _layout_keys_call(p, bi_local, allgather, dev)
+    dense = bool(opts["dense"])
+    lay = _layout_keys_call(p, bi_local, allgather or dense, dev)
     rows, Tk = lay["rows"], lay["Tk"]
     urows, inv = torch.unique(rows, sorted=True, return_inverse=True)
     ph.mark("layout")
@@ -806,7 +812,7 @@ def _keys_forward(ctx, comm: _Comm, p: _Plan, opts, stats, ph, q, k, v, q_idx, k
     k_idx_call = k_idx_full[rows] if has_idx else None
     del k_idx_full
     cu_q, cu_k, bi_call = p.geo.sel_cu_q, lay["cu_k"], lay["bi_call"]
-    kk = bi_call.shape[2]
+    kk = bi_call.shape[2] if bi_call is not None else opts["top_k"]
     stats["call_tokens"] += Tk
     stats["call_queries"] += n
     stats["fetched_tokens"] += int(urows.numel()) - int(routing[0][p.r].numel())
@@ -817,7 +823,7 @@ def _keys_forward(ctx, comm: _Comm, p: _Plan, opts, stats, ph, q, k, v, q_idx, k
     qid = q_idx.detach() if has_idx else None
     if n:
         out, lse, _, kl_c = torch.ops.msa.forward(
-            qd, k_call, v_call, qid, k_idx_call, bi_call, cu_q, False, False, p.Bk, kk,
+            qd, k_call, v_call, qid, k_idx_call, bi_call, cu_q, dense, False, p.Bk, kk,
             opts["sink_blocks"], opts["local_blocks"], opts["scale"], opts["scale_idx"], want_kl,
             opts["deterministic"], opts["kl_pass"], opts["fwd_pass"], "input", 4, "auto", 0, 0,
             cu_k)
@@ -835,6 +841,8 @@ def _keys_forward(ctx, comm: _Comm, p: _Plan, opts, stats, ph, q, k, v, q_idx, k
     ctx.save_for_backward(qd, k_call, v_call, qid, k_idx_call, bi_call, cu_q, cu_k, out, lse,
                           inv)
     ph.mark("kl_and_outputs")
+    if bi_local is None:
+        bi_local = torch.empty((0,), dtype=torch.int32, device=dev)
     ctx.mark_non_differentiable(lse, bi_local)
     ctx.set_materialize_grads(False)
     return out, kl, lse, bi_local
@@ -879,13 +887,15 @@ def _keys_backward(ctx, grad_out, grad_kl):
         if want_idx:
             kl_grad = (grad_kl.detach().double().reshape(1) * (n / p.N)).float()
         dq, dk_c, dv_c, dq_idx, dki_c = torch.ops.msa.backward(
-            dout, q, k_call, v_call, out, lse, q_idx, k_idx_call, bi_call, cu_q, kl_grad, False,
+            dout, q, k_call, v_call, out, lse, q_idx, k_idx_call, bi_call, cu_q, kl_grad,
+            bool(opts["dense"]),
             p.Bk, opts["scale"], opts["scale_idx"], want_idx, want_idx, opts["deterministic"],
             kl_pass=opts["kl_pass"], check_values=dev.type != "cuda", cu_seqlens_k=cu_k)
         if has_idx and not want_idx:
             dki_c = torch.zeros_like(k_idx_call)
     else:
         dq = q.new_zeros(q.shape)
+        dq_idx = q_idx.new_zeros(q_idx.shape) if has_idx else None
         dk_c = dv_c = k_call.new_zeros(k_call.shape)
         dki_c = k_call.new_zeros((0, p.Hik, p.Di)) if has_idx else None
     parts = [dk_c.reshape(Tk, F), dv_c.reshape(Tk, F)]
@@ -1058,6 +1068,65 @@ def sparse_attention(
     with the same weight and every rank must run the backward (its collectives pair up across
     ranks); the global KL's gradient is then the single-process one, like every other gradient.
     """
+    if block_idx is None and (q_idx is None or k_idx is None):
+        raise ValueError("msa.distributed: argument 'q_idx': q_idx and k_idx are required "
+                         "unless block_idx is given")
+    return _run(q, k, v, q_idx, k_idx, block_idx, cu_seqlens, group, False, top_k, block_size,
+                layout, exchange, sink_blocks, local_blocks, scale, scale_idx, kl_value,
+                return_lse, return_block_idx, return_stats, deterministic, kl_pass, fwd_pass,
+                phase_times, call)
+
+
+def warmup_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_idx: Optional[Tensor],
+    k_idx: Optional[Tensor],
+    *,
+    cu_seqlens: Optional[Tensor] = None,
+    group=None,
+    layout: str = "contiguous",
+    exchange: str = "selected",
+    scale: Optional[float] = None,
+    scale_idx: Optional[float] = None,
+    kl_value: bool = True,
+    return_lse: bool = False,
+    return_stats: bool = False,
+    deterministic: bool = False,
+    kl_pass: str = "auto",
+    phase_times: bool = False,
+    call: str = "auto",
+):
+    """Context-parallel :func:`msa.warmup_attention` (dense causal attention, the KL over the
+    full causal support: contract §5) over the process group ``group``.
+
+    Shards, ``cu_seqlens``, ``layout`` and the returns as in :func:`sparse_attention` (no
+    selection: ``(out, kl)``, then ``lse`` and the stats when asked for). Every key of a
+    rank's prefix takes part, so each rank gathers the K, V (and index key) rows of every
+    sequence up to its last query there: from their owners with ``exchange="selected"``, by
+    all-gather with ``"allgather"``. It runs on the call over keys apart (``call="keys"``; "auto"
+    means it), which the CPU backend runs; CUDA tensors raise NotImplementedError naming
+    'call' before anything moves (the CUDA backend does not take keys apart from queries yet).
+    """
+    if call not in ("auto", "keys"):
+        raise ValueError(f"msa.distributed: argument 'call': the warmup runs on the call over "
+                         f"keys apart ('auto' or 'keys'), got {call!r}")
+    if isinstance(q, Tensor) and q.device.type not in _KEYS_APART_DEVICES:
+        raise NotImplementedError(
+            f"msa.distributed.warmup_attention: argument 'call': the dense warmup runs on the call "
+            f"over keys apart from queries, which the backend of {q.device.type} tensors does not "
+            f"run yet (devices: {', '.join(_KEYS_APART_DEVICES)})")
+    return _run(q, k, v, q_idx, k_idx, None, cu_seqlens, group, True, 1, 128, layout, exchange,
+                0, 1, scale, scale_idx, kl_value, return_lse, False, return_stats, deterministic,
+                kl_pass, "auto", phase_times, "keys")
+
+
+def _run(q, k, v, q_idx, k_idx, block_idx, cu_seqlens, group, dense, top_k, block_size, layout,
+         exchange, sink_blocks, local_blocks, scale, scale_idx, kl_value, return_lse,
+         return_block_idx, return_stats, deterministic, kl_pass, fwd_pass, phase_times, call):
+    """The checks and the call shared by :func:`sparse_attention` and :func:`warmup_attention`
+    (``dense``)."""
     if layout not in _LAYOUTS:
         raise ValueError(f"msa.distributed: argument 'layout': expected 'contiguous' or "
                          f"'balanced', got {layout!r}")
@@ -1079,9 +1148,6 @@ def sparse_attention(
     if block_size & (block_size - 1):
         raise ValueError(f"msa.distributed: argument 'block_size': must be a power of two, "
                          f"got {block_size}")
-    if block_idx is None and (q_idx is None or k_idx is None):
-        raise ValueError("msa.distributed: argument 'q_idx': q_idx and k_idx are required "
-                         "unless block_idx is given")
     if (q_idx is None) != (k_idx is None):
         raise ValueError("msa.distributed: argument 'k_idx': q_idx and k_idx must be given "
                          "together")
@@ -1096,7 +1162,7 @@ def sparse_attention(
                 kl_pass=kl_pass, fwd_pass=fwd_pass,
                 kl_pass_code=_ops._KL_PASSES.index(kl_pass),
                 fwd_pass_code=_ops._FWD_PASSES.index(fwd_pass),
-                phase_times=bool(phase_times))
+                phase_times=bool(phase_times), dense=bool(dense))
     stats: Dict[str, int] = {key: 0 for key in _STAT_KEYS}
     stats["call"] = call
     ph = _Phases(opts["phase_times"], stats,

@@ -58,26 +58,46 @@ def _inputs(name):
 NAMES = ("q", "k", "v", "q_idx", "k_idx")
 
 
-def _reference(name):
+def _reference(name, warmup=False):
     x, cu = _inputs(name)
     opts = next(c for c in CASES if c[0] == name)[3]
     ins = [x[n].clone().requires_grad_(True) for n in NAMES]
-    out, kl, lse, bi = msa.sparse_attention(*ins, cu_seqlens=cu, return_lse=True,
-                                            return_block_idx=True, **opts)
+    if warmup:
+        out, kl, lse = msa.warmup_attention(*ins, cu_seqlens=cu, return_lse=True)
+        bi = torch.empty((0,), dtype=torch.int32)
+    else:
+        out, kl, lse, bi = msa.sparse_attention(*ins, cu_seqlens=cu, return_lse=True,
+                                                return_block_idx=True, **opts)
     loss = (out * x["gout"]).sum() + KL_WEIGHT * kl
     gs = torch.autograd.grad(loss, ins)
     return dict(out=out.detach(), kl=kl.detach(), lse=lse, block_idx=bi,
                 **{"d" + n: g for n, g in zip(NAMES, gs)})
 
 
+def _empty_last_sizes(T, world):
+    """Contiguous shard sizes whose last rank holds nothing."""
+    return [T // (world - 1) + (r < T % (world - 1)) for r in range(world - 1)] + [0]
+
+
 def _run_case(name, layout, exchange, call, rank, world):
+    """One CP call and its gradients; ``call`` "warmup" runs msad.warmup_attention; layout
+    "empty_last" is the contiguous layout with nothing on the last rank."""
     x, cu = _inputs(name)
     opts = next(c for c in CASES if c[0] == name)[3]
-    pos = msad.shard_positions(layout, rank, world, cu[-1].item(), cu)
+    T = cu[-1].item()
+    sizes = _empty_last_sizes(T, world) if layout == "empty_last" else None
+    lay = "contiguous" if layout == "empty_last" else layout
+    pos = msad.shard_positions(lay, rank, world, T, cu, sizes=sizes)
     ins = [x[n][pos].clone().requires_grad_(True) for n in NAMES]
-    out, kl, lse, bi, stats = msad.sparse_attention(
-        *ins, cu_seqlens=cu, layout=layout, exchange=exchange, call=call, return_lse=True,
-        return_block_idx=True, return_stats=True, **opts)
+    if call == "warmup":
+        out, kl, lse, stats = msad.warmup_attention(
+            *ins, cu_seqlens=cu, layout=lay, exchange=exchange, return_lse=True,
+            return_stats=True)
+        bi = torch.empty((0,), dtype=torch.int32)
+    else:
+        out, kl, lse, bi, stats = msad.sparse_attention(
+            *ins, cu_seqlens=cu, layout=lay, exchange=exchange, call=call, return_lse=True,
+            return_block_idx=True, return_stats=True, **opts)
     loss = (out * x["gout"][pos]).sum() + KL_WEIGHT * kl
     gs = torch.autograd.grad(loss, ins)
     return dict(pos=pos, out=out.detach(), kl=kl.detach(), lse=lse, block_idx=bi,
@@ -93,9 +113,9 @@ def _worker(rank, world, store_path, outdir):
     try:
         res = {}
         for name, *_ in CASES:
-            for layout in LAYOUTS:
+            for layout in LAYOUTS + ("empty_last",):
                 for exchange in EXCHANGES:
-                    for call in CALLS:
+                    for call in CALLS + ("warmup",):
                         a = _run_case(name, layout, exchange, call, rank, world)
                         b = _run_case(name, layout, exchange, call, rank, world)
                         a["repeat_equal"] = all(
@@ -156,19 +176,21 @@ def _results(world):
 _REFS = {}
 
 
-def _ref(name):
-    if name not in _REFS:
-        _REFS[name] = _reference(name)
-    return _REFS[name]
+def _ref(name, warmup=False):
+    if (name, warmup) not in _REFS:
+        _REFS[(name, warmup)] = _reference(name, warmup)
+    return _REFS[(name, warmup)]
 
 
+# call "warmup": msad.warmup_attention (dense, on the call over keys apart) against
+# msa.warmup_attention; layout "empty_last": contiguous shards, the last rank empty.
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("call", CALLS)
+@pytest.mark.parametrize("call", CALLS + ("warmup",))
 @pytest.mark.parametrize("exchange", EXCHANGES)
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", LAYOUTS + ("empty_last",))
 @pytest.mark.parametrize("case", [c[0] for c in CASES])
 def test_matches_single_process(case, layout, exchange, call, world):
-    ref = _ref(case)
+    ref = _ref(case, call == "warmup")
     f64 = next(c for c in CASES if c[0] == case)[2] == torch.float64
     rtol = 1e-12 if f64 else 2e-6
     rtol_idx = 1e-6  # the KL weight reaches the op as a float32 factor (see the module)
@@ -178,7 +200,10 @@ def test_matches_single_process(case, layout, exchange, call, world):
     for r, got in enumerate(per_rank):
         pos = got["pos"]
         seen[pos] += 1
-        assert torch.equal(got["block_idx"], ref["block_idx"][pos]), f"rank {r}: block_idx"
+        if call == "warmup":
+            assert got["block_idx"].numel() == 0, f"rank {r}: block_idx"
+        else:
+            assert torch.equal(got["block_idx"], ref["block_idx"][pos]), f"rank {r}: block_idx"
         assert_close(got["out"], ref["out"][pos], rtol, f"rank {r}: out")
         assert_close(got["lse"], ref["lse"][pos], 1e-6, f"rank {r}: lse")
         for n in ("dq", "dk", "dv"):
@@ -279,6 +304,7 @@ def test_bad_shard_raises_on_every_rank(world):
     (dict(q_idx=None, k_idx=None), "q_idx"),
     (dict(k_idx=None, block_idx=torch.zeros(32, 1, 2, dtype=torch.int32)), "k_idx"),
     (dict(fwd_pass="tiles"), "fwd_pass"),
+    (dict(call="dense"), "call"),
 ])
 def test_bad_arguments_raise_before_any_collective(kw, arg):
     """Arguments a rank can judge alone are refused before the first collective (no process
@@ -289,6 +315,24 @@ def test_bad_arguments_raise_before_any_collective(kw, arg):
     args.update(kw)
     with pytest.raises(ValueError, match=f"argument '{arg}'"):
         msad.sparse_attention(**args)
+
+
+@pytest.mark.parametrize("kw, exc", [
+    (dict(call="rows"), ValueError),
+    (dict(layout="zigzag"), ValueError),
+    (dict(k_idx=None), ValueError),
+    (dict(device="meta"), NotImplementedError),  # a backend without keys apart from queries
+])
+def test_warmup_bad_arguments_raise_before_any_collective(kw, exc):
+    T, D = 32, 8
+    dev = kw.pop("device", "cpu")
+    args = dict(q=torch.randn(T, 2, D, device=dev), k=torch.randn(T, 1, D, device=dev),
+                v=torch.randn(T, 1, D, device=dev), q_idx=torch.randn(T, 1, D, device=dev),
+                k_idx=torch.randn(T, 1, D, device=dev))
+    args.update(kw)
+    arg = "call" if dev != "cpu" else next(iter(kw))
+    with pytest.raises(exc, match=f"argument '{arg}'"):
+        msad.warmup_attention(**args)
 
 
 def test_shard_positions_cover_each_token_once():
