@@ -7,7 +7,9 @@ warmup and sparse modes, and the KL loss that trains the index branch.
 
 ``mode`` is "warmup" (dense causal attention, the KL over the full causal support: the first
 phase of MSA training) or "sparse" (attention over the blocks the index branch selects); switch
-with :meth:`MSAAttention.set_mode`. The layer calls :func:`msa.sparse_attention` /
+with :meth:`MSAAttention.set_mode`. With :meth:`MSAAttention.set_context_parallel` the layer
+takes one rank's shard of the tokens and runs its attention over a process group
+(:mod:`msa.distributed`). The layer calls :func:`msa.sparse_attention` /
 :func:`msa.warmup_attention`, so it runs on the CPU and CUDA backends, under ``torch.compile``
 and activation checkpointing, with the library's deterministic gradients.
 """
@@ -98,6 +100,15 @@ class MSAAttention(nn.Module):
     ``cu_seqlens`` int32 [nseq+1]; None: one sequence) or [B, L, d_model] (B sequences of L
     tokens) and returns ``(y, aux)``: ``y`` shaped like ``x``, ``aux`` = kl_weight * KL, 0-dim
     float32.
+
+    Context parallelism (:meth:`set_context_parallel`): ``x`` [n, d_model] is this rank's shard
+    of the packed batch (its rows in the layout's order, :func:`msa.distributed.shard_positions`)
+    and ``cu_seqlens`` the whole batch's; the projections and rotary embeddings (at the tokens'
+    global positions) run on the shard, the attention over the group. ``y`` is this rank's rows
+    of the single-process output and ``aux`` the global KL term (the same on every rank: add it
+    on every rank, as with any loss of a context-parallel model). Each rank's parameter
+    gradients are its shard's part: summed over the ranks (all-reduce, as data parallelism
+    does) they are the single-process gradients.
     """
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, *,
@@ -159,6 +170,25 @@ class MSAAttention(nn.Module):
         self.o_proj = nn.Linear(n_heads * head_dim, d_model, **kw)
         self.q_idx_proj = nn.Linear(d_model, n_idx_heads * idx_head_dim, **kw)
         self.k_idx_proj = nn.Linear(d_model, n_idx_key_heads * idx_head_dim, **kw)
+        self.cp = None  # (group, layout, exchange) under context parallelism
+
+    def set_context_parallel(self, group=None, layout: Optional[str] = "balanced",
+                             exchange: str = "selected") -> None:
+        """Runs the layer's attention over the torch.distributed process group ``group``
+        (None: the default group) with this rank's shard of the tokens in ``layout``
+        ("contiguous" or "balanced", see :func:`msa.distributed.shard_positions`) and the
+        K/V ``exchange`` ("selected" or "allgather"). ``layout=None`` turns it off."""
+        if layout is None:
+            self.cp = None
+            return
+        _need(layout in ("contiguous", "balanced"), "layout",
+              f"expected 'contiguous', 'balanced' or None, got {layout!r}")
+        _need(exchange in ("selected", "allgather"), "exchange",
+              f"expected 'selected' or 'allgather', got {exchange!r}")
+        _need(self.select_scores == "input", "select_scores",
+              "context parallelism selects by the index branch's own scores ('input'), got "
+              f"{self.select_scores!r}")
+        self.cp = (group, layout, exchange)
 
     def set_mode(self, mode: str) -> None:
         """"warmup" (dense causal attention, KL over the full causal support) or "sparse"."""
@@ -171,13 +201,15 @@ class MSAAttention(nn.Module):
                 f"idx_head_dim={self.idx_head_dim}, block_size={self.block_size}, "
                 f"top_k={self.top_k}, mode={self.mode}")
 
-    def project(self, x: Tensor, cu_seqlens: Optional[Tensor], index: bool = True) -> Tuple[Tensor, ...]:
+    def project(self, x: Tensor, cu_seqlens: Optional[Tensor], index: bool = True,
+                pos: Optional[Tensor] = None) -> Tuple[Tensor, ...]:
         """The branches' inputs for packed x [T, d_model]: q, k, v, q_idx, k_idx (rotary applied
-        to q, k, q_idx, k_idx at each token's position in its sequence). ``index=False`` leaves
-        the index branch out (q_idx, k_idx None): the main branch alone, e.g. for a dense
-        baseline built from the same weights."""
+        to q, k, q_idx, k_idx at each token's position in its sequence, or at ``pos`` [T] when
+        given). ``index=False`` leaves the index branch out (q_idx, k_idx None): the main branch
+        alone, e.g. for a dense baseline built from the same weights."""
         T = x.shape[0]
-        pos = positions_of(cu_seqlens, T, x.device)
+        if pos is None:
+            pos = positions_of(cu_seqlens, T, x.device)
         tables = {}  # (width, compute dtype) -> (cos, sin), shared by the tensors that match
 
         def rot(y: Tensor) -> Tensor:
@@ -205,6 +237,9 @@ class MSAAttention(nn.Module):
             B, L, _ = x.shape
             cu_seqlens = torch.arange(B + 1, device=x.device, dtype=torch.int32) * L
             x = x.reshape(B * L, self.d_model)
+        if self.cp is not None:
+            _need(not batched, "x", "context parallelism takes a packed shard [n, d_model]")
+            return self._forward_cp(x, cu_seqlens)
         q, k, v, qi, ki = self.project(x, cu_seqlens)
         if self.mode == "warmup":
             out, kl = msa.warmup_attention(q, k, v, qi, ki, cu_seqlens=cu_seqlens,
@@ -218,4 +253,36 @@ class MSAAttention(nn.Module):
         y = self.o_proj(out.reshape(x.shape[0], self.n_heads * self.head_dim))
         if batched:
             y = y.view(B, L, self.d_model)
+        return y, kl * self.kl_weight
+
+    def _forward_cp(self, x: Tensor, cu_seqlens: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+        import torch.distributed as dist
+        from . import distributed as msad
+        group, layout, exchange = self.cp
+        g = group if group is not None else dist.group.WORLD
+        rank, world = dist.get_rank(g), dist.get_world_size(g)
+        n = x.shape[0]
+        # every shard's size (contiguous shards may differ) and the batch's token count
+        wire = x.device if "nccl" in str(dist.get_backend(g)).lower() else torch.device("cpu")
+        every = [torch.zeros(1, dtype=torch.int64, device=wire) for _ in range(world)]
+        dist.all_gather(every, torch.tensor([n], dtype=torch.int64, device=wire), group=g)
+        sizes = [int(t.item()) for t in every]
+        N = sum(sizes)
+        cu = cu_seqlens if cu_seqlens is not None else torch.tensor([0, N], dtype=torch.int32)
+        idx = msad.shard_positions(layout, rank, world, N, cu,
+                                   sizes=sizes if layout == "contiguous" else None)
+        pos = positions_of(cu.cpu(), N, "cpu")[idx].to(x.device)
+        q, k, v, qi, ki = self.project(x, cu, pos=pos)
+        cu_dev = cu.to(device=x.device, dtype=torch.int32)
+        if self.mode == "warmup":
+            out, kl = msad.warmup_attention(q, k, v, qi, ki, cu_seqlens=cu_dev, group=group,
+                                            layout=layout, exchange=exchange,
+                                            kl_value=self.kl_value)
+        else:
+            out, kl = msad.sparse_attention(q, k, v, qi, ki, self.top_k, self.block_size,
+                                            cu_seqlens=cu_dev, group=group, layout=layout,
+                                            exchange=exchange, sink_blocks=self.sink_blocks,
+                                            local_blocks=self.local_blocks,
+                                            kl_value=self.kl_value)
+        y = self.o_proj(out.reshape(n, self.n_heads * self.head_dim))
         return y, kl * self.kl_weight

@@ -104,6 +104,40 @@ def _run_case(name, layout, exchange, call, rank, world):
                 stats=dict(stats), **{"d" + n: g for n, g in zip(NAMES, gs)})
 
 
+MODULE = dict(d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, block_size=16, top_k=3,
+              sink_blocks=1, local_blocks=1, kl_weight=0.5, kl_value=True)
+MODULE_CU = [0, 150, 170, 170, 333]
+
+
+def _module(mode):
+    torch.manual_seed(5)
+    m = msa.nn.MSAAttention(**MODULE, mode=mode, dtype=torch.float64)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(MODULE_CU[-1], MODULE["d_model"], generator=g, dtype=torch.float64)
+    w = torch.randn(MODULE_CU[-1], MODULE["d_model"], generator=g, dtype=torch.float64)
+    return m, x, w, torch.tensor(MODULE_CU, dtype=torch.int32)
+
+
+def _module_grads(m, x, w, cu):
+    y, aux = m(x, cu)
+    loss = (y * w).sum() + aux
+    gs = torch.autograd.grad(loss, list(m.parameters()))
+    return y.detach(), aux.detach(), [g.detach() for g in gs]
+
+
+def _module_case(mode, layout, rank, world):
+    """msa.nn.MSAAttention under context parallelism: this rank's y, the aux loss and the
+    parameter gradients summed over the ranks."""
+    import torch.distributed as dist
+    m, x, w, cu = _module(mode)
+    m.set_context_parallel(layout=layout)
+    pos = msad.shard_positions(layout, rank, world, MODULE_CU[-1], cu)
+    y, aux, gs = _module_grads(m, x[pos], w[pos], cu)
+    for g in gs:
+        dist.all_reduce(g)
+    return dict(pos=pos, y=y, aux=aux, grads=gs)
+
+
 def _worker(rank, world, store_path, outdir):
     import torch.distributed as dist
     torch.set_num_threads(1)
@@ -143,6 +177,9 @@ def _worker(rank, world, store_path, outdir):
             except ValueError as e:
                 errors[kind] = str(e)
         res["errors"] = errors
+        for mode in ("sparse", "warmup"):
+            for layout in LAYOUTS:
+                res[("module", mode, layout)] = _module_case(mode, layout, rank, world)
         torch.save(res, os.path.join(outdir, f"rank{rank}.pt"))
         dist.barrier()  # every rank's collectives done before any tears the group down
     finally:
@@ -333,6 +370,35 @@ def test_warmup_bad_arguments_raise_before_any_collective(kw, exc):
     arg = "call" if dev != "cpu" else next(iter(kw))
     with pytest.raises(exc, match=f"argument '{arg}'"):
         msad.warmup_attention(**args)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("mode", ["sparse", "warmup"])
+def test_module_matches_single_process(mode, layout, world):
+    m, x, w, cu = _module(mode)
+    y, aux, gs = _module_grads(m, x, w, cu)
+    for r, got in enumerate(res[("module", mode, layout)] for res in _results(world)):
+        assert_close(got["y"], y[got["pos"]], 1e-12, f"rank {r}: y")
+        assert_close(got["aux"], aux, 1e-6, f"rank {r}: aux")
+        for i, (a, b) in enumerate(zip(got["grads"], gs)):
+            # the KL weight reaches the op as a float32 factor (see msa.distributed)
+            assert_close(a, b, 1e-6, f"rank {r}: parameter {i} gradient")
+
+
+def test_module_context_parallel_arguments():
+    m = msa.nn.MSAAttention(16, 2, 1)
+    with pytest.raises(ValueError, match="'layout'"):
+        m.set_context_parallel(layout="zigzag")
+    with pytest.raises(ValueError, match="'exchange'"):
+        m.set_context_parallel(exchange="ring")
+    with pytest.raises(ValueError, match="'select_scores'"):
+        msa.nn.MSAAttention(16, 2, 1, select_scores="fp8").set_context_parallel()
+    m.set_context_parallel()
+    with pytest.raises(ValueError, match="'x'"):
+        m(torch.randn(2, 8, 16))
+    m.set_context_parallel(layout=None)
+    assert m(torch.randn(2, 8, 16))[0].shape == (2, 8, 16)
 
 
 def test_shard_positions_cover_each_token_once():
