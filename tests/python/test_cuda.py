@@ -877,3 +877,23 @@ def test_opcheck():
     _opcheck(torch.ops.msa.backward.default,
              (torch.randn_like(out), qd, kd, vd, out, lse, qi, ki, bi128, cu, kl_grad, False, 128,
               0.0, 0.0, True, True, True))
+
+
+@cuda_only
+def test_keys_apart_refused_by_name():
+    # cu_seqlens_k (keys apart from queries) runs on the CPU backend only: CUDA tensors get
+    # NotImplementedError naming the argument, and msa.distributed's "auto" call layout avoids it.
+    T, Hq, Hkv, D = 256, 4, 2, 128
+    q, k, v = rand(T, Hq, D, dtype=BF16), rand(T, Hkv, D, dtype=BF16), rand(T, Hkv, D, dtype=BF16)
+    qi, ki = rand(T, 2, D, dtype=BF16), rand(T, 1, D, dtype=BF16)
+    cu = torch.tensor([0, 128, 256], dtype=torch.int32, device=DEV)
+    # two sequences of 64 queries over 200 and 64 keys
+    cuk = torch.tensor([0, 200, 264], dtype=torch.int32, device=DEV)
+    ki_k = rand(264, 1, D, dtype=BF16)
+    with pytest.raises(NotImplementedError, match="'cu_seqlens_k'"):
+        msa.sparse_attention(q, k, v, qi, ki, 2, 128, cu_seqlens=cu, cu_seqlens_k=cu)
+    with pytest.raises(NotImplementedError, match="'cu_seqlens_k'"):
+        msa.select_blocks(qi[:128], ki_k, 2, 128, cu_seqlens=torch.tensor([0, 64, 128], dtype=torch.int32,
+                                                                          device=DEV), cu_seqlens_k=cuk)
+    with pytest.raises(NotImplementedError, match="'cu_seqlens_k'"):
+        msa.warmup_attention(q, k, v, qi, ki, cu_seqlens=cu, cu_seqlens_k=cu)
