@@ -3,7 +3,8 @@
 // Shapes use the names of the contract (docs/contract.md): T packed query/key tokens, Hq/Hkv main heads, D main head
 // dim, Hi/Hik index query/key heads, Di index head dim, k blocks per (token, index head).
 // Tokens are packed FlashAttention-style; `cu_seqlens` [nseq+1] (int32) marks the sequences
-// (absent: one sequence of T tokens).
+// (absent: one sequence of T tokens). Every tensor's last dimension must be contiguous; the
+// other strides are free. All tensors of one call live on one device, which picks the backend.
 //
 // Keys apart from queries (`cu_seqlens_k`, optional, in SelectParams, ForwardParams,
 // BackwardParams and KlParams): [nseq+1] int32 offsets that pack the key-side tensors (k, v,
@@ -14,8 +15,7 @@
 // attention aligned to the bottom right, as FlashAttention aligns it). A chunk of queries after
 // a prefix, or a context-parallel rank's queries over the keys it gathered, needs no rows for
 // the keys' own queries. Absent: the keys are the queries' tokens (Tk = T, m_s = n_s). Without
-// `cu_seqlens`, `cu_seqlens_k` must hold one sequence ([2]). docs/contract.md §1. Every tensor's last dimension must be contiguous; the
-// other strides are free. All tensors of one call live on one device, which picks the backend.
+// `cu_seqlens`, `cu_seqlens_k` must hold one sequence ([2]). docs/contract.md §1.
 #pragma once
 
 #include <cstddef>

@@ -520,17 +520,16 @@ def _layout_keys_call(p: _Plan, bi_local: Optional[Tensor], allgather: bool, dev
     fb = g.run_t0 // Bk  # first own block of each run: the blocks below it are gathered
     pbase = torch.cumsum(fb, 0) - fb  # each run's offset in the (run, block < fb) bitmap
     nbits = int(fb.sum())
+    if bi_local is not None:  # each row's blocks, its run's first block and bitmap offset
+        b = bi_local.long()
+        fb_row = fb.to(dev)[g.run_of_row][:, None, None]
+        bit = pbase.to(dev)[g.run_of_row][:, None, None] + b  # valid where 0 <= b < fb_row
     if allgather:
         used = torch.ones(nbits, dtype=torch.bool)
     else:
-        b = bi_local.long()
-        run_row = g.run_of_row
-        fb_row = fb.to(dev)[run_row][:, None, None]
-        valid = (b >= 0) & (b < fb_row)
         used_d = torch.zeros(max(nbits, 1), dtype=torch.bool, device=dev)
-        used_d[(pbase.to(dev)[run_row][:, None, None] + b)[valid]] = True
+        used_d[bit[(b >= 0) & (b < fb_row)]] = True
         used = used_d[:nbits].cpu()
-        del valid, fb_row
     idx = torch.nonzero(used).flatten()  # by run, then block
     run_of = torch.searchsorted(pbase, idx, right=True) - 1
     # runs with fb = 0 share pbase with the next run; searchsorted(right) picks the last of them,
@@ -555,11 +554,8 @@ def _layout_keys_call(p: _Plan, bi_local: Optional[Tensor], allgather: bool, dev
     rows = starts[seg] + torch.arange(Tk, device=dev) - first[seg]
     bi_call = None
     if bi_local is not None:
-        b = bi_local.long()
-        run_row = g.run_of_row
-        fb_row = fb.to(dev)[run_row][:, None, None]
-        below = cmap.to(dev)[(pbase.to(dev)[run_row][:, None, None] + b).clamp(min=0, max=max(nbits, 1) - 1)]
-        own = nsel.to(dev)[run_row][:, None, None] + b - fb_row
+        below = cmap.to(dev)[bit.clamp(min=0, max=max(nbits, 1) - 1)]
+        own = nsel.to(dev)[g.run_of_row][:, None, None] + b - fb_row
         bi_call = torch.where(b < 0, torch.full_like(b, -1), torch.where(b < fb_row, below, own))
         bi_call = bi_call.to(torch.int32)
     return dict(rows=rows, cu_k=cu_k.to(torch.int32).to(dev), bi_call=bi_call, Tk=Tk,
@@ -734,9 +730,7 @@ class _CPAttention(torch.autograd.Function):
         (q_call, k_call, v_call, q_idx_call, k_idx_call, bi_call, cu_call, out_c, lse_c,
          qrow) = ctx.saved_tensors
         dev, dtype = q_call.device, q_call.dtype
-        W, r, T_call, has_idx = p.W, p.r, ctx.T_call, p.has_idx
-        F = p.Hkv * p.D
-        Fi = p.Hik * p.Di if has_idx else 0
+        T_call, has_idx = ctx.T_call, p.has_idx
         want_idx = has_idx and grad_kl is not None
         ph = _Phases(opts["phase_times"], stats, dev)
         if T_call:
@@ -759,21 +753,9 @@ class _CPAttention(torch.autograd.Function):
             dk_c = dv_c = k_call.new_zeros(k_call.shape)
             dqi_c = q_call.new_zeros((0, p.Hi, p.Di)) if has_idx else None
             dki_c = q_call.new_zeros((0, p.Hik, p.Di)) if has_idx else None
-        parts = [dk_c.reshape(T_call, F), dv_c.reshape(T_call, F)]
-        if has_idx:
-            parts.append(dki_c.reshape(T_call, Fi))
-        g_call = torch.cat(parts, 1)
-        del parts
-        ph.mark("backward")
-
-        acc = _return_grads(ctx, g_call, ph)
-        n = p.sizes[r]
-        dk = acc[:, :F].reshape(n, p.Hkv, p.D)
-        dv = acc[:, F: 2 * F].reshape(n, p.Hkv, p.D)
+        dk, dv, dk_idx = _key_grads(ctx, dk_c, dv_c, dki_c, want_idx, ph)
         dq = dq_c.index_select(0, qrow)
         dq_idx = dqi_c.index_select(0, qrow) if want_idx else None
-        dk_idx = acc[:, 2 * F:].reshape(n, p.Hik, p.Di) if want_idx else None
-        ph.mark("grad_sum")
         return None, None, None, None, None, dq, dk, dv, dq_idx, dk_idx
 
 
@@ -875,12 +857,9 @@ def _keys_backward(ctx, grad_out, grad_kl):
     (q, k_call, v_call, q_idx, k_idx_call, bi_call, cu_q, cu_k, out, lse,
      inv) = ctx.saved_tensors
     dev, dtype = q.device, q.dtype
-    n, has_idx, F = p.sizes[p.r], p.has_idx, p.Hkv * p.D
-    Fi = p.Hik * p.Di if has_idx else 0
-    Tk = k_call.shape[0]
+    n, has_idx = p.sizes[p.r], p.has_idx
     want_idx = has_idx and grad_kl is not None
     ph = _Phases(opts["phase_times"], stats, dev)
-    dq = dq_idx = None
     if n:
         dout = grad_out.to(dtype) if grad_out is not None else torch.zeros_like(out)
         kl_grad = None
@@ -898,18 +877,32 @@ def _keys_backward(ctx, grad_out, grad_kl):
         dq_idx = q_idx.new_zeros(q_idx.shape) if has_idx else None
         dk_c = dv_c = k_call.new_zeros(k_call.shape)
         dki_c = k_call.new_zeros((0, p.Hik, p.Di)) if has_idx else None
+    dk, dv, dk_idx = _key_grads(ctx, dk_c, dv_c, dki_c, want_idx, ph, inv)
+    return None, None, None, None, None, dq, dk, dv, dq_idx if want_idx else None, dk_idx
+
+
+def _key_grads(ctx, dk_c: Tensor, dv_c: Tensor, dki_c: Optional[Tensor], want_idx: bool, ph,
+               inv: Optional[Tensor] = None):
+    """The key side's gradients of this rank's shard (dk, dv, and dk_idx when ``want_idx``)
+    from the call's (rows of ``_fetch_kv``'s rows, or of the call's keys mapped to them by
+    ``inv``, whose repeats are summed first), sent back to and summed at their owners."""
+    p = ctx.p
+    n, F = p.sizes[p.r], p.Hkv * p.D
+    Tk = dk_c.shape[0]
     parts = [dk_c.reshape(Tk, F), dv_c.reshape(Tk, F)]
-    if has_idx:
-        parts.append(dki_c.reshape(Tk, Fi))
-    g_u = _sum_repeats(torch.cat(parts, 1), inv, ctx.n_u)
+    if p.has_idx:
+        parts.append(dki_c.reshape(Tk, p.Hik * p.Di))
+    g = torch.cat(parts, 1)
     del parts
+    if inv is not None:
+        g = _sum_repeats(g, inv, ctx.n_u)
     ph.mark("backward")
-    acc = _return_grads(ctx, g_u, ph)
+    acc = _return_grads(ctx, g, ph)
     dk = acc[:, :F].reshape(n, p.Hkv, p.D)
     dv = acc[:, F: 2 * F].reshape(n, p.Hkv, p.D)
     dk_idx = acc[:, 2 * F:].reshape(n, p.Hik, p.Di) if want_idx else None
     ph.mark("grad_sum")
-    return None, None, None, None, None, dq, dk, dv, dq_idx if want_idx else None, dk_idx
+    return dk, dv, dk_idx
 
 
 def _fetch_kv(comm: _Comm, p: _Plan, k: Tensor, v: Tensor, rows: Tensor, allgather: bool,
@@ -1096,7 +1089,6 @@ def warmup_attention(
     deterministic: bool = False,
     kl_pass: str = "auto",
     phase_times: bool = False,
-    call: str = "auto",
 ):
     """Context-parallel :func:`msa.warmup_attention` (dense causal attention, the KL over the
     full causal support: contract §5) over the process group ``group``.
@@ -1105,16 +1097,14 @@ def warmup_attention(
     selection: ``(out, kl)``, then ``lse`` and the stats when asked for). Every key of a
     rank's prefix takes part, so each rank gathers the K, V (and index key) rows of every
     sequence up to its last query there: from their owners with ``exchange="selected"``, by
-    all-gather with ``"allgather"``. It runs on the call over keys apart (``call="keys"``; "auto"
-    means it), which the CPU backend runs; CUDA tensors raise NotImplementedError naming
-    'call' before anything moves (the CUDA backend does not take keys apart from queries yet).
+    all-gather with ``"allgather"``. It runs on the call over keys apart (``call="keys"`` of
+    :func:`sparse_attention`), which the CPU backend runs; CUDA tensors raise
+    NotImplementedError naming 'q' before anything moves (the CUDA backend does not take keys
+    apart from queries yet).
     """
-    if call not in ("auto", "keys"):
-        raise ValueError(f"msa.distributed: argument 'call': the warmup runs on the call over "
-                         f"keys apart ('auto' or 'keys'), got {call!r}")
     if isinstance(q, Tensor) and q.device.type not in _KEYS_APART_DEVICES:
         raise NotImplementedError(
-            f"msa.distributed.warmup_attention: argument 'call': the dense warmup runs on the call "
+            f"msa.distributed.warmup_attention: argument 'q': the dense warmup runs on the call "
             f"over keys apart from queries, which the backend of {q.device.type} tensors does not "
             f"run yet (devices: {', '.join(_KEYS_APART_DEVICES)})")
     return _run(q, k, v, q_idx, k_idx, None, cu_seqlens, group, True, 1, 128, layout, exchange,

@@ -442,6 +442,28 @@ Status seqlens_shape(Check& c, const TensorRef& cu, const char* arg = "cu_seqlen
   return Status::Ok();
 }
 
+// The offsets of a CPU tensor `cu` (named `arg`) into *out: 0 = cu[0] <= ... <= cu[nseq] = end,
+// `end_name` naming the row count they must end at.
+Status offsets_values(const Check& c, const TensorRef& cu, const char* arg, int64_t end, const char* end_name,
+                      std::vector<int64_t>* out) {
+  const int32_t* v = static_cast<const int32_t*>(cu.data);
+  const int64_t n = cu.shape[0];
+  const std::string a(arg);
+  std::vector<int64_t>& o = *out;
+  o.resize(n);
+  for (int64_t s = 0; s < n; ++s) o[s] = v[s * cu.stride[0]];
+  if (o[0] != 0) return c.fail(arg, "must start at 0, got " + std::to_string(o[0]));
+  for (int64_t s = 1; s < n; ++s)
+    if (o[s] < o[s - 1])
+      return c.fail(arg, "must be non-decreasing, but " + a + "[" + std::to_string(s) + "] = " +
+                             std::to_string(o[s]) + " < " + a + "[" + std::to_string(s - 1) + "] = " +
+                             std::to_string(o[s - 1]));
+  if (o[n - 1] != end)
+    return c.fail(arg, std::string("must end at ") + end_name + " = " + std::to_string(end) + ", got " +
+                           std::to_string(o[n - 1]));
+  return Status::Ok();
+}
+
 // Its values, 0 = cu[0] <= ... <= cu[nseq] = T, read into prob->cu on the CPU only (after
 // seqlens_shape and the layout checks).
 Status seqlens_values(const Check& c, const TensorRef& cu, Problem* prob, const char* arg = "cu_seqlens") {
@@ -451,21 +473,7 @@ Status seqlens_values(const Check& c, const TensorRef& cu, Problem* prob, const 
     return Status::Ok();
   }
   if (cu.device.type != DeviceType::kCpu) return Status::Ok();
-  const int32_t* v = static_cast<const int32_t*>(cu.data);
-  const int64_t n = cu.shape[0];
-  const std::string a(arg);
-  prob->cu.resize(n);
-  for (int64_t s = 0; s < n; ++s) prob->cu[s] = v[s * cu.stride[0]];
-  if (prob->cu[0] != 0) return c.fail(arg, "must start at 0, got " + std::to_string(prob->cu[0]));
-  for (int64_t s = 1; s < n; ++s)
-    if (prob->cu[s] < prob->cu[s - 1])
-      return c.fail(arg, "must be non-decreasing, but " + a + "[" + std::to_string(s) + "] = " +
-                             std::to_string(prob->cu[s]) + " < " + a + "[" + std::to_string(s - 1) +
-                             "] = " + std::to_string(prob->cu[s - 1]));
-  if (prob->cu[n - 1] != prob->T)
-    return c.fail(arg, std::string("must end at ") + (a == "cu_seqlens_q" ? "Tq" : "T") + " = " + std::to_string(prob->T) + ", got " +
-                           std::to_string(prob->cu[n - 1]));
-  return Status::Ok();
+  return offsets_values(c, cu, arg, prob->T, std::string(arg) == "cu_seqlens_q" ? "Tq" : "T", &prob->cu);
 }
 
 // cu_seqlens_k (keys apart from queries, params.h): int32 [nseq+1] with the nseq of cu_seqlens
@@ -495,20 +503,9 @@ Status key_seqlens_values(const Check& c, const TensorRef& cu_k, Problem* prob,
     return Status::Ok();
   }
   if (cu_k.device.type != DeviceType::kCpu) return Status::Ok();
-  const int32_t* v = static_cast<const int32_t*>(cu_k.data);
+  MSA_TRY(offsets_values(c, cu_k, "cu_seqlens_k", prob->Tk, "Tk (the key tensors' rows)", &prob->cu_k));
+  const std::vector<int64_t>& ck = prob->cu_k;
   const int64_t n = cu_k.shape[0];
-  std::vector<int64_t>& ck = prob->cu_k;
-  ck.resize(n);
-  for (int64_t s = 0; s < n; ++s) ck[s] = v[s * cu_k.stride[0]];
-  if (ck[0] != 0) return c.fail("cu_seqlens_k", "must start at 0, got " + std::to_string(ck[0]));
-  for (int64_t s = 1; s < n; ++s)
-    if (ck[s] < ck[s - 1])
-      return c.fail("cu_seqlens_k", "must be non-decreasing, but cu_seqlens_k[" + std::to_string(s) + "] = " +
-                                        std::to_string(ck[s]) + " < cu_seqlens_k[" + std::to_string(s - 1) +
-                                        "] = " + std::to_string(ck[s - 1]));
-  if (ck[n - 1] != prob->Tk)
-    return c.fail("cu_seqlens_k", "must end at Tk = " + std::to_string(prob->Tk) + " (the key tensors' rows), got " +
-                                      std::to_string(ck[n - 1]));
   if (start) start->assign(n - 1, 0);
   for (int64_t s = 0; s + 1 < n; ++s) {
     const int64_t m = ck[s + 1] - ck[s], q = prob->cu[s + 1] - prob->cu[s];

@@ -158,13 +158,19 @@ HostTensor kl_rows_full(Problem& p, HostTensor* bi, Mode mode, FwdResult& f) {
   return rows;
 }
 
-BwdResult backward_apart(Apart& a, HostTensor* bi, Mode mode, Fwd& f, HostTensor& dout, double kl_weight) {
+// The keys-apart backward's gradient tensors (NaN-filled): dk's rows given, Tk by default.
+BwdResult apart_grads(const Apart& a, int64_t dk_rows = -1) {
   const Config& c = a.p.cfg;
   const int64_t Tk = a.p.T;
-  BwdResult r{HostTensor(c.dtype, {a.Tq, c.Hq, c.D}), HostTensor(c.dtype, {Tk, c.Hkv, c.D}),
+  BwdResult r{HostTensor(c.dtype, {a.Tq, c.Hq, c.D}), HostTensor(c.dtype, {dk_rows < 0 ? Tk : dk_rows, c.Hkv, c.D}),
               HostTensor(c.dtype, {Tk, c.Hkv, c.D}), HostTensor(c.dtype, {a.Tq, c.Hi, c.Di}),
               HostTensor(c.dtype, {Tk, c.Hik, c.Di})};
   for (HostTensor* t : {&r.dq, &r.dk, &r.dv, &r.dq_idx, &r.dk_idx}) t->fill(NAN);
+  return r;
+}
+
+msa::Status call_backward(Apart& a, HostTensor* bi, Mode mode, Fwd& f, HostTensor& dout, double kl_weight,
+                          BwdResult& r) {
   msa::BackwardParams bp;
   bp.q = a.q.ref();
   bp.k = a.p.k.ref();
@@ -184,7 +190,12 @@ BwdResult backward_apart(Apart& a, HostTensor* bi, Mode mode, Fwd& f, HostTensor
   bp.dk_idx = r.dk_idx.ref();
   bp.kl_weight = static_cast<float>(kl_weight);
   bp.opts = a.p.options(mode);
-  const msa::Status s = msa::backward(bp);
+  return msa::backward(bp);
+}
+
+BwdResult backward_apart(Apart& a, HostTensor* bi, Mode mode, Fwd& f, HostTensor& dout, double kl_weight) {
+  BwdResult r = apart_grads(a);
+  const msa::Status s = call_backward(a, bi, mode, f, dout, kl_weight, r);
   EXPECT_TRUE(s.ok()) << s.message;
   return r;
 }
@@ -403,23 +414,9 @@ TEST(KeysApartValidation, NamesTheArgument) {
   {
     // The backward's key gradients have Tk rows.
     Fwd f = forward_apart(a, &bi, Mode::kSparse);
-    HostTensor dout(c.dtype, {a.Tq, c.Hq, c.D}), dq(c.dtype, {a.Tq, c.Hq, c.D});
-    HostTensor dk(c.dtype, {a.Tq, c.Hkv, c.D}), dv(c.dtype, {a.p.T, c.Hkv, c.D});
-    msa::BackwardParams bp;
-    bp.q = a.q.ref();
-    bp.k = a.p.k.ref();
-    bp.v = a.p.v.ref();
-    bp.out = f.out.ref();
-    bp.lse = f.lse.ref();
-    bp.dout = dout.ref();
-    bp.cu_seqlens = a.cuq.ref();
-    bp.cu_seqlens_k = a.cuk.ref();
-    bp.block_idx = bi.ref();
-    bp.dq = dq.ref();
-    bp.dk = dk.ref();
-    bp.dv = dv.ref();
-    bp.opts = a.p.options();
-    const msa::Status s = msa::backward(bp);
+    HostTensor dout(c.dtype, {a.Tq, c.Hq, c.D});
+    BwdResult r = apart_grads(a, /*dk_rows=*/a.Tq);
+    const msa::Status s = call_backward(a, &bi, Mode::kSparse, f, dout, 1.0, r);
     EXPECT_EQ(s.code, StatusCode::kInvalidArgument) << s.message;
     EXPECT_NE(s.message.find("argument 'dk'"), std::string::npos) << s.message;
     EXPECT_NE(s.message.find("[Tk, Hkv, D]"), std::string::npos) << s.message;

@@ -355,7 +355,6 @@ def test_bad_arguments_raise_before_any_collective(kw, arg):
 
 
 @pytest.mark.parametrize("kw, exc", [
-    (dict(call="rows"), ValueError),
     (dict(layout="zigzag"), ValueError),
     (dict(k_idx=None), ValueError),
     (dict(device="meta"), NotImplementedError),  # a backend without keys apart from queries
@@ -367,7 +366,7 @@ def test_warmup_bad_arguments_raise_before_any_collective(kw, exc):
                 v=torch.randn(T, 1, D, device=dev), q_idx=torch.randn(T, 1, D, device=dev),
                 k_idx=torch.randn(T, 1, D, device=dev))
     args.update(kw)
-    arg = "call" if dev != "cpu" else next(iter(kw))
+    arg = "q" if dev != "cpu" else next(iter(kw))
     with pytest.raises(exc, match=f"argument '{arg}'"):
         msad.warmup_attention(**args)
 
