@@ -12,8 +12,8 @@ Layout (FlashAttention-style packed tokens, contract §1):
   then hold ``Tk`` rows packed by these offsets, and each sequence's ``n_s`` queries are the
   last ``n_s`` positions of its ``m_s >= n_s`` keys (causal attention aligned to the bottom
   right, as FlashAttention aligns it): a chunk of queries after a prefix of keys, or a
-  context-parallel rank's queries over the keys it gathered (contract §1). The CPU backend
-  runs it; the CUDA backend refuses it naming the argument.
+  context-parallel rank's queries over the keys it gathered (contract §1). Both backends run
+  it.
 
 Dtypes: float16 / bfloat16 (float32, and float64 on the CPU, for tests); every tensor of a call
 shares q's dtype and device. Any strides are accepted; a tensor whose last dimension is not
@@ -212,7 +212,7 @@ def sparse_attention(
         cu_seqlens_k: int32 [nseq+1] key offsets (None: the keys are the queries' tokens):
             ``k``, ``v``, ``k_idx`` then have ``Tk`` rows and each sequence's queries are the
             last positions of its keys (see the module's docstring); their gradients have
-            ``Tk`` rows too. CPU backend only.
+            ``Tk`` rows too.
         block_idx: int32 [T, Hi, k], a caller's selection (ascending or not, ``-1`` = empty
             slot; entries must be causal: ``-1`` or ``0..t//block_size``). When given, the
             selection is skipped and attention and KL run over it.

@@ -41,10 +41,6 @@ Status cuda_ready(const char* fn, const char* arg, const Problem& prob) {
     return Status::NotSupported(std::string("msa::") + fn +
                                 ": no GPU of compute capability 9.0 is visible; the CUDA kernels of this "
                                 "library are built for sm_90a (Hopper)");
-  if (prob.keys_apart)
-    return Status::NotSupported(std::string("msa::") + fn +
-                                ": argument 'cu_seqlens_k': the CUDA backend's training calls take the queries' own "
-                                "tokens as keys; keys apart from queries run on the CPU backend");
   return Status::Ok();
 }
 #endif
@@ -200,7 +196,7 @@ size_t cuda_workspace(const P& p, const TensorRef& lead, F&& size_of) {
 #ifdef MSA_WITH_CUDA
   if (lead.device.type != DeviceType::kCuda) return 0;
   Problem prob;
-  if (!detail::validate(p, &prob).ok() || prob.keys_apart) return 0;  // refused by the call
+  if (!detail::validate(p, &prob).ok()) return 0;  // refused by the call
   return size_of(prob, p);
 #else
   (void)p;

@@ -12,7 +12,8 @@
 //   (KV tile, r, i) run into records of m consecutive keys, so every column of an entry holds a
 //   token that selected the block, whatever the overlap of neighbouring tokens' selections.
 //   Dense (warmup) mode: the records are worked out on the device: m consecutive tokens of the
-//   sequence from the group holding the block's first key on (tokens before it see none of it).
+//   sequence from the group holding the token at the block's first key on (tokens before it see
+//   none of it).
 //
 // Lists are uneven (a sink block is selected by every token; in dense mode the first block by
 // all), so an item's list is cut into chunks of at most `chunk` entries and each chunk is one
@@ -25,8 +26,6 @@
 #include <cutlass/arch/barrier.h>
 
 #include <cstdint>
-#include <type_traits>
-#include <utility>
 
 #include "load.cuh"
 #include "tile.cuh"
@@ -66,7 +65,8 @@ struct EntryListParams {
   bool dense;
 };
 
-// The entries of (KV tile x of `tile`, KV head r).
+// The entries of (KV tile x of `tile`, KV head r). token_base: the packed index of the token at
+// the position of the block's first key (PagedKeys::token_base).
 struct EntryList {
   int64_t lo = 0, n = 0;
   int64_t seq_start = 0;  // packed index of the sequence's first token
@@ -76,13 +76,15 @@ struct EntryList {
   int32_t seq_len = 0, m = 0;
 
   EntryList() = default;
-  __device__ EntryList(const EntryListParams& p, const QueryTile& tile, int64_t x, int32_t r,
-                       int32_t Hkv, int32_t ipk, int32_t m_)
+  __device__ EntryList(const EntryListParams& p, const QueryTile& tile, int64_t token_base, int64_t x,
+                       int32_t r, int32_t Hkv, int32_t ipk, int32_t m_)
       : seq_start(tile.seq_start), seq_len(tile.seq_len), m(m_) {
     seg0 = static_cast<int32_t>((x * Hkv + r) * ipk);
     if (p.dense) {
-      g_first = tile.first / m;
-      ng = (tile.seq_len - 1) / m - g_first + 1;
+      // The first token that sees the block is token_base - seq_start of the sequence (keys
+      // apart: the block may lie wholly before the first token, 0), which is < seq_len.
+      g_first = static_cast<int32_t>(max<int64_t>(token_base - tile.seq_start, 0) / m);
+      ng = tile.seq_len > 0 ? (tile.seq_len - 1) / m - g_first + 1 : 0;
       n = int64_t(ng) * ipk;
       return;
     }
@@ -174,33 +176,22 @@ __device__ inline WorkItem decode_work(const WorkListParams& p, int32_t Hkv, int
 }
 
 // The work of one KV-side CTA: chunk it.c of the entry list of (KV block it.x, KV head it.r), as
-// `tile` (the block's keys, a tile of kBlockN of its sequence), `list` and entries [begin, end).
+// `tile` (the block's keys, a KV tile of p.paged's layout: PagedKeys::tile_of), `list` and entries
+// [begin, end).
 // False: nothing to do, or (kPasses, pass_end > 0) a chunk of a pass chunk (pass_chunk entries,
 // by default the chunk itself) whose first record belongs to another pass (kernels that never run
 // in passes leave the test out of their code). Params: the KV-side kernel's parameters (work,
-// list, cu_seqlens, nseq, T, Hkv, idx_per_kv, group_tokens, pass_first, pass_end, pass_chunk).
-// Params with a `paged` member (kern::PagedKeys: the KV-block forward of a prefill) take their
-// KV tiles from it where it holds a page table (PagedKeys::kv_tile).
-template <class P, class = void>
-struct HasPagedKeys : std::false_type {};
-template <class P>
-struct HasPagedKeys<P, std::void_t<decltype(std::declval<P>().paged)>> : std::true_type {};
-
-// KV tile x of a KV-side pass: Bk keys of a packed sequence, or of a paged one.
-template <int kBlockN, class Params>
-__device__ inline QueryTile kv_tile_of(const Params& p, int64_t x) {
-  if constexpr (HasPagedKeys<Params>::value) return p.paged.tile_of(p.cu_seqlens, p.nseq, p.T, kBlockN, x);
-  return decode_tile(p.cu_seqlens, p.nseq, p.T, kBlockN, x);
-}
+// list, cu_seqlens, nseq, T, Hkv, idx_per_kv, group_tokens, pass_first, pass_end, pass_chunk, and
+// `paged`, the keys' layout: kern::PagedKeys).
 
 template <int kBlockN, bool kPasses = false, class Params>
 __device__ inline bool kv_chunk(const Params& p, WorkItem* it, QueryTile* tile, EntryList* list,
                                 int64_t* begin, int64_t* end) {
   *it = decode_work(p.work, p.Hkv, blockIdx.x);
   if (it->item < 0) return false;
-  *tile = kv_tile_of<kBlockN>(p, it->x);
+  *tile = p.paged.tile_of(p.cu_seqlens, p.nseq, p.T, kBlockN, it->x);
   if (tile->count == 0) return false;
-  *list = EntryList(p.list, *tile, it->x, it->r, p.Hkv, p.idx_per_kv, p.group_tokens);
+  *list = EntryList(p.list, *tile, p.paged.token_base(*tile), it->x, it->r, p.Hkv, p.idx_per_kv, p.group_tokens);
   *begin = min<int64_t>(int64_t(it->c) * p.work.chunk, list->n);
   *end = min<int64_t>(*begin + p.work.chunk, list->n);
   if constexpr (kPasses) {

@@ -85,8 +85,8 @@ struct QueryTileTraits {
 };
 
 // The CTA's tile, of the ids [tile_lo, tile_lo + num_tiles): blockIdx.x counts from the last
-// (heavy, late tiles first); count 0: nothing to do. With a page table, the tile's tokens are the
-// last tile.seq_len of their sequence's cached keys.
+// (heavy, late tiles first); count 0: nothing to do. With a page table or keys apart, the tile's
+// tokens are the last tile.seq_len of their sequence's keys.
 template <class Params>
 __device__ QueryTile query_tile(const Params& p) {
   QueryTile t = decode_tile(p.cu_seqlens, p.nseq, p.T, p.tile_tokens,
@@ -178,10 +178,10 @@ struct QueryTileStream {
     const int32_t rows = p.paged.rows(p.T);
     Tensor mK = p.tma_k.get_tma_tensor(make_shape(rows, kHeadDim, p.Hkv));
     Tensor mV = p.tma_v.get_tma_tensor(make_shape(rows, kHeadDim, p.Hkv));
-    // Block b is tile b of the sequence's rows, or page pages[b] (an id out of range reads
+    // Block b is tile b of the sequence's key rows, or page pages[b] (an id out of range reads
     // zeros: TMA fills boxes outside the tensor).
     const int32_t* pages = p.paged.pages(tile);
-    const int32_t seq0 = pages != nullptr ? 0 : static_cast<int32_t>(tile.seq_start);
+    const int32_t seq0 = pages != nullptr ? 0 : static_cast<int32_t>(p.paged.key_start(tile));
     Tensor gK = local_tile(domain_offset(make_coord(seq0, _0{}), mK(_, _, kvh)),
                            Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));
     Tensor gV = local_tile(domain_offset(make_coord(seq0, _0{}), mV(_, _, kvh)),

@@ -330,9 +330,9 @@ __device__ inline void load_head_rows(SmemTensor& s, const Element* base, int64_
 // (they belong to the next sequence) set to zero: a probability of 0 times a NaN there is not 0.
 // Run by the 128 threads of one consumer warpgroup `wg` (lt: thread index in it), which then sync.
 template <int kBlockN, int kDim, class StageTensor>
-__device__ inline void zero_tail_rows(StageTensor&& s, int32_t key0, int32_t seq_len, int lt, int wg) {
-  if (key0 + kBlockN <= seq_len) return;
-  const int32_t valid = seq_len - key0;
+__device__ inline void zero_tail_rows(StageTensor&& s, int32_t key0, int32_t key_len, int lt, int wg) {
+  if (key0 + kBlockN <= key_len) return;
+  const int32_t valid = key_len - key0;
   constexpr int kChunks = kDim / 8;
   for (int e = lt; e < (kBlockN - valid) * kChunks; e += 128) {
     const int row = valid + e / kChunks, c = e % kChunks;

@@ -48,7 +48,8 @@ __device__ __forceinline__ bool entry_selects(const EntryRecord& en, int32_t t) 
   return t < en.count;
 }
 
-// ... and key `key` of the block (a packed index) is in its support: not in the token's future.
+// ... and key `key` of the block is in its support: not in the token's future (`key`: the packed
+// index of the token at the key's position, PagedKeys::token_base + the key's row in the block).
 __device__ __forceinline__ bool entry_sees(const EntryRecord& en, int32_t t, int64_t key) {
   return t < en.count && key <= en.tok[t];
 }

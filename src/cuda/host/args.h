@@ -59,7 +59,9 @@ struct QueryTileArgs : SeqArgs {
   int64_t num_tiles = 0;
   int64_t tile_lo = 0;
   int64_t tok_lo = 0, tok_hi = 0;
-  kern::PagedKeys paged;  // K and V in a paged cache (a serving prefill); default: packed
+  // The keys' layout: K and V in a paged cache (a serving prefill), or packed apart from the
+  // tokens (cu_seqlens_k); default: the tokens' own.
+  kern::PagedKeys paged;
 };
 
 // The split forward (Options.fwd_pass = kSplit, device/pass_choice.cuh): a query tile keeps the
@@ -212,15 +214,16 @@ struct SelectArgs : SeqArgs {
   // quantises (in_factor) and the re-ranking scores, through the slots' page table.
   Fp8CopyArgs e4m3;
 
-  // Rows of the key tensor the select kernel reads: T packed keys (or their copies), the pages'
-  // rows, or the copies of a prefill's pages: nseq * max_pages slots of Bk rows.
+  // Rows of the key tensor the select kernel reads: T packed keys or Tk keys apart (or their
+  // copies), the pages' rows, or the copies of a prefill's pages: nseq * max_pages slots of Bk
+  // rows.
   __host__ __device__ int32_t key_rows() const {
-    return paged.page_table == nullptr ? T : (slots() ? nseq * paged.key_cap : paged.kv_rows);
+    return paged.page_table == nullptr ? paged.rows(T) : (slots() ? nseq * paged.key_cap : paged.kv_rows);
   }
   // The key row of block 0 of the tile's sequence in that tensor (0 where a page table places
   // each block); k_factor is indexed from it as well.
-  __host__ __device__ int64_t key_row0(const kern::QueryTile& t) const {
-    return paged.page_table == nullptr ? t.seq_start : (slots() ? int64_t(t.seq) * paged.key_cap : 0);
+  __device__ int64_t key_row0(const kern::QueryTile& t) const {
+    return paged.page_table == nullptr ? paged.key_start(t) : (slots() ? int64_t(t.seq) * paged.key_cap : 0);
   }
   // Block b's page (null: block b is tile b from key_row0).
   __device__ const int32_t* pages(const kern::QueryTile& t) const { return slots() ? nullptr : paged.pages(t); }
@@ -257,7 +260,7 @@ struct KvSideArgs : SeqArgs {
   int64_t qi_s0 = 0, qi_s1 = 0, ki_s0 = 0, ki_s1 = 0;
   const float* lse_idx = nullptr;  // [T, Hi] contiguous
   unsigned long long* dq_idx = nullptr;  // [T, Hi, Di] fixed point (2^-32 units)
-  unsigned long long* dk_idx = nullptr;  // [T, Hik, Di] fixed point
+  unsigned long long* dk_idx = nullptr;  // [key rows, Hik, Di] fixed point
   int32_t Hik = 1, idx_per_key = 1;
   float scale_idx = 0.f;  // signed
   // Options.kl_pass = kTeacher: bwd_kv_kernel writes each entry's teacher (the mean of P^T over
@@ -276,6 +279,9 @@ struct KvSideArgs : SeqArgs {
   // each selected block's index logits, at the block's column of block_idx (zeroed first).
   float* lse_part = nullptr;
   int32_t top_k = 0;  // block_idx width (k)
+  // The keys' layout (KV tiles by PagedKeys::tile_of): packed apart from the tokens
+  // (cu_seqlens_k), or a prefill's paged cache (the KV-block forward); default: the tokens' own.
+  kern::PagedKeys paged;
 };
 
 // Attention backward, KV side (kernels/bwd_kv_kernel.cuh), with the KL gradient when q_idx is set.
@@ -295,7 +301,7 @@ struct BwdKvArgs : KvSideArgs {
   // a time, not a key's 4 or 8); null: not written.
   void* ds = nullptr;
   int64_t ds_tok_lo = 0;
-  // Passes of tokens: dK (unscaled) and dV are added to these fp32 [T, Hkv, D] sums (zeroed
+  // Passes of tokens: dK (unscaled) and dV are added to these fp32 [key rows, Hkv, D] sums (zeroed
   // before the first pass) instead of written; null: written to dk and dv.
   float *dk_acc = nullptr, *dv_acc = nullptr;
 };
@@ -332,9 +338,6 @@ struct FwdKvArgs : KvSideArgs {
   // The split: the query tiles take the entries marked here ([tok_hi - tok_lo, Hi, k]; the
   // reverse index skips them) and merge the partials themselves (no combine kernel).
   const uint8_t* taken = nullptr;
-  // K and V in a paged cache (a serving prefill: KV tiles are the sequences' pages,
-  // PagedKeys::kv_tile); default: packed.
-  kern::PagedKeys paged;
   const float2* kv_scale = nullptr;  // FwdArgs::kv_scale
   const float* q_factor = nullptr;   // FwdArgs::q_factor
 };

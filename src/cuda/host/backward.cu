@@ -204,7 +204,33 @@ __global__ void finalize_kl_kernel(const unsigned long long* rows_acc, int64_t T
   }
 }
 
+// Zeroes a [rows, H, D] tensor of 16-bit elements (strides s0, s1 in elements).
+__global__ void zero_rows_kernel(uint16_t* out, int64_t rows, int32_t H, int32_t D, int64_t s0, int64_t s1) {
+  const int64_t n = rows * H * D;
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = e / D;
+    const int64_t t = row / H;
+    out[t * s0 + (row - t * H) * s1 + (e - row * D)] = 0;
+  }
+}
+
 // ------------------------------------------------------------------------------ steps
+
+// A call whose keys no query sees (keys apart, T = 0): dk, dv and dk_idx (if wanted) are zeros.
+Status zero_key_grads(const char* fn, const Problem& prob, const BackwardParams& p, cudaStream_t stream) {
+  const TensorRef* outs[3] = {&p.dk, &p.dv, &p.dk_idx};
+  for (const TensorRef* t : outs) {
+    if (!t->defined() || t->shape[0] == 0) continue;
+    const int64_t n = t->shape[0] * t->shape[1] * t->shape[2];
+    const int blocks = static_cast<int>(std::min<int64_t>((n + 255) / 256, num_sms() * 32));
+    zero_rows_kernel<<<blocks, 256, 0, stream>>>(static_cast<uint16_t*>(t->data), t->shape[0],
+                                                 static_cast<int32_t>(t->shape[1]),
+                                                 static_cast<int32_t>(t->shape[2]), t->stride[0], t->stride[1]);
+  }
+  const cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? Status::Ok() : cuda_error(fn, e);
+}
 
 // Zeroes the fixed-point sums of the KL gradient (grad) or of the KL terms.
 Status zero_kl_sums(const char* fn, const Plan& pl, const Problem& prob, void* ws,
@@ -214,7 +240,7 @@ Status zero_kl_sums(const char* fn, const Plan& pl, const Problem& prob, void* w
   cudaError_t e = cudaMemsetAsync(pl.grad ? at<void>(ws, pl.dq_acc) : at<void>(ws, pl.kl_acc), 0,
                                   acc_bytes, stream);
   if (e == cudaSuccess && pl.grad)
-    e = cudaMemsetAsync(at<void>(ws, pl.dk_acc), 0, 8 * size_t(prob.T) * prob.Hik * prob.Di, stream);
+    e = cudaMemsetAsync(at<void>(ws, pl.dk_acc), 0, 8 * size_t(prob.Tk) * prob.Hik * prob.Di, stream);
   return e == cudaSuccess ? Status::Ok() : cuda_error(fn, e);
 }
 
@@ -224,9 +250,10 @@ Status kv_lists(const char* fn, const Plan& pl, const Plan::Work& w, const Probl
                 bool entries_built) {
   if (pl.sparse && !entries_built)
     MSA_TRY(build_entries(fn, pl, prob, block_idx, a->cu_seqlens, a->nseq, 0, prob.T, ws, stream,
-                          &a->list));
+                          &a->list, a->paged));
   if (!pl.sparse) a->list.dense = true;
-  return build_work(fn, pl, w, prob, a->list, a->cu_seqlens, a->nseq, ws, stream, &a->work, &a->grid);
+  return build_work(fn, pl, w, prob, a->list, a->cu_seqlens, a->nseq, ws, stream, &a->work, &a->grid,
+                    a->paged);
 }
 
 // LSE_idx over the support into the plan's buffer (the forward kernel in LSE-only mode).
@@ -276,8 +303,9 @@ Status finalize_kl_grad(const Problem& prob, const BackwardParams& p, const Plan
     if (!out.defined()) continue;
     const auto* acc = at<unsigned long long>(ws, which == 0 ? pl.dq_acc : pl.dk_acc);
     const int32_t H = which == 0 ? prob.Hi : prob.Hik;
-    MSA_TRY(bf16 ? finalize_grad<cutlass::bfloat16_t>(acc, prob.T, H, prob.Di, out, kl_grad, base, stream)
-                 : finalize_grad<cutlass::half_t>(acc, prob.T, H, prob.Di, out, kl_grad, base, stream));
+    const int64_t rows = which == 0 ? prob.T : prob.Tk;  // dk_idx: the key rows
+    MSA_TRY(bf16 ? finalize_grad<cutlass::bfloat16_t>(acc, rows, H, prob.Di, out, kl_grad, base, stream)
+                 : finalize_grad<cutlass::half_t>(acc, rows, H, prob.Di, out, kl_grad, base, stream));
   }
   return Status::Ok();
 }
@@ -301,7 +329,8 @@ Status teacher_lists(const char* fn, const Plan& pl, const Problem& prob, const 
                      void* ws, cudaStream_t stream, KlArgs* g) {
   g->list = kv.list;
   g->pass_chunk = kv.work.chunk;
-  return build_work(fn, pl, pl.kl_work, prob, kv.list, kv.cu_seqlens, kv.nseq, ws, stream, &g->work, &g->grid);
+  return build_work(fn, pl, pl.kl_work, prob, kv.list, kv.cu_seqlens, kv.nseq, ws, stream, &g->work, &g->grid,
+                    kv.paged);
 }
 
 // The teacher route's LSE_idx partials zeroed ([T, Hi, k]: a slot no record writes reads as
@@ -348,14 +377,14 @@ Status kv_side(const Plan& pl, BwdKvArgs& kv, KlArgs& g, cudaStream_t stream) {
   return Status::Ok();
 }
 
-// dk = scale * dk_sum, dv = dv_sum (finalize_dkv_kernel).
+// dk = scale * dk_sum, dv = dv_sum (finalize_dkv_kernel), over the key rows.
 template <class Element>
 void finalize_dkv(const Problem& prob, const BackwardParams& p, const BwdKvArgs& kv, cudaStream_t stream) {
-  const int64_t n = prob.T * prob.Hkv * prob.D / 2;
+  const int64_t n = prob.Tk * prob.Hkv * prob.D / 2;
   if (n == 0) return;
   const int blocks = static_cast<int>(std::min<int64_t>((n + 255) / 256, num_sms() * 32));
   finalize_dkv_kernel<Element><<<blocks, 256, 0, stream>>>(
-      kv.dk_acc, kv.dv_acc, prob.T, prob.Hkv, prob.D, static_cast<Element*>(p.dk.data), p.dk.stride[0],
+      kv.dk_acc, kv.dv_acc, prob.Tk, prob.Hkv, prob.D, static_cast<Element*>(p.dk.data), p.dk.stride[0],
       p.dk.stride[1], static_cast<Element*>(p.dv.data), p.dv.stride[0], p.dv.stride[1], prob.opts.scale);
 }
 
@@ -370,7 +399,7 @@ Status backward_from_ds(const Problem& prob, const BackwardParams& p, const Plan
                         cudaStream_t stream) {
   const char* fn = "backward";
   void* ws = p.launch.workspace;
-  const KlInputs kl_in{p.q, p.k, p.lse, p.q_idx, p.k_idx, p.cu_seqlens, p.block_idx};
+  const KlInputs kl_in(p);
   KlArgs g;  // the KL gradient, if any, takes the teacher route (dq_from_ds)
   if (pl.teacher) {
     MSA_TRY(zero_kl_sums(fn, pl, prob, ws, stream));
@@ -381,7 +410,7 @@ Status backward_from_ds(const Problem& prob, const BackwardParams& p, const Plan
   if (pl.bwd_passes > 1) {
     kv.dk_acc = at<float>(ws, pl.dk_sum);
     kv.dv_acc = at<float>(ws, pl.dv_sum);
-    const size_t bytes = sizeof(float) * size_t(prob.T) * prob.Hkv * prob.D;
+    const size_t bytes = sizeof(float) * size_t(prob.Tk) * prob.Hkv * prob.D;
     cudaError_t e = cudaMemsetAsync(kv.dk_acc, 0, bytes, stream);
     if (e == cudaSuccess) e = cudaMemsetAsync(kv.dv_acc, 0, bytes, stream);
     if (e != cudaSuccess) return cuda_error(fn, e);
@@ -390,8 +419,10 @@ Status backward_from_ds(const Problem& prob, const BackwardParams& p, const Plan
   dq.ds = kv.ds;
   for (int64_t c0 = 0; c0 < prob.T; c0 += pl.bwd_tokens) {
     const int64_t c1 = std::min<int64_t>(prob.T, c0 + pl.bwd_tokens);
-    MSA_TRY(build_entries(fn, pl, prob, p.block_idx, kv.cu_seqlens, kv.nseq, c0, c1, ws, stream, &kv.list));
-    MSA_TRY(build_work(fn, pl, pl.kv, prob, kv.list, kv.cu_seqlens, kv.nseq, ws, stream, &kv.work, &kv.grid));
+    MSA_TRY(build_entries(fn, pl, prob, p.block_idx, kv.cu_seqlens, kv.nseq, c0, c1, ws, stream, &kv.list,
+                          kv.paged));
+    MSA_TRY(build_work(fn, pl, pl.kv, prob, kv.list, kv.cu_seqlens, kv.nseq, ws, stream, &kv.work, &kv.grid,
+                       kv.paged));
     if (pl.teacher) MSA_TRY(teacher_lists(fn, pl, prob, kv, ws, stream, &g));
     kv.ds_tok_lo = c0;
     set_tile_pass(&dq, c0, c1);
@@ -420,7 +451,7 @@ size_t backward_workspace(const Problem& prob, const BackwardParams& p) {
 
 size_t kl_workspace(const Problem& prob, const KlParams& p) {
   Plan pl;
-  return kl_plan("kl_divergence", prob, {p.q, p.k, p.lse, p.q_idx, p.k_idx, p.cu_seqlens, p.block_idx}, &pl).ok()
+  return kl_plan("kl_divergence", prob, KlInputs(p), &pl).ok()
              ? pl.total
              : 0;
 }
@@ -430,10 +461,11 @@ Status attention_backward(const Problem& prob, const BackwardParams& p) {
   Plan pl;
   MSA_TRY(backward_plan(prob, p, &pl));
   MSA_TRY(need_workspace(fn, pl, p.launch));
-  if (prob.T == 0) return Status::Ok();
+  if (prob.T == 0 && prob.Tk == 0) return Status::Ok();
   DeviceGuard guard(p.q.device.index);
-  MSA_TRY(check_values(fn, prob, p.cu_seqlens, pl.sparse ? p.block_idx : TensorRef{}, p.launch));
+  MSA_TRY(check_values(fn, prob, p.cu_seqlens, p.cu_seqlens_k, pl.sparse ? p.block_idx : TensorRef{}, p.launch));
   const cudaStream_t stream = static_cast<cudaStream_t>(p.launch.stream);
+  if (prob.T == 0) return zero_key_grads(fn, prob, p, stream);  // keys apart, no query sees them
   void* ws = p.launch.workspace;
 
   float* delta = at<float>(ws, pl.delta);
@@ -444,7 +476,7 @@ Status attention_backward(const Problem& prob, const BackwardParams& p) {
   BwdKvArgs kv = bwd_kv_args(prob, p, delta);
   if (pl.bwd_tokens > 0) return backward_from_ds(prob, p, pl, kv, stream);
   MSA_TRY(kv_lists(fn, pl, pl.kv, prob, p.block_idx, ws, stream, &kv, false));
-  const KlInputs kl_in{p.q, p.k, p.lse, p.q_idx, p.k_idx, p.cu_seqlens, p.block_idx};
+  const KlInputs kl_in(p);
   const bool fused = kv.q_idx != nullptr;  // bwd_kv_args set the index branch: KlRoute::kFused
   KlArgs g;  // pl.teacher: the gradient pass over bwd_kv's work list
   if (fused) MSA_TRY(index_lse(fn, pl, prob, kl_in, ws, stream));
@@ -481,7 +513,7 @@ Status attention_backward(const Problem& prob, const BackwardParams& p) {
 Status kl_divergence(const Problem& prob, const KlParams& p) {
   const char* fn = "kl_divergence";
   Plan pl;
-  const KlInputs in{p.q, p.k, p.lse, p.q_idx, p.k_idx, p.cu_seqlens, p.block_idx};
+  const KlInputs in(p);
   MSA_TRY(kl_plan(fn, prob, in, &pl));
   MSA_TRY(need_workspace(fn, pl, p.launch));
   DeviceGuard guard(p.q.device.index);
@@ -491,7 +523,7 @@ Status kl_divergence(const Problem& prob, const KlParams& p) {
     const cudaError_t e = cudaMemsetAsync(p.kl.data, 0, sizeof(float), stream);
     return e == cudaSuccess ? Status::Ok() : cuda_error(fn, e);
   }
-  MSA_TRY(check_values(fn, prob, p.cu_seqlens, pl.sparse ? p.block_idx : TensorRef{}, p.launch));
+  MSA_TRY(check_values(fn, prob, p.cu_seqlens, p.cu_seqlens_k, pl.sparse ? p.block_idx : TensorRef{}, p.launch));
   KlArgs a = kl_args(prob, in);
   MSA_TRY(kv_lists(fn, pl, pl.kl_work, prob, p.block_idx, ws, stream, &a, false));
   MSA_TRY(run_kl(fn, pl, prob, in, a, ws, stream));

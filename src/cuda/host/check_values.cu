@@ -17,27 +17,45 @@ namespace {
 constexpr int kSlots = 64;
 __device__ unsigned long long g_verdict[kSlots];
 constexpr unsigned long long kNone = ~0ull;
+// The kinds are in the order of the CPU backend's checks: the smallest verdict is the offence it
+// reports.
 enum Kind : unsigned long long {
   kCuStart = 0,     // index: 0
   kCuDecrease = 1,  // index: s, cu[s] < cu[s - 1]
   kCuEnd = 2,       // index: nseq
-  kBlockRange = 3,  // index: flat entry (t * Hi + i) * k + j
-  kBlockTwice = 4,  // index: flat entry of the second occurrence
+  // keys apart (cu_k = cu_seqlens_k)
+  kKeyStart = 3,     // index: 0
+  kKeyDecrease = 4,  // index: s, cu_k[s] < cu_k[s - 1]
+  kKeyEnd = 5,       // index: nseq
+  kKeyShort = 6,     // index: s, m_s < n_s
+  kBlockRange = 7,  // index: flat entry (t * Hi + i) * k + j
+  kBlockTwice = 8,  // index: flat entry of the second occurrence
   // paged calls (cu = cu_seqlens_q)
-  kLenShort = 5,    // index: s, seq_lens[s] < n_s
-  kLenLong = 6,     // index: s, seq_lens[s] > max_pages * Bk
-  kQLen = 7,        // index: s, n_s > max_q_len
-  kPage = 8,        // index: s * max_pages + b, a used page id outside [0, pages)
-  kScale = 9,       // kScale + w (k, v, k_idx, q), index: i, scale[i] not finite and positive
+  kLenShort = 9,    // index: s, seq_lens[s] < n_s
+  kLenLong = 10,    // index: s, seq_lens[s] > max_pages * Bk
+  kQLen = 11,       // index: s, n_s > max_q_len
+  kPage = 12,       // index: s * max_pages + b, a used page id outside [0, pages)
+  kScale = 13,      // kScale + w (k, v, k_idx, q), index: i, scale[i] not finite and positive
 };
 
 __device__ void report(unsigned long long* verdict, Kind kind, long long index) {
   atomicMin(verdict, (static_cast<unsigned long long>(kind) << 56) | static_cast<unsigned long long>(index));
 }
 
-__global__ void check_kernel(const int32_t* cu, int32_t nseq, int64_t T, const int32_t* bi,
-                             int64_t bi_s0, int64_t bi_s1, int32_t Hi, int32_t k, int32_t Bk,
-                             unsigned long long* verdict) {
+// Keys apart (cu_k, Tk keys; null: the tokens are the keys): sequence s's tokens start at key
+// position m_s - n_s (clamped values: a bad cu or cu_k is reported by its own kind).
+__device__ int64_t first_position(const int32_t* cu, const int32_t* cu_k, int32_t s, int64_t T, int64_t Tk) {
+  if (cu_k == nullptr) return 0;
+  const int64_t q0 = cu != nullptr ? kern::clamp_offset(cu[s], 0, T) : 0;
+  const int64_t n = (cu != nullptr ? kern::clamp_offset(cu[s + 1], q0, T) : T) - q0;
+  const int64_t k0 = kern::clamp_offset(cu_k[s], 0, Tk);
+  const int64_t m = kern::clamp_offset(cu_k[s + 1], k0, Tk) - k0;
+  return m > n ? m - n : 0;
+}
+
+__global__ void check_kernel(const int32_t* cu, int32_t nseq, int64_t T, const int32_t* cu_k, int64_t Tk,
+                             const int32_t* bi, int64_t bi_s0, int64_t bi_s1, int32_t Hi, int32_t k,
+                             int32_t Bk, unsigned long long* verdict) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (cu != nullptr) {
@@ -47,6 +65,17 @@ __global__ void check_kernel(const int32_t* cu, int32_t nseq, int64_t T, const i
       if (s == nseq && cu[s] != T) report(verdict, kCuEnd, s);
     }
   }
+  if (cu_k != nullptr) {
+    for (int64_t s = first; s <= nseq; s += stride) {
+      if (s == 0 && cu_k[0] != 0) report(verdict, kKeyStart, 0);
+      if (s > 0 && cu_k[s] < cu_k[s - 1]) report(verdict, kKeyDecrease, s);
+      if (s == nseq && cu_k[s] != Tk) report(verdict, kKeyEnd, s);
+      if (s < nseq) {
+        const int64_t n = cu != nullptr ? int64_t(cu[s + 1]) - cu[s] : T;
+        if (int64_t(cu_k[s + 1]) - cu_k[s] < n) report(verdict, kKeyShort, s);
+      }
+    }
+  }
   if (bi == nullptr) return;
   const int64_t n = T * Hi * k;
   for (int64_t e = first; e < n; e += stride) {
@@ -54,17 +83,20 @@ __global__ void check_kernel(const int32_t* cu, int32_t nseq, int64_t T, const i
     const int32_t rem = static_cast<int32_t>(e - t * Hi * k);
     const int32_t i = rem / k, j = rem - i * k;
     int64_t start = 0;
+    int32_t s = 0;
     if (cu != nullptr) {  // the token's sequence (cu clamped: a bad one is reported above)
       int32_t lo = 0, hi = nseq - 1;
       while (lo < hi) {
         const int32_t mid = (lo + hi + 1) >> 1;
         if (kern::clamp_offset(cu[mid], 0, T) <= t) lo = mid; else hi = mid - 1;
       }
+      s = lo;
       start = kern::clamp_offset(cu[lo], 0, T);
     }
+    const int64_t pos = t - start + first_position(cu, cu_k, s, T, Tk);  // the token's key position
     const int32_t* row = bi + t * bi_s0 + i * bi_s1;
     const int32_t b = row[j];
-    if (b < -1 || b > (t - start) / Bk) {
+    if (b < -1 || b > pos / Bk) {
       report(verdict, kBlockRange, e);
     } else if (b >= 0) {
       for (int32_t j2 = 0; j2 < j; ++j2)
@@ -202,17 +234,20 @@ Status offsets_error(const char* fn, const char* arg, const char* total, Kind ki
 }  // namespace
 
 Status check_values(const char* fn, const Problem& prob, const TensorRef& cu_seqlens,
-                    const TensorRef& block_idx, const Launch& launch) {
-  if (!launch.check_values || (!cu_seqlens.defined() && !block_idx.defined())) return Status::Ok();
+                    const TensorRef& cu_seqlens_k, const TensorRef& block_idx, const Launch& launch) {
+  if (!launch.check_values || (!cu_seqlens.defined() && !cu_seqlens_k.defined() && !block_idx.defined()))
+    return Status::Ok();
   const cudaStream_t stream = static_cast<cudaStream_t>(launch.stream);
   const int32_t* cu = cu_seqlens.defined() ? static_cast<const int32_t*>(cu_seqlens.data) : nullptr;
-  const int32_t nseq = num_seqs(cu_seqlens);
+  const int32_t* cu_k = cu_seqlens_k.defined() ? static_cast<const int32_t*>(cu_seqlens_k.data) : nullptr;
+  const int32_t nseq = cu != nullptr ? num_seqs(cu_seqlens) : 1;
   const int32_t* bi = block_idx.defined() ? static_cast<const int32_t*>(block_idx.data) : nullptr;
   const int64_t n = bi != nullptr ? prob.T * prob.Hi * prob.k : 0;
   unsigned long long v = 0;
-  MSA_TRY(run_check(fn, stream, "cu_seqlens and block_idx", std::max<int64_t>(n, nseq + 1),
+  MSA_TRY(run_check(fn, stream, "cu_seqlens, cu_seqlens_k and block_idx", std::max<int64_t>(n, nseq + 1),
                     [&](int blocks, unsigned long long* verdict) {
-                      check_kernel<<<blocks, 256, 0, stream>>>(cu, nseq, prob.T, bi, bi ? block_idx.stride[0] : 0,
+                      check_kernel<<<blocks, 256, 0, stream>>>(cu, nseq, prob.T, cu_k, prob.Tk, bi,
+                                                              bi ? block_idx.stride[0] : 0,
                                                               bi ? block_idx.stride[1] : 0, prob.Hi, prob.k,
                                                               prob.opts.block_size, verdict);
                     },
@@ -228,6 +263,23 @@ Status check_values(const char* fn, const Problem& prob, const TensorRef& cu_seq
     MSA_TRY(read(fn, c.data(), cu, c.size(), stream));
     return offsets_error(fn, "cu_seqlens", "T", kind, index, c, prob.T);
   }
+  // The offsets of the queries (T in one sequence without cu_seqlens) and of the keys.
+  std::vector<int32_t> cq(nseq + 1, 0), ck;
+  if (cu != nullptr) MSA_TRY(read(fn, cq.data(), cu, cq.size(), stream));
+  else cq[1] = static_cast<int32_t>(prob.T);
+  if (cu_k != nullptr) {
+    ck.resize(nseq + 1);
+    MSA_TRY(read(fn, ck.data(), cu_k, ck.size(), stream));
+  }
+  if (kind >= kKeyStart && kind <= kKeyEnd) {
+    const Kind as_cu = static_cast<Kind>(kCuStart + (kind - kKeyStart));
+    return offsets_error(fn, "cu_seqlens_k", "Tk (the key tensors' rows)", as_cu, index, ck, prob.Tk);
+  }
+  if (kind == kKeyShort)
+    return bad("cu_seqlens_k", "sequence " + std::to_string(index) + " has " +
+                                   std::to_string(int64_t(ck[index + 1]) - ck[index]) + " keys, fewer than its " +
+                                   std::to_string(int64_t(cq[index + 1]) - cq[index]) +
+                                   " queries (cu_seqlens): the queries are the last positions of their sequence's keys");
   const int64_t t = index / (int64_t(prob.Hi) * prob.k);
   const int32_t i = static_cast<int32_t>(index / prob.k % prob.Hi), j = static_cast<int32_t>(index % prob.k);
   int32_t value = 0;
@@ -235,16 +287,13 @@ Status check_values(const char* fn, const Problem& prob, const TensorRef& cu_seq
   if (kind == kBlockTwice)
     return bad("block_idx", "row [" + std::to_string(t) + ", " + std::to_string(i) + "] selects block " +
                                 std::to_string(value) + " twice");
-  int64_t start = 0;
-  if (cu != nullptr) {
-    std::vector<int32_t> c(nseq + 1);
-    MSA_TRY(read(fn, c.data(), cu, c.size(), stream));
-    for (int32_t s = 0; s < nseq; ++s)
-      if (c[s] <= t) start = c[s];
-  }
+  // The token's key position: its place in its sequence, after m_s - n_s keys where they are apart.
+  int64_t pos = t;
+  for (int32_t s = 0; s < nseq; ++s)
+    if (cq[s] <= t) pos = t - cq[s] + (ck.empty() ? 0 : (int64_t(ck[s + 1]) - ck[s]) - (int64_t(cq[s + 1]) - cq[s]));
   return bad("block_idx", "entry [" + std::to_string(t) + ", " + std::to_string(i) + ", " + std::to_string(j) +
                               "] = " + std::to_string(value) + " is out of range: expected -1 or a block in [0, " +
-                              std::to_string((t - start) / prob.opts.block_size) + "] (the token's own block)");
+                              std::to_string(pos / prob.opts.block_size) + "] (the token's own block)");
 }
 
 Status check_paged_values(const char* fn, const Problem& prob, const TensorRef& cu_seqlens_q,

@@ -1,6 +1,7 @@
 // Value checks of GPU inputs (docs/contract.md §7): cu_seqlens starts at 0, never decreases and
-// ends at T; every entry of a caller's block_idx is -1 or a block in [0, blk(t)] of the token's own
-// sequence, and no row holds a block twice. A small kernel finds the first offence and the host
+// ends at T; so does cu_seqlens_k (keys apart), ending at Tk, with every sequence's keys at least
+// its queries; every entry of a caller's block_idx is -1 or a block in [0, blk(t)] of the token's
+// own sequence (t's key position), and no row holds a block twice. A small kernel finds the first offence and the host
 // waits for its verdict (one stream synchronisation), so errors name the argument and the entry
 // exactly as on the CPU. Launch.check_values = false skips the check; with it set, a stream
 // being captured into a CUDA graph is refused (naming 'launch.check_values'), since the wait
@@ -11,9 +12,9 @@
 
 namespace msa::cuda {
 
-// block_idx undefined: cu_seqlens only.
+// block_idx undefined: the offsets only; cu_seqlens_k undefined: the tokens are the keys.
 Status check_values(const char* fn, const Problem& prob, const TensorRef& cu_seqlens,
-                    const TensorRef& block_idx, const Launch& launch);
+                    const TensorRef& cu_seqlens_k, const TensorRef& block_idx, const Launch& launch);
 
 // A paged call (docs/contract.md §6): cu_seqlens_q starts at 0, never decreases and ends at Tq;
 // every sequence's new tokens fit in its seq_lens, which fit in its page table row; n_s <=

@@ -81,7 +81,7 @@ Status run_forward_passes(const char* fn, const Problem& prob, DType dt, FwdKvAr
     const int64_t c1 = std::min<int64_t>(prob.T, c0 + pl.fwd_tokens);
     if (taken != nullptr) a.taken = taken + c0 * row;
     MSA_TRY(build_entries(fn, pl, prob, block_idx, a.cu_seqlens, a.nseq, c0, c1, ws, stream, &a.list,
-                          a.choice, a.taken, a.paged));
+                          a.paged, a.choice, a.taken));
     MSA_TRY(build_work(fn, pl, pl.kv, prob, a.list, a.cu_seqlens, a.nseq, ws, stream, &a.work, &a.grid,
                        a.paged));
     a.tok_lo = c0;
@@ -125,14 +125,14 @@ Status select_blocks(const Problem& prob, const SelectParams& p) {
   MSA_TRY(need_bytes(fn, select_fp8_bytes(prob, p.cu_seqlens), p.launch));
   if (prob.T == 0) return Status::Ok();
   DeviceGuard guard(p.q_idx.device.index);
-  MSA_TRY(check_values(fn, prob, p.cu_seqlens, TensorRef{}, p.launch));
+  MSA_TRY(check_values(fn, prob, p.cu_seqlens, p.cu_seqlens_k, TensorRef{}, p.launch));
   const cudaStream_t stream = static_cast<cudaStream_t>(p.launch.stream);
-  SelectArgs a = select_args(prob, p.q_idx, p.k_idx, p.cu_seqlens, p.block_idx);
+  SelectArgs a = select_args(prob, p.q_idx, p.k_idx, p.cu_seqlens, p.cu_seqlens_k, p.block_idx);
   if (prob.opts.select_scores == SelectScores::kFp8) set_select_fp8(prob, p.launch.workspace, &a);
   MSA_TRY(run_select(fn, prob, a, p.q_idx.dtype, stream));
   if (!p.lse_idx.defined()) return Status::Ok();
   // lse_idx: the index softmax's normaliser over the selection just made.
-  const KlInputs in{TensorRef{}, TensorRef{}, TensorRef{}, p.q_idx, p.k_idx, p.cu_seqlens, p.block_idx};
+  const KlInputs in(p);
   const FwdArgs f = index_lse_args(prob, in, static_cast<float*>(p.lse_idx.data),
                                    p.lse_idx.stride[0], p.lse_idx.stride[1]);
   return run_forward(fn, "q_idx", f, p.q_idx.dtype, prob.Di, prob.opts.block_size, stream);
@@ -157,7 +157,7 @@ Status attention_forward(const Problem& prob, const ForwardParams& p) {
   }
   if (p.kl.defined()) {
     Plan pl;
-    MSA_TRY(kl_plan(fn, prob, {p.q, p.k, p.lse, p.q_idx, p.k_idx, p.cu_seqlens, p.block_idx}, &pl));
+    MSA_TRY(kl_plan(fn, prob, KlInputs(p), &pl));
     MSA_TRY(need_workspace(fn, pl, p.launch));
   }
   // The selection's E4M3 copies are dead before the passes after it use the workspace.
@@ -165,11 +165,12 @@ Status attention_forward(const Problem& prob, const ForwardParams& p) {
   if (prob.T == 0 && !p.kl.defined()) return Status::Ok();
   DeviceGuard guard(p.q.device.index);
   const bool caller_selection = !dense && !p.select;
-  MSA_TRY(check_values(fn, prob, p.cu_seqlens, caller_selection ? p.block_idx : TensorRef{}, p.launch));
+  MSA_TRY(check_values(fn, prob, p.cu_seqlens, p.cu_seqlens_k, caller_selection ? p.block_idx : TensorRef{},
+                       p.launch));
   const cudaStream_t stream = static_cast<cudaStream_t>(p.launch.stream);
   if (prob.T > 0) {
     if (!dense && p.select) {
-      SelectArgs sa = select_args(prob, p.q_idx, p.k_idx, p.cu_seqlens, p.block_idx);
+      SelectArgs sa = select_args(prob, p.q_idx, p.k_idx, p.cu_seqlens, p.cu_seqlens_k, p.block_idx);
       if (prob.opts.select_scores == SelectScores::kFp8) set_select_fp8(prob, p.launch.workspace, &sa);
       MSA_TRY(run_select(fn, prob, sa, p.q_idx.dtype, stream));
     }
@@ -195,7 +196,7 @@ size_t forward_workspace(const Problem& prob, const ForwardParams& p) {
       fwd_kv_plan("forward", prob, num_seqs(p.cu_seqlens), &pl).ok())
     bytes = pl.total;
   if (p.kl.defined() &&
-      kl_plan("forward", prob, {p.q, p.k, p.lse, p.q_idx, p.k_idx, p.cu_seqlens, p.block_idx}, &pl).ok())
+      kl_plan("forward", prob, KlInputs(p), &pl).ok())
     bytes = std::max(bytes, pl.total);
   if (p.select) bytes = std::max(bytes, select_fp8_bytes(prob, p.cu_seqlens));
   return bytes;

@@ -67,7 +67,7 @@ Status launch_query_tile(const char* fn, Kernel kernel, const Args& a, cudaStrea
   constexpr int kHeadDim = Traits::kHeadDim, kBlockN = Traits::kBlockN;
   Params p{};
   static_cast<Args&>(p) = a;
-  const int32_t rows = a.paged.rows(a.T);  // the pages' rows when paged
+  const int32_t rows = a.paged.rows(a.T);  // the pages' rows when paged, Tk with keys apart
   const auto kv_tensor = [&](const void* ptr, int64_t s0, int64_t s1) {
     return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)),
                        make_layout(make_shape(rows, int32_t(kHeadDim), a.Hkv), make_stride(s0, _1{}, s1)));

@@ -250,7 +250,7 @@ SelectPlan select_plan(const Problem& prob, const PagedSelectParams& p) {
     sp.query_tile = true;
     sp.bytes = 0;  // no score buffer
     SelectArgs& s = sp.tile;
-    s = select_args(prob, p.q_idx, p.cache.k_idx, p.cu_seqlens_q, p.block_idx);
+    s = select_args(prob, p.q_idx, p.cache.k_idx, p.cu_seqlens_q, TensorRef{}, p.block_idx);
     s.k_s0 = p.cache.k_idx.stride[1];
     s.k_s1 = p.cache.k_idx.stride[2];
     s.paged = paged_keys(p.cache, p.cache.k_idx, bk);

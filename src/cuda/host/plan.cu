@@ -19,9 +19,10 @@ namespace {
 
 constexpr int kBlockC = 64;  // columns of a KV-side entry (kernels/bwd_kv_kernel.cuh)
 
-// Tokens: int32 positions in the kernels.
+// Tokens and keys: int32 positions and rows in the kernels.
 Status check_tokens(const char* fn, const Problem& prob) {
   if (prob.T >= (int64_t(1) << 31)) return fail(fn, "q", "more than 2^31 - 1 tokens");
+  if (prob.Tk >= (int64_t(1) << 31)) return fail(fn, "cu_seqlens_k", "more than 2^31 - 1 keys");
   return Status::Ok();
 }
 
@@ -58,10 +59,23 @@ void set_seqs(SeqArgs* a, const Problem& prob, const TensorRef& cu) {
   a->T = static_cast<int32_t>(prob.T);
 }
 
-// The query-tile geometry of `groups` head groups over Hq heads (dense: every causal block).
-void set_query_tile(QueryTileArgs* a, const Problem& prob, const TensorRef& cu, int32_t Hq,
-                    int32_t Hkv, int32_t groups, const TensorRef& block_idx, bool dense) {
+// The keys' layout of a training call: packed apart from the tokens (cu_seqlens_k, Tk rows of
+// their own), or the tokens themselves.
+kern::PagedKeys keys_of(const Problem& prob, const TensorRef& cu_k) {
+  kern::PagedKeys keys;
+  if (prob.keys_apart) {
+    keys.cu_k = cu_ptr(cu_k);
+    keys.kv_rows = static_cast<int32_t>(prob.Tk);
+  }
+  return keys;
+}
+
+// The query-tile geometry of `groups` head groups over Hq heads (dense: every causal block), over
+// the keys of cu_k (keys_of).
+void set_query_tile(QueryTileArgs* a, const Problem& prob, const TensorRef& cu, const TensorRef& cu_k,
+                    int32_t Hq, int32_t Hkv, int32_t groups, const TensorRef& block_idx, bool dense) {
   set_seqs(a, prob, cu);
+  a->paged = keys_of(prob, cu_k);
   a->Hq = Hq;
   a->Hkv = Hkv;
   a->Hi = groups;
@@ -75,7 +89,9 @@ void set_query_tile(QueryTileArgs* a, const Problem& prob, const TensorRef& cu, 
     a->bi_s0 = block_idx.stride[0];
     a->bi_s1 = block_idx.stride[1];
   }
-  a->uni = kern::UnionLayout::make(dense, prob.T, prob.opts.block_size, a->tile_tokens, prob.k);
+  // The blocks of the longest key space: Tk keys (positions stay below max(T, Tk) even where
+  // unchecked cu_seqlens_k values give a sequence fewer keys than tokens).
+  a->uni = kern::UnionLayout::make(dense, std::max(prob.T, prob.Tk), prob.opts.block_size, a->tile_tokens, prob.k);
   a->num_tiles = kern::num_tile_ids(a->nseq, prob.T, a->tile_tokens);
   a->tok_hi = prob.T;
 }
@@ -149,7 +165,7 @@ Status can_split(const char* fn, const Problem& prob, int64_t keys) {
   MSA_TRY(can_fwd_kv(fn, prob));
   // pass_choice_kernel counts a tile's tokens per block in a byte per block of the sequence in
   // shared memory: 192K blocks (25M keys at Bk = 128) per warp at most.
-  const int64_t blocks = ((keys > 0 ? keys : int64_t(prob.T)) + prob.opts.block_size - 1) / prob.opts.block_size;
+  const int64_t blocks = ((keys > 0 ? keys : std::max(prob.T, prob.Tk)) + prob.opts.block_size - 1) / prob.opts.block_size;
   if (blocks > (int64_t(192) << 10))
     return fail(fn, "fwd_pass", "the split forward takes at most 196608 key blocks, got " +
                                     std::to_string(blocks));
@@ -212,7 +228,7 @@ Status can_backward(const Problem& prob, const BackwardParams& p) {
   MSA_TRY(check_even(fn, "dv", p.dv));
   MSA_TRY(can_query_tile(fn, prob, !sparse));
   if (p.dq_idx.defined() || p.dk_idx.defined()) {
-    MSA_TRY(can_kl(fn, prob, {p.q, p.k, p.lse, p.q_idx, p.k_idx, p.cu_seqlens, p.block_idx}));
+    MSA_TRY(can_kl(fn, prob, KlInputs(p)));
     if (prob.opts.kl_pass == KlPass::kFused && kl_route(prob) != KlRoute::kFused)
       return fail(fn, "kl_pass",
                   "kFused needs Hq / Hi a power of two up to 64 (the teacher's head mean is a "
@@ -235,9 +251,10 @@ Status can_backward(const Problem& prob, const BackwardParams& p) {
 // ------------------------------------------------------------------------------ parameter chain
 
 SelectArgs select_args(const Problem& prob, const TensorRef& q_idx, const TensorRef& k_idx,
-                       const TensorRef& cu, const TensorRef& block_idx) {
+                       const TensorRef& cu, const TensorRef& cu_k, const TensorRef& block_idx) {
   SelectArgs a;
   set_seqs(&a, prob, cu);
+  a.paged = keys_of(prob, cu_k);
   a.q_idx = q_idx.data;
   a.q_s0 = q_idx.stride[0];
   a.q_s1 = q_idx.stride[1];
@@ -267,14 +284,14 @@ int32_t rerank_width(const Problem& prob) {
 
 namespace {
 // The key side of an FP8 selection: the rows of the k_idx copy and the KV tile ids its blocks
-// have (packed keys: T rows, decode_tile's ids; a prefill's pages: a slot of Bk rows per
-// block of each sequence, PagedKeys::kv_tile's ids).
+// have (packed keys: T rows, or Tk apart, decode_tile's ids over them; a prefill's pages: a
+// slot of Bk rows per block of each sequence, PagedKeys::kv_tile's ids).
 struct Fp8Keys {
   int64_t rows = 0, tiles = 0;
   Fp8Keys(const Problem& prob, int32_t nseq, const kern::PagedKeys& paged) {
     const int32_t bk = prob.opts.block_size;
-    rows = paged.page_table != nullptr ? int64_t(nseq) * paged.key_cap : prob.T;
-    tiles = paged.page_table != nullptr ? paged.kv_tiles(nseq, bk) : kern::num_tile_ids(nseq, prob.T, bk);
+    rows = paged.page_table != nullptr ? int64_t(nseq) * paged.key_cap : prob.Tk;
+    tiles = paged.page_table != nullptr ? paged.kv_tiles(nseq, bk) : kern::num_tile_ids(nseq, prob.Tk, bk);
   }
 };
 
@@ -415,7 +432,7 @@ FwdArgs forward_args(const Problem& prob, const ForwardParams& p) {
   const bool dense = prob.opts.mode == Mode::kDense;
   FwdArgs a;
   // Dense mode has no index heads to follow: one tile head group per KV head.
-  set_query_tile(&a, prob, p.cu_seqlens, prob.Hq, prob.Hkv, dense ? prob.Hkv : prob.Hi,
+  set_query_tile(&a, prob, p.cu_seqlens, p.cu_seqlens_k, prob.Hq, prob.Hkv, dense ? prob.Hkv : prob.Hi,
                  p.block_idx, dense);
   set_forward_tensors(&a, p);
   set_scale(&a, prob.opts.scale);
@@ -427,7 +444,7 @@ FwdArgs index_lse_args(const Problem& prob, const KlInputs& in, float* lse_idx, 
   const bool dense = prob.opts.mode == Mode::kDense;
   FwdArgs a;
   // Queries q_idx (Hi heads), keys k_idx (Hik heads), one selection row per index head.
-  set_query_tile(&a, prob, in.cu_seqlens, prob.Hi, prob.Hik, dense ? prob.Hik : prob.Hi,
+  set_query_tile(&a, prob, in.cu_seqlens, in.cu_seqlens_k, prob.Hi, prob.Hik, dense ? prob.Hik : prob.Hi,
                  in.block_idx, dense);
   a.q = in.q_idx.data;
   a.q_s0 = in.q_idx.stride[0];
@@ -454,8 +471,10 @@ void set_kv_heads(KvSideArgs* a, const Problem& prob, bool sparse, bool kl) {
   a->group_tokens = kern::group_tokens(a->heads_per_idx);
   a->top_k = prob.k;
 }
-void set_kv_side(KvSideArgs* a, const Problem& prob, const TensorRef& cu, bool sparse, bool kl) {
+void set_kv_side(KvSideArgs* a, const Problem& prob, const TensorRef& cu, const TensorRef& cu_k, bool sparse,
+                 bool kl) {
   set_seqs(a, prob, cu);
+  a->paged = keys_of(prob, cu_k);
   set_kv_heads(a, prob, sparse, kl);
 }
 void set_index(KvSideArgs* a, const Problem& prob, const TensorRef& q_idx, const TensorRef& k_idx) {
@@ -497,7 +516,7 @@ void set_backward_inputs(Args* a, const BackwardParams& p, const float* delta) {
 BwdQArgs bwd_q_args(const Problem& prob, const BackwardParams& p, const float* delta) {
   const bool dense = prob.opts.mode == Mode::kDense;
   BwdQArgs a;
-  set_query_tile(&a, prob, p.cu_seqlens, prob.Hq, prob.Hkv, dense ? prob.Hkv : prob.Hi,
+  set_query_tile(&a, prob, p.cu_seqlens, p.cu_seqlens_k, prob.Hq, prob.Hkv, dense ? prob.Hkv : prob.Hi,
                  p.block_idx, dense);
   set_backward_inputs(&a, p, delta);
   a.dq = p.dq.data;
@@ -510,7 +529,7 @@ BwdQArgs bwd_q_args(const Problem& prob, const BackwardParams& p, const float* d
 
 BwdDqArgs bwd_dq_args(const Problem& prob, const BackwardParams& p) {
   BwdDqArgs a;
-  set_query_tile(&a, prob, p.cu_seqlens, prob.Hq, prob.Hkv, prob.Hi, p.block_idx, /*dense=*/false);
+  set_query_tile(&a, prob, p.cu_seqlens, p.cu_seqlens_k, prob.Hq, prob.Hkv, prob.Hi, p.block_idx, /*dense=*/false);
   a.k = a.v = p.k.data;
   a.k_s0 = a.v_s0 = p.k.stride[0];
   a.k_s1 = a.v_s1 = p.k.stride[1];
@@ -567,7 +586,7 @@ BwdKvArgs bwd_kv_args(const Problem& prob, const BackwardParams& p, const float*
   const bool sparse = prob.opts.mode == Mode::kSparse;
   const bool kl = p.dq_idx.defined() || p.dk_idx.defined();
   BwdKvArgs a;
-  set_kv_side(&a, prob, p.cu_seqlens, sparse, kl);
+  set_kv_side(&a, prob, p.cu_seqlens, p.cu_seqlens_k, sparse, kl);
   set_backward_inputs(&a, p, delta);
   a.dk = p.dk.data;
   a.dv = p.dv.data;
@@ -583,7 +602,7 @@ BwdKvArgs bwd_kv_args(const Problem& prob, const BackwardParams& p, const float*
 
 KlArgs kl_args(const Problem& prob, const KlInputs& in) {
   KlArgs a;
-  set_kv_side(&a, prob, in.cu_seqlens, prob.opts.mode == Mode::kSparse, true);
+  set_kv_side(&a, prob, in.cu_seqlens, in.cu_seqlens_k, prob.opts.mode == Mode::kSparse, true);
   set_index(&a, prob, in.q_idx, in.k_idx);
   a.q = in.q.data;
   a.k = in.k.data;
@@ -624,7 +643,8 @@ Status make_plan(const char* fn, const Problem& prob, int32_t nseq, bool sparse,
     return at;
   };
   if (main) p.delta = take(sizeof(float) * size_t(prob.T) * prob.Hq);
-  const int64_t kv_tiles = paged_kv_tiles > 0 ? paged_kv_tiles : kern::num_tile_ids(nseq, prob.T, Bk);
+  // KV tiles: decode_tile's over the keys (the tokens, or Tk apart), or a prefill's pages.
+  const int64_t kv_tiles = paged_kv_tiles > 0 ? paged_kv_tiles : kern::num_tile_ids(nseq, prob.Tk, Bk);
   if (sparse) {
     p.n = (fwd_tokens > 0 ? fwd_tokens : bwd_tokens > 0 ? bwd_tokens : prob.T) * prob.Hi * int64_t(prob.k);
     if (p.n >= (int64_t(1) << 31))
@@ -760,15 +780,15 @@ Status make_plan(const char* fn, const Problem& prob, int32_t nseq, bool sparse,
     p.bwd_passes = static_cast<int32_t>((prob.T + bwd_tokens - 1) / bwd_tokens);
     p.ds = take(2 * size_t(bwd_tokens) * prob.Hq * size_t(prob.k) * Bk);
     if (p.bwd_passes > 1) {
-      p.dk_sum = take(sizeof(float) * size_t(prob.T) * prob.Hkv * prob.D);
-      p.dv_sum = take(sizeof(float) * size_t(prob.T) * prob.Hkv * prob.D);
+      p.dk_sum = take(sizeof(float) * size_t(prob.Tk) * prob.Hkv * prob.D);
+      p.dv_sum = take(sizeof(float) * size_t(prob.Tk) * prob.Hkv * prob.D);
     }
   }
   if (kl) {
     p.lse_idx = take(sizeof(float) * size_t(prob.T) * prob.Hi);
     if (grad) {
       p.dq_acc = take(8 * size_t(prob.T) * prob.Hi * prob.Di);
-      p.dk_acc = take(8 * size_t(prob.T) * prob.Hik * prob.Di);
+      p.dk_acc = take(8 * size_t(prob.Tk) * prob.Hik * prob.Di);
     } else {
       p.kl_acc = take(8 * size_t(prob.T) * prob.Hi);
     }

@@ -22,9 +22,17 @@ using detail::Problem;
 // Workspace parts start 256 bytes apart: a part's bytes rounded up.
 inline size_t align_up(size_t x) { return (x + 255) / 256 * 256; }
 
-// The tensors of the KL branch (backward's KL gradient, the KL value).
+// The tensors of the KL branch (backward's KL gradient, the KL value), from a call's params; a
+// selection's (the index LSE of select_blocks) has no main branch.
 struct KlInputs {
-  TensorRef q, k, lse, q_idx, k_idx, cu_seqlens, block_idx;
+  TensorRef q, k, lse, q_idx, k_idx, cu_seqlens, cu_seqlens_k, block_idx;
+  template <class P>
+  explicit KlInputs(const P& p)
+      : q(p.q), k(p.k), lse(p.lse), q_idx(p.q_idx), k_idx(p.k_idx), cu_seqlens(p.cu_seqlens),
+        cu_seqlens_k(p.cu_seqlens_k), block_idx(p.block_idx) {}
+  explicit KlInputs(const SelectParams& p)
+      : q_idx(p.q_idx), k_idx(p.k_idx), cu_seqlens(p.cu_seqlens), cu_seqlens_k(p.cu_seqlens_k),
+        block_idx(p.block_idx) {}
 };
 
 // ---- limits
@@ -56,13 +64,14 @@ KlRoute kl_route(const Problem& prob);
 bool dq_from_ds(const Problem& prob, bool kl);
 
 // ---- the parameter chain
+// cu_k: the keys' offsets where they lie apart from the tokens (cu_seqlens_k; undefined: none).
 SelectArgs select_args(const Problem& prob, const TensorRef& q_idx, const TensorRef& k_idx,
-                       const TensorRef& cu, const TensorRef& block_idx);
+                       const TensorRef& cu, const TensorRef& cu_k, const TensorRef& block_idx);
 // Options.select_scores = kFp8: the workspace of the E4M3 copies (0 otherwise), and the Args
 // that make them there and select over them (`ws`: at least select_fp8_bytes; packed keys, or
 // a prefill's pages `paged`, as the Args hold them).
 size_t select_fp8_bytes(const Problem& prob, int32_t nseq, const kern::PagedKeys& paged);
-size_t select_fp8_bytes(const Problem& prob, const TensorRef& cu_seqlens);
+size_t select_fp8_bytes(const Problem& prob, const TensorRef& cu_seqlens);  // packed keys, or apart
 // kFp8 with fp8_rerank > 0 (sparse mode): the width of a shortlist row, top_k + fp8_rerank; else 0.
 int32_t rerank_width(const Problem& prob);
 void set_select_fp8(const Problem& prob, void* ws, SelectArgs* a);

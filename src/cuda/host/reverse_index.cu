@@ -51,16 +51,19 @@ __global__ void key_kernel(const int32_t* block_idx, int64_t bi_s0, int64_t bi_s
     }
     uint64_t key = invalid;
     if (!none && t >= start && t < end && (taken == nullptr || taken[e] == 0)) {
-      // The token's position and its sequence's first KV tile (paged keys: the tokens are the
-      // last new ones of the sequence's cached keys, and its KV tiles its max_pages blocks).
-      int64_t pos = t - start;
+      // The token's position and its sequence's first KV tile (paged keys or keys apart: the
+      // tokens are the last ones of the sequence's keys; paged, its KV tiles are its max_pages
+      // blocks).
+      int64_t pos = t - start, keys = end - start;
       const int64_t x0 = paged.first_kv_tile(s, start, Bk);
-      if (paged.page_table != nullptr) {
-        const int64_t len = kern::clamp_offset(paged.seq_lens[s], 0, paged.key_cap);
-        pos += len > end - start ? len - (end - start) : 0;
+      if (paged.keyed()) {
+        keys = paged.seq_keys(s);
+        pos += keys > end - start ? keys - (end - start) : 0;
       }
+      // A block of the sequence's keys up to the token's own (the second test only fails for
+      // unchecked lengths shorter than the tokens: no KV tile of another sequence is named).
       const int32_t b = block_idx[t * bi_s0 + i * bi_s1 + slot];
-      if (b >= 0 && b <= pos / Bk) {
+      if (b >= 0 && b <= pos / Bk && int64_t(b) * Bk < keys) {
         const int64_t x = x0 + b;
         const uint64_t seg = static_cast<uint64_t>((x * Hkv + i / ipk) * ipk + i % ipk);
         key = (((seg << tbits) | static_cast<uint64_t>(t)) << sbits) | static_cast<uint64_t>(slot);
@@ -144,7 +147,7 @@ __device__ inline int32_t item_chunks(const kern::EntryListParams& list, const i
   int32_t n = 0;
   int64_t entries = 0;
   if (tile.count > 0) {
-    const kern::EntryList l(list, tile, x, r, Hkv, ipk, m);
+    const kern::EntryList l(list, tile, paged.token_base(tile), x, r, Hkv, ipk, m);
     n = l.n > chunk ? static_cast<int32_t>((l.n + chunk - 1) / chunk) : 1;
     entries = l.n;
   }
@@ -273,9 +276,8 @@ __global__ void cta_kernel(const int32_t* chunk_start, const int32_t* order, con
 // returns the entry arguments.
 Status build_entries(const char* fn, const Plan& pl, const Problem& prob, const TensorRef& bi,
                      const int32_t* cu, int32_t nseq, int64_t t_lo, int64_t t_hi, void* ws,
-                     cudaStream_t stream, kern::EntryListParams* out,
-                     const unsigned long long* choice, const uint8_t* taken,
-                     const kern::PagedKeys& paged) {
+                     cudaStream_t stream, kern::EntryListParams* out, const kern::PagedKeys& paged,
+                     const unsigned long long* choice, const uint8_t* taken) {
   uint64_t* ka = at<uint64_t>(ws, pl.keys_a);
   uint64_t* kb = at<uint64_t>(ws, pl.keys_b);
   uint8_t* flags = at<uint8_t>(ws, pl.flags);

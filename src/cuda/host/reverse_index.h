@@ -28,17 +28,18 @@ using CountingIt = thrust::counting_iterator<int32_t>;
 
 // The rows of tokens [t_lo, t_hi) (at most the plan's tokens). choice: kAuto's sums (none: no
 // entries where they choose the plain query-tile forward). taken: [t_hi - t_lo, Hi, k], the
-// entries the split forward's query tiles computed (skipped); null: none. paged: the keys of a
-// prefill's paged cache (KV tiles by PagedKeys::kv_tile; the plan made for them); default: packed.
+// entries the split forward's query tiles computed (skipped); null: none. paged: the keys' layout
+// (KV tiles by PagedKeys::tile_of; the plan made for them): the tokens' own, keys apart, or a
+// prefill's paged cache.
 Status build_entries(const char* fn, const Plan& pl, const Problem& prob, const TensorRef& block_idx,
                      const int32_t* cu, int32_t nseq, int64_t t_lo, int64_t t_hi, void* ws,
                      cudaStream_t stream, kern::EntryListParams* out,
-                     const unsigned long long* choice = nullptr, const uint8_t* taken = nullptr,
-                     const kern::PagedKeys& paged = {});
+                     const kern::PagedKeys& paged, const unsigned long long* choice = nullptr,
+                     const uint8_t* taken = nullptr);
 
 Status build_work(const char* fn, const Plan& pl, const Plan::Work& w, const Problem& prob,
                   const kern::EntryListParams& entries, const int32_t* cu, int32_t nseq, void* ws,
                   cudaStream_t stream, kern::WorkListParams* out, int64_t* grid,
-                  const kern::PagedKeys& paged = {});
+                  const kern::PagedKeys& paged);
 
 }  // namespace msa::cuda

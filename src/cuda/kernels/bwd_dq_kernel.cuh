@@ -297,7 +297,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const int32_t key0 = list.block(u) * kBlockN;
     kv.pipe_k.consumer_wait(sk);
     // Keys past the sequence end: their dS is 0, but 0 * NaN is not (zero_tail_rows).
-    zero_tail_rows<kBlockN, kHeadDim>(sK(_, _, sk.index()), key0, tile.seq_len, lt, wg);
+    zero_tail_rows<kBlockN, kHeadDim>(sK(_, _, sk.index()), key0, tile.key_len, lt, wg);
     Tensor tdQrDs = thr_dq.partition_fragment_A(sDs(_, _, wg * kDsStages + st));
     wg_gemm<false>(mma_dq, tdQrDs, tdQrK(_, _, _, sk.index()), tdQrdQ);
     // The refill of block c - 1's stage (every warp waited for its product before the barrier)

@@ -202,7 +202,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   int64_t e_begin, e_end;
   if (!kv_chunk<kBlockN, Traits::kTeacher>(p, &it, &tile, &list, &e_begin, &e_end)) return;
   const int32_t r = it.r;
-  const int64_t key_base = tile.seq_start + tile.first;  // packed index of the block's first key
+  // The block's first key: its row in the key tensors, and the packed index of the token at its
+  // position (a token u sees key j of the block where u - key_base >= j): both the block's first
+  // token when the keys are the tokens (PagedKeys).
+  const int64_t key_row = p.paged.first_row(tile, kBlockN);
+  const int64_t key_base = p.paged.token_base(tile);
   const int tid = threadIdx.x;
   const int32_t Gi = p.heads_per_idx, m = p.group_tokens, ipk = p.idx_per_kv;
 
@@ -233,9 +237,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const int pt = tid - kConsumerThreads;
     // K and V of the block; keys past the sequence end are zero rows.
     load_block_rows_async<kBlockN, kHeadDim>(
-        sK, as<Element>(p.k) + key_base * p.k_s0 + r * p.k_s1, p.k_s0, tile.count, pt, 128);
+        sK, as<Element>(p.k) + key_row * p.k_s0 + r * p.k_s1, p.k_s0, tile.count, pt, 128);
     load_block_rows_async<kBlockN, kHeadDim>(
-        sV, as<Element>(p.v) + key_base * p.v_s0 + r * p.v_s1, p.v_s0, tile.count, pt, 128);
+        sV, as<Element>(p.v) + key_row * p.v_s0 + r * p.v_s1, p.v_s0, tile.count, pt, 128);
     cutlass::arch::cpasync_barrier_arrive_noinc(&ss.kv_full);
 
     constexpr int kStageElems = kBlockC * kHeadDim;
@@ -398,7 +402,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       auto thr_dki = mma_dki.get_thread_slice(ltid);
       constexpr int kDkCols = Traits::kDkCols;
       Tensor tDKrDSb = thr_dki.partition_fragment_A(sDSb);
-      unsigned long long* dst = p.dk_idx + ((key_base * p.Hik) + loaded_ik) * kHeadDim;
+      unsigned long long* dst = p.dk_idx + ((key_row * p.Hik) + loaded_ik) * kHeadDim;
 #pragma unroll 1
       for (int h = 0; h < kHeadDim / kDkCols; ++h) {
         Tensor tDKrQbt = thr_dki.partition_fragment_B(
@@ -701,7 +705,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         loaded_ik = ik;
         load_block_rows_async<64, kHeadDim>(
             local_tile(sKi, Shape<_64, Int<kHeadDim>>{}, make_coord(wg, 0)),
-            as<Element>(p.k_idx) + (key_base + 64 * wg) * p.ki_s0 + ik * p.ki_s1, p.ki_s0,
+            as<Element>(p.k_idx) + (key_row + 64 * wg) * p.ki_s0 + ik * p.ki_s1, p.ki_s0,
             tile.count - 64 * wg, tid % 128, 128);
         cp_async_commit();
         cp_async_wait_all();
@@ -812,7 +816,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // tokens) added to their fp32 sums, which one CTA of each pass touches at a time.
   auto emit = [&](int row, int col, float2 k2, float2 v2) {
     if (p.dk_acc != nullptr) {
-      const int64_t off = ((key_base + row) * p.Hkv + r) * kHeadDim + col;
+      const int64_t off = ((key_row + row) * p.Hkv + r) * kHeadDim + col;
       float2* ak = reinterpret_cast<float2*>(p.dk_acc + off);
       float2* av = reinterpret_cast<float2*>(p.dv_acc + off);
       const float2 ok = *ak, ov = *av;
@@ -825,8 +829,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     a[1] = static_cast<Element>(k2.y * p.scale);
     b[0] = static_cast<Element>(v2.x);
     b[1] = static_cast<Element>(v2.y);
-    *reinterpret_cast<cutlass::Array<Element, 2>*>(as<Element>(p.dk) + (key_base + row) * p.dk_s0 + r * p.dk_s1 + col) = a;
-    *reinterpret_cast<cutlass::Array<Element, 2>*>(as<Element>(p.dv) + (key_base + row) * p.dv_s0 + r * p.dv_s1 + col) = b;
+    *reinterpret_cast<cutlass::Array<Element, 2>*>(as<Element>(p.dk) + (key_row + row) * p.dk_s0 + r * p.dk_s1 + col) = a;
+    *reinterpret_cast<cutlass::Array<Element, 2>*>(as<Element>(p.dv) + (key_row + row) * p.dv_s0 + r * p.dv_s1 + col) = b;
   };
   if (it.chunks == 1) {
 #pragma unroll

@@ -146,11 +146,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     warpgroup_wait<0>();
     kv.pipe_v.consumer_release(sv);
     ++sv;
-    const bool causal = key0 + kBlockN - 1 > tile.first;
+    const bool causal = key0 + kBlockN - 1 > tile.pos0;
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       const bool member = kv.list(p).member(u, rows.tok[r], rows.ok[r]);
-      const int32_t qpos = tile.first + rows.tok[r];
+      const int32_t qpos = tile.pos0 + rows.tok[r];  // the row's key position
 #pragma unroll
       for (int c = 0; c < size<1>(S); ++c) {
         const bool ok = row_sees(member, causal, key0 + get<1>(cSrc(r, c)), qpos);
@@ -160,7 +160,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
     convert_into(tSrS, rdS);
     // Keys past the sequence end: their dS is 0, but 0 * NaN is not (zero_tail_rows).
-    zero_tail_rows<kBlockN, kHeadDim>(sK(_, _, sk.index()), key0, tile.seq_len, tidx % 128, wg);
+    zero_tail_rows<kBlockN, kHeadDim>(sK(_, _, sk.index()), key0, tile.key_len, tidx % 128, wg);
     wg_gemm<false, true>(mma_dq, tdQrdS, tdQrK(_, _, _, sk.index()), tdQrdQ);
     warpgroup_wait<0>();
     kv.pipe_k.consumer_release(sk);

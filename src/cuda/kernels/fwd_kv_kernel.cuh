@@ -120,11 +120,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int32_t r = it.r;
   // The block's first key: its row in K and V, and the packed index of the token at its position
   // (a token t sees key j of the block where t - key_base >= j). Packed keys: both the block's
-  // first token. A prefill's paged keys: the block's page row, and seq_start + first - pos0
-  // (pos0: the position of the sequence's first new token).
-  const bool paged = p.paged.page_table != nullptr;
+  // first token. A prefill's paged keys or keys apart: the block's page row or key row, and
+  // seq_start + first - pos0 (pos0: the position of the sequence's first token).
   const int64_t key_row = p.paged.first_row(tile, kBlockN);
-  const int64_t key_base = paged ? tile.seq_start + tile.first - tile.pos0 : key_row;
+  const int64_t key_base = p.paged.token_base(tile);
   const int tid = threadIdx.x, wg = tid / 128, lt = tid % 128;
   const int32_t Gi = p.heads_per_idx, ipk = p.idx_per_kv;
   // The scores' factor (log2 units), and the values' scale of an E4M3 cache's block.

@@ -85,7 +85,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   int64_t e_begin, e_end;
   if (!kv_chunk<kBlockN, true>(p, &it, &tile, &list, &e_begin, &e_end)) return;
   const int32_t r = it.r;
-  const int64_t key_base = tile.seq_start + tile.first;  // packed index of the block's first key
+  // The block's first key: its row in the key tensors, and the packed index of the token at its
+  // position (a token u sees key j of the block where u - key_base >= j): both the block's first
+  // token when the keys are the tokens (PagedKeys).
+  const int64_t key_row = p.paged.first_row(tile, kBlockN);
+  const int64_t key_base = p.paged.token_base(tile);
   const int tid = threadIdx.x;
   const int32_t m = p.group_tokens, R = p.step_records, ipk = p.idx_per_kv;
   const int m_shift = __ffs(m) - 1;  // m is a power of two (kTeacher: Gi is)
@@ -175,7 +179,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
 #pragma unroll
     for (int v = 0; v < size(tDKrDK); ++v) {
       const int row = get<0>(cDK(v)), col = get<1>(cDK(v));
-      if (row < tile.count) add_fixed(p.dk_idx + ((key_base + row) * p.Hik + loaded_ik) * kDim + col, tDKrDK(v));
+      if (row < tile.count) add_fixed(p.dk_idx + ((key_row + row) * p.Hik + loaded_ik) * kDim + col, tDKrDK(v));
     }
     clear(tDKrDK);
   };
@@ -217,7 +221,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       flush_dk();
       loaded_ik = ik;
       load_block_rows_now<kBlockN, kDim>(
-          sKi, as<Element>(p.k_idx) + key_base * p.ki_s0 + ik * p.ki_s1, p.ki_s0, tile.count, tid,
+          sKi, as<Element>(p.k_idx) + key_row * p.ki_s0 + ik * p.ki_s1, p.ki_s0, tile.count, tid,
           kThreads);
     }
 

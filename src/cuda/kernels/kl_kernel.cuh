@@ -82,7 +82,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   int64_t e_begin, e_end;
   if (!kv_chunk<kBlockN>(p, &it, &tile, &list, &e_begin, &e_end)) return;
   const int32_t r = it.r;
-  const int64_t key_base = tile.seq_start + tile.first;  // packed index of the block's first key
+  // The block's first key: its row in the key tensors, and the packed index of the token at its
+  // position (a token u sees key j of the block where u - key_base >= j): both the block's first
+  // token when the keys are the tokens (PagedKeys).
+  const int64_t key_row = p.paged.first_row(tile, kBlockN);
+  const int64_t key_base = p.paged.token_base(tile);
   const int tid = threadIdx.x;
   const int wg = tid / 128;
   const int32_t Gi = p.heads_per_idx, m = p.group_tokens, ipk = p.idx_per_kv;
@@ -101,7 +105,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // index head uses another index key head) arrives.
   int32_t loaded_ik = -1;
   load_block_rows_async<kBlockN, kDim>(
-      sK, as<Element>(p.k) + key_base * p.k_s0 + r * p.k_s1, p.k_s0, tile.count,
+      sK, as<Element>(p.k) + key_row * p.k_s0 + r * p.k_s1, p.k_s0, tile.count,
       tid, kThreads);
 
   const ColumnLoader<kDim, kThreads> cols_in(sQ(_, _, 0), Gi, tid);
@@ -181,7 +185,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
     for (int v = 0; v < size(tDKrDK); ++v) {
       const int row = get<0>(cDK(v)), col = get<1>(cDK(v));
-      if (row < tile.count) add_fixed(p.dk_idx + ((key_base + row) * p.Hik + ik) * kDim + col, tDKrDK(v));
+      if (row < tile.count) add_fixed(p.dk_idx + ((key_row + row) * p.Hik + ik) * kDim + col, tDKrDK(v));
     }
     clear(tDKrDK);
   };
@@ -201,7 +205,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       if (ik != loaded_ik) {  // another index key head: (re)load the block's index keys
         loaded_ik = ik;
         load_block_rows_now<kBlockN, kDim>(
-            sKi, as<Element>(p.k_idx) + key_base * p.ki_s0 + ik * p.ki_s1, p.ki_s0, tile.count,
+            sKi, as<Element>(p.k_idx) + key_row * p.ki_s0 + ik * p.ki_s1, p.ki_s0, tile.count,
             tid, kThreads);
       }
     }

@@ -79,7 +79,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks) kl_lse_k
   EntryList list;
   int64_t e_begin, e_end;
   if (!kv_chunk<kBlockN>(p, &it, &tile, &list, &e_begin, &e_end)) return;
-  const int64_t key_base = tile.seq_start + tile.first;  // packed index of the block's first key
+  // The block's first key: its row in the key tensors, and the packed index of the token at its
+  // position (a token u sees key j of the block where u - key_base >= j): both the block's first
+  // token when the keys are the tokens (PagedKeys).
+  const int64_t key_row = p.paged.first_row(tile, kBlockN);
+  const int64_t key_base = p.paged.token_base(tile);
   const int tid = threadIdx.x;
   const RecordSteps<kRing, Traits::kMaxRecords> steps(p.list, list, e_begin, e_end, p.step_records, p.group_tokens,
                                                       it.r, p.idx_per_kv);
@@ -141,7 +145,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks) kl_lse_k
     if (ik != loaded_ik) {  // the same for every thread: (re)load the block's index keys
       loaded_ik = ik;
       load_block_rows_now<kBlockN, kDim>(
-          sK, as<Element>(p.k_idx) + key_base * p.ki_s0 + ik * p.ki_s1, p.ki_s0, tile.count, tid, kThreads);
+          sK, as<Element>(p.k_idx) + key_row * p.ki_s0 + ik * p.ki_s1, p.ki_s0, tile.count, tid, kThreads);
     }
     issue_rows(s + kLead);
     issue_records(s + 2 * kLead);

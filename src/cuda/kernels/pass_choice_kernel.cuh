@@ -86,7 +86,8 @@ __global__ void pass_choice_kernel(const __grid_constant__ FwdArgs p, int32_t bk
       auto block_of = [&](int32_t e0, int32_t e, const Pos& at, bool first_only) {
         const int32_t* row = staged + (e - e0 - at.s);
         const int32_t b = row[at.s];
-        if (b < 0 || b > ((tile.pos0 + at.tok) >> bk_shift)) return -1;
+        // (past the sequence's keys: only unchecked lengths shorter than the tokens)
+        if (b < 0 || b > ((tile.pos0 + at.tok) >> bk_shift) || (b << bk_shift) >= tile.key_len) return -1;
         if (first_only)
           for (int32_t s2 = 0; s2 < at.s; ++s2)
             if (row[s2] == b) return -1;
