@@ -1,7 +1,8 @@
 // The CUDA (Hopper) backend against the CPU backend on the same inputs: selection (docs/contract.md §2), sparse
 // forward over a given or computed block_idx (§3), the backward with the KL gradient and the exact
-// KL value (§4), the dense warmup forward and backward (§5), packed varlen batches and bad input
-// (§7).
+// KL value (§4), the dense warmup forward and backward (§5), packed varlen batches, keys apart
+// from queries (cu_seqlens_k, §1: against the CPU backend's call over the same keys apart) and
+// bad input (§7).
 //
 // Every test skips unless msa::backend_available(kCuda). Inputs are random and never zero. Outputs
 // are poisoned before each call: 0xFF bytes (NaN) for floats, 0x7F bytes for block_idx (-1 is a
@@ -1161,69 +1162,958 @@ TEST(Cuda, AllSequencesEmpty) {
   CUDA_CHECK(cudaDeviceSynchronize());
 }
 
-// Keys apart from queries (cu_seqlens_k) run on the CPU backend only: each training call on CUDA
-// tensors answers kNotSupported naming the argument, and writes nothing.
-TEST(Cuda, KeysApartRefusedByName) {
-  SKIP_WITHOUT_CUDA();
-  const Config c = shape({256, 128}, 4, 2, 128, 2, 1, 128, 128, 2, kBf16, 24);
-  Problem p = random_problem(c);
-  DeviceInputs d(p, nullptr);
-  DeviceTensor out(c.dtype, {p.T, c.Hq, c.D}), lse(DType::kFloat32, {p.T, c.Hq}), bi(DType::kInt32, {p.T, c.Hi, c.k});
-  DeviceTensor kl(DType::kFloat32, {1}), dq(c.dtype, {p.T, c.Hq, c.D}), dk(c.dtype, {p.T, c.Hkv, c.D}),
-      dv(c.dtype, {p.T, c.Hkv, c.D});
-  auto refused = [](const msa::Status& s, const char* fn) {
-    EXPECT_EQ(s.code, StatusCode::kNotSupported) << fn << ": " << s.message;
-    EXPECT_NE(s.message.find("argument 'cu_seqlens_k'"), std::string::npos) << fn << ": " << s.message;
+// ---- keys apart from queries (cu_seqlens_k) ---------------------------------------------------------
+
+// A keys-apart batch: the key side (k, v, k_idx: Tk rows) packs whole sequences of m_s =
+// cfg.seqlens[s] keys; the query side (q, q_idx: T rows) holds the last n[s] positions of each,
+// query u of sequence s at position m_s - n[s] + u (contract §1).
+struct ApartCase {
+  const char* name;
+  Config cfg;              // seqlens: keys per sequence (m_s)
+  std::vector<int64_t> n;  // queries per sequence (n_s <= m_s)
+  bool own_stream;         // launch on a non-default stream
+  bool no_cu_seqlens;      // one sequence, cu_seqlens absent (cu_seqlens_k then has 2 entries)
+};
+
+std::string apart_str(const ApartCase& c) {
+  std::ostringstream os;
+  os << c.name << " (keys " << c.cfg.str() << "; queries [";
+  for (size_t s = 0; s < c.n.size(); ++s) os << (s ? "," : "") << c.n[s];
+  os << "]" << (c.own_stream ? ", own stream" : "") << (c.no_cu_seqlens ? ", no cu_seqlens" : "") << ")";
+  return os.str();
+}
+
+void PrintTo(const ApartCase& c, std::ostream* os) { *os << apart_str(c); }
+
+HostTensor int_offsets(const std::vector<int64_t>& cu) {
+  HostTensor t(DType::kInt32, {static_cast<int64_t>(cu.size())});
+  for (size_t s = 0; s < cu.size(); ++s) t.set(static_cast<int64_t>(s), static_cast<double>(cu[s]));
+  return t;
+}
+
+// The query side of a keys-apart call over the whole sequences `p`, whose k, v, k_idx are the
+// call's key tensors: q and q_idx are p's rows at the last n[s] positions of every sequence.
+struct ApartInputs {
+  std::vector<int64_t> n, cu_q;
+  std::vector<int64_t> rows;  // p's row of each query
+  std::vector<int64_t> pos;   // each query's position in its sequence
+  int64_t Tq = 0;
+  HostTensor q, q_idx, cuq, cuk;
+};
+
+ApartInputs apart_inputs(const Problem& p, const std::vector<int64_t>& n) {
+  if (n.size() + 1 != p.offsets.size())
+    throw std::runtime_error("a keys-apart case without a query count per sequence");
+  ApartInputs a;
+  a.n = n;
+  a.cu_q.assign(1, 0);
+  for (size_t s = 0; s + 1 < p.offsets.size(); ++s) {
+    const int64_t m = p.offsets[s + 1] - p.offsets[s];
+    if (n[s] > m) throw std::runtime_error("a keys-apart case with more queries than keys");
+    for (int64_t u = 0; u < n[s]; ++u) {
+      a.rows.push_back(p.offsets[s + 1] - n[s] + u);
+      a.pos.push_back(m - n[s] + u);
+    }
+    a.cu_q.push_back(a.cu_q.back() + n[s]);
+  }
+  a.Tq = a.cu_q.back();
+  a.q = gather_rows(p.q, a.rows);
+  a.q_idx = gather_rows(p.q_idx, a.rows);
+  a.cuq = int_offsets(a.cu_q);
+  a.cuk = int_offsets(p.offsets);
+  return a;
+}
+
+// A [T, ...] query-side result scattered to the rows of the whole sequences ([Tk, ...]); the
+// other rows hold `fill`.
+HostTensor to_whole_rows(const HostTensor& got, const ApartInputs& a, int64_t Tk, double fill) {
+  std::vector<int64_t> shape = got.shape();
+  const int64_t row = got.numel() / std::max<int64_t>(shape[0], 1);
+  shape[0] = Tk;
+  HostTensor whole(got.dtype(), shape);
+  whole.fill(fill);
+  for (size_t r = 0; r < a.rows.size(); ++r)
+    for (int64_t x = 0; x < row; ++x) whole.set(a.rows[r] * row + x, got.get(static_cast<int64_t>(r) * row + x));
+  return whole;
+}
+
+// A caller's block_idx [T, Hi, k] for the queries at their positions: every row its own block
+// blk(pos) and up to k - 1 distinct random earlier blocks, ascending, then -1 padding. With
+// `scramble` the rows are also shuffled (-1 anywhere), a few empty (lse -inf, out 0) and a few
+// without their own block, every form a caller may pass (contract §3).
+HostTensor apart_block_idx(const ApartInputs& a, const Config& c, uint64_t seed, bool scramble) {
+  HostTensor bi(DType::kInt32, {a.Tq, c.Hi, c.k});
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> u(0, 1);
+  for (int64_t r = 0; r < a.Tq; ++r) {
+    const int own = static_cast<int>(a.pos[r] / c.Bk);
+    for (int i = 0; i < c.Hi; ++i) {
+      std::vector<int> earlier(own);
+      for (int b = 0; b < own; ++b) earlier[b] = b;
+      std::shuffle(earlier.begin(), earlier.end(), rng);
+      int take = std::min<int>(c.k - 1, own);
+      if (take > 0 && u(rng) < 0.2) take = static_cast<int>(u(rng) * take);  // fewer blocks
+      std::vector<int> row(earlier.begin(), earlier.begin() + take);
+      row.push_back(own);
+      std::sort(row.begin(), row.end());
+      row.resize(c.k, -1);
+      if (scramble) {
+        const double x = u(rng);
+        for (int& b : row) {
+          if (x < 0.03) b = -1;                     // empty support
+          else if (x < 0.10 && b == own) b = -1;    // without its own block
+        }
+        std::shuffle(row.begin(), row.end(), rng);
+      }
+      for (int j = 0; j < c.k; ++j) bi.set((r * c.Hi + i) * c.k + j, row[j]);
+    }
+  }
+  return bi;
+}
+
+// The CPU backend's keys-apart calls on p's keys and a's queries (the reference; p and a in
+// float64 give its double results unrounded).
+class ApartCpu {
+ public:
+  ApartCpu(Problem& p, ApartInputs& a, bool no_cu) : p_(p), a_(a), no_cu_(no_cu) {}
+
+  HostTensor select(const msa::Options& o, HostTensor* lse_idx) {
+    const Config& c = p_.cfg;
+    HostTensor bi(DType::kInt32, {a_.Tq, c.Hi, o.top_k});
+    bi.fill(-7);
+    *lse_idx = HostTensor(DType::kFloat32, {a_.Tq, c.Hi});
+    lse_idx->fill(NAN);
+    msa::SelectParams sp;
+    sp.q_idx = a_.q_idx.ref();
+    sp.k_idx = p_.k_idx.ref();
+    offsets(&sp.cu_seqlens, &sp.cu_seqlens_k);
+    sp.block_idx = bi.ref();
+    sp.lse_idx = lse_idx->ref();
+    sp.opts = o;
+    require_ok(msa::select_blocks(sp));
+    return bi;
+  }
+
+  FwdResult forward(HostTensor* bi, Mode mode, bool with_kl) {
+    const Config& c = p_.cfg;
+    FwdResult r{HostTensor(c.dtype, {a_.Tq, c.Hq, c.D}), HostTensor(DType::kFloat32, {a_.Tq, c.Hq}),
+                HostTensor(DType::kFloat32, {1})};
+    for (HostTensor* t : {&r.out, &r.lse, &r.kl}) t->fill(NAN);
+    msa::ForwardParams fp;
+    fp.q = a_.q.ref();
+    fp.k = p_.k.ref();
+    fp.v = p_.v.ref();
+    offsets(&fp.cu_seqlens, &fp.cu_seqlens_k);
+    if (mode == Mode::kSparse) fp.block_idx = bi->ref();
+    fp.q_idx = a_.q_idx.ref();
+    fp.k_idx = p_.k_idx.ref();
+    fp.out = r.out.ref();
+    fp.lse = r.lse.ref();
+    if (with_kl) fp.kl = r.kl.ref();
+    fp.opts = p_.options(mode);
+    require_ok(msa::forward(fp));
+    return r;
+  }
+
+  // dq, dk, dv and the KL gradient (gamma) on out, lse and dout: dk, dv, dk_idx over all Tk rows.
+  BwdResult backward(HostTensor* bi, Mode mode, FwdResult& f, HostTensor& dout, double gamma) {
+    const Config& c = p_.cfg;
+    const int64_t Tk = p_.T;
+    BwdResult r{HostTensor(c.dtype, {a_.Tq, c.Hq, c.D}), HostTensor(c.dtype, {Tk, c.Hkv, c.D}),
+                HostTensor(c.dtype, {Tk, c.Hkv, c.D}), HostTensor(c.dtype, {a_.Tq, c.Hi, c.Di}),
+                HostTensor(c.dtype, {Tk, c.Hik, c.Di})};
+    for (HostTensor* t : {&r.dq, &r.dk, &r.dv, &r.dq_idx, &r.dk_idx}) t->fill(NAN);
+    msa::BackwardParams bp;
+    bp.q = a_.q.ref();
+    bp.k = p_.k.ref();
+    bp.v = p_.v.ref();
+    bp.out = f.out.ref();
+    bp.lse = f.lse.ref();
+    bp.dout = dout.ref();
+    offsets(&bp.cu_seqlens, &bp.cu_seqlens_k);
+    if (mode == Mode::kSparse) bp.block_idx = bi->ref();
+    bp.dq = r.dq.ref();
+    bp.dk = r.dk.ref();
+    bp.dv = r.dv.ref();
+    bp.q_idx = a_.q_idx.ref();
+    bp.k_idx = p_.k_idx.ref();
+    bp.dq_idx = r.dq_idx.ref();
+    bp.dk_idx = r.dk_idx.ref();
+    bp.kl_weight = static_cast<float>(gamma);
+    bp.opts = p_.options(mode);
+    require_ok(msa::backward(bp));
+    return r;
+  }
+
+  // kl_divergence's per-row terms (and value into *kl) on `lse`.
+  HostTensor kl_rows(HostTensor* bi, Mode mode, HostTensor& lse, HostTensor* kl) {
+    const Config& c = p_.cfg;
+    HostTensor rows(DType::kFloat32, {a_.Tq, c.Hi});
+    rows.fill(NAN);
+    *kl = HostTensor(DType::kFloat32, {1});
+    kl->fill(NAN);
+    msa::KlParams kp;
+    kp.q = a_.q.ref();
+    kp.k = p_.k.ref();
+    kp.lse = lse.ref();
+    kp.q_idx = a_.q_idx.ref();
+    kp.k_idx = p_.k_idx.ref();
+    offsets(&kp.cu_seqlens, &kp.cu_seqlens_k);
+    if (mode == Mode::kSparse) kp.block_idx = bi->ref();
+    kp.kl = kl->ref();
+    kp.kl_rows = rows.ref();
+    kp.opts = p_.options(mode);
+    require_ok(msa::kl_divergence(kp));
+    return rows;
+  }
+
+ private:
+  void offsets(msa::TensorRef* cu, msa::TensorRef* cu_k) {
+    if (!no_cu_) *cu = a_.cuq.ref();
+    *cu_k = a_.cuk.ref();
+  }
+  Problem& p_;
+  ApartInputs& a_;
+  bool no_cu_;
+};
+
+// Key lengths m_s (the case's seqlens) and query counts n_s. Keys of a sequence start in the
+// packed key tensor at offsets that are not multiples of Bk (after 77, 129, 1500, ... keys);
+// sequences with m_s = n_s, with m_s > n_s and m_s not a multiple of Bk, with one query, with no
+// query but keys (their dk, dv, dk_idx must be zero), empty ones; first queries mid-block and
+// on a block edge; Tk up to 16x T. Heads as in CudaVsCpu: Gi = Hq / Hi of 2, 3 (the separate KL
+// pass, no dq from dS), 4, 8 and 16; Hik = 1 and 2; D = Di = 64 and 128; Bk 64 and 128.
+const ApartCase kApartCases[] = {
+    // name, shape(key seqlens, Hq, Hkv, D, Hi, Hik, Di, Bk, k, dtype, seed[, sink, local]), queries per
+    // sequence, own stream, no cu_seqlens
+    {"OneSeq_n200_m900_Bk128", shape({900}, 8, 2, 128, 2, 1, 128, 128, 4, kBf16, 51), {200}, false, false},
+    {"OneSeq_NoCuSeqlens_n300_m3000_Bk64_fp16", shape({3000}, 8, 2, 64, 4, 2, 64, 64, 6, kFp16, 52, 1, 2), {300},
+     true, true},
+    {"Mixed_G2_Bk64_fp16", shape({77, 300, 129, 200, 0, 640, 1000}, 8, 2, 64, 4, 2, 64, 64, 6, kFp16, 53, 1, 2),
+     {77, 45, 1, 0, 0, 128, 333}, true, false},
+    {"Mixed_LongKeys_G8_Bk128", shape({129, 1500, 0, 260, 300, 4224}, 16, 2, 128, 2, 1, 128, 128, 5, kBf16, 54, 1, 2),
+     {129, 1, 0, 0, 200, 64}, false, false},
+    {"Mixed_G3_Hi4_Bk64_fp16", shape({650, 131, 90}, 12, 2, 64, 4, 2, 64, 64, 6, kFp16, 55), {100, 131, 0}, true,
+     false},
+    {"Paper_G16_Hi4_Bk128", shape({2000, 0, 700}, 64, 4, 128, 4, 1, 128, 128, 6, kBf16, 56, 1, 2), {513, 0, 1}, false,
+     false},
+    // Every sequence's keys are its queries (cu_seqlens_k holds cu_seqlens's values).
+    {"KeysAreQueries_G4_Bk128", shape({799, 0, 113, 1}, 8, 2, 128, 2, 1, 128, 128, 4, kBf16, 57), {799, 0, 113, 1},
+     true, false},
+};
+
+class CudaKeysApart : public ::testing::TestWithParam<ApartCase> {
+ protected:
+  void SetUp() override {
+    SKIP_WITHOUT_CUDA();
+    const ApartCase& c = GetParam();
+    stream_ = std::make_unique<Stream>(c.own_stream);
+    p_ = std::make_unique<Problem>(random_problem(c.cfg));
+    a_ = std::make_unique<ApartInputs>(apart_inputs(*p_, c.n));
+    q_ = DeviceTensor::upload(a_->q, s());
+    k_ = DeviceTensor::upload(p_->k, s());
+    v_ = DeviceTensor::upload(p_->v, s());
+    q_idx_ = DeviceTensor::upload(a_->q_idx, s());
+    k_idx_ = DeviceTensor::upload(p_->k_idx, s());
+    cuq_ = DeviceTensor::upload(a_->cuq, s());
+    cuk_ = DeviceTensor::upload(a_->cuk, s());
+  }
+
+  cudaStream_t s() const { return stream_->get(); }
+  const Config& cfg() const { return GetParam().cfg; }
+  Problem& p() { return *p_; }  // the whole sequences (16-bit)
+  ApartInputs& a() { return *a_; }
+  int64_t T() const { return a_->Tq; }
+  int64_t Tk() const { return p_->T; }
+  std::string what(const std::string& test) const { return test + " " + apart_str(GetParam()); }
+
+  // The CPU reference over float64 copies of the same values (built on first use).
+  ApartCpu& cpu() {
+    if (!cpu_) {
+      wide_ = std::make_unique<Problem>(widened(*p_));
+      wide_a_ = std::make_unique<ApartInputs>(apart_inputs(*wide_, GetParam().n));
+      cpu_ = std::make_unique<ApartCpu>(*wide_, *wide_a_, GetParam().no_cu_seqlens);
+    }
+    return *cpu_;
+  }
+
+  void offsets(msa::TensorRef* cu, msa::TensorRef* cu_k) const {
+    if (!GetParam().no_cu_seqlens) *cu = cuq_.ref();
+    *cu_k = cuk_.ref();
+  }
+
+  msa::SelectParams select_params(DeviceTensor& bi, DeviceTensor& lse_idx, const msa::Options& o) const {
+    msa::SelectParams sp;
+    sp.q_idx = q_idx_.ref();
+    sp.k_idx = k_idx_.ref();
+    offsets(&sp.cu_seqlens, &sp.cu_seqlens_k);
+    sp.block_idx = bi.ref();
+    sp.lse_idx = lse_idx.ref();
+    sp.opts = o;
+    sp.launch.stream = s();
+    return sp;
+  }
+
+  struct GpuForward {
+    HostTensor out, lse, block_idx, kl;
   };
-  msa::SelectParams sp;
-  sp.q_idx = d.q_idx.ref();
-  sp.k_idx = d.k_idx.ref();
-  sp.cu_seqlens = d.cu.ref();
-  sp.cu_seqlens_k = d.cu.ref();
-  sp.block_idx = bi.ref();
-  sp.opts = p.options();
-  refused(msa::select_blocks(sp), "select_blocks");
-  EXPECT_EQ(msa::workspace_size(sp), 0u);
-  msa::ForwardParams f;
-  f.q = d.q.ref();
-  f.k = d.k.ref();
-  f.v = d.v.ref();
-  f.cu_seqlens = d.cu.ref();
-  f.cu_seqlens_k = d.cu.ref();
-  f.q_idx = d.q_idx.ref();
-  f.k_idx = d.k_idx.ref();
-  f.block_idx = bi.ref();
-  f.select = true;
-  f.out = out.ref();
-  f.lse = lse.ref();
-  f.opts = p.options();
-  refused(msa::forward(f), "forward");
-  msa::KlParams kp;
-  kp.q = d.q.ref();
-  kp.k = d.k.ref();
-  kp.lse = lse.ref();
-  kp.q_idx = d.q_idx.ref();
-  kp.k_idx = d.k_idx.ref();
-  kp.cu_seqlens = d.cu.ref();
-  kp.cu_seqlens_k = d.cu.ref();
-  kp.kl = kl.ref();
-  kp.opts = p.options(Mode::kDense);
-  refused(msa::kl_divergence(kp), "kl_divergence");
-  msa::BackwardParams bp;
-  bp.q = d.q.ref();
-  bp.k = d.k.ref();
-  bp.v = d.v.ref();
-  bp.out = out.ref();
-  bp.lse = lse.ref();
-  bp.dout = out.ref();
-  bp.cu_seqlens = d.cu.ref();
-  bp.cu_seqlens_k = d.cu.ref();
-  bp.dq = dq.ref();
-  bp.dk = dk.ref();
-  bp.dv = dv.ref();
-  bp.opts = p.options(Mode::kDense);
-  refused(msa::backward(bp), "backward");
+
+  // forward on the GPU into poisoned outputs: over `given` (kSparse, select off), over its own
+  // selection (`select`), or dense (kDense); the KL value too with `kl`.
+  GpuForward gpu_forward(Mode mode, HostTensor* given, bool select, msa::FwdPass pass = msa::FwdPass::kAuto,
+                         int32_t chunk = 0, bool kl = false) {
+    const Config& c = cfg();
+    DeviceTensor out = DeviceTensor::poisoned(c.dtype, {T(), c.Hq, c.D}, s());
+    DeviceTensor lse = DeviceTensor::poisoned(DType::kFloat32, {T(), c.Hq}, s());
+    DeviceTensor dkl = DeviceTensor::poisoned(DType::kFloat32, {1}, s());
+    DeviceTensor bi;
+    msa::ForwardParams f;
+    f.q = q_.ref();
+    f.k = k_.ref();
+    f.v = v_.ref();
+    offsets(&f.cu_seqlens, &f.cu_seqlens_k);
+    if (mode == Mode::kSparse) {
+      bi = select ? DeviceTensor::poisoned(DType::kInt32, {T(), c.Hi, c.k}, s()) : DeviceTensor::upload(*given, s());
+      f.block_idx = bi.ref();
+      f.select = select;
+    }
+    if (select || kl) {
+      f.q_idx = q_idx_.ref();
+      f.k_idx = k_idx_.ref();
+    }
+    f.out = out.ref();
+    f.lse = lse.ref();
+    if (kl) f.kl = dkl.ref();
+    f.opts = p().options(mode);
+    f.opts.fwd_pass = pass;
+    f.opts.fwd_chunk_tokens = chunk;
+    f.launch.stream = s();
+    const size_t ws_bytes = msa::workspace_size(f);
+    DeviceTensor ws = DeviceTensor::poisoned(DType::kInt32, {static_cast<int64_t>((ws_bytes + 3) / 4)}, s());
+    if (ws_bytes > 0) {
+      f.launch.workspace = ws.ref().data;
+      f.launch.workspace_bytes = ws_bytes;
+    }
+    require_ok(msa::forward(f));
+    GpuForward r{out.download(s()), lse.download(s()), {}, {}};
+    if (select) r.block_idx = bi.download(s());
+    if (kl) r.kl = dkl.download(s());
+    return r;
+  }
+
+  // Inputs of one backward call, identical on both sides: the CPU forward's out (rounded to the
+  // dtype) and lse, a random dout.
+  struct BwdCase {
+    FwdResult fwd;       // float64 out (rounded values), float32 lse
+    HostTensor out_lo;   // out in the dtype
+    HostTensor dout_lo;  // dout in the dtype
+    HostTensor dout_w;   // the same values in float64
+  };
+  BwdCase bwd_case(Mode mode, HostTensor* bi) {
+    const Config& c = cfg();
+    BwdCase b{cpu().forward(bi, mode, false), HostTensor(c.dtype, {T(), c.Hq, c.D}),
+              HostTensor(c.dtype, {T(), c.Hq, c.D}), HostTensor(DType::kFloat64, {T(), c.Hq, c.D})};
+    for (int64_t x = 0; x < b.out_lo.numel(); ++x) {
+      b.out_lo.set(x, b.fwd.out.get(x));
+      b.fwd.out.set(x, b.out_lo.get(x));
+    }
+    std::mt19937_64 rng(c.seed * 31 + 7);
+    randomize_nonzero(b.dout_lo, rng, 1.0);
+    for (int64_t x = 0; x < b.dout_lo.numel(); ++x) b.dout_w.set(x, b.dout_lo.get(x));
+    return b;
+  }
+
+  struct GpuGrads {
+    HostTensor dq, dk, dv, dq_idx, dk_idx;
+  };
+
+  // backward on the GPU into poisoned gradients (dk, dv, dk_idx: Tk rows); the KL branch with
+  // gamma = kl_weight * kl_grad[0] (kl_grad on the device) when `kl`. With `status` a failed
+  // call returns its status there (and empty gradients) instead of failing the test.
+  GpuGrads gpu_backward(Mode mode, HostTensor* bi, const BwdCase& b, bool kl, float kl_weight, float kl_grad,
+                        msa::DqPass dq_pass = msa::DqPass::kAuto, msa::KlPass kl_pass = msa::KlPass::kAuto,
+                        int32_t bwd_chunk = 0, int64_t teacher_bytes = 0, bool deterministic = false,
+                        msa::Status* status = nullptr) {
+    const Config& c = cfg();
+    HostTensor out_lo = b.out_lo, dout_lo = b.dout_lo, lse = b.fwd.lse;
+    DeviceTensor out = DeviceTensor::upload(out_lo, s()), dout = DeviceTensor::upload(dout_lo, s());
+    DeviceTensor dlse = DeviceTensor::upload(lse, s());
+    DeviceTensor dbi;
+    if (mode == Mode::kSparse) dbi = DeviceTensor::upload(*bi, s());
+    HostTensor g_host(DType::kFloat32, {1});
+    g_host.set(0, kl_grad);
+    DeviceTensor dgrad = DeviceTensor::upload(g_host, s());
+    DeviceTensor dq = DeviceTensor::poisoned(c.dtype, {T(), c.Hq, c.D}, s());
+    DeviceTensor dk = DeviceTensor::poisoned(c.dtype, {Tk(), c.Hkv, c.D}, s());
+    DeviceTensor dv = DeviceTensor::poisoned(c.dtype, {Tk(), c.Hkv, c.D}, s());
+    DeviceTensor dqi = DeviceTensor::poisoned(c.dtype, {T(), c.Hi, c.Di}, s());
+    DeviceTensor dki = DeviceTensor::poisoned(c.dtype, {Tk(), c.Hik, c.Di}, s());
+    msa::BackwardParams bp;
+    bp.q = q_.ref();
+    bp.k = k_.ref();
+    bp.v = v_.ref();
+    bp.out = out.ref();
+    bp.lse = dlse.ref();
+    bp.dout = dout.ref();
+    offsets(&bp.cu_seqlens, &bp.cu_seqlens_k);
+    if (mode == Mode::kSparse) bp.block_idx = dbi.ref();
+    bp.dq = dq.ref();
+    bp.dk = dk.ref();
+    bp.dv = dv.ref();
+    if (kl) {
+      bp.q_idx = q_idx_.ref();
+      bp.k_idx = k_idx_.ref();
+      bp.dq_idx = dqi.ref();
+      bp.dk_idx = dki.ref();
+      bp.kl_grad = dgrad.ref();
+      bp.kl_weight = kl_weight;
+    }
+    bp.opts = p().options(mode);
+    bp.opts.deterministic = deterministic;
+    bp.opts.kl_pass = kl_pass;
+    bp.opts.kl_teacher_bytes = teacher_bytes;
+    bp.opts.dq_pass = dq_pass;
+    bp.opts.bwd_chunk_tokens = bwd_chunk;
+    bp.launch.stream = s();
+    const size_t ws_bytes = msa::workspace_size(bp);
+    DeviceTensor ws = DeviceTensor::poisoned(DType::kInt32, {static_cast<int64_t>((ws_bytes + 3) / 4)}, s());
+    bp.launch.workspace = ws.ref().data;
+    bp.launch.workspace_bytes = ws_bytes;
+    const msa::Status st = msa::backward(bp);
+    if (status != nullptr) {
+      *status = st;
+      if (!st.ok()) {
+        CUDA_CHECK(cudaStreamSynchronize(s()));
+        return {};
+      }
+    } else {
+      require_ok(st);
+    }
+    return {dq.download(s()), dk.download(s()), dv.download(s()), dqi.download(s()), dki.download(s())};
+  }
+
+  // A KL weight of `per_row` per query row (gamma / (N * Hi) does not shrink with N): the KL
+  // gradient then stays in float16's normal range over thousands of keys.
+  float kl_weight(double per_row) const {
+    return static_cast<float>(per_row * static_cast<double>(std::max<int64_t>(T(), 1)));
+  }
+
+  // The GPU's gradients against the reference (the KL gradient's when `kl`), and every key
+  // gradient row of a sequence without queries exactly zero.
+  void expect_grads(const GpuGrads& g, const BwdResult& ref, bool kl, const std::string& name) {
+    const DType dt = cfg().dtype;
+    expect_grad_close(g.dq, ref.dq, dt, what(name + " dq"));
+    expect_grad_close(g.dk, ref.dk, dt, what(name + " dk"));
+    expect_grad_close(g.dv, ref.dv, dt, what(name + " dv"));
+    if (kl) {
+      expect_grad_close(g.dq_idx, ref.dq_idx, dt, what(name + " dq_idx"), kl_grad_tolerance(dt));
+      expect_grad_close(g.dk_idx, ref.dk_idx, dt, what(name + " dk_idx"), kl_grad_tolerance(dt));
+    }
+    Failures f;
+    const std::vector<int64_t>& cuk = p().offsets;
+    for (size_t sq = 0; sq + 1 < cuk.size(); ++sq) {
+      if (a().n[sq] != 0) continue;
+      const std::pair<const HostTensor*, const char*> keyside[] = {{&g.dk, "dk"}, {&g.dv, "dv"}, {&g.dk_idx, "dk_idx"}};
+      for (auto [t, tname] : keyside) {
+        if (!kl && t == &g.dk_idx) continue;
+        const int64_t row = t->numel() / Tk();
+        for (int64_t x = cuk[sq] * row; x < cuk[sq + 1] * row; ++x)
+          if (!(t->get(x) == 0.0))
+            f.add(std::string(tname) + "[key row " + std::to_string(x / row) + "] of sequence " + std::to_string(sq) +
+                  " (no queries) = " + std::to_string(t->get(x)) + ", expected 0");
+      }
+    }
+    EXPECT_EQ(f.count, 0) << what(name + ": key gradients of sequences without queries") << f.first;
+  }
+
+ private:
+  std::unique_ptr<Stream> stream_;
+  std::unique_ptr<Problem> p_, wide_;
+  std::unique_ptr<ApartInputs> a_, wide_a_;
+  std::unique_ptr<ApartCpu> cpu_;
+  DeviceTensor q_, k_, v_, q_idx_, k_idx_, cuq_, cuk_;
+
+ protected:
+  DeviceTensor& dev_q() { return q_; }
+  DeviceTensor& dev_k() { return k_; }
+  DeviceTensor& dev_q_idx() { return q_idx_; }
+  DeviceTensor& dev_k_idx() { return k_idx_; }
+};
+
+// The selection rule of contract §2 at each query's position (scores over the whole sequences'
+// keys), lse_idx over the returned support, and nearly every row the CPU backend's keys-apart
+// selection (rows may differ only where two blocks score within fp32 rounding of each other).
+Failures check_apart_selection(const Problem& p, const ApartInputs& a, const HostTensor& bi, const HostTensor* lse_idx,
+                               const HostTensor& cpu_bi, double* same_rows) {
+  const HostTensor whole_bi = to_whole_rows(bi, a, p.T, -1);
+  HostTensor whole_lse;
+  if (lse_idx != nullptr) whole_lse = to_whole_rows(*lse_idx, a, p.T, NAN);
+  const Failures f = check_selection(p, IndexScores(p), whole_bi, lse_idx != nullptr ? &whole_lse : nullptr, a.rows);
+  const int64_t k = bi.shape()[2], rows = bi.numel() / std::max<int64_t>(k, 1);
+  int64_t same = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    bool eq = true;
+    for (int64_t j = 0; j < k; ++j) eq = eq && bi.get(r * k + j) == cpu_bi.get(r * k + j);
+    same += eq;
+  }
+  *same_rows = rows > 0 ? static_cast<double>(same) / static_cast<double>(rows) : 1.0;
+  return f;
+}
+
+// Rows of (token, index head) whose selection must equal the CPU backend's.
+constexpr double kSameSelectionRows = 0.99;
+
+// select_blocks with cu_seqlens_k, with sink and local blocks and without: the contract's format
+// and rule at every query's position, lse_idx, and the CPU backend's selection on nearly every
+// row; a second call gives the same bits.
+TEST_P(CudaKeysApart, SelectBlocks) {
+  SKIP_UNLESS_BUILT(cfg(), false, true);
+  const Config& c = cfg();
+  for (auto [sink, local] : {std::pair<int, int>{0, 1}, std::pair<int, int>{1, 2}}) {
+    Problem rule = p();  // the rule of these options
+    rule.cfg.sink = sink;
+    rule.cfg.local = local;
+    const msa::Options o = rule.options();
+    const std::string name = "select_blocks, sink " + std::to_string(sink) + ", local " + std::to_string(local);
+    DeviceTensor bi = DeviceTensor::poisoned(DType::kInt32, {T(), c.Hi, c.k}, s());
+    DeviceTensor lse_idx = DeviceTensor::poisoned(DType::kFloat32, {T(), c.Hi}, s());
+    msa::SelectParams sp = select_params(bi, lse_idx, o);
+    bool with_lse = false;
+    require_ok(select_with_lse_idx(sp, &with_lse));
+    const HostTensor got = bi.download(s()), got_lse = lse_idx.download(s());
+    HostTensor cpu_lse;
+    const HostTensor cpu_bi = cpu().select(o, &cpu_lse);
+    double same = 0;
+    const Failures f = check_apart_selection(rule, a(), got, with_lse ? &got_lse : nullptr, cpu_bi, &same);
+    EXPECT_EQ(f.count, 0) << what(name) << f.first;
+    EXPECT_GE(same, kSameSelectionRows) << what(name) << ": rows equal to the CPU backend's selection";
+    DeviceTensor bi2 = DeviceTensor::poisoned(DType::kInt32, {T(), c.Hi, c.k}, s());
+    sp.block_idx = bi2.ref();
+    sp.lse_idx = {};
+    require_ok(msa::select_blocks(sp));
+    EXPECT_EQ(differing(got, bi2.download(s())), 0) << what(name) << ": a second call differs";
+  }
+}
+
+// forward with select = true and cu_seqlens_k: the selection select_blocks returns, by the
+// contract's rule at the queries' positions, then out and lse against the CPU backend over it.
+TEST_P(CudaKeysApart, ForwardWithSelect) {
+  SKIP_UNLESS_BUILT(cfg(), true, true);
+  const Config& c = cfg();
+  GpuForward g = gpu_forward(Mode::kSparse, nullptr, true);
+  DeviceTensor bi = DeviceTensor::poisoned(DType::kInt32, {T(), c.Hi, c.k}, s());
+  DeviceTensor lse_idx = DeviceTensor::poisoned(DType::kFloat32, {T(), c.Hi}, s());
+  msa::SelectParams sp = select_params(bi, lse_idx, p().options());
+  sp.lse_idx = {};
+  require_ok(msa::select_blocks(sp));
+  EXPECT_EQ(differing(g.block_idx, bi.download(s())), 0) << what("forward (select = true) and select_blocks differ");
+  HostTensor cpu_lse;
+  const HostTensor cpu_bi = cpu().select(p().options(), &cpu_lse);
+  double same = 0;
+  const Failures f = check_apart_selection(p(), a(), g.block_idx, nullptr, cpu_bi, &same);
+  ASSERT_EQ(f.count, 0) << what("forward, select = true") << f.first;
+  EXPECT_GE(same, kSameSelectionRows) << what("forward, select = true") << ": rows equal to the CPU's selection";
+  const FwdResult ref = cpu().forward(&g.block_idx, Mode::kSparse, false);
+  expect_forward_close(g.out, g.lse, ref, c.dtype, what("forward, select = true"));
+}
+
+// The sparse forward over a caller's block_idx at the queries' positions, by every
+// Options.fwd_pass (kKvBlock and kSplit also in passes of 97 tokens), against the CPU backend:
+// rows in every legal form (ascending or not, -1 anywhere, empty, without the own block), and
+// plain ones (the own block and earlier blocks, ascending, -1 padding).
+TEST_P(CudaKeysApart, SparseForwardEachPass) {
+  SKIP_UNLESS_BUILT(cfg(), true, false);
+  const std::pair<msa::FwdPass, const char*> passes[] = {{msa::FwdPass::kAuto, "kAuto"},
+                                                         {msa::FwdPass::kQueryTile, "kQueryTile"},
+                                                         {msa::FwdPass::kKvBlock, "kKvBlock"},
+                                                         {msa::FwdPass::kSplit, "kSplit"}};
+  for (const bool scramble : {true, false}) {
+    HostTensor bi = apart_block_idx(a(), cfg(), cfg().seed + (scramble ? 13 : 17), scramble);
+    const FwdResult ref = cpu().forward(&bi, Mode::kSparse, false);
+    for (auto [pass, pname] : passes) {
+      const bool kv = pass == msa::FwdPass::kKvBlock || pass == msa::FwdPass::kSplit;
+      for (const int32_t chunk : {0, 97}) {
+        if (chunk != 0 && !kv) continue;
+        const GpuForward g = gpu_forward(Mode::kSparse, &bi, false, pass, chunk);
+        expect_forward_close(g.out, g.lse, ref, cfg().dtype,
+                             what(std::string("forward, ") + pname + ", pass tokens " + std::to_string(chunk) +
+                                  (scramble ? ", scrambled block_idx" : ", plain block_idx")));
+      }
+    }
+  }
+}
+
+// The warmup forward (kDense) over keys apart: dense causal attention aligned to the bottom right.
+TEST_P(CudaKeysApart, DenseForward) {
+  SKIP_UNLESS_BUILT(cfg(), true, false);
+  const GpuForward g = gpu_forward(Mode::kDense, nullptr, false);
+  const FwdResult ref = cpu().forward(nullptr, Mode::kDense, false);
+  expect_forward_close(g.out, g.lse, ref, cfg().dtype, what("forward, kDense"));
+}
+
+// The sparse backward over keys apart (gamma = 0.5 T * 1.5) against the CPU backend on the same out,
+// lse and dout, by each dq_pass and kl_pass the CUDA backend runs: the defaults; query-tile dq
+// with the KL gradient by kAuto, kSeparate, kFused and kTeacher (also in passes of one chunk);
+// dq from dS (kFromDs, with kAuto and kTeacher, in one pass and in passes of 97 tokens). Where
+// Hq / Hi is not a power of two, kFused and kTeacher are refused naming 'kl_pass' and kFromDs
+// naming 'dq_pass'. Deterministic calls give the same bits twice.
+TEST_P(CudaKeysApart, SparseBackwardEachPass) {
+  SKIP_UNLESS_BUILT(cfg(), true, false);
+  const Config& c = cfg();
+  const int gi = c.Hq / c.Hi;
+  const bool pow2 = (gi & (gi - 1)) == 0;
+  const bool from_ds = gi >= 2 && gi <= 64 && pow2 && c.k <= 32;
+  const bool kl = kl_on_gpu(c);
+  HostTensor bi = apart_block_idx(a(), c, c.seed + 14, true);
+  BwdCase b = bwd_case(Mode::kSparse, &bi);
+  const float klw = kl_weight(0.5);
+  const BwdResult ref = cpu().backward(&bi, Mode::kSparse, b.fwd, b.dout_w, 1.5 * klw);
+  using msa::DqPass;
+  using msa::KlPass;
+  struct Run {
+    DqPass dq;
+    KlPass klp;
+    int32_t chunk;
+    int64_t teacher_bytes;
+    const char* name;
+    bool runs;
+  };
+  const Run runs[] = {
+      {DqPass::kAuto, KlPass::kAuto, 0, 0, "dq kAuto, kl kAuto:", true},
+      {DqPass::kQueryTile, KlPass::kAuto, 0, 0, "dq kQueryTile, kl kAuto:", true},
+      {DqPass::kQueryTile, KlPass::kSeparate, 0, 0, "dq kQueryTile, kl kSeparate:", kl},
+      {DqPass::kQueryTile, KlPass::kFused, 0, 0, "dq kQueryTile, kl kFused:", kl && pow2},
+      {DqPass::kQueryTile, KlPass::kTeacher, 0, 0, "dq kQueryTile, kl kTeacher:", kl && pow2},
+      {DqPass::kQueryTile, KlPass::kTeacher, 0, 1, "dq kQueryTile, kl kTeacher in passes of one chunk:", kl && pow2},
+      {DqPass::kFromDs, KlPass::kAuto, 0, 0, "dq kFromDs, kl kAuto:", from_ds},
+      {DqPass::kFromDs, KlPass::kTeacher, 0, 0, "dq kFromDs, kl kTeacher:", from_ds && kl},
+      {DqPass::kFromDs, KlPass::kAuto, 97, 0, "dq kFromDs in passes of 97 tokens:", from_ds},
+  };
+  for (const Run& r : runs) {
+    if (!r.runs) continue;
+    const GpuGrads g = gpu_backward(Mode::kSparse, &bi, b, kl, klw, 1.5f, r.dq, r.klp, r.chunk, r.teacher_bytes);
+    expect_grads(g, ref, kl, r.name);
+  }
+  if (!pow2 && kl) {
+    for (const KlPass klp : {KlPass::kFused, KlPass::kTeacher}) {
+      msa::Status st;
+      gpu_backward(Mode::kSparse, &bi, b, true, klw, 1.5f, DqPass::kQueryTile, klp, 0, 0, false, &st);
+      EXPECT_EQ(st.code, StatusCode::kNotSupported) << what("kl_pass with Hq / Hi not a power of two") << st.message;
+      EXPECT_NE(st.message.find("argument 'kl_pass'"), std::string::npos) << st.message;
+    }
+  }
+  if (!from_ds) {
+    msa::Status st;
+    gpu_backward(Mode::kSparse, &bi, b, kl, klw, 1.5f, DqPass::kFromDs, KlPass::kAuto, 0, 0, false, &st);
+    EXPECT_EQ(st.code, StatusCode::kNotSupported) << what("kFromDs where it cannot run") << st.message;
+    EXPECT_NE(st.message.find("argument 'dq_pass'"), std::string::npos) << st.message;
+  }
+  const GpuGrads d1 = gpu_backward(Mode::kSparse, &bi, b, kl, klw, 1.5f, DqPass::kAuto, KlPass::kAuto, 0, 0, true);
+  const GpuGrads d2 = gpu_backward(Mode::kSparse, &bi, b, kl, klw, 1.5f, DqPass::kAuto, KlPass::kAuto, 0, 0, true);
+  expect_grads(d1, ref, kl, "deterministic:");
+  const std::tuple<const HostTensor*, const HostTensor*, const char*> same[] = {
+      {&d1.dq, &d2.dq, "dq"}, {&d1.dk, &d2.dk, "dk"}, {&d1.dv, &d2.dv, "dv"},
+      {&d1.dq_idx, &d2.dq_idx, "dq_idx"}, {&d1.dk_idx, &d2.dk_idx, "dk_idx"}};
+  for (auto [x, y, name] : same) {
+    if (!kl && std::string(name).find("idx") != std::string::npos) continue;
+    EXPECT_EQ(differing(*x, *y), 0) << what(name) << ": two deterministic calls differ";
+  }
+}
+
+// The warmup backward (kDense) over keys apart, the KL over the full causal support (gamma =
+// 2 T * 1), by kl_pass kAuto and kSeparate; kTeacher (sparse mode only) refused naming 'kl_pass'.
+TEST_P(CudaKeysApart, DenseBackward) {
+  SKIP_UNLESS_BUILT(cfg(), true, false);
+  BwdCase b = bwd_case(Mode::kDense, nullptr);
+  const bool kl = kl_on_gpu(cfg());
+  const float klw = kl_weight(2.0);
+  const BwdResult ref = cpu().backward(nullptr, Mode::kDense, b.fwd, b.dout_w, klw);
+  const GpuGrads g = gpu_backward(Mode::kDense, nullptr, b, kl, klw, 1.0f);
+  expect_grads(g, ref, kl, "dense backward, kl kAuto:");
+  if (kl) {
+    const GpuGrads sep = gpu_backward(Mode::kDense, nullptr, b, true, klw, 1.0f, msa::DqPass::kAuto,
+                                      msa::KlPass::kSeparate);
+    expect_grads(sep, ref, true, "dense backward, kl kSeparate:");
+    msa::Status st;
+    gpu_backward(Mode::kDense, nullptr, b, true, klw, 1.0f, msa::DqPass::kAuto, msa::KlPass::kTeacher, 0, 0, false,
+                 &st);
+    EXPECT_EQ(st.code, StatusCode::kNotSupported) << st.message;
+    EXPECT_NE(st.message.find("argument 'kl_pass'"), std::string::npos) << st.message;
+  }
+}
+
+// The exact KL value over keys apart, sparse and dense: the forward's kl against the CPU
+// backend's forward; kl_divergence's per-row terms against the CPU backend's on the GPU's lse,
+// and its value the forward's.
+TEST_P(CudaKeysApart, KlValue) {
+  SKIP_UNLESS_BUILT(cfg(), true, false);
+  if (!kl_on_gpu(cfg())) GTEST_SKIP() << "the CUDA KL kernels need Di == D";
+  const Config& c = cfg();
+  HostTensor bi = apart_block_idx(a(), c, c.seed + 15, true);
+  for (const Mode mode : {Mode::kSparse, Mode::kDense}) {
+    const std::string name = mode == Mode::kSparse ? "sparse" : "dense";
+    HostTensor* mbi = mode == Mode::kSparse ? &bi : nullptr;
+    const FwdResult ref = cpu().forward(mbi, mode, true);
+    GpuForward g = gpu_forward(mode, mbi, false, msa::FwdPass::kAuto, 0, true);
+    expect_forward_close(g.out, g.lse, ref, c.dtype, what(name + " forward with kl"));
+    const double got = g.kl.get(0), want = ref.kl.get(0);
+    EXPECT_NEAR(got, want, 2e-3 * std::fabs(want) + 1e-6) << what(name + " forward kl");
+    if (T() > 0) {
+      EXPECT_GT(want, 0.0) << what(name + " reference kl");
+    }
+
+    DeviceTensor dlse = DeviceTensor::upload(g.lse, s());
+    DeviceTensor dbi;
+    if (mbi != nullptr) dbi = DeviceTensor::upload(bi, s());
+    DeviceTensor kl = DeviceTensor::poisoned(DType::kFloat32, {1}, s());
+    DeviceTensor rows = DeviceTensor::poisoned(DType::kFloat32, {T(), c.Hi}, s());
+    msa::KlParams kp;
+    kp.q = dev_q().ref();
+    kp.k = dev_k().ref();
+    kp.lse = dlse.ref();
+    kp.q_idx = dev_q_idx().ref();
+    kp.k_idx = dev_k_idx().ref();
+    offsets(&kp.cu_seqlens, &kp.cu_seqlens_k);
+    if (mbi != nullptr) kp.block_idx = dbi.ref();
+    kp.kl = kl.ref();
+    kp.kl_rows = rows.ref();
+    kp.opts = p().options(mode);
+    kp.launch.stream = s();
+    const size_t ws_bytes = msa::workspace_size(kp);
+    DeviceTensor ws = DeviceTensor::poisoned(DType::kInt32, {static_cast<int64_t>((ws_bytes + 3) / 4)}, s());
+    kp.launch.workspace = ws.ref().data;
+    kp.launch.workspace_bytes = ws_bytes;
+    require_ok(msa::kl_divergence(kp));
+    const HostTensor got_rows = rows.download(s());
+    const double got_kl = kl.download(s()).get(0);
+    EXPECT_NEAR(got_kl, got, 2e-3 * std::fabs(got) + 1e-6) << what(name + " kl_divergence vs the forward's kl");
+    HostTensor lse_host = g.lse, ref_kl;
+    const HostTensor ref_rows = cpu().kl_rows(mbi, mode, lse_host, &ref_kl);
+    Failures fr;
+    for (int64_t x = 0; x < T() * c.Hi; ++x)
+      if (!(std::fabs(got_rows.get(x) - ref_rows.get(x)) <= 2e-3 * std::fabs(ref_rows.get(x)) + 1e-5))
+        fr.add("row " + std::to_string(x / c.Hi) + ", index head " + std::to_string(x % c.Hi) + ": " +
+               std::to_string(got_rows.get(x)) + " vs " + std::to_string(ref_rows.get(x)));
+    EXPECT_EQ(fr.count, 0) << what(name + " kl_rows") << fr.first;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Layouts, CudaKeysApart, ::testing::ValuesIn(kApartCases),
+                         [](const ::testing::TestParamInfo<ApartCase>& c) { return std::string(c.param.name); });
+
+// Bad cu_seqlens_k on CUDA tensors: a shape other than cu_seqlens's is refused on the host; bad
+// values (not starting at 0, decreasing, not ending at Tk, a sequence with fewer keys than
+// queries) by the value check (Launch::check_values), with the CPU backend's message for the
+// same values, naming 'cu_seqlens_k'; the refused calls write nothing. A caller's block_idx is
+// checked at the queries' positions, not their rows. Key tensors (and key gradients) of another
+// row count than Tk are refused naming them. With the checks off, bad offsets give no error and
+// no fault.
+TEST(CudaKeysApartValidation, BadKeyOffsetsNameTheArgument) {
+  SKIP_WITHOUT_CUDA();
+  // Keys 300, 160, 200; queries 100 (positions 200..299), 160 (all), 0: Tk = 660, T = 260.
+  const Config c = shape({300, 160, 200}, 4, 2, 128, 2, 1, 128, 128, 2, kBf16, 61);
+  if (!kernels_built(c, true, true)) GTEST_SKIP() << "kernel variant not built into this library";
+  Problem p = random_problem(c);
+  ApartInputs a = apart_inputs(p, {100, 160, 0});
+  const int64_t T = a.Tq, Tk = p.T;
+  HostTensor bi = apart_block_idx(a, c, 7, false);
+  // Row 0 (position 200, own block 1) lists blocks 0 and 1, a row check (own block 0) would refuse;
+  // row 100 (sequence 1's first query, position 0) lists block 0 only.
+  for (int j = 0; j < c.k; ++j) {
+    bi.set((0 * c.Hi + 0) * c.k + j, j < 2 ? j : -1);
+    bi.set((100 * c.Hi + 0) * c.k + j, j == 0 ? 0 : -1);
+  }
+  DeviceTensor q = DeviceTensor::upload(a.q, nullptr), k = DeviceTensor::upload(p.k, nullptr),
+               v = DeviceTensor::upload(p.v, nullptr), q_idx = DeviceTensor::upload(a.q_idx, nullptr),
+               k_idx = DeviceTensor::upload(p.k_idx, nullptr), cuq = DeviceTensor::upload(a.cuq, nullptr),
+               cuk = DeviceTensor::upload(a.cuk, nullptr), dbi = DeviceTensor::upload(bi, nullptr);
+  DeviceTensor lse = DeviceTensor::poisoned(DType::kFloat32, {T, c.Hq}, nullptr);
+  DeviceTensor dout = DeviceTensor::poisoned(c.dtype, {T, c.Hq, c.D}, nullptr);
+  DeviceTensor dq = DeviceTensor::poisoned(c.dtype, {T, c.Hq, c.D}, nullptr);
+  DeviceTensor dk = DeviceTensor::poisoned(c.dtype, {Tk, c.Hkv, c.D}, nullptr);
+  DeviceTensor dv = DeviceTensor::poisoned(c.dtype, {Tk, c.Hkv, c.D}, nullptr);
+  DeviceTensor sel = DeviceTensor::poisoned(DType::kInt32, {T, c.Hi, c.k}, nullptr);
   CUDA_CHECK(cudaDeviceSynchronize());
+  const auto forward_params = [&](DeviceTensor& out) {
+    msa::ForwardParams f;
+    f.q = q.ref();
+    f.k = k.ref();
+    f.v = v.ref();
+    f.cu_seqlens = cuq.ref();
+    f.cu_seqlens_k = cuk.ref();
+    f.block_idx = dbi.ref();
+    f.out = out.ref();
+    f.lse = lse.ref();
+    f.opts = p.options();
+    return f;
+  };
+  const auto backward_params = [&](DeviceTensor& out) {
+    msa::BackwardParams b;
+    b.q = q.ref();
+    b.k = k.ref();
+    b.v = v.ref();
+    b.out = out.ref();
+    b.lse = lse.ref();
+    b.dout = dout.ref();
+    b.cu_seqlens = cuq.ref();
+    b.cu_seqlens_k = cuk.ref();
+    b.block_idx = dbi.ref();
+    b.dq = dq.ref();
+    b.dk = dk.ref();
+    b.dv = dv.ref();
+    b.opts = p.options();
+    return b;
+  };
+  const auto select_params = [&]() {
+    msa::SelectParams sp;
+    sp.q_idx = q_idx.ref();
+    sp.k_idx = k_idx.ref();
+    sp.cu_seqlens = cuq.ref();
+    sp.cu_seqlens_k = cuk.ref();
+    sp.block_idx = sel.ref();
+    sp.opts = p.options();
+    return sp;
+  };
+  // The CPU backend's message for a forward with these key offsets (or block_idx) on host copies,
+  // from "argument '" on: the device's must hold the same text.
+  const auto cpu_message = [&](const HostTensor* cu_k, const HostTensor* host_bi) {
+    HostTensor out_h(c.dtype, {T, c.Hq, c.D}), lse_h(DType::kFloat32, {T, c.Hq});
+    HostTensor cuk_h = cu_k != nullptr ? *cu_k : a.cuk, bi_h = host_bi != nullptr ? *host_bi : bi;
+    msa::ForwardParams f;
+    f.q = a.q.ref();
+    f.k = p.k.ref();
+    f.v = p.v.ref();
+    f.cu_seqlens = a.cuq.ref();
+    f.cu_seqlens_k = cuk_h.ref();
+    f.block_idx = bi_h.ref();
+    f.out = out_h.ref();
+    f.lse = lse_h.ref();
+    f.opts = p.options();
+    const msa::Status st = msa::forward(f);
+    EXPECT_EQ(st.code, StatusCode::kInvalidArgument) << "CPU: " << st.message;
+    const size_t at = st.message.find("argument '");
+    return at == std::string::npos ? std::string("argument '") : st.message.substr(at);
+  };
+  const auto refused = [](const msa::Status& st, const std::string& needle, const std::string& what) {
+    EXPECT_EQ(st.code, StatusCode::kInvalidArgument) << what << ": " << st.message;
+    EXPECT_NE(st.message.find(needle), std::string::npos)
+        << what << ": message lacks \"" << needle << "\": " << st.message;
+  };
+  // Still the poison pattern: NaN for floats, 0x7f7f7f7f for int32.
+  const auto untouched = [](const DeviceTensor& t, const std::string& what) {
+    const HostTensor h = t.download(nullptr);
+    for (int64_t x = 0; x < h.numel(); ++x)
+      if (!(h.dtype() == DType::kInt32 ? h.get(x) == 2139062143.0 : std::isnan(h.get(x)))) {
+        ADD_FAILURE() << what << ": a refused call wrote its output (element " << x << ")";
+        return;
+      }
+  };
+
+  // The shape: one entry fewer than cu_seqlens (checked on the host).
+  {
+    HostTensor h = int_offsets({0, 300, 460});
+    DeviceTensor bad = DeviceTensor::upload(h, nullptr);
+    DeviceTensor out = DeviceTensor::poisoned(c.dtype, {T, c.Hq, c.D}, nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    msa::ForwardParams f = forward_params(out);
+    f.cu_seqlens_k = bad.ref();
+    refused(msa::forward(f), "argument 'cu_seqlens_k'", "forward, cu_seqlens_k of 3 entries");
+    EXPECT_EQ(msa::workspace_size(f), 0u);
+    msa::SelectParams sp = select_params();
+    sp.cu_seqlens_k = bad.ref();
+    refused(msa::select_blocks(sp), "argument 'cu_seqlens_k'", "select_blocks, cu_seqlens_k of 3 entries");
+    untouched(out, "forward, cu_seqlens_k of 3 entries");
+  }
+  // The values, on the device.
+  const std::pair<std::vector<int64_t>, const char*> values[] = {
+      {{5, 300, 460, 660}, "not starting at 0"},
+      {{0, 300, 200, 660}, "decreasing"},
+      {{0, 300, 460, 659}, "ending before Tk"},
+      {{0, 300, 460, 661}, "ending after Tk"},
+      {{0, 400, 459, 660}, "sequence 1 with 59 keys for its 160 queries"},
+  };
+  for (const auto& [cu, why] : values) {
+    HostTensor h = int_offsets(cu);
+    const std::string needle = cpu_message(&h, nullptr);
+    EXPECT_NE(needle.find("argument 'cu_seqlens_k'"), std::string::npos) << why << ": CPU message " << needle;
+    DeviceTensor bad = DeviceTensor::upload(h, nullptr);
+    DeviceTensor out = DeviceTensor::poisoned(c.dtype, {T, c.Hq, c.D}, nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    msa::ForwardParams f = forward_params(out);
+    f.cu_seqlens_k = bad.ref();
+    refused(msa::forward(f), needle, std::string("forward, ") + why);
+    untouched(out, std::string("forward, ") + why);
+    msa::SelectParams sp = select_params();
+    sp.cu_seqlens_k = bad.ref();
+    refused(msa::select_blocks(sp), needle, std::string("select_blocks, ") + why);
+    untouched(sel, std::string("select_blocks, ") + why);
+    msa::BackwardParams b = backward_params(out);
+    b.cu_seqlens_k = bad.ref();
+    const size_t need = msa::workspace_size(b);
+    DeviceTensor ws(DType::kInt32, {static_cast<int64_t>((need + 3) / 4)});
+    b.launch.workspace = ws.ref().data;
+    b.launch.workspace_bytes = need;
+    refused(msa::backward(b), needle, std::string("backward, ") + why);
+    untouched(dq, std::string("backward, ") + why);
+    untouched(dk, std::string("backward, ") + why);
+  }
+  // block_idx by position: row 0 may list block 1 (the valid call below), block 2 is after its
+  // position; row 100 may list block 0 only.
+  {
+    DeviceTensor out = DeviceTensor::poisoned(c.dtype, {T, c.Hq, c.D}, nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    for (const auto& [row, value] : {std::pair<int64_t, int32_t>{0, 2}, std::pair<int64_t, int32_t>{100, 1}}) {
+      HostTensor h = bi;
+      h.set((row * c.Hi + 0) * c.k + 1, value);
+      const std::string needle = cpu_message(nullptr, &h);
+      EXPECT_NE(needle.find("argument 'block_idx'"), std::string::npos) << "CPU message " << needle;
+      DeviceTensor bad = DeviceTensor::upload(h, nullptr);
+      CUDA_CHECK(cudaDeviceSynchronize());
+      msa::ForwardParams f = forward_params(out);
+      f.block_idx = bad.ref();
+      refused(msa::forward(f), needle, "forward, block_idx entry after the query's position");
+      untouched(out, "forward, block_idx entry after the query's position");
+    }
+    require_ok(msa::forward(forward_params(out)));  // the valid selection runs
+    CUDA_CHECK(cudaDeviceSynchronize());
+  }
+  // Key tensors and key gradients with T rows instead of Tk (checked on the host).
+  {
+    DeviceTensor out = DeviceTensor::poisoned(c.dtype, {T, c.Hq, c.D}, nullptr);
+    DeviceTensor short_v = DeviceTensor::poisoned(c.dtype, {Tk - 1, c.Hkv, c.D}, nullptr);
+    DeviceTensor short_dk = DeviceTensor::poisoned(c.dtype, {T, c.Hkv, c.D}, nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    msa::ForwardParams f = forward_params(out);
+    f.v = short_v.ref();
+    refused(msa::forward(f), "argument 'v'", "forward, v of Tk - 1 rows");
+    msa::BackwardParams b = backward_params(out);
+    b.dk = short_dk.ref();
+    refused(msa::backward(b), "argument 'dk'", "backward, dk of T rows");
+  }
+  // Checks off: offsets past Tk are the caller's to avoid; the calls neither fail nor fault.
+  {
+    HostTensor h = int_offsets({0, 300, 460, 2000});
+    DeviceTensor bad = DeviceTensor::upload(h, nullptr);
+    DeviceTensor out = DeviceTensor::poisoned(c.dtype, {T, c.Hq, c.D}, nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    msa::ForwardParams f = forward_params(out);
+    f.cu_seqlens_k = bad.ref();
+    f.launch.check_values = false;
+    require_ok(msa::forward(f));
+    msa::SelectParams sp = select_params();
+    sp.cu_seqlens_k = bad.ref();
+    sp.launch.check_values = false;
+    require_ok(msa::select_blocks(sp));
+    msa::BackwardParams b = backward_params(out);
+    b.cu_seqlens_k = bad.ref();
+    b.launch.check_values = false;
+    const size_t need = msa::workspace_size(b);
+    DeviceTensor ws(DType::kInt32, {static_cast<int64_t>((need + 3) / 4)});
+    b.launch.workspace = ws.ref().data;
+    b.launch.workspace_bytes = need;
+    require_ok(msa::backward(b));
+    CUDA_CHECK(cudaDeviceSynchronize());
+  }
 }
 
 // q, k, v as views of one fused [T, Hq + 2 Hkv, D] projection (token stride larger than a row):

@@ -4,8 +4,8 @@
 // and the gradients when the whole call's other rows take no part (zero dout, and in sparse mode
 // an empty support, which adds nothing to the KL: contract §3). The CPU backend sums in a fixed
 // order, so every comparison is exact. Also: the dense warmup over keys apart equals the sparse
-// call over every causal block, bad values of cu_seqlens_k are refused by name, and the CUDA
-// backend refuses the argument by name.
+// call over every causal block, and bad values of cu_seqlens_k are refused by name. (The CUDA
+// backend is compared with this one in test_cuda.cpp, CudaKeysApart.)
 #include <gtest/gtest.h>
 
 #include "harness.h"

@@ -93,11 +93,12 @@ def positions(lengths):
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64, device=DEV)
 
 
-def random_block_idx(lengths, Hi, k, Bk, empty_rows=0.0, no_own=0.0, shuffle=True):
+def random_block_idx(lengths, Hi, k, Bk, empty_rows=0.0, no_own=0.0, shuffle=True, pos=None):
     """A caller's block_idx [T, Hi, k]: the own block plus up to k-1 random earlier ones, in a
     random order with -1 anywhere (a set, contract §2); a fraction `empty_rows` of the rows is all
-    -1 (empty support), a fraction `no_own` lacks the own block (allowed for a caller's)."""
-    pos = positions(lengths)
+    -1 (empty support), a fraction `no_own` lacks the own block (allowed for a caller's). `pos`:
+    each row's position (default: the tokens of `lengths`, e.g. other positions with keys apart)."""
+    pos = positions(lengths) if pos is None else pos
     T = pos.numel()
     if T == 0:
         return torch.zeros((0, Hi, k), dtype=torch.int32, device=DEV)
@@ -879,21 +880,96 @@ def test_opcheck():
               0.0, 0.0, True, True, True))
 
 
-@cuda_only
-def test_keys_apart_refused_by_name():
-    # cu_seqlens_k (keys apart from queries) runs on the CPU backend only: CUDA tensors get
-    # NotImplementedError naming the argument, and msa.distributed's "auto" call layout avoids it.
-    T, Hq, Hkv, D = 256, 4, 2, 128
-    q, k, v = rand(T, Hq, D, dtype=BF16), rand(T, Hkv, D, dtype=BF16), rand(T, Hkv, D, dtype=BF16)
-    qi, ki = rand(T, 2, D, dtype=BF16), rand(T, 1, D, dtype=BF16)
-    cu = torch.tensor([0, 128, 256], dtype=torch.int32, device=DEV)
-    # two sequences of 64 queries over 200 and 64 keys
-    cuk = torch.tensor([0, 200, 264], dtype=torch.int32, device=DEV)
-    ki_k = rand(264, 1, D, dtype=BF16)
-    with pytest.raises(NotImplementedError, match="'cu_seqlens_k'"):
-        msa.sparse_attention(q, k, v, qi, ki, 2, 128, cu_seqlens=cu, cu_seqlens_k=cu)
-    with pytest.raises(NotImplementedError, match="'cu_seqlens_k'"):
-        msa.select_blocks(qi[:128], ki_k, 2, 128, cu_seqlens=torch.tensor([0, 64, 128], dtype=torch.int32,
-                                                                          device=DEV), cu_seqlens_k=cuk)
-    with pytest.raises(NotImplementedError, match="'cu_seqlens_k'"):
-        msa.warmup_attention(q, k, v, qi, ki, cu_seqlens=cu, cu_seqlens_k=cu)
+# Keys apart from queries (cu_seqlens_k, contract §1): keys per sequence and queries per sequence
+# (its last positions): m = n, m > n with m not a multiple of Bk, one query, keys without queries
+# (their gradients must be zero), an empty sequence, keys of later sequences starting off block
+# edges in the packed key tensor, Tk about 11x T.
+KA_KEYS = [77, 300, 129, 200, 0, 1000, 2000]
+KA_QUERIES = [77, 45, 1, 0, 0, 128, 90]
+
+
+def _apart_positions(keys, queries):
+    """Each query's position in its sequence: the last n_s of m_s [T] (int64, on DEV)."""
+    parts = [torch.arange(m - n, m, device=DEV) for m, n in zip(keys, queries)]
+    return torch.cat(parts)
+
+
+@skip_unbuilt
+@pytest.mark.parametrize("dtype", [BF16, FP16])
+@pytest.mark.parametrize("mode", ["sparse", "select", "warmup"])
+def test_keys_apart_against_cpu(mode, dtype):
+    """Keys apart from queries (cu_seqlens_k): msa.sparse_attention (a caller's block_idx, or its
+    own selection) and msa.warmup_attention on CUDA against the same calls on float64 CPU copies
+    (the CPU backend) over the same selection: out and lse, the KL value, and the gradients of
+    loss = task(out) + 0.3 T * kl through autograd (q, q_idx: T rows; k, v, k_idx: Tk rows, zero
+    for the keys of a sequence without queries). The GPU's selection equals on nearly every row
+    the CPU backend's; with a caller's selection every forward pass agrees with the CPU."""
+    Hq, Hkv, Hi, Hik, D, Bk, top_k = 8, 2, 2, 1, 128, 128, 4
+    keys, queries = KA_KEYS, KA_QUERIES
+    T, Tk = sum(queries), sum(keys)
+    x = [rand(T, Hq, D, dtype=dtype), rand(Tk, Hkv, D, dtype=dtype), rand(Tk, Hkv, D, dtype=dtype),
+         rand(T, Hi, D, dtype=dtype), rand(Tk, Hik, D, dtype=dtype)]
+    x = [t.requires_grad_(True) for t in x]
+    c = [t.detach().cpu().double().requires_grad_(True) for t in x]
+    cu, cuk = cu_of(queries), cu_of(keys)
+    w = torch.randn(T, Hq, D, dtype=torch.float64, device=DEV)
+    kl_weight = 0.3 * T  # gamma / (T * Hi) independent of T: the KL gradient keeps fp16's range
+
+    if mode == "sparse":
+        bi = random_block_idx(queries, Hi, top_k, Bk, empty_rows=0.02, no_own=0.02,
+                              pos=_apart_positions(keys, queries))
+    elif mode == "select":
+        bi = msa.select_blocks(x[3].detach(), x[4].detach(), top_k, Bk, cu_seqlens=cu,
+                               cu_seqlens_k=cuk, sink_blocks=1)
+        assert bi.shape == (T, Hi, top_k) and bi.device == x[0].device
+        bi_cpu = msa.select_blocks(c[3].detach(), c[4].detach(), top_k, Bk, cu_seqlens=cu.cpu(),
+                                   cu_seqlens_k=cuk.cpu(), sink_blocks=1)
+        same = (bi.cpu() == bi_cpu).all(-1).double().mean().item()
+        assert same >= SEL_SAME_ROWS, f"only {same:.4f} of the rows equal the CPU's selection"
+    else:
+        bi = None
+
+    def step(args, cu_q, cu_k, block_idx, select):
+        if mode == "warmup":
+            out, kl, lse = msa.warmup_attention(*args, cu_seqlens=cu_q, cu_seqlens_k=cu_k,
+                                                return_lse=True)
+        elif select:
+            out, kl, lse, sel = msa.sparse_attention(*args, top_k, Bk, cu_seqlens=cu_q,
+                                                     cu_seqlens_k=cu_k, sink_blocks=1,
+                                                     return_lse=True, return_block_idx=True)
+            assert torch.equal(sel, block_idx), "forward's selection and select_blocks differ"
+        else:
+            out, kl, lse = msa.sparse_attention(*args, block_idx=block_idx, block_size=Bk,
+                                                cu_seqlens=cu_q, cu_seqlens_k=cu_k,
+                                                return_lse=True)
+        loss = (out.double() * w.to(out.device)).sum() + kl_weight * kl.double()
+        return out, kl, lse, torch.autograd.grad(loss, args)
+
+    out, kl, lse, g = step(x, cu, cuk, bi, mode == "select")
+    out_c, kl_c, lse_c, g_c = step(c, cu.cpu(), cuk.cpu(), None if bi is None else bi.cpu(), False)
+    check_attention(out.detach(), lse, out_c.detach().to(DEV), lse_c.to(DEV), dtype,
+                    f"{mode}: vs CPU backend")
+    kl, kl_c = float(kl.detach()), float(kl_c.detach())
+    assert abs(kl - kl_c) <= 2e-3 * abs(kl_c) + 1e-6, (kl, kl_c)
+    assert kl_c > 0
+    tol = 3e-2 if dtype == BF16 else 1e-2
+    for name, a, b, rows in zip(("dq", "dk", "dv", "dq_idx", "dk_idx"), g, g_c, (T, Tk, Tk, T, Tk)):
+        assert a.dtype == dtype and a.device == x[0].device and a.shape == b.shape, name
+        assert a.shape[0] == rows, name
+        assert torch.isfinite(a).all(), f"{name}: non-finite values"
+        err = ((a.cpu().double() - b).norm() / b.norm()).item()
+        assert err < tol, f"{mode} {name}: rel-L2 {err:.3e}"
+    kcu = cuk.tolist()
+    for s, n in enumerate(queries):
+        if n == 0 and keys[s] > 0:
+            for name, a in (("dk", g[1]), ("dv", g[2]), ("dk_idx", g[4])):
+                assert (a[kcu[s]:kcu[s + 1]] == 0).all(), f"{name}, sequence {s}: not 0"
+
+    if mode == "sparse":
+        for fwd_pass in ("query_tile", "kv_block", "split"):
+            with torch.no_grad():
+                o, _, l = msa.sparse_attention(*x, block_idx=bi, block_size=Bk, cu_seqlens=cu,
+                                               cu_seqlens_k=cuk, kl_value=False, return_lse=True,
+                                               fwd_pass=fwd_pass)
+            check_attention(o, l, out_c.detach().to(DEV), lse_c.to(DEV), dtype,
+                            f"fwd_pass={fwd_pass}")
