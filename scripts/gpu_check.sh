@@ -55,7 +55,7 @@ bench_args_text="${BENCH_ARGS---with-1m}"
 read -r -a bench_args <<<"$bench_args_text"
 read -r -a gtest_args <<<"${GTEST_ARGS:-}"
 read -r -a pytest_args <<<"${PYTEST_ARGS:-}"
-sanitizer_filter="${SANITIZER_FILTER:-Shapes/CudaVsCpu.*/G1_D128_Di128_Bk128:Shapes/CudaVsCpu.*/G16_D128_Bk128_varlen_fp16:Cuda.AllSequencesEmpty:Cuda.FusedQkvStrides:Cuda.VarlenNanStaysInItsSequence:Cuda.ValueChecks*:Cuda.KlPassOption:Cuda.AutoPassRunsTheChosenPass:Shapes/PagedCudaVsCpu.*/case0:CudaPaged.*}"
+sanitizer_filter="${SANITIZER_FILTER:-Shapes/CudaVsCpu.*/G1_D128_Di128_Bk128:Shapes/CudaVsCpu.*/G16_D128_Bk128_varlen_fp16:Cuda.AllSequencesEmpty:Cuda.FusedQkvStrides:Cuda.VarlenNanStaysInItsSequence:Cuda.ValueChecks*:Cuda.KlPassOption:Cuda.AutoPassRunsTheChosenPass:Shapes/PagedCudaVsCpu.*/case0:CudaPaged.*:Layouts/CudaKeysApart.SparseForwardEachPass/Mixed_G2_Bk64_fp16:Layouts/CudaKeysApart.SparseBackwardEachPass/Mixed_G2_Bk64_fp16:CudaKeysApartValidation.*}"
 budget="${GPU_CHECK_BUDGET:-560}"
 export PYTHONUNBUFFERED=1
 # msa_tests may carry the absolute build path of the machine it was linked on as its runpath:
