@@ -477,8 +477,9 @@ Status seqlens_values(const Check& c, const TensorRef& cu, Problem* prob, const 
 }
 
 // cu_seqlens_k (keys apart from queries, params.h): int32 [nseq+1] with the nseq of cu_seqlens
-// (absent: [2]). Called after the key tensors' shapes (prob->Tk known).
-Status key_seqlens_shape(Check& c, const TensorRef& cu_k, const TensorRef& cu) {
+// (absent: [2]). Called after the key tensors' shapes (prob->Tk known). Every sequence has at
+// least as many keys as queries, so Tk >= T, which the shapes show before any value is read.
+Status key_seqlens_shape(Check& c, const TensorRef& cu_k, const TensorRef& cu, const Problem& prob) {
   if (!cu_k.defined()) return Status::Ok();
   MSA_TRY(c.tensor("cu_seqlens_k", cu_k, 1, false));
   MSA_TRY(c.dtype("cu_seqlens_k", cu_k, DType::kInt32));
@@ -487,6 +488,10 @@ Status key_seqlens_shape(Check& c, const TensorRef& cu_k, const TensorRef& cu) {
     return c.fail("cu_seqlens_k", "expected shape [nseq+1] = [" + std::to_string(want) + "] (" +
                                       (cu.defined() ? "that of cu_seqlens" : "one sequence: cu_seqlens is not given") +
                                       "), got " + shape_str(cu_k));
+  if (prob.Tk < prob.T)
+    return c.fail("cu_seqlens_k", "the key tensors hold Tk = " + std::to_string(prob.Tk) + " rows, fewer than the T = " +
+                                      std::to_string(prob.T) +
+                                      " queries: every sequence's queries are the last positions of its keys");
   return Status::Ok();
 }
 
@@ -749,7 +754,7 @@ Status validate(const SelectParams& p, Problem* prob) {
   if (p.lse_idx.defined())
     MSA_TRY(out_tensor(c, "lse_idx", p.lse_idx, DType::kFloat32, {prob->T, prob->Hi}, "[T, Hi]"));
   MSA_TRY(seqlens_shape(c, p.cu_seqlens));
-  MSA_TRY(key_seqlens_shape(c, p.cu_seqlens_k, p.cu_seqlens));
+  MSA_TRY(key_seqlens_shape(c, p.cu_seqlens_k, p.cu_seqlens, *prob));
   MSA_TRY(c.no_aliasing());
   MSA_TRY(seqlens_values(c, p.cu_seqlens, prob));
   return key_seqlens_values(c, p.cu_seqlens_k, prob);
@@ -782,7 +787,7 @@ Status validate(const ForwardParams& p, Problem* prob) {
   MSA_TRY(out_tensor(c, "lse", p.lse, DType::kFloat32, {prob->T, prob->Hq}, "[T, Hq]"));
   if (p.kl.defined()) MSA_TRY(scalar_out(c, "kl", p.kl));
   MSA_TRY(seqlens_shape(c, p.cu_seqlens));
-  MSA_TRY(key_seqlens_shape(c, p.cu_seqlens_k, p.cu_seqlens));
+  MSA_TRY(key_seqlens_shape(c, p.cu_seqlens_k, p.cu_seqlens, *prob));
   MSA_TRY(c.no_aliasing());  // the layout is all checked: the values of inputs come last
   MSA_TRY(seqlens_values(c, p.cu_seqlens, prob));
   std::vector<int64_t> start;
@@ -830,7 +835,7 @@ Status validate(const BackwardParams& p, Problem* prob) {
                        apart ? "[Tk, Hik, Di]" : "[T, Hik, Di]"));
   if (p.kl_grad.defined()) MSA_TRY(in_tensor(c, "kl_grad", p.kl_grad, DType::kFloat32, {1}, "[1]"));
   MSA_TRY(seqlens_shape(c, p.cu_seqlens));
-  MSA_TRY(key_seqlens_shape(c, p.cu_seqlens_k, p.cu_seqlens));
+  MSA_TRY(key_seqlens_shape(c, p.cu_seqlens_k, p.cu_seqlens, *prob));
   MSA_TRY(c.no_aliasing());  // the layout is all checked: the values of inputs come last
   MSA_TRY(seqlens_values(c, p.cu_seqlens, prob));
   std::vector<int64_t> start;
@@ -858,7 +863,7 @@ Status validate(const KlParams& p, Problem* prob) {
   if (p.kl_rows.defined())
     MSA_TRY(out_tensor(c, "kl_rows", p.kl_rows, DType::kFloat32, {prob->T, prob->Hi}, "[T, Hi]"));
   MSA_TRY(seqlens_shape(c, p.cu_seqlens));
-  MSA_TRY(key_seqlens_shape(c, p.cu_seqlens_k, p.cu_seqlens));
+  MSA_TRY(key_seqlens_shape(c, p.cu_seqlens_k, p.cu_seqlens, *prob));
   MSA_TRY(c.no_aliasing());  // the layout is all checked: the values of inputs come last
   MSA_TRY(seqlens_values(c, p.cu_seqlens, prob));
   std::vector<int64_t> start;

@@ -1240,8 +1240,9 @@ HostTensor to_whole_rows(const HostTensor& got, const ApartInputs& a, int64_t Tk
 // A caller's block_idx [T, Hi, k] for the queries at their positions: every row its own block
 // blk(pos) and up to k - 1 distinct random earlier blocks, ascending, then -1 padding. With
 // `scramble` the rows are also shuffled (-1 anywhere), a few empty (lse -inf, out 0) and a few
-// without their own block, every form a caller may pass (contract §3).
-HostTensor apart_block_idx(const ApartInputs& a, const Config& c, uint64_t seed, bool scramble) {
+// without their own block, every form a caller may pass (contract §3). `full`: every row holds
+// min(k, blk(pos) + 1) blocks (no shorter rows).
+HostTensor apart_block_idx(const ApartInputs& a, const Config& c, uint64_t seed, bool scramble, bool full = false) {
   HostTensor bi(DType::kInt32, {a.Tq, c.Hi, c.k});
   std::mt19937_64 rng(seed);
   std::uniform_real_distribution<double> u(0, 1);
@@ -1252,7 +1253,7 @@ HostTensor apart_block_idx(const ApartInputs& a, const Config& c, uint64_t seed,
       for (int b = 0; b < own; ++b) earlier[b] = b;
       std::shuffle(earlier.begin(), earlier.end(), rng);
       int take = std::min<int>(c.k - 1, own);
-      if (take > 0 && u(rng) < 0.2) take = static_cast<int>(u(rng) * take);  // fewer blocks
+      if (!full && take > 0 && u(rng) < 0.2) take = static_cast<int>(u(rng) * take);  // fewer blocks
       std::vector<int> row(earlier.begin(), earlier.begin() + take);
       row.push_back(own);
       std::sort(row.begin(), row.end());
@@ -1400,6 +1401,12 @@ const ApartCase kApartCases[] = {
     // Every sequence's keys are its queries (cu_seqlens_k holds cu_seqlens's values).
     {"KeysAreQueries_G4_Bk128", shape({799, 0, 113, 1}, 8, 2, 128, 2, 1, 128, 128, 4, kBf16, 57), {799, 0, 113, 1},
      true, false},
+    // One query alone in each of four sequences, all 16 blocks of its keys selected (full rows):
+    // every selection is a record of its own, so the records (4 x Hi 4 x k 16 = 256) fill the
+    // teacher route's one pass to its end, and the keys of the last sequence, without queries,
+    // lie past it; their dk, dv must still be written (zeros).
+    {"LoneQueries_TrailingKeys_G2_Bk128", shape({2048, 2048, 2048, 2048, 64}, 8, 2, 128, 4, 1, 128, 128, 16, kBf16, 58),
+     {1, 1, 1, 1, 0}, false, false},
 };
 
 class CudaKeysApart : public ::testing::TestWithParam<ApartCase> {
@@ -1807,6 +1814,17 @@ TEST_P(CudaKeysApart, SparseBackwardEachPass) {
     gpu_backward(Mode::kSparse, &bi, b, kl, klw, 1.5f, DqPass::kFromDs, KlPass::kAuto, 0, 0, false, &st);
     EXPECT_EQ(st.code, StatusCode::kNotSupported) << what("kFromDs where it cannot run") << st.message;
     EXPECT_NE(st.message.find("argument 'dq_pass'"), std::string::npos) << st.message;
+  }
+  {
+    // Full rows (no shorter ones): where the queries' sequences hold one query each, the
+    // records fill the teacher route's passes to their end (LoneQueries_TrailingKeys).
+    HostTensor full = apart_block_idx(a(), c, c.seed + 16, false, true);
+    BwdCase bf = bwd_case(Mode::kSparse, &full);
+    const BwdResult ref_full = cpu().backward(&full, Mode::kSparse, bf.fwd, bf.dout_w, 1.5 * klw);
+    for (const DqPass dq : {DqPass::kQueryTile, DqPass::kAuto}) {
+      const GpuGrads g = gpu_backward(Mode::kSparse, &full, bf, kl, klw, 1.5f, dq, KlPass::kAuto, 0, 0);
+      expect_grads(g, ref_full, kl, dq == DqPass::kAuto ? "full rows, dq kAuto:" : "full rows, dq kQueryTile:");
+    }
   }
   const GpuGrads d1 = gpu_backward(Mode::kSparse, &bi, b, kl, klw, 1.5f, DqPass::kAuto, KlPass::kAuto, 0, 0, true);
   const GpuGrads d2 = gpu_backward(Mode::kSparse, &bi, b, kl, klw, 1.5f, DqPass::kAuto, KlPass::kAuto, 0, 0, true);

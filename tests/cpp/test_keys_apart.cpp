@@ -386,6 +386,18 @@ TEST(KeysApartValidation, NamesTheArgument) {
     refused(fp, "v", "v's rows not k's");
   }
   {
+    // Fewer key rows than queries (seen from the shapes, before any value): Tk = Tq - 1.
+    HostTensor k2(c.dtype, {a.Tq - 1, c.Hkv, c.D}), v2(c.dtype, {a.Tq - 1, c.Hkv, c.D});
+    HostTensor t = offsets({0, a.Tq - 1, a.Tq - 1, a.Tq - 1, a.Tq - 1, a.Tq - 1, a.Tq - 1});
+    msa::ForwardParams fp = base();
+    fp.k = k2.ref();
+    fp.v = v2.ref();
+    fp.cu_seqlens_k = t.ref();
+    const msa::Status s = msa::forward(fp);
+    EXPECT_NE(s.message.find("fewer than the T = " + std::to_string(a.Tq) + " queries"), std::string::npos) << s.message;
+    refused(fp, "cu_seqlens_k", "Tk < T");
+  }
+  {
     msa::ForwardParams fp = base();
     fp.cu_seqlens = msa::TensorRef{};
     refused(fp, "cu_seqlens_k", "no cu_seqlens, several key sequences");

@@ -195,10 +195,13 @@ __device__ inline bool kv_chunk(const Params& p, WorkItem* it, QueryTile* tile, 
   *begin = min<int64_t>(int64_t(it->c) * p.work.chunk, list->n);
   *end = min<int64_t>(*begin + p.work.chunk, list->n);
   if constexpr (kPasses) {
-    // The pass of the chunk of p.pass_chunk entries that holds this one (its own by default).
+    // The pass of the chunk of p.pass_chunk entries that holds this one (its own by default). An
+    // empty list (a block no token selected, whose dk and dv are zeros) goes with the first pass:
+    // its first record is the next list's, which may lie past the last pass's end.
     const int64_t pc = p.pass_chunk > 0 ? p.pass_chunk : p.work.chunk;
     const int64_t first = list->lo + *begin / pc * pc;
-    if (p.pass_end > 0 && (first < p.pass_first || first >= p.pass_end)) return false;
+    if (p.pass_end > 0 && (list->n == 0 ? p.pass_first != 0 : (first < p.pass_first || first >= p.pass_end)))
+      return false;
   }
   return true;
 }

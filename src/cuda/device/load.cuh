@@ -332,7 +332,7 @@ __device__ inline void load_head_rows(SmemTensor& s, const Element* base, int64_
 template <int kBlockN, int kDim, class StageTensor>
 __device__ inline void zero_tail_rows(StageTensor&& s, int32_t key0, int32_t key_len, int lt, int wg) {
   if (key0 + kBlockN <= key_len) return;
-  const int32_t valid = key_len - key0;
+  const int32_t valid = max(key_len - key0, 0);  // 0: a block past the keys (unchecked lengths)
   constexpr int kChunks = kDim / 8;
   for (int e = lt; e < (kBlockN - valid) * kChunks; e += 128) {
     const int row = valid + e / kChunks, c = e % kChunks;

@@ -228,7 +228,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   auto zero_v_tail = [&](int32_t u, int stage) {
     const int32_t key0 = (p.dense ? u : us.blocks[u]) * kBlockN;
     if (key0 + kBlockN <= tile.key_len) return;
-    const int32_t valid = tile.key_len - key0;
+    const int32_t valid = max(tile.key_len - key0, 0);  // 0: a block past the keys (unchecked lengths)
     constexpr int kChunks = kHeadDim / 8;
     for (int e = tidx % 128; e < (kBlockN - valid) * kChunks; e += 128) {
       const int row = valid + e / kChunks, c = e % kChunks;

@@ -105,8 +105,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int32_t ik = blockIdx.y;
   QueryTile tile = decode_tile(p.cu_seqlens, p.nseq, p.T, p.tile_tokens, tile_id);
   if (tile.count == 0) return;
-  p.paged.place(tile);  // a prefill over paged index keys: the tokens' key positions
-  const int32_t last_block = (tile.pos0 + tile.count - 1) / kBlockN;
+  p.paged.place(tile);  // a prefill over paged index keys, or keys apart: the tokens' key positions
+  // The blocks up to the last token's, inside the sequence's keys: key lengths shorter than the
+  // tokens (unchecked values) skip the blocks past the keys (block 0 stays: the pipeline takes
+  // at least one), whose factors and KV tiles do not exist.
+  const int32_t key_blocks = (tile.key_len + kBlockN - 1) / kBlockN;
+  const int32_t last_block = max(0, min((tile.pos0 + tile.count - 1) / kBlockN, key_blocks - 1));
 
   const int warp = cutlass::canonical_warp_idx_sync();
   const bool producer = warp < 4;
@@ -179,7 +183,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int32_t my_pos = tile.pos0 + my_tok;  // key position (tile.first + my_tok when packed)
   const int32_t own = my_pos / kBlockN;
   const int32_t first_local = max(0, own - p.local_blocks + 1);
-  const int32_t first_cand = p.sink_blocks, end_cand = first_local;  // [sink, first_local)
+  const int32_t first_cand = p.sink_blocks, end_cand = min(first_local, key_blocks);  // [sink, first_local)
   // The row's list holds `slots` candidates: its free slots, and m more to re-rank.
   int32_t free_slots = 0, slots = 0;
   float* my_score = list_score + my_row * list_stride;
@@ -264,7 +268,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // An E4M3 cache's codes (a prefill): each block's maxima times its page's scale.
     const float* k_factor = p.e4m3_keys ? p.e4m3.k_factor + p.key_row0(tile) * p.Hik + ik : nullptr;
     for (int32_t b = 0; b <= last_block; ++b) {
-      const float factor = k_factor != nullptr ? k_factor[int64_t(b) * kBlockN * p.Hik] : 1.f;
+      const float factor = k_factor != nullptr && b < key_blocks ? k_factor[int64_t(b) * kBlockN * p.Hik] : 1.f;
       __syncwarp();  // the list update diverges; wgmma needs the warp converged
       pipe.consumer_wait(state);
       wg_gemm<true>(mma, tSrQ, tSrK(_, _, _, state.index()), tSrS);
@@ -280,7 +284,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     Tensor S2 = make_tensor(tSrS2.data(), acc_rowcol(tSrS2.layout()));
     clear(tSrS2);  // defined before any GEMM is in flight
     const float* k_factor = p.copy.k_factor + p.key_row0(tile) * p.Hik + ik;
-    float factor = k_factor[0];
+    float factor = key_blocks > 0 ? k_factor[0] : 1.f;
     typename Pipeline::PipelineState done = state;  // the stage of the block taken next
     pipe.consumer_wait(state);
     wg_gemm<true>(mma, tSrQ, tSrK(_, _, _, state.index()), tSrS);
