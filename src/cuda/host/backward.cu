@@ -519,7 +519,8 @@ Status kl_divergence(const Problem& prob, const KlParams& p) {
   DeviceGuard guard(p.q.device.index);
   const cudaStream_t stream = static_cast<cudaStream_t>(p.launch.stream);
   void* ws = p.launch.workspace;
-  if (prob.T == 0) {
+  if (prob.T == 0) {  // keys apart: their offsets are still checked, as on the CPU
+    if (prob.keys_apart) MSA_TRY(check_values(fn, prob, p.cu_seqlens, p.cu_seqlens_k, TensorRef{}, p.launch));
     const cudaError_t e = cudaMemsetAsync(p.kl.data, 0, sizeof(float), stream);
     return e == cudaSuccess ? Status::Ok() : cuda_error(fn, e);
   }

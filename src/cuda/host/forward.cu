@@ -123,9 +123,11 @@ Status select_blocks(const Problem& prob, const SelectParams& p) {
   const char* fn = "select_blocks";
   MSA_TRY(can_select(fn, prob, p.q_idx, p.k_idx, p.lse_idx.defined()));
   MSA_TRY(need_bytes(fn, select_fp8_bytes(prob, p.cu_seqlens), p.launch));
-  if (prob.T == 0) return Status::Ok();
+  // No query: nothing to select (keys apart: their offsets are still checked, as on the CPU).
+  if (prob.T == 0 && !prob.keys_apart) return Status::Ok();
   DeviceGuard guard(p.q_idx.device.index);
   MSA_TRY(check_values(fn, prob, p.cu_seqlens, p.cu_seqlens_k, TensorRef{}, p.launch));
+  if (prob.T == 0) return Status::Ok();
   const cudaStream_t stream = static_cast<cudaStream_t>(p.launch.stream);
   SelectArgs a = select_args(prob, p.q_idx, p.k_idx, p.cu_seqlens, p.cu_seqlens_k, p.block_idx);
   if (prob.opts.select_scores == SelectScores::kFp8) set_select_fp8(prob, p.launch.workspace, &a);
@@ -162,7 +164,7 @@ Status attention_forward(const Problem& prob, const ForwardParams& p) {
   }
   // The selection's E4M3 copies are dead before the passes after it use the workspace.
   if (p.select) MSA_TRY(need_bytes(fn, select_fp8_bytes(prob, p.cu_seqlens), p.launch));
-  if (prob.T == 0 && !p.kl.defined()) return Status::Ok();
+  if (prob.T == 0 && !p.kl.defined() && !prob.keys_apart) return Status::Ok();
   DeviceGuard guard(p.q.device.index);
   const bool caller_selection = !dense && !p.select;
   MSA_TRY(check_values(fn, prob, p.cu_seqlens, p.cu_seqlens_k, caller_selection ? p.block_idx : TensorRef{},
