@@ -506,6 +506,117 @@ const CudaCase kCases[] = {
     {"ManySequences_G4_D128_Bk128", shape(many_sequences(), 8, 2, 128, 2, 1, 128, 128, 4, kBf16, 14), true, false},
 };
 
+// ---- One backward call on the GPU, shared by the CUDA-vs-CPU fixtures.
+
+// The device inputs of a call: the queries' tensors (T rows, packed by cu; undefined: one
+// sequence) and the keys' (Tk rows, packed by cu_k where they lie apart from the queries, else
+// undefined and Tk = T).
+struct DeviceCall {
+  msa::TensorRef q, k, v, q_idx, k_idx, cu, cu_k;
+  int64_t T = 0, Tk = 0;
+};
+
+struct GpuGrads {
+  HostTensor dq, dk, dv, dq_idx, dk_idx;
+};
+
+// Inputs of one backward call, identical on both sides: the CPU forward's out (rounded to the
+// dtype) and lse, a random dout.
+struct BwdCase {
+  FwdResult fwd;       // float64 out (rounded values), float32 lse
+  HostTensor out_lo;   // out in the dtype
+  HostTensor dout_lo;  // dout in the dtype
+  HostTensor dout_w;   // the same values in float64
+};
+
+// `fwd`: the CPU forward over the float64 inputs (T query rows).
+BwdCase make_bwd_case(FwdResult fwd, const Config& c, int64_t T) {
+  BwdCase b{std::move(fwd), HostTensor(c.dtype, {T, c.Hq, c.D}), HostTensor(c.dtype, {T, c.Hq, c.D}),
+            HostTensor(DType::kFloat64, {T, c.Hq, c.D})};
+  for (int64_t x = 0; x < b.out_lo.numel(); ++x) {
+    b.out_lo.set(x, b.fwd.out.get(x));
+    b.fwd.out.set(x, b.out_lo.get(x));
+  }
+  std::mt19937_64 rng(c.seed * 31 + 7);
+  randomize_nonzero(b.dout_lo, rng, 1.0);
+  for (int64_t x = 0; x < b.dout_lo.numel(); ++x) b.dout_w.set(x, b.dout_lo.get(x));
+  return b;
+}
+
+// The options a backward call sets beyond the problem's.
+struct BwdRun {
+  bool deterministic = false;
+  msa::KlPass kl_pass = msa::KlPass::kAuto;
+  int64_t teacher_bytes = 0;  // Options.kl_teacher_bytes
+  msa::DqPass dq_pass = msa::DqPass::kAuto;
+  int32_t bwd_chunk = 0;  // Options.bwd_chunk_tokens
+};
+
+// backward on the GPU into poisoned gradients (dk, dv, dk_idx: Tk rows) over a poisoned
+// workspace, with `opts` (the problem's, for `mode`) and `run`; the KL branch with gamma =
+// kl_weight * kl_grad[0] (kl_grad on the device) when `kl`. With `status` a failed call returns
+// its status there (and empty gradients) instead of failing the test.
+GpuGrads gpu_backward_call(const DeviceCall& in, const Config& c, msa::Options opts, Mode mode, HostTensor* bi,
+                           const BwdCase& b, bool kl, float kl_weight, float kl_grad, const BwdRun& run,
+                           cudaStream_t s, msa::Status* status) {
+  HostTensor out_lo = b.out_lo, dout_lo = b.dout_lo, lse = b.fwd.lse;
+  DeviceTensor out = DeviceTensor::upload(out_lo, s), dout = DeviceTensor::upload(dout_lo, s);
+  DeviceTensor dlse = DeviceTensor::upload(lse, s);
+  DeviceTensor dbi;
+  if (mode == Mode::kSparse) dbi = DeviceTensor::upload(*bi, s);
+  HostTensor g_host(DType::kFloat32, {1});
+  g_host.set(0, kl_grad);
+  DeviceTensor dgrad = DeviceTensor::upload(g_host, s);
+  DeviceTensor dq = DeviceTensor::poisoned(c.dtype, {in.T, c.Hq, c.D}, s);
+  DeviceTensor dk = DeviceTensor::poisoned(c.dtype, {in.Tk, c.Hkv, c.D}, s);
+  DeviceTensor dv = DeviceTensor::poisoned(c.dtype, {in.Tk, c.Hkv, c.D}, s);
+  DeviceTensor dqi = DeviceTensor::poisoned(c.dtype, {in.T, c.Hi, c.Di}, s);
+  DeviceTensor dki = DeviceTensor::poisoned(c.dtype, {in.Tk, c.Hik, c.Di}, s);
+  msa::BackwardParams bp;
+  bp.q = in.q;
+  bp.k = in.k;
+  bp.v = in.v;
+  bp.out = out.ref();
+  bp.lse = dlse.ref();
+  bp.dout = dout.ref();
+  bp.cu_seqlens = in.cu;
+  bp.cu_seqlens_k = in.cu_k;
+  if (mode == Mode::kSparse) bp.block_idx = dbi.ref();
+  bp.dq = dq.ref();
+  bp.dk = dk.ref();
+  bp.dv = dv.ref();
+  if (kl) {
+    bp.q_idx = in.q_idx;
+    bp.k_idx = in.k_idx;
+    bp.dq_idx = dqi.ref();
+    bp.dk_idx = dki.ref();
+    bp.kl_grad = dgrad.ref();
+    bp.kl_weight = kl_weight;
+  }
+  bp.opts = opts;
+  bp.opts.deterministic = run.deterministic;
+  bp.opts.kl_pass = run.kl_pass;
+  bp.opts.kl_teacher_bytes = run.teacher_bytes;
+  bp.opts.dq_pass = run.dq_pass;
+  bp.opts.bwd_chunk_tokens = run.bwd_chunk;
+  bp.launch.stream = s;
+  const size_t ws_bytes = msa::workspace_size(bp);
+  DeviceTensor ws = DeviceTensor::poisoned(DType::kInt32, {static_cast<int64_t>((ws_bytes + 3) / 4)}, s);
+  bp.launch.workspace = ws.ref().data;
+  bp.launch.workspace_bytes = ws_bytes;
+  const msa::Status st = msa::backward(bp);
+  if (status != nullptr) {
+    *status = st;
+    if (!st.ok()) {
+      CUDA_CHECK(cudaStreamSynchronize(s));
+      return {};
+    }
+  } else {
+    require_ok(st);
+  }
+  return {dq.download(s), dk.download(s), dv.download(s), dqi.download(s), dki.download(s)};
+}
+
 class CudaVsCpu : public ::testing::TestWithParam<CudaCase> {
  protected:
   void SetUp() override {
@@ -571,91 +682,18 @@ class CudaVsCpu : public ::testing::TestWithParam<CudaCase> {
     return r;
   }
 
-  struct GpuGrads {
-    HostTensor dq, dk, dv, dq_idx, dk_idx;
-  };
+  // The CPU forward's out and lse and a random dout: the inputs of one backward call.
+  BwdCase bwd_case(Mode mode, HostTensor* bi) { return make_bwd_case(run_forward(wide(), bi, mode, false), cfg(), p().T); }
 
-  // Inputs of one backward call, identical on both sides: the CPU forward's out (rounded to the
-  // dtype) and lse, a random dout. `ref` receives the CPU backward on the float64 copy.
-  struct BwdCase {
-    FwdResult fwd;        // float64 out (rounded values), float32 lse
-    HostTensor out_lo;    // out in the dtype
-    HostTensor dout_lo;   // dout in the dtype
-    HostTensor dout_w;    // the same values in float64
-  };
-  BwdCase bwd_case(Mode mode, HostTensor* bi) {
-    BwdCase b{run_forward(wide(), bi, mode, false), HostTensor(cfg().dtype, {p().T, cfg().Hq, cfg().D}),
-              HostTensor(cfg().dtype, {p().T, cfg().Hq, cfg().D}), HostTensor(DType::kFloat64, {p().T, cfg().Hq, cfg().D})};
-    for (int64_t x = 0; x < b.out_lo.numel(); ++x) {
-      b.out_lo.set(x, b.fwd.out.get(x));
-      b.fwd.out.set(x, b.out_lo.get(x));
-    }
-    std::mt19937_64 rng(cfg().seed * 31 + 7);
-    randomize_nonzero(b.dout_lo, rng, 1.0);
-    for (int64_t x = 0; x < b.dout_lo.numel(); ++x) b.dout_w.set(x, b.dout_lo.get(x));
-    return b;
-  }
-
-  // backward on the GPU, outputs poisoned first; the KL branch with gamma = kl_weight * kl_grad[0]
-  // (kl_grad on the device) when `kl`, by Options.kl_pass `pass` (kl_teacher_bytes: `teacher_bytes`).
+  // backward on the GPU (gpu_backward_call) over the device inputs.
   GpuGrads gpu_backward(Mode mode, HostTensor* bi, const BwdCase& b, bool kl, float kl_weight, float kl_grad,
                         bool deterministic = false, msa::Status* status = nullptr,
                         msa::KlPass pass = msa::KlPass::kAuto, int64_t teacher_bytes = 0,
                         msa::DqPass dq_pass = msa::DqPass::kAuto, int32_t bwd_chunk = 0) {
-    const Config& c = cfg();
-    const int64_t T = p().T;
-    HostTensor out_lo = b.out_lo, dout_lo = b.dout_lo, lse = b.fwd.lse;
-    DeviceTensor out = DeviceTensor::upload(out_lo, s()), dout = DeviceTensor::upload(dout_lo, s());
-    DeviceTensor dlse = DeviceTensor::upload(lse, s());
-    DeviceTensor dbi;
-    if (mode == Mode::kSparse) dbi = DeviceTensor::upload(*bi, s());
-    HostTensor g_host(DType::kFloat32, {1});
-    g_host.set(0, kl_grad);
-    DeviceTensor dgrad = DeviceTensor::upload(g_host, s());
-    DeviceTensor dq = DeviceTensor::poisoned(c.dtype, {T, c.Hq, c.D}, s());
-    DeviceTensor dk = DeviceTensor::poisoned(c.dtype, {T, c.Hkv, c.D}, s());
-    DeviceTensor dv = DeviceTensor::poisoned(c.dtype, {T, c.Hkv, c.D}, s());
-    DeviceTensor dqi = DeviceTensor::poisoned(c.dtype, {T, c.Hi, c.Di}, s());
-    DeviceTensor dki = DeviceTensor::poisoned(c.dtype, {T, c.Hik, c.Di}, s());
-    msa::BackwardParams bp;
-    bp.q = dev_->q.ref();
-    bp.k = dev_->k.ref();
-    bp.v = dev_->v.ref();
-    bp.out = out.ref();
-    bp.lse = dlse.ref();
-    bp.dout = dout.ref();
-    if (!GetParam().no_cu_seqlens) bp.cu_seqlens = dev_->cu.ref();
-    if (mode == Mode::kSparse) bp.block_idx = dbi.ref();
-    bp.dq = dq.ref();
-    bp.dk = dk.ref();
-    bp.dv = dv.ref();
-    if (kl) {
-      bp.q_idx = dev_->q_idx.ref();
-      bp.k_idx = dev_->k_idx.ref();
-      bp.dq_idx = dqi.ref();
-      bp.dk_idx = dki.ref();
-      bp.kl_grad = dgrad.ref();
-      bp.kl_weight = kl_weight;
-    }
-    bp.opts = p().options(mode);
-    bp.opts.deterministic = deterministic;
-    bp.opts.kl_pass = pass;
-    bp.opts.kl_teacher_bytes = teacher_bytes;
-    bp.opts.dq_pass = dq_pass;
-    bp.opts.bwd_chunk_tokens = bwd_chunk;
-    bp.launch.stream = s();
-    const size_t ws_bytes = msa::workspace_size(bp);
-    DeviceTensor ws(DType::kInt32, {static_cast<int64_t>((ws_bytes + 3) / 4)});
-    bp.launch.workspace = ws.ref().data;
-    bp.launch.workspace_bytes = ws_bytes;
-    const msa::Status st = msa::backward(bp);
-    if (status != nullptr) {
-      *status = st;
-      if (!st.ok()) return {};
-    } else {
-      require_ok(st);
-    }
-    return {dq.download(s()), dk.download(s()), dv.download(s()), dqi.download(s()), dki.download(s())};
+    DeviceCall in{dev_->q.ref(), dev_->k.ref(), dev_->v.ref(), dev_->q_idx.ref(), dev_->k_idx.ref(), {}, {}, p().T, p().T};
+    if (!GetParam().no_cu_seqlens) in.cu = dev_->cu.ref();
+    const BwdRun run{deterministic, pass, teacher_bytes, dq_pass, bwd_chunk};
+    return gpu_backward_call(in, cfg(), p().options(mode), mode, bi, b, kl, kl_weight, kl_grad, run, s(), status);
   }
 
  private:
@@ -857,6 +895,18 @@ int64_t differing(const HostTensor& a, const HostTensor& b) {
   return diff;
 }
 
+// The gradients of two calls equal bit for bit (the index gradients where `kl`); a failure names
+// the gradient, `where` (the test's case) and `why`.
+void expect_same_grads(const GpuGrads& a, const GpuGrads& b, bool kl, const std::string& where, const std::string& why) {
+  const std::tuple<const HostTensor*, const HostTensor*, const char*> same[] = {
+      {&a.dq, &b.dq, "dq"}, {&a.dk, &b.dk, "dk"}, {&a.dv, &b.dv, "dv"},
+      {&a.dq_idx, &b.dq_idx, "dq_idx"}, {&a.dk_idx, &b.dk_idx, "dk_idx"}};
+  for (auto [x, y, name] : same) {
+    if (!kl && std::string(name).find("idx") != std::string::npos) continue;
+    EXPECT_EQ(differing(*x, *y), 0) << name << " " << where << ": " << why;
+  }
+}
+
 // backward over a caller's block_idx: dq, dk, dv and (Di == D) dq_idx, dk_idx with
 // gamma = 0.5 * 1.5 against the CPU backend on the same out, lse and dout.
 TEST_P(CudaVsCpu, BackwardGivenBlockIdx) {
@@ -885,11 +935,7 @@ TEST_P(CudaVsCpu, BackwardGivenBlockIdx) {
       // kTeacher in passes of a few records (the least workspace: one chunk per pass) gives the
       // bits of one pass: each CTA's work is the same, and the sums are integers.
       const GpuGrads t = gpu_backward(Mode::kSparse, &bi, b, true, 0.5f, 1.5f, false, nullptr, msa::KlPass::kTeacher, 1);
-      const std::tuple<const HostTensor*, const HostTensor*, const char*> same[] = {
-          {&g.dq, &t.dq, "dq"}, {&g.dk, &t.dk, "dk"}, {&g.dv, &t.dv, "dv"},
-          {&g.dq_idx, &t.dq_idx, "dq_idx"}, {&g.dk_idx, &t.dk_idx, "dk_idx"}};
-      for (auto [x, y, name] : same)
-        EXPECT_EQ(differing(*x, *y), 0) << what(name) << ": kTeacher in many passes differs from one pass";
+      expect_same_grads(g, t, true, what(""), "kTeacher in many passes differs from one pass");
     }
   } else {
     msa::Status st;
@@ -941,13 +987,7 @@ TEST_P(CudaVsCpu, BackwardDqPasses) {
   if (kl) EXPECT_EQ(differing(g0.dq_idx, g1.dq_idx), 0) << what("dq_idx") << ": passes of 97 tokens differ from one pass";
   const GpuGrads g2 = gpu_backward(Mode::kSparse, &bi, b, kl, 0.5f, 1.5f, true, nullptr, msa::KlPass::kAuto, 0,
                                    msa::DqPass::kFromDs, 97);
-  const std::tuple<const HostTensor*, const HostTensor*, const char*> same[] = {
-      {&g1.dq, &g2.dq, "dq"}, {&g1.dk, &g2.dk, "dk"}, {&g1.dv, &g2.dv, "dv"},
-      {&g1.dq_idx, &g2.dq_idx, "dq_idx"}, {&g1.dk_idx, &g2.dk_idx, "dk_idx"}};
-  for (auto [x, y, name] : same) {
-    if (!kl && std::string(name).find("idx") != std::string::npos) continue;
-    EXPECT_EQ(differing(*x, *y), 0) << what(name) << ": two calls in passes of 97 tokens differ";
-  }
+  expect_same_grads(g1, g2, kl, what(""), "two calls in passes of 97 tokens differ");
 }
 
 // The warmup backward (kDense): dense causal attention backward and the KL over the full causal
@@ -980,15 +1020,7 @@ TEST_P(CudaVsCpu, BackwardIsBitwiseReproducible) {
   const bool kl = kl_on_gpu(cfg());
   const GpuGrads g1 = gpu_backward(Mode::kSparse, &bi, b, kl, 1.0f, 1.0f, true);
   const GpuGrads g2 = gpu_backward(Mode::kSparse, &bi, b, kl, 1.0f, 1.0f, true);
-  const std::pair<const HostTensor*, const HostTensor*> pairs[] = {
-      {&g1.dq, &g2.dq}, {&g1.dk, &g2.dk}, {&g1.dv, &g2.dv}, {&g1.dq_idx, &g2.dq_idx}, {&g1.dk_idx, &g2.dk_idx}};
-  const char* names[] = {"dq", "dk", "dv", "dq_idx", "dk_idx"};
-  for (int x = 0; x < (kl ? 5 : 3); ++x) {
-    const HostTensor& a = *pairs[x].first;
-    const HostTensor& c = *pairs[x].second;
-    ASSERT_EQ(a.numel(), c.numel());
-    EXPECT_EQ(differing(a, c), 0) << what(names[x]) << ": elements that differ between two runs";
-  }
+  expect_same_grads(g1, g2, kl, what(""), "elements that differ between two runs");
 }
 
 // The exact KL value: forward with kl on the GPU, and kl_divergence's per-row terms, against the CPU.
@@ -1508,95 +1540,19 @@ class CudaKeysApart : public ::testing::TestWithParam<ApartCase> {
     return r;
   }
 
-  // Inputs of one backward call, identical on both sides: the CPU forward's out (rounded to the
-  // dtype) and lse, a random dout.
-  struct BwdCase {
-    FwdResult fwd;       // float64 out (rounded values), float32 lse
-    HostTensor out_lo;   // out in the dtype
-    HostTensor dout_lo;  // dout in the dtype
-    HostTensor dout_w;   // the same values in float64
-  };
-  BwdCase bwd_case(Mode mode, HostTensor* bi) {
-    const Config& c = cfg();
-    BwdCase b{cpu().forward(bi, mode, false), HostTensor(c.dtype, {T(), c.Hq, c.D}),
-              HostTensor(c.dtype, {T(), c.Hq, c.D}), HostTensor(DType::kFloat64, {T(), c.Hq, c.D})};
-    for (int64_t x = 0; x < b.out_lo.numel(); ++x) {
-      b.out_lo.set(x, b.fwd.out.get(x));
-      b.fwd.out.set(x, b.out_lo.get(x));
-    }
-    std::mt19937_64 rng(c.seed * 31 + 7);
-    randomize_nonzero(b.dout_lo, rng, 1.0);
-    for (int64_t x = 0; x < b.dout_lo.numel(); ++x) b.dout_w.set(x, b.dout_lo.get(x));
-    return b;
-  }
+  // The CPU forward's out and lse and a random dout: the inputs of one backward call.
+  BwdCase bwd_case(Mode mode, HostTensor* bi) { return make_bwd_case(cpu().forward(bi, mode, false), cfg(), T()); }
 
-  struct GpuGrads {
-    HostTensor dq, dk, dv, dq_idx, dk_idx;
-  };
-
-  // backward on the GPU into poisoned gradients (dk, dv, dk_idx: Tk rows); the KL branch with
-  // gamma = kl_weight * kl_grad[0] (kl_grad on the device) when `kl`. With `status` a failed
-  // call returns its status there (and empty gradients) instead of failing the test.
+  // backward on the GPU (gpu_backward_call) over the queries and the keys apart (dk, dv, dk_idx:
+  // Tk rows).
   GpuGrads gpu_backward(Mode mode, HostTensor* bi, const BwdCase& b, bool kl, float kl_weight, float kl_grad,
                         msa::DqPass dq_pass = msa::DqPass::kAuto, msa::KlPass kl_pass = msa::KlPass::kAuto,
                         int32_t bwd_chunk = 0, int64_t teacher_bytes = 0, bool deterministic = false,
                         msa::Status* status = nullptr) {
-    const Config& c = cfg();
-    HostTensor out_lo = b.out_lo, dout_lo = b.dout_lo, lse = b.fwd.lse;
-    DeviceTensor out = DeviceTensor::upload(out_lo, s()), dout = DeviceTensor::upload(dout_lo, s());
-    DeviceTensor dlse = DeviceTensor::upload(lse, s());
-    DeviceTensor dbi;
-    if (mode == Mode::kSparse) dbi = DeviceTensor::upload(*bi, s());
-    HostTensor g_host(DType::kFloat32, {1});
-    g_host.set(0, kl_grad);
-    DeviceTensor dgrad = DeviceTensor::upload(g_host, s());
-    DeviceTensor dq = DeviceTensor::poisoned(c.dtype, {T(), c.Hq, c.D}, s());
-    DeviceTensor dk = DeviceTensor::poisoned(c.dtype, {Tk(), c.Hkv, c.D}, s());
-    DeviceTensor dv = DeviceTensor::poisoned(c.dtype, {Tk(), c.Hkv, c.D}, s());
-    DeviceTensor dqi = DeviceTensor::poisoned(c.dtype, {T(), c.Hi, c.Di}, s());
-    DeviceTensor dki = DeviceTensor::poisoned(c.dtype, {Tk(), c.Hik, c.Di}, s());
-    msa::BackwardParams bp;
-    bp.q = q_.ref();
-    bp.k = k_.ref();
-    bp.v = v_.ref();
-    bp.out = out.ref();
-    bp.lse = dlse.ref();
-    bp.dout = dout.ref();
-    offsets(&bp.cu_seqlens, &bp.cu_seqlens_k);
-    if (mode == Mode::kSparse) bp.block_idx = dbi.ref();
-    bp.dq = dq.ref();
-    bp.dk = dk.ref();
-    bp.dv = dv.ref();
-    if (kl) {
-      bp.q_idx = q_idx_.ref();
-      bp.k_idx = k_idx_.ref();
-      bp.dq_idx = dqi.ref();
-      bp.dk_idx = dki.ref();
-      bp.kl_grad = dgrad.ref();
-      bp.kl_weight = kl_weight;
-    }
-    bp.opts = p().options(mode);
-    bp.opts.deterministic = deterministic;
-    bp.opts.kl_pass = kl_pass;
-    bp.opts.kl_teacher_bytes = teacher_bytes;
-    bp.opts.dq_pass = dq_pass;
-    bp.opts.bwd_chunk_tokens = bwd_chunk;
-    bp.launch.stream = s();
-    const size_t ws_bytes = msa::workspace_size(bp);
-    DeviceTensor ws = DeviceTensor::poisoned(DType::kInt32, {static_cast<int64_t>((ws_bytes + 3) / 4)}, s());
-    bp.launch.workspace = ws.ref().data;
-    bp.launch.workspace_bytes = ws_bytes;
-    const msa::Status st = msa::backward(bp);
-    if (status != nullptr) {
-      *status = st;
-      if (!st.ok()) {
-        CUDA_CHECK(cudaStreamSynchronize(s()));
-        return {};
-      }
-    } else {
-      require_ok(st);
-    }
-    return {dq.download(s()), dk.download(s()), dv.download(s()), dqi.download(s()), dki.download(s())};
+    DeviceCall in{q_.ref(), k_.ref(), v_.ref(), q_idx_.ref(), k_idx_.ref(), {}, {}, T(), Tk()};
+    offsets(&in.cu, &in.cu_k);
+    const BwdRun run{deterministic, kl_pass, teacher_bytes, dq_pass, bwd_chunk};
+    return gpu_backward_call(in, cfg(), p().options(mode), mode, bi, b, kl, kl_weight, kl_grad, run, s(), status);
   }
 
   // A KL weight of `per_row` per query row (gamma / (N * Hi) does not shrink with N): the KL
@@ -1829,13 +1785,7 @@ TEST_P(CudaKeysApart, SparseBackwardEachPass) {
   const GpuGrads d1 = gpu_backward(Mode::kSparse, &bi, b, kl, klw, 1.5f, DqPass::kAuto, KlPass::kAuto, 0, 0, true);
   const GpuGrads d2 = gpu_backward(Mode::kSparse, &bi, b, kl, klw, 1.5f, DqPass::kAuto, KlPass::kAuto, 0, 0, true);
   expect_grads(d1, ref, kl, "deterministic:");
-  const std::tuple<const HostTensor*, const HostTensor*, const char*> same[] = {
-      {&d1.dq, &d2.dq, "dq"}, {&d1.dk, &d2.dk, "dk"}, {&d1.dv, &d2.dv, "dv"},
-      {&d1.dq_idx, &d2.dq_idx, "dq_idx"}, {&d1.dk_idx, &d2.dk_idx, "dk_idx"}};
-  for (auto [x, y, name] : same) {
-    if (!kl && std::string(name).find("idx") != std::string::npos) continue;
-    EXPECT_EQ(differing(*x, *y), 0) << what(name) << ": two deterministic calls differ";
-  }
+  expect_same_grads(d1, d2, kl, what(""), "two deterministic calls differ");
 }
 
 // The warmup backward (kDense) over keys apart, the KL over the full causal support (gamma =
