@@ -16,6 +16,8 @@
 #   bench      bench/bench_forward.py                  -> bench.log, bench.csv, bench.json
 #   bench_bwd  bench/bench_backward.py (training step)  -> bench_bwd.log, bench_bwd.csv
 #   bench_serving  bench/bench_serving.py (decode, prefill) -> bench_serving.log, .csv, .json
+#   bench_cp   (not by default; two or more GPUs) bench/bench_cp.py under torchrun over every
+#              visible GPU, NVLink multicast off                    -> bench_cp.log, bench_cp.csv
 # and, where matplotlib is installed, bench/plot_bench.py draws PNGs next to the CSVs.
 # A summary table (stage, result, counts, seconds) and the benchmark's tables come last.
 #
@@ -29,6 +31,8 @@
 #   BENCH_ARGS        arguments of the benchmark (default --with-1m; --quick for a smoke run)
 #   BENCH_BWD_ARGS    arguments of the training benchmark (default none)
 #   BENCH_SERVING_ARGS  arguments of the serving benchmark (default none)
+#   BENCH_CP_ARGS     arguments of the context-parallel benchmark (default --quick; e.g.
+#                     "--call keys --lengths 256K,512K" or "--call keys --fit 1M,1536K,2M")
 #   STAGES            the stages to run (default: build ptxas gtest pytest memcheck racecheck
 #                     bench bench_bwd bench_serving)
 #   GPU_CHECK_BUDGET  seconds for everything (default 560); each stage also has a cap,
@@ -280,6 +284,26 @@ if enabled bench_serving; then
       env PYTHONPATH="$stage_dir" "$PY" bench/bench_serving.py "${bench_serving_args[@]}" --out "$OUT/bench_serving"
     note bench_serving "$(result_of "$rc")" "args: ${BENCH_SERVING_ARGS:-none}" "$stage_seconds"
     [ "$rc" -ne 0 ] && failures+=("bench_serving $OUT/bench_serving.log")
+  fi
+fi
+
+# ---- bench_cp -----------------------------------------------------------------------------
+if enabled bench_cp; then
+  : >"$OUT/bench_cp.log"
+  read -r -a bench_cp_args <<<"${BENCH_CP_ARGS---quick}"
+  ngpu=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+  if [ "$binding_ok" -ne 1 ]; then
+    note bench_cp skipped "no binding built" 0
+    failed=1
+  elif [ "${ngpu:-0}" -lt 2 ]; then
+    note bench_cp skipped "needs 2 or more GPUs, $ngpu visible" 0
+  else
+    run_stage bench_cp "$OUT/bench_cp.log" "${BENCH_CP_TIMEOUT:-400}" 0 \
+      env PYTHONPATH="$stage_dir" NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
+      "$PY" -m torch.distributed.run --standalone --nproc-per-node "$ngpu" bench/bench_cp.py \
+      "${bench_cp_args[@]}" --out "$OUT/bench_cp"
+    note bench_cp "$(result_of "$rc")" "$ngpu GPUs, args: ${BENCH_CP_ARGS---quick}" "$stage_seconds"
+    [ "$rc" -ne 0 ] && failures+=("bench_cp $OUT/bench_cp.log")
   fi
 fi
 
