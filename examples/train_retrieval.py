@@ -42,6 +42,11 @@ per KV head stays at 0.73-0.78; its sparse step, though, takes about the dense s
 curriculum without its 16384 stage, ``--steps 1550 --seed 1 --idx-heads 4``) the three models
 took 4.6 minutes, all at full accuracy, the warmup model's index holding 82% of the teacher's
 attention; there the sparse step is 1.11x the dense one's time.
+
+``--compile`` runs each model's training forward through torch.compile (all three alike: the
+elementwise work around the attention, norms, rotary embeddings and projections, fused; a
+recompile at each new length and at the switch to sparse mode, whose time the first steps of
+that stage include).
 """
 
 import argparse
@@ -325,6 +330,8 @@ def run(args) -> Dict:
     for name in args.models.split(","):
         model = base
         model.load_state_dict(init)
+        # --compile: the same module through torch.compile (its mode attributes are guarded)
+        train_fwd = torch.compile(model) if args.compile else model
         # the index projections learn only from the KL; --idx-lr-mult scales their step
         idx = [p for n, p in model.named_parameters() if "_idx_proj" in n]
         main = [p for n, p in model.named_parameters() if "_idx_proj" not in n]
@@ -348,7 +355,7 @@ def run(args) -> Dict:
             for g in opt.param_groups:
                 g["lr"] = lr_at(args, step, L) * g["lr_mult"]
             with amp():
-                logits, aux = model(x, ans_pos)
+                logits, aux = train_fwd(x, ans_pos)
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
             opt.zero_grad(set_to_none=True)
             (loss + aux).backward()
@@ -486,6 +493,9 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="write PREFIX.csv, PREFIX.json, PREFIX.png")
     p.add_argument("--tiny", action="store_true", help="a small CPU configuration (seconds)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each model's training forward (all three alike; it compiles "
+                        "again at a new length or mode; the steps timed then include those)")
     args = p.parse_args(argv)
     if args.tiny:
         args.device = "cpu"
