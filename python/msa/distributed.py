@@ -118,9 +118,9 @@ __all__ = ["sparse_attention", "warmup_attention", "shard_positions", "shard", "
 _LAYOUTS = ("contiguous", "balanced")
 _EXCHANGES = ("selected", "allgather")
 _CALLS = ("keys", "rows")
-# Devices whose backend's call over keys apart from queries (cu_seqlens_k) is verified against
-# the CPU reference: call="auto" takes "keys" there, "rows" elsewhere. (The CUDA backend has the
-# call too, reached with call="keys"; it joins this list once its GPU tests pass.)
+# Devices where call="auto" takes the call over keys apart from queries (cu_seqlens_k), "rows"
+# elsewhere. (The CUDA backend runs that call too, reached with call="keys"; CUDA joins this list
+# once the key call is measured on two GPUs.)
 _KEYS_APART_DEVICES = ("cpu",)
 
 
@@ -1046,8 +1046,8 @@ def sparse_attention(
     queries as they are, over the keys passed apart with ``cu_seqlens_k``: one call sequence
     per run of consecutive positions; no query rows for fetched keys, no copies of ``q``,
     ``out``, ``dout``, ``dq``), "rows" (every gathered key row also a query row, zero and with
-    an empty selection) or "auto" ("keys" where the backend's call over keys apart is verified:
-    the CPU; "rows" on CUDA).
+    an empty selection) or "auto" ("keys" on the CPU; "rows" on CUDA, until the key call is
+    measured on two GPUs).
     ``block_idx`` [n, Hi, k] int32: a caller's selection for this rank's queries (block ids of
     their own sequences, -1 = empty); then no selection runs and ``q_idx``/``k_idx`` may be None
     (no KL). The other options are those of :func:`msa.sparse_attention`.
@@ -1099,15 +1099,14 @@ def warmup_attention(
     rank's prefix takes part, so each rank gathers the K, V (and index key) rows of every
     sequence up to its last query there: from their owners with ``exchange="selected"``, by
     all-gather with ``"allgather"``. It runs on the call over keys apart (``call="keys"`` of
-    :func:`sparse_attention`), verified on the CPU backend; CUDA tensors raise
-    NotImplementedError naming 'q' before anything moves (the CUDA backend's call over keys
-    apart is not verified yet).
+    :func:`sparse_attention`), taken on CPU tensors; CUDA tensors raise NotImplementedError
+    naming 'q' before anything moves (the key call is not yet measured on two GPUs).
     """
     if isinstance(q, Tensor) and q.device.type not in _KEYS_APART_DEVICES:
         raise NotImplementedError(
             f"msa.distributed.warmup_attention: argument 'q': the dense warmup runs on the call "
-            f"over keys apart from queries, which is not verified yet on the backend of "
-            f"{q.device.type} tensors (devices: {', '.join(_KEYS_APART_DEVICES)})")
+            f"over keys apart from queries, which msa.distributed does not take for "
+            f"{q.device.type} tensors yet (devices: {', '.join(_KEYS_APART_DEVICES)})")
     return _run(q, k, v, q_idx, k_idx, None, cu_seqlens, group, True, 1, 128, layout, exchange,
                 0, 1, scale, scale_idx, kl_value, return_lse, False, return_stats, deterministic,
                 kl_pass, "auto", phase_times, "keys")
