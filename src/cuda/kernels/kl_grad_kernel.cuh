@@ -294,11 +294,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       }
     }
     warpgroup_wait<0>();
-    // The dk_idx product reads its A operand, dS, from registers (rDS) until that wait: they
-    // are held to here, so that no value of the dS tile's stores, the dq_idx product or its sums
-    // takes them while the product is in flight (without this, dk_idx rows of lanes 16-19 of
-    // every warp came out wrong under the sanitizers' timing).
-    warpgroup_fence_operand(tDKrDS);
   }
   cp_async_wait_all();
   flush_dk();
