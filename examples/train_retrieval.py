@@ -130,13 +130,14 @@ class Model(nn.Module):
     "dense" runs SDPA on the attention layer's own q, k, v projections; "msa" runs the layer."""
 
     def __init__(self, vocab: int, d: int, layers: int, heads: int, kv_heads: int, block: int,
-                 top_k: int, kl_weight: float, head_dim=None, idx_heads=None):
+                 top_k: int, kl_weight: float, head_dim=None, idx_heads=None,
+                 select_scores: str = "input"):
         super().__init__()
         self.emb = nn.Embedding(vocab, d)
         self.blocks = nn.ModuleList(
             Block(d, MSAAttention(d, heads, kv_heads, head_dim=head_dim, n_idx_heads=idx_heads,
                                   block_size=block, top_k=top_k, sink_blocks=1, local_blocks=2,
-                                  kl_weight=kl_weight))
+                                  kl_weight=kl_weight, select_scores=select_scores))
             for _ in range(layers))
         self.norm = nn.RMSNorm(d)
         self.head = nn.Linear(d, vocab)
@@ -318,7 +319,7 @@ def run(args) -> Dict:
     # and the attention run in bf16 under autocast.
     base = Model(args.vocab, args.d_model, args.layers, args.heads, args.kv_heads,
                  args.block_size, args.top_k, args.kl_weight, args.head_dim or None,
-                 args.idx_heads or None).to(device=device)
+                 args.idx_heads or None, args.select_scores).to(device=device)
     amp = ((lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda"
            else contextlib.nullcontext)
     init = {k: v.clone() for k, v in base.state_dict().items()}
@@ -476,6 +477,10 @@ def main(argv=None) -> int:
     p.add_argument("--idx-heads", type=int, default=0,
                    help="index query heads (0: one per KV head; e.g. 2 per KV head, an index "
                         "head per Hq / Hi query heads, for a sharper teacher)")
+    p.add_argument("--select-scores", choices=("input", "fp8"), default="input",
+                   help="what the sparse models' selection ranks blocks by (MSAAttention's "
+                        "select_scores): the index inputs' own scores, or their E4M3 copies "
+                        "re-ranked (the KL keeps the inputs' scores)")
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--top-k", type=int, default=16)
     p.add_argument("--kl-weight", type=float, default=0.1)
