@@ -15,6 +15,31 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "..", "..", "examples", "train_retrieval.py")
 
 
+def _script():
+    """examples/train_retrieval.py as a module."""
+    spec = importlib.util.spec_from_file_location("train_retrieval", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _eval_rows(mod, argv):
+    """The evaluation rows of mod.main(argv), which must succeed."""
+    out = []
+    real_run = mod.run
+
+    def keep(a):
+        result = real_run(a)
+        out.extend(result["rows"])
+        return result
+    mod.run = keep
+    try:
+        assert mod.main(argv) == 0
+    finally:
+        mod.run = real_run
+    return out
+
+
 def test_train_retrieval_tiny(tmp_path):
     spec = importlib.util.spec_from_file_location("train_retrieval", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
@@ -128,26 +153,9 @@ def test_train_retrieval_compiled_matches_eager():
     """--compile: the MSA model with its warmup phase, through torch.compile (a recompile at the
     second length and at the switch to sparse mode), trains as the eager model does: the same
     training losses and held-out metrics at every evaluation, within float32 reassociation."""
-    spec = importlib.util.spec_from_file_location("train_retrieval", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-
-    def rows(extra):  # the evaluation rows of main(--tiny --models warmup + extra)
-        out = []
-        real_run = mod.run
-
-        def keep(a):
-            result = real_run(a)
-            out.extend(result["rows"])
-            return result
-        mod.run = keep
-        try:
-            assert mod.main(["--tiny", "--models", "warmup"] + extra) == 0
-        finally:
-            mod.run = real_run
-        return out
-
-    eager, compiled = rows([]), rows(["--compile"])
+    mod = _script()
+    eager = _eval_rows(mod, ["--tiny", "--models", "warmup"])
+    compiled = _eval_rows(mod, ["--tiny", "--models", "warmup", "--compile"])
     assert [r["step"] for r in eager] == [r["step"] for r in compiled]
     assert [r["mode"] for r in compiled] == ["warmup", "warmup", "sparse"]
     for e, c in zip(eager, compiled):
@@ -160,9 +168,6 @@ def test_train_retrieval_select_scores(monkeypatch):
     no selection), and the model still trains: its held-out loss falls."""
     import msa
 
-    spec = importlib.util.spec_from_file_location("train_retrieval", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
     seen = []
     real = msa.sparse_attention
 
@@ -171,15 +176,6 @@ def test_train_retrieval_select_scores(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(msa, "sparse_attention", spy)
-    out = []
-    real_run = mod.run
-
-    def keep(a):
-        result = real_run(a)
-        out.extend(result["rows"])
-        return result
-
-    monkeypatch.setattr(mod, "run", keep)
-    assert mod.main(["--tiny", "--models", "sparse", "--select-scores", "fp8"]) == 0
+    out = _eval_rows(_script(), ["--tiny", "--models", "sparse", "--select-scores", "fp8"])
     assert seen and set(seen) == {"fp8"}
     assert out[-1]["loss"] < out[0]["loss"]
