@@ -41,9 +41,7 @@ def _eval_rows(mod, argv):
 
 
 def test_train_retrieval_tiny(tmp_path):
-    spec = importlib.util.spec_from_file_location("train_retrieval", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _script()
     prefix = str(tmp_path / "tiny")
     assert mod.main(["--tiny", "--out", prefix]) == 0
     rows = list(csv.DictReader(open(prefix + ".csv")))
@@ -82,9 +80,7 @@ def test_train_retrieval_learning_rate_schedule():
     """lr_at: the linear warmup, a constant rate without a decay start, and with one a cosine
     that starts at --lr, falls monotonically and ends at --lr-min x --lr; --scale-lr scales by
     the batch of the length (capped by --max-tokens)."""
-    spec = importlib.util.spec_from_file_location("train_retrieval", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _script()
     args = type("A", (), dict(lr=1e-3, lr_warmup=10, lr_decay_start=0, lr_min=0.1, steps=110,
                               scale_lr=False, batch=16, max_tokens=0))()
     assert math.isclose(mod.lr_at(args, 5, 256), 5e-4)
@@ -131,9 +127,7 @@ def test_selection_recall_by_hand():
     causal blocks) with teacher mass (0.5, 0.2, 0.3): its top-2 I* = {0, 2}; it selected {0, 1}:
     mass 0.7, oracle 0.8, score recall 0.5 / 0.8, block recall 1 / 2. Row at position 2 (one
     causal block, so |I*| = 1) with mass (1, 0, 0) selected {0, -1}: all five are 1."""
-    spec = importlib.util.spec_from_file_location("train_retrieval", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _script()
     pi = torch.tensor([[0.5, 0.2, 0.3], [1.0, 0.0, 0.0]])
     sel = torch.tensor([[0, 1], [0, -1]])
     got = mod.selection_recall(pi, sel, torch.tensor([9, 2]), 4)
