@@ -9,7 +9,8 @@
 //   dq_idx[t] += k_idx^T dS (SS wgmma over the block's keys) to the token's row.
 // Sums that cross CTAs (dq_idx; dk_idx over the KV heads sharing an index key head and over a
 // block's chunks) are 64-bit fixed point (2^-32 units) added with integer atomics, so every run
-// gives the same bits.
+// gives the same bits (with MSA_KL_GRAD_BULK_DQ, a step's dq_idx rows by TMA bulk reductions of
+// the same integers from shared memory: the same bits again).
 // LSE_idx comes from the pass before (kl_lse_kernel.cuh).
 //
 // Work: a step is up to R = 32 / m consecutive records of the chunk (p.step_records; 1 where the
@@ -29,6 +30,10 @@
 #include "../device/load.cuh"
 #include "../device/utils.cuh"
 #include "../host/args.h"
+
+#ifndef MSA_KL_GRAD_BULK_DQ
+#define MSA_KL_GRAD_BULK_DQ 0
+#endif
 
 namespace msa::cuda::kern {
 
@@ -53,6 +58,13 @@ struct KlGradTraits : KvSideTraits<Element_, kDim_, kBlockN_, 4, kKlGradTokens> 
   using typename Base::SmemLayoutQi;
   using typename Base::SmemLayoutQit;
   using SmemLayoutDS = typename Base::SmemLayoutDS1;
+  // A step's dq_idx goes to the sums by bulk reductions (kBulkDq: each dq warpgroup stages its
+  // rows of every column as fixed point in shared memory, then one TMA reduction per column) or
+  // by an atomic per value. Columns of kDqStride values: 16-byte rows, and stride = 4 (mod 8)
+  // makes the accumulator fragment's 8-byte stores conflict-free (two wavefronts a warp).
+  static constexpr bool kBulkDq = MSA_KL_GRAD_BULK_DQ != 0;
+  static constexpr int kDqRows = kDim / Base::kDqWarpGroups;  // D rows per dq warpgroup
+  static constexpr int kDqStride = kDim + 4;
 
   struct SharedStorage {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k_idx;
@@ -61,6 +73,7 @@ struct KlGradTraits : KvSideTraits<Element_, kDim_, kBlockN_, 4, kKlGradTokens> 
     alignas(16) float pi[kStages][kTok * kBlockN];  // a step's teacher: [record][key][m]
     float lidx[kStages][kTok];                      // LSE_idx per column
     EntryRecord ring[kRing][kMaxRecords];
+    alignas(16) unsigned long long dq[kBulkDq ? kTok * kDqStride : 2];  // [column][D]
   };
 };
 
@@ -279,17 +292,45 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       clear(tDQrDQ);
       wg_gemm<true>(mma_dq, tDQrKit, tDQrDS, tDQrDQ);
       warpgroup_wait<0>();
-      // Columns outer: a column's token row of the sums is found once for its D rows.
       Tensor DQ = make_tensor(tDQrDQ.data(), acc_rowcol(tDQrDQ.layout()));
-#pragma unroll
-      for (int c = 0; c < size<1>(DQ); ++c) {
-        const int col = get<1>(cDQrc(0, c));
+      // The token row of the sums of column col (nullptr: no token there).
+      auto dq_row = [&](int col) -> unsigned long long* {
         const int j = col >> m_shift, t = col & (m - 1);
-        if (j < n && t < recs[j].count) {
-          const int32_t i = r * ipk + recs[j].seg - list.seg0;
-          unsigned long long* dst = p.dq_idx + (int64_t(recs[j].tok[t]) * p.Hi + i) * kDim;
+        if (j >= n || t >= recs[j].count) return nullptr;
+        const int32_t i = r * ipk + recs[j].seg - list.seg0;
+        return p.dq_idx + (int64_t(recs[j].tok[t]) * p.Hi + i) * kDim;
+      };
+      if constexpr (Traits::kBulkDq) {
+        // This warpgroup's rows of every column into the staging tile, then lane c of its first
+        // warp reduces column c's run into the sums. The tile is free again once the reductions
+        // of the step before have read it (each issuing lane waits for its own).
+        const int wg = tid / 128, ltid = tid % 128;
+        const uint32_t bar = static_cast<uint32_t>(Barrier::kWarpGroup) + wg;
+        if (ltid < kTok) tma_store_wait<0>();
+        cutlass::arch::NamedBarrier::sync(128, bar);
 #pragma unroll
-          for (int a = 0; a < size<0>(DQ); ++a) add_fixed(dst + get<0>(cDQrc(a, 0)), DQ(a, c));
+        for (int c = 0; c < size<1>(DQ); ++c) {
+          unsigned long long* col_stage = ss.dq + get<1>(cDQrc(0, c)) * Traits::kDqStride;
+#pragma unroll
+          for (int a = 0; a < size<0>(DQ); ++a) col_stage[get<0>(cDQrc(a, 0))] = to_fixed(DQ(a, c));
+        }
+        cutlass::arch::fence_view_async_shared();
+        cutlass::arch::NamedBarrier::sync(128, bar);
+        if (ltid < kTok) {
+          if (unsigned long long* dst = dq_row(ltid); dst != nullptr) {
+            const int d0 = wg * Traits::kDqRows;
+            bulk_add_u64(dst + d0, ss.dq + ltid * Traits::kDqStride + d0, Traits::kDqRows * 8);
+            tma_store_arrive();
+          }
+        }
+      } else {
+        // Columns outer: a column's token row of the sums is found once for its D rows.
+#pragma unroll
+        for (int c = 0; c < size<1>(DQ); ++c) {
+          if (unsigned long long* dst = dq_row(get<1>(cDQrc(0, c))); dst != nullptr) {
+#pragma unroll
+            for (int a = 0; a < size<0>(DQ); ++a) add_fixed(dst + get<0>(cDQrc(a, 0)), DQ(a, c));
+          }
         }
       }
     }
@@ -297,6 +338,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   }
   cp_async_wait_all();
   flush_dk();
+  // The last reductions of dq_idx done before the CTA's shared memory goes.
+  if constexpr (Traits::kBulkDq) {
+    if (tid % 128 < kTok) ::cuda::ptx::cp_async_bulk_wait_group(::cuda::ptx::n32_t<0>{});
+  }
 }
 
 }  // namespace msa::cuda::kern
