@@ -13,6 +13,8 @@
 #   pytest     tests/python against the staged package                          -> pytest.log
 #   memcheck   compute-sanitizer --tool memcheck on a few small CUDA tests      -> memcheck.log
 #   racecheck  compute-sanitizer --tool racecheck on the same tests             -> racecheck.log
+#              (both with MSA_TEST_GUARDS=0: each test tensor its own allocation, whose exact
+#              bounds the tool checks; the gtest stage's tensors sit between guard bytes instead)
 #   bench      bench/bench_forward.py                  -> bench.log, bench.csv, bench.json
 #   bench_bwd  bench/bench_backward.py (training step)  -> bench_bwd.log, bench_bwd.csv
 #   bench_serving  bench/bench_serving.py (decode, prefill) -> bench_serving.log, .csv, .json
@@ -225,7 +227,7 @@ for tool in memcheck racecheck; do
   reserve=60
   [ "$tool" = memcheck ] && reserve=90
   run_stage "$tool" "$log" "${!cap_var:-120}" "$reserve" \
-    env LD_LIBRARY_PATH="$test_lib_path" \
+    env LD_LIBRARY_PATH="$test_lib_path" MSA_TEST_GUARDS=0 \
     "$sanitizer" --tool "$tool" --error-exitcode 99 --print-limit 20 \
     "$build_dir/msa_tests" --gtest_color=no --gtest_filter="$sanitizer_filter"
   if [ "$tool" = memcheck ]; then

@@ -6,7 +6,9 @@
 //
 // Every test skips unless msa::backend_available(kCuda). Inputs are random and never zero. Outputs
 // are poisoned before each call: 0xFF bytes (NaN) for floats, 0x7F bytes for block_idx (-1 is a
-// legal entry there). The CPU reference runs in float64 on exactly the values the GPU saw.
+// legal entry there). Every device tensor and workspace lies between guard bytes (DeviceTensor):
+// reads past an input see NaN, writes past an output or a workspace fail the test. The CPU
+// reference runs in float64 on exactly the values the GPU saw.
 // Tolerances: out rel-L2 < 1e-2 (bf16) / 3e-3 (fp16) over the tensor and 4x that per row; lse
 // within 1e-3 where finite and -inf exactly where the reference is -inf; selection by the contract's
 // rule with a score slack of 1e-3 * (1 + |k-th score|), lse_idx within 1e-3 * (1 + |ref|) when the
@@ -23,6 +25,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <ostream>
@@ -99,27 +102,50 @@ class Stream {
 };
 
 // An owning contiguous device tensor in the layout of the harness's HostTensor.
+//
+// Guards: each tensor lies between two regions of kGuardBytes 0xFF bytes in its allocation (NaN in
+// every floating type here, E4M3 included; -1 in int32). A kernel that reads past an input then
+// reads NaN (or a negative index) instead of a neighbour's values, in plain runs too; and the
+// guards are compared with 0xFF when the tensor is downloaded and when it goes (workspaces are
+// never downloaded), so a kernel that writes past an output or a workspace fails the test that
+// made it. MSA_TEST_GUARDS=0 leaves them out: each tensor is then an allocation of its own, whose
+// exact bounds compute-sanitizer checks (scripts/gpu_check.sh's sanitizer stages).
 class DeviceTensor {
  public:
+  static constexpr size_t kGuardBytes = 64 << 10;  // > one row of any tensor the tests make
+
   DeviceTensor() = default;
   DeviceTensor(DType dt, std::vector<int64_t> shape) : dt_(dt), shape_(std::move(shape)) {
     int64_t n = 1;
     for (int64_t x : shape_) n *= x;
     bytes_ = static_cast<size_t>(n) * msa::dtype_size(dt_);
-    if (bytes_ > 0) CUDA_CHECK(cudaMalloc(&ptr_, bytes_));
     CUDA_CHECK(cudaGetDevice(&device_));
+    if (bytes_ == 0) return;
+    guard_ = guards_on() ? kGuardBytes : 0;
+    CUDA_CHECK(cudaMalloc(&base_, bytes_ + 2 * guard_));
+    ptr_ = static_cast<char*>(base_) + guard_;
+    if (guard_ > 0) {  // before any stream's use of the tensor
+      CUDA_CHECK(cudaMemset(base_, 0xff, guard_));
+      CUDA_CHECK(cudaMemset(static_cast<char*>(ptr_) + bytes_, 0xff, guard_));
+      CUDA_CHECK(cudaDeviceSynchronize());
+    }
   }
   DeviceTensor(DeviceTensor&& o) noexcept { *this = std::move(o); }
   DeviceTensor& operator=(DeviceTensor&& o) noexcept {
+    std::swap(base_, o.base_);
     std::swap(ptr_, o.ptr_);
     std::swap(bytes_, o.bytes_);
+    std::swap(guard_, o.guard_);
     std::swap(dt_, o.dt_);
     std::swap(shape_, o.shape_);
     std::swap(device_, o.device_);
     return *this;
   }
   ~DeviceTensor() {
-    if (ptr_) cudaFree(ptr_);
+    if (!base_) return;
+    // A call that failed the test already may have left the device unusable: then no check.
+    if (cudaDeviceSynchronize() == cudaSuccess) check_guards();
+    cudaFree(base_);
   }
 
   // An asynchronous copy of `h` on `s`.
@@ -134,9 +160,10 @@ class DeviceTensor {
     if (d.bytes_) CUDA_CHECK(cudaMemsetAsync(d.ptr_, dt == DType::kInt32 ? 0x7f : 0xff, d.bytes_, s));
     return d;
   }
-  // Waits for `s`, then copies back.
+  // Waits for `s`, checks the guards, then copies back.
   HostTensor download(cudaStream_t s) const {
     CUDA_CHECK(cudaStreamSynchronize(s));
+    check_guards();
     HostTensor h(dt_, shape_);
     if (bytes_) CUDA_CHECK(cudaMemcpy(h.ref().data, ptr_, bytes_, cudaMemcpyDeviceToHost));
     return h;
@@ -158,8 +185,38 @@ class DeviceTensor {
   }
 
  private:
+  static bool guards_on() {
+    static const bool on = [] {
+      const char* e = std::getenv("MSA_TEST_GUARDS");
+      return e == nullptr || std::string(e) != "0";
+    }();
+    return on;
+  }
+  // Every guard byte still 0xFF (the caller has synchronised the device or the tensor's stream).
+  void check_guards() const {
+    if (guard_ == 0) return;
+    std::vector<unsigned char> g(2 * guard_);
+    if (cudaMemcpy(g.data(), base_, guard_, cudaMemcpyDeviceToHost) != cudaSuccess ||
+        cudaMemcpy(g.data() + guard_, static_cast<char*>(ptr_) + bytes_, guard_, cudaMemcpyDeviceToHost) != cudaSuccess)
+      return;  // a sticky error of the call fails the test elsewhere
+    for (size_t i = 0; i < g.size(); ++i) {
+      if (g[i] != 0xff) {
+        std::string dims;
+        for (int64_t x : shape_) dims += (dims.empty() ? "" : ", ") + std::to_string(x);
+        const bool after = i >= guard_;
+        ADD_FAILURE() << "a kernel wrote " << (after ? i - guard_ + 1 : guard_ - i) << " bytes "
+                      << (after ? "past the end" : "before the start") << " of a device tensor [" << dims
+                      << "] of " << msa::dtype_name(dt_) << " (guard byte " << i << " is 0x" << std::hex
+                      << static_cast<int>(g[i]) << std::dec << ")";
+        return;
+      }
+    }
+  }
+
+  void* base_ = nullptr;  // the allocation: guard, tensor, guard
   void* ptr_ = nullptr;
   size_t bytes_ = 0;
+  size_t guard_ = 0;
   DType dt_ = DType::kFloat32;
   std::vector<int64_t> shape_;
   int device_ = 0;
