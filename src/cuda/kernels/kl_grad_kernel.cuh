@@ -28,6 +28,7 @@
 #include "../device/entry_list.cuh"
 #include "../device/kv_side_traits.cuh"
 #include "../device/load.cuh"
+#include "../device/softmax.cuh"
 #include "../device/utils.cuh"
 #include "../host/args.h"
 

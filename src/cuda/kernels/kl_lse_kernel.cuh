@@ -24,6 +24,7 @@
 
 #include "../device/entry_list.cuh"
 #include "../device/load.cuh"
+#include "../device/softmax.cuh"
 #include "../device/utils.cuh"
 #include "../host/args.h"
 
