@@ -103,12 +103,13 @@ class Stream {
 
 // An owning contiguous device tensor in the layout of the harness's HostTensor.
 //
-// Guards: each tensor lies between two regions of kGuardBytes 0xFF bytes in its allocation (NaN in
-// every floating type here, E4M3 included; -1 in int32). A kernel that reads past an input then
-// reads NaN (or a negative index) instead of a neighbour's values, in plain runs too; and the
-// guards are compared with 0xFF when the tensor is downloaded and when it goes (workspaces are
-// never downloaded), so a kernel that writes past an output or a workspace fails the test that
-// made it. MSA_TEST_GUARDS=0 leaves them out: each tensor is then an allocation of its own, whose
+// Guards: each tensor lies between two regions of kGuardBytes bytes in its allocation: 0xFF (NaN in
+// every floating type here, E4M3 included) and, for int32 tensors, 0x7F (0x7F7F7F7F, an index or
+// offset no tensor has; -1 would read as block_idx padding). A kernel that reads past an input
+// then reads NaN or a wild index instead of a neighbour's values, in plain runs too; and the
+// guards are compared with their byte when the tensor is downloaded and when it goes (workspaces
+// are never downloaded), so a kernel that writes past an output or a workspace fails the test
+// that made it. MSA_TEST_GUARDS=0 leaves them out: each tensor is then an allocation of its own, whose
 // exact bounds compute-sanitizer checks (scripts/gpu_check.sh's sanitizer stages).
 class DeviceTensor {
  public:
@@ -125,8 +126,8 @@ class DeviceTensor {
     CUDA_CHECK(cudaMalloc(&base_, bytes_ + 2 * guard_));
     ptr_ = static_cast<char*>(base_) + guard_;
     if (guard_ > 0) {  // before any stream's use of the tensor
-      CUDA_CHECK(cudaMemset(base_, 0xff, guard_));
-      CUDA_CHECK(cudaMemset(static_cast<char*>(ptr_) + bytes_, 0xff, guard_));
+      CUDA_CHECK(cudaMemset(base_, guard_byte(), guard_));
+      CUDA_CHECK(cudaMemset(static_cast<char*>(ptr_) + bytes_, guard_byte(), guard_));
       CUDA_CHECK(cudaDeviceSynchronize());
     }
   }
@@ -192,7 +193,8 @@ class DeviceTensor {
     }();
     return on;
   }
-  // Every guard byte still 0xFF (the caller has synchronised the device or the tensor's stream).
+  unsigned char guard_byte() const { return dt_ == DType::kInt32 ? 0x7f : 0xff; }
+  // Every guard byte still as filled (the caller has synchronised the device or the tensor's stream).
   void check_guards() const {
     if (guard_ == 0) return;
     std::vector<unsigned char> g(2 * guard_);
@@ -200,7 +202,7 @@ class DeviceTensor {
         cudaMemcpy(g.data() + guard_, static_cast<char*>(ptr_) + bytes_, guard_, cudaMemcpyDeviceToHost) != cudaSuccess)
       return;  // a sticky error of the call fails the test elsewhere
     for (size_t i = 0; i < g.size(); ++i) {
-      if (g[i] != 0xff) {
+      if (g[i] != guard_byte()) {
         std::string dims;
         for (int64_t x : shape_) dims += (dims.empty() ? "" : ", ") + std::to_string(x);
         const bool after = i >= guard_;
