@@ -45,19 +45,52 @@ def rotary_table(pos: Tensor, d: int, theta: float, dtype: torch.dtype = torch.f
     return ang.cos()[:, None, :], ang.sin()[:, None, :]
 
 
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Each pair (a, b) = (x[..., j], x[..., j + d/2]) turned to (a cos - b sin, a sin + b cos),
+    in cos's dtype, rounded once into a new tensor of x's dtype: four half-width products and a
+    difference and a sum written straight into the result's halves (out=). The same roundings,
+    so the same bits, as the plain expression (:func:`rotary` under torch.compile), which also
+    makes a full-width float32 copy of the result, a concatenation and a conversion (three passes
+    more over memory, and as many in autograd's backward)."""
+    half = x.shape[-1] // 2
+    a, b = x[..., :half], x[..., half:]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    p, q = torch.mul(a, cos), torch.mul(b, sin)
+    torch.sub(p, q, out=out[..., :half])
+    torch.mul(a, sin, out=p)
+    torch.mul(b, cos, out=q)
+    torch.add(p, q, out=out[..., half:])
+    return out
+
+
+class _Rotary(torch.autograd.Function):
+    """x turned by the angles of (cos, sin); its gradient is the gradient turned back."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        ctx.save_for_backward(cos, sin)
+        return _rotate(x, cos, sin)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        cos, sin = ctx.saved_tensors
+        return _rotate(g, cos, -sin), None, None
+
+
 def rotary(x: Tensor, pos: Tensor, theta: float,
            table: Optional[Tuple[Tensor, Tensor]] = None) -> Tensor:
     """Rotary embedding of x [T, H, d] (d even; the two halves of the last dim rotate as pairs)
     at positions pos [T], computed in float32 (float64 for float64 x) and returned in x's dtype.
     ``table``: :func:`rotary_table`'s (cos, sin) for these positions, width and compute dtype,
-    when the caller shares one between tensors."""
+    when the caller shares one between tensors. Differentiable in x (not in the table)."""
     d = x.shape[-1]
-    half = d // 2
     ct = torch.float64 if x.dtype == torch.float64 else torch.float32
     cos, sin = table if table is not None else rotary_table(pos, d, theta, ct)
-    xf = x.to(ct)
-    a, b = xf[..., :half], xf[..., half:]
-    return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1).to(x.dtype)
+    if torch.compiler.is_compiling():  # one expression, which the compiler fuses and
+        half = d // 2                  # differentiates (it takes no out= views)
+        a, b = x[..., :half], x[..., half:]
+        return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1).to(x.dtype)
+    return _Rotary.apply(x, cos.detach(), sin.detach())
 
 
 def _need(ok: bool, name: str, what: str) -> None:

@@ -37,6 +37,31 @@ def test_positions_and_rotary():
     assert torch.equal(rotary(x, pos, 500.0, table), got)
 
 
+def test_rotary_gradient_and_rounding():
+    # the gradient is the rotation's adjoint (the gradient turned back)
+    x = torch.randn(5, 3, 8, dtype=torch.float64, requires_grad=True)
+    pos = torch.tensor([0, 1, 2, 9, 40])
+    assert torch.autograd.gradcheck(lambda t: rotary(t, pos, 500.0), (x,))
+    g = torch.randn(5, 3, 8, dtype=torch.float64)
+    (gx,) = torch.autograd.grad(rotary(x, pos, 500.0), x, g)
+    torch.testing.assert_close(gx, rotary(g, -pos, 500.0), rtol=1e-12, atol=1e-12)
+    # 16-bit inputs: computed in float32 and rounded once, so within half an ulp of the exact
+    # rotation (by the same float32 angles) of the rounded inputs, up to float32's error on the
+    # two products (which a difference may leave larger than the result)
+    for dt, mant, emin in ((torch.bfloat16, 7, -126), (torch.float16, 10, -14)):
+        xl = (torch.randn(64, 4, 16, dtype=torch.float64) * 3).to(dt)
+        pos = torch.arange(64) * 37
+        got = rotary(xl, pos, 10000.0)
+        assert got.dtype == dt
+        cos, sin = rotary_table(pos, 16, 10000.0, torch.float32)
+        exact = rotary(xl.double(), pos, 10000.0, (cos.double(), sin.double()))
+        e = torch.floor(torch.log2(exact.abs().clamp_min(2.0 ** emin))).clamp_min(emin)
+        ulp = torch.exp2(e - mant)
+        a, b = xl.double()[..., :8].abs(), xl.double()[..., 8:].abs()
+        slack = 2.0 ** -22 * (a + b).repeat(1, 1, 2)
+        assert ((got.double() - exact).abs() <= 0.5 * ulp + slack).all(), dt
+
+
 @pytest.mark.parametrize("mode,sink,local", [("sparse", 1, 1), ("sparse", 0, 2), ("warmup", 1, 1)])
 def test_matches_functional_api(mode, sink, local):
     m = small(kl_weight=0.25, kl_value=True, mode=mode, sink_blocks=sink, local_blocks=local,
