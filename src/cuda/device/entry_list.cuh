@@ -38,10 +38,9 @@ constexpr double kFixedOne = 4294967296.0;
 // v * 2^32 is exact in float (a power-of-two scale cannot round, and overflow saturates the
 // conversion as the double product would), so this rounds exactly as the double product does,
 // without the float-to-double conversions.
-__device__ __forceinline__ unsigned long long to_fixed(float v) {
-  return static_cast<unsigned long long>(__float2ll_rn(v * 4294967296.f));
+__device__ __forceinline__ void add_fixed(unsigned long long* dst, float v) {
+  atomicAdd(dst, static_cast<unsigned long long>(__float2ll_rn(v * 4294967296.f)));
 }
-__device__ __forceinline__ void add_fixed(unsigned long long* dst, float v) { atomicAdd(dst, to_fixed(v)); }
 
 constexpr int kEntryTokens = 16;  // the most tokens of an entry (m <= 16)
 constexpr int kKlGradTokens = 32;  // the index columns of a kl_grad_kernel step

@@ -2,7 +2,6 @@
 // GEMM wrapper, quad reductions.
 #pragma once
 
-#include <cuda/ptx>
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
@@ -116,17 +115,6 @@ CUTE_DEVICE int64_t cta_last_le(const int32_t* v, int64_t n, int32_t x) {
     len = min(stride, len - int64_t(taken - 1) * stride);
   }
   return lo;
-}
-
-// dst[i] += src[i] over the bytes / 8 64-bit integers of a run in shared memory, by the TMA unit:
-// one instruction where a thread per value would issue an atomic (both ends 16-byte aligned,
-// bytes a multiple of 16; the source written through the generic proxy needs
-// fence_view_async_shared() first). It completes with the issuing thread's bulk groups: commit
-// with tma_store_arrive(); the source may be rewritten after that thread's tma_store_wait<0>().
-CUTE_DEVICE void bulk_add_u64(unsigned long long* dst, const unsigned long long* src, uint32_t bytes) {
-  ::cuda::ptx::cp_reduce_async_bulk(::cuda::ptx::space_global, ::cuda::ptx::space_shared, ::cuda::ptx::op_add,
-                                  reinterpret_cast<uint64_t*>(dst), reinterpret_cast<const uint64_t*>(src),
-                                  bytes);
 }
 
 // Element conversion of a register tensor into another of the same shape.

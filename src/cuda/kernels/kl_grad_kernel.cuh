@@ -9,8 +9,7 @@
 //   dq_idx[t] += k_idx^T dS (SS wgmma over the block's keys) to the token's row.
 // Sums that cross CTAs (dq_idx; dk_idx over the KV heads sharing an index key head and over a
 // block's chunks) are 64-bit fixed point (2^-32 units) added with integer atomics, so every run
-// gives the same bits (with MSA_KL_GRAD_BULK_DQ, a step's dq_idx rows by TMA bulk reductions of
-// the same integers from shared memory: the same bits again).
+// gives the same bits.
 // LSE_idx comes from the pass before (kl_lse_kernel.cuh).
 //
 // Work: a step is up to R = 32 / m consecutive records of the chunk (p.step_records; 1 where the
@@ -19,8 +18,7 @@
 // warpgroups (64 keys each) load and compute together. Pipeline: kStages stages of a step's
 // q_idx rows, LSE_idx and teacher rows by cp.async, kStages - 1 steps in flight, the steps'
 // records one step further ahead through a ring (as EntryStream, device/entry_list.cuh); one CTA
-// barrier per step (and one around the dS tile that dq_idx reads). With MSA_KL_GRAD_DEFER_DQ a
-// step's dq_idx goes to the sums in the next step, while that step's score product runs.
+// barrier per step (and one around the dS tile that dq_idx reads).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -32,13 +30,6 @@
 #include "../device/softmax.cuh"
 #include "../device/utils.cuh"
 #include "../host/args.h"
-
-#ifndef MSA_KL_GRAD_BULK_DQ
-#define MSA_KL_GRAD_BULK_DQ 0
-#endif
-#ifndef MSA_KL_GRAD_DEFER_DQ
-#define MSA_KL_GRAD_DEFER_DQ 0
-#endif
 
 namespace msa::cuda::kern {
 
@@ -63,16 +54,6 @@ struct KlGradTraits : KvSideTraits<Element_, kDim_, kBlockN_, 4, kKlGradTokens> 
   using typename Base::SmemLayoutQi;
   using typename Base::SmemLayoutQit;
   using SmemLayoutDS = typename Base::SmemLayoutDS1;
-  // A step's dq_idx goes to the sums by bulk reductions (kBulkDq: each dq warpgroup stages its
-  // rows of every column as fixed point in shared memory, then one TMA reduction per column) or
-  // by an atomic per value. Columns of kDqStride values: 16-byte rows, and stride = 4 (mod 8)
-  // makes the accumulator fragment's 8-byte stores conflict-free (two wavefronts a warp).
-  static constexpr bool kBulkDq = MSA_KL_GRAD_BULK_DQ != 0;
-  // A step's dq_idx product is reduced in the next step, under its score product (see the loop).
-  static constexpr bool kAllDq = Base::kDqWarpGroups == Base::kWarpGroups;  // every thread: dq
-  static constexpr bool kDeferDq = MSA_KL_GRAD_DEFER_DQ != 0 && kAllDq;
-  static constexpr int kDqRows = kDim / Base::kDqWarpGroups;  // D rows per dq warpgroup
-  static constexpr int kDqStride = kDim + 4;
 
   struct SharedStorage {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k_idx;
@@ -81,7 +62,6 @@ struct KlGradTraits : KvSideTraits<Element_, kDim_, kBlockN_, 4, kKlGradTokens> 
     alignas(16) float pi[kStages][kTok * kBlockN];  // a step's teacher: [record][key][m]
     float lidx[kStages][kTok];                      // LSE_idx per column
     EntryRecord ring[kRing][kMaxRecords];
-    alignas(16) unsigned long long dq[kBulkDq ? kTok * kDqStride : 2];  // [column][D]
   };
 };
 
@@ -169,7 +149,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   typename Traits::MmaDQ mma_dq;
   auto thr_si = mma_si.get_thread_slice(tid);
   auto thr_dk = mma_dk.get_thread_slice(tid);
-  const bool dq_thread = Traits::kAllDq || tid < 128 * Traits::kDqWarpGroups;
+  const bool dq_thread = tid < 128 * Traits::kDqWarpGroups;
   auto thr_dq = mma_dq.get_thread_slice(dq_thread ? tid : 0);
   Tensor tSrKi = thr_si.partition_fragment_A(sKi);
   // A stage's q_idx operands, made where they are used from the stage's address.
@@ -205,61 +185,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     clear(tDKrDK);
   };
 
-  // A step's dq_idx (the dq warpgroups' accumulators, its product done) to the sums; recs, n: the
-  // step's records.
-  auto reduce_dq = [&](const EntryRecord* recs, int n) {
-    Tensor DQ = make_tensor(tDQrDQ.data(), acc_rowcol(tDQrDQ.layout()));
-    // The token row of the sums of column col (nullptr: no token there).
-    auto dq_row = [&](int col) -> unsigned long long* {
-      const int j = col >> m_shift, t = col & (m - 1);
-      if (j >= n || t >= recs[j].count) return nullptr;
-      const int32_t i = r * ipk + recs[j].seg - list.seg0;
-      return p.dq_idx + (int64_t(recs[j].tok[t]) * p.Hi + i) * kDim;
-    };
-    if constexpr (Traits::kBulkDq) {
-      // This warpgroup's rows of every column into the staging tile, then lane c of its first
-      // warp reduces column c's run into the sums. The tile is free again once the reductions
-      // of the step before have read it (each issuing lane waits for its own).
-      const int wg = tid / 128, ltid = tid % 128;
-      const uint32_t bar = static_cast<uint32_t>(Barrier::kWarpGroup) + wg;
-      if (ltid < kTok) tma_store_wait<0>();
-      cutlass::arch::NamedBarrier::sync(128, bar);
-#pragma unroll
-      for (int c = 0; c < size<1>(DQ); ++c) {
-        unsigned long long* col_stage = ss.dq + get<1>(cDQrc(0, c)) * Traits::kDqStride;
-#pragma unroll
-        for (int a = 0; a < size<0>(DQ); ++a) col_stage[get<0>(cDQrc(a, 0))] = to_fixed(DQ(a, c));
-      }
-      cutlass::arch::fence_view_async_shared();
-      cutlass::arch::NamedBarrier::sync(128, bar);
-      if (ltid < kTok) {
-        if (unsigned long long* dst = dq_row(ltid); dst != nullptr) {
-          const int d0 = wg * Traits::kDqRows;
-          bulk_add_u64(dst + d0, ss.dq + ltid * Traits::kDqStride + d0, Traits::kDqRows * 8);
-          tma_store_arrive();
-        }
-      }
-    } else {
-      // Columns outer: a column's token row of the sums is found once for its D rows.
-#pragma unroll
-      for (int c = 0; c < size<1>(DQ); ++c) {
-        if (unsigned long long* dst = dq_row(get<1>(cDQrc(0, c))); dst != nullptr) {
-#pragma unroll
-          for (int a = 0; a < size<0>(DQ); ++a) add_fixed(dst + get<0>(cDQrc(a, 0)), DQ(a, c));
-        }
-      }
-    }
-  };
-  // kDeferDq: a step's dq_idx (its product waited for at the step's end, as every product: one
-  // left in flight across the loop's back edge makes ptxas serialise the wgmma, C7514) is
-  // reduced in the next step under its score product (dq_recs, dq_n: its step's records; before
-  // the first step none, n = 0). Every thread takes the same path (kAllDq): ptxas serialises the
-  // wgmma of a divergent path (C7518).
-  constexpr bool kDeferDq = Traits::kDeferDq;
-  const EntryRecord* dq_recs = ss.ring[0];
-  int dq_n = 0;
-  clear(tDQrDQ);
-
   // The records of the first kLead steps, then their rows (each step one commit group, with the
   // records of the step kLead after it).
   for (int64_t s = 0; s < kLead; ++s) issue_records(s);
@@ -277,7 +202,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   for (int64_t s = 0; s < steps; ++s) {
     // Step s's rows and the records of step s + kLead have landed; every thread is done with
     // step s - 1, whose stage the next issue refills.
-    if constexpr (kDeferDq) warpgroup_wait<0>();  // nothing in flight: tells ptxas so (C7514)
     cp_async_wait<kStages - 2>();
     cutlass::arch::fence_view_async_shared();
     __syncthreads();
@@ -304,7 +228,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
 
     clear(tSrSi);
     wg_gemm<true>(mma_si, tSrKi, thr_si.partition_fragment_B(stage_q_idx(st, typename Traits::SmemLayoutQi{})), tSrSi);
-    if constexpr (kDeferDq) reduce_dq(dq_recs, dq_n);  // the step before's, under this product
     warpgroup_wait<0>();
     // Student and dS = sigma - pi, in the index-score accumulator (columns: the step's tokens).
     // A step whose every column holds a token past the block's last key needs no mask.
@@ -354,28 +277,27 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     cutlass::arch::fence_view_async_shared();
     __syncthreads();
     if (dq_thread) {
+      clear(tDQrDQ);
       wg_gemm<true>(mma_dq, tDQrKit, tDQrDS, tDQrDQ);
-      if constexpr (!kDeferDq) {
-        warpgroup_wait<0>();
-        reduce_dq(recs, n);
+      warpgroup_wait<0>();
+      // Columns outer: a column's token row of the sums is found once for its D rows.
+      Tensor DQ = make_tensor(tDQrDQ.data(), acc_rowcol(tDQrDQ.layout()));
+#pragma unroll
+      for (int c = 0; c < size<1>(DQ); ++c) {
+        const int col = get<1>(cDQrc(0, c));
+        const int j = col >> m_shift, t = col & (m - 1);
+        if (j < n && t < recs[j].count) {
+          const int32_t i = r * ipk + recs[j].seg - list.seg0;
+          unsigned long long* dst = p.dq_idx + (int64_t(recs[j].tok[t]) * p.Hi + i) * kDim;
+#pragma unroll
+          for (int a = 0; a < size<0>(DQ); ++a) add_fixed(dst + get<0>(cDQrc(a, 0)), DQ(a, c));
+        }
       }
     }
-    if constexpr (kDeferDq) {
-      dq_recs = recs;
-      dq_n = n;
-    }
     warpgroup_wait<0>();
-  }
-  if constexpr (kDeferDq) {
-    warpgroup_wait<0>();
-    reduce_dq(dq_recs, dq_n);
   }
   cp_async_wait_all();
   flush_dk();
-  // The last reductions of dq_idx done before the CTA's shared memory goes.
-  if constexpr (Traits::kBulkDq) {
-    if (tid % 128 < kTok) ::cuda::ptx::cp_async_bulk_wait_group(::cuda::ptx::n32_t<0>{});
-  }
 }
 
 }  // namespace msa::cuda::kern
