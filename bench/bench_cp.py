@@ -11,7 +11,9 @@ k 16, sink 1, local 4) and times:
 * 1 GPU    ``msa.sparse_attention`` on the whole sequence + backward (``loss = <out, g> + kl``),
            on every rank's own GPU at once (rank 0's time is reported);
 * CP       ``msa.distributed.sparse_attention`` on this rank's shard + backward, for each
-           layout (contiguous, balanced = zigzag) and exchange ("selected": only the K/V rows of
+           layout (contiguous, balanced = zigzag, contiguous-weighted = contiguous shards of
+           equal modelled work from ``msad.contiguous_sizes``, whose selection weight is
+           measured on one GPU in the same run) and exchange ("selected": only the K/V rows of
            the selected blocks move; "allgather": the baseline); the step time is the slowest
            rank's, the bytes are those all ranks received (payload), forward + backward.
 
@@ -54,7 +56,7 @@ import selection_patterns as sp  # noqa: E402
 
 PAPER = dict(Hq=64, Hkv=4, Hi=4, Hik=1, D=128, Di=128, Bk=128, k=16)
 TINY = dict(Hq=4, Hkv=2, Hi=2, Hik=1, D=16, Di=16, Bk=16, k=8)
-LAYOUTS = ("contiguous", "balanced")
+LAYOUTS = ("contiguous", "balanced", "contiguous-weighted")
 EXCHANGES = ("selected", "allgather")
 
 
@@ -67,6 +69,8 @@ def parse_tokens(text: str) -> List[int]:
     out = []
     for x in text.split(","):
         x = x.strip().upper()
+        if not x:
+            continue
         mult = 1 << 20 if x.endswith("M") else 1 << 10 if x.endswith("K") else 1
         out.append(int(x.rstrip("MK")) * mult)
     return out
@@ -142,12 +146,20 @@ def bench_case(msa, msad, T: int, level: str, h: Dict, args, timer: Timer, devic
         return out, kl, torch.autograd.grad(loss, full)
 
     t1 = timer.ms(lambda: single(), args.reps)
+    layouts = [x for x in args.layouts.split(",") if x]
+    t_sel = None
+    if args.phases or "contiguous-weighted" in layouts:
+        t_sel = timer.ms(lambda: msa.select_blocks(full[3], full[4], cu_seqlens=cu, **opts),
+                         args.reps)
+    # the one-GPU selection's time per (query, earlier key) pair over the rest of the step's
+    # per query: the cost model of msad.contiguous_sizes, measured in this run
+    select_weight = None
+    if t_sel is not None and t1 > t_sel:
+        select_weight = (t_sel / (T * (T + 1) / 2)) / ((t1 - t_sel) / T)
     if args.phases:  # the one-GPU step's parts: selection, forward (with it), the rest
         def fwd_only():
             with torch.no_grad():
                 msa.sparse_attention(*full, cu_seqlens=cu, kl_value=False, **opts)
-        t_sel = timer.ms(lambda: msa.select_blocks(full[3], full[4], cu_seqlens=cu, **opts),
-                         args.reps)
         t_fwd = timer.ms(fwd_only, args.reps)
         log(f"    1 GPU parts (ms): select {t_sel:.1f}, forward with select {t_fwd:.1f}, "
             f"backward (step - forward) {t1 - t_fwd:.1f}; step {t1:.1f}")
@@ -157,8 +169,14 @@ def bench_case(msa, msad, T: int, level: str, h: Dict, args, timer: Timer, devic
         out, kl, g = single(kl_value=True)
         ref = (out.detach(), kl.detach(), [x.detach() for x in g])
         del out, g
-    for layout in LAYOUTS:
-        pos = msad.shard_positions(layout, rank, W, T, cu).to(device)
+    for layout_name in layouts:
+        layout, sizes = layout_name, None
+        if layout_name == "contiguous-weighted":  # contiguous shards of equal modelled work
+            layout = "contiguous"
+            sizes = msad.contiguous_sizes(W, T, select_weight=_all_reduce(
+                select_weight or 0.0, dist.ReduceOp.MAX), block_size=h["Bk"])
+            log(f"    contiguous-weighted shards (select_weight {select_weight:.3g}): {sizes}")
+        pos = msad.shard_positions(layout, rank, W, T, cu, sizes=sizes).to(device)
         shard = [t[pos].detach().clone().requires_grad_(True) for t in (q, k, v, q_idx, k_idx)]
         g_shard = gout[pos]
         for exchange in EXCHANGES:
@@ -209,18 +227,75 @@ def bench_case(msa, msad, T: int, level: str, h: Dict, args, timer: Timer, devic
                 del out, g
             rows.append(dict(
                 T=T, level=level, overlap=round(st["overlap"], 3), union=round(st["union"], 3),
-                world=W, layout=layout, exchange=exchange, ms_1gpu=round(t1, 3),
+                world=W, layout=layout_name, exchange=exchange, ms_1gpu=round(t1, 3),
+                shard_sizes="/".join(map(str, sizes)) if sizes else "",
+                select_weight=f"{select_weight:.3g}" if select_weight else "",
                 ms_cp=round(tcp, 3), speedup=round(t1 / tcp, 3) if tcp else float("nan"),
                 mb_forward=round(fwd_b / 2**20, 3), mb_backward=round(bwd_b / 2**20, 3),
                 mb_total=round((fwd_b + bwd_b) / 2**20, 3), fetched_tokens=int(fetched),
                 call=stats["call"], call_key_rows=int(call_keys), call_query_rows=int(call_rows),
                 **phases,
                 **{f"err_{n}": f"{e:.2e}" for n, e in errs.items()}))
-            log(f"  {fmt_tokens(T)} {level} {layout} {exchange}: 1 GPU {t1:.1f} ms, "
+            log(f"  {fmt_tokens(T)} {level} {layout_name} {exchange}: 1 GPU {t1:.1f} ms, "
                 f"{W} ranks {tcp:.1f} ms, {(fwd_b + bwd_b) / 2**20:.1f} MiB moved"
                 + (f", errors {errs}" if errs else ""))
         del shard
     del full, q, k, v, gout, q_idx, k_idx, ref
+    return rows
+
+
+def warmup_case(msa, msad, T: int, h: Dict, args, timer: Timer, device) -> List[Dict]:
+    """The dense warmup (``msad.warmup_attention``, the call over keys apart, selected
+    exchange) against ``msa.warmup_attention`` on one GPU: the largest error of the output, the
+    KL value and the five gradients (relative to the largest reference element) and both step
+    times, per layout."""
+    W, rank = dist.get_world_size(), dist.get_rank()
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cu = torch.tensor([0, T], dtype=torch.int32, device=device)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(args.seed + 1)
+
+    def r(*shape):
+        return torch.randn(*shape, device=device, generator=gen, dtype=dtype)
+
+    full = [r(T, h["Hq"], h["D"]), r(T, h["Hkv"], h["D"]), r(T, h["Hkv"], h["D"]),
+            r(T, h["Hi"], h["Di"]), r(T, h["Hik"], h["Di"])]
+    full = [t.requires_grad_(True) for t in full]
+    gout = r(T, h["Hq"], h["D"])
+
+    def single():
+        out, kl = msa.warmup_attention(*full, cu_seqlens=cu)
+        g = torch.autograd.grad((out.float() * gout.float()).sum() + kl, full)
+        return out.detach(), kl.detach(), g
+
+    t1 = timer.ms(single, args.reps)
+    ref_out, ref_kl, ref_g = single()
+    rows = []
+    for layout in ("contiguous", "balanced"):
+        pos = msad.shard_positions(layout, rank, W, T, cu).to(device)
+        shard = [t[pos].detach().clone().requires_grad_(True) for t in full]
+
+        def cp():
+            out, kl = msad.warmup_attention(*shard, cu_seqlens=cu, layout=layout, call="keys")
+            g = torch.autograd.grad((out.float() * gout[pos].float()).sum() + kl, shard)
+            return out.detach(), kl.detach(), g
+
+        tcp = timer.ms(cp, args.reps)
+        out, kl, g = cp()
+        errs = {}
+        for n, a, b in [("out", out, ref_out[pos])] + [
+                (n, x, y[pos]) for n, x, y in zip(("dq", "dk", "dv", "dq_idx", "dk_idx"), g,
+                                                  ref_g)]:
+            e = _all_reduce((a.float() - b.float()).abs().max().item(), dist.ReduceOp.MAX)
+            m = _all_reduce(b.float().abs().max().item(), dist.ReduceOp.MAX)
+            errs[n] = e / max(m, 1e-30)
+        errs["kl"] = abs(kl.item() - ref_kl.item()) / max(abs(ref_kl.item()), 1e-30)
+        rows.append(dict(T=T, world=W, layout=layout, ms_1gpu=round(t1, 3), ms_cp=round(tcp, 3),
+                         speedup=round(t1 / tcp, 3) if tcp else float("nan"),
+                         **{f"err_{n}": f"{e:.2e}" for n, e in errs.items()}))
+        log(f"  warmup {fmt_tokens(T)} {layout}: 1 GPU {t1:.1f} ms, {W} ranks {tcp:.1f} ms, "
+            f"errors " + ", ".join(f"{n} {e:.1e}" for n, e in errs.items()))
+        del shard
     return rows
 
 
@@ -364,7 +439,13 @@ def run(args) -> int:
                     w.writeheader()
                     w.writerows(fit_rows)
         return 0
-    for T in lengths:
+    warm_rows = []
+    if args.warmup_check:
+        for T in parse_tokens(args.warmup_check):
+            warm_rows += warmup_case(msa, msad, T, h, args, timer, device)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    for T in lengths if args.lengths else []:
         for level in levels:
             rows += bench_case(msa, msad, T, level, h, args, timer, device,
                                check=args.check and first)
@@ -372,7 +453,13 @@ def run(args) -> int:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     if dist.get_rank() == 0:
-        report(rows, args.out)
+        if rows:
+            report(rows, args.out)
+        if warm_rows and args.out:
+            with open(args.out + "-warmup.csv", "w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=list(warm_rows[0]))
+                w.writeheader()
+                w.writerows(warm_rows)
     return 0
 
 
@@ -413,6 +500,10 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--call", choices=["auto", "keys", "rows"], default="auto",
                     help="msa.distributed's call layout (auto: keys on the CPU, rows on CUDA)")
+    ap.add_argument("--layouts", default=",".join(LAYOUTS),
+                    help="contiguous (even), balanced (zigzag), contiguous-weighted (contiguous "
+                         "shards of equal modelled work, msa.distributed.contiguous_sizes, its "
+                         "select_weight measured on one GPU in the same run)")
     ap.add_argument("--phases", action="store_true",
                     help="after timing, one step with the device synchronised between phases: "
                          "every rank's time per phase (select, exchanges, forward, backward...)")
@@ -421,6 +512,9 @@ def parse_args(argv=None):
                          "(e.g. 1M,1536K,2M; balanced, selected, shards drawn on their ranks), "
                          "its time and peak memory: the longest sequence that fits")
     ap.add_argument("--fit-level", default="mixed", help="overlap level of the --fit inputs")
+    ap.add_argument("--warmup-check", default="",
+                    help="first, at these lengths: the dense warmup on the ranks (call over keys "
+                         "apart) against one GPU, errors and times per layout")
     ap.add_argument("--out", default=None, help="write PREFIX.csv (rank 0)")
     args = ap.parse_args(argv)
     if args.tiny:

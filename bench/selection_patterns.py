@@ -247,6 +247,56 @@ def index_inputs(alpha: float, cu_seqlens, Hi: int, Hik: int, Di: int, Bk: int, 
     return q_idx, k_idx
 
 
+def select_by_gemm(q_idx: torch.Tensor, k_idx: torch.Tensor, cu_seqlens, k: int, Bk: int,
+                   sink_blocks: int = SINK_BLOCKS, local_blocks: int = LOCAL_BLOCKS,
+                   blocks: Optional[Sequence[int]] = None) -> torch.Tensor:
+    """The selection of contract §3 by plain torch GEMMs (float32 scores of the inputs' values),
+    for selection statistics at lengths the CPU backend's reference loop takes hours over: each
+    query block's scores against its sequence's earlier keys, the block maxima, the forced
+    blocks (sink, local, own) and the top of the rest. Blocks of the rows ascending, -1 padding
+    last. Equal to ``msa.select_blocks``' sets where no two block scores tie (test_bench_patterns).
+    ``blocks``: only those (global, packed) query blocks, the other rows -1 (sampling)."""
+    T, Hi, Di = q_idx.shape
+    Hik = k_idx.shape[1]
+    G = Hi // Hik
+    cu = _cu(cu_seqlens, T, q_idx.device).tolist()
+    out = torch.full((T, Hi, k), -1, dtype=torch.int32, device=q_idx.device)
+    todo = []
+    for s in range(len(cu) - 1):
+        a, L = cu[s], cu[s + 1] - cu[s]
+        todo += [(a, b, L) for b in range((L + Bk - 1) // Bk)]
+    if blocks is not None:
+        todo = [todo[i] for i in blocks]
+    kf = (None, None)  # the current sequence's index keys in float32, converted once
+    for a, b, L in todo:
+        q0, q1 = a + b * Bk, a + min((b + 1) * Bk, L)
+        C = q1 - q0
+        forced = set(range(min(sink_blocks, b + 1))) | set(range(max(b - local_blocks + 1, 0),
+                                                                 b + 1))
+        rest = k - len(forced)
+        if b + 1 <= k or rest <= 0:
+            # every visible block fits (or no slot beyond the forced ones): those, ascending
+            pick = list(range(b + 1)) if b + 1 <= k else sorted(forced)
+            row = torch.tensor(pick, dtype=torch.int32, device=q_idx.device)
+            out[q0:q1, :, : row.numel()] = row
+            continue
+        if kf[0] != a:
+            kf = (a, k_idx[a: a + L].float())
+        keys = kf[1][: b * Bk]  # [b*Bk, Hik, Di]: the earlier blocks, whole
+        q = q_idx[q0:q1].float().reshape(C, Hik, G, Di)
+        sc = torch.einsum("chgd,nhd->hgcn", q, keys)  # [Hik, G, C, b*Bk]
+        bm = sc.view(Hik, G, C, b, Bk).amax(-1).reshape(Hi, C, b)  # head order h*G + g
+        del sc
+        fl = [x for x in forced if x < b]
+        if fl:
+            bm[:, :, fl] = float("-inf")
+        top = bm.topk(rest, dim=-1).indices  # [Hi, C, rest]
+        f = torch.tensor(sorted(forced), dtype=torch.int64, device=q_idx.device)
+        rows = torch.cat([top, f.expand(Hi, C, f.numel())], -1).sort(-1).values
+        out[q0:q1] = rows.permute(1, 0, 2).to(torch.int32)
+    return out
+
+
 def _select(msa, q_idx, k_idx, cu, k, Bk, sink_blocks, local_blocks):
     return msa.select_blocks(q_idx, k_idx, k, Bk, cu_seqlens=cu.to(device=q_idx.device,
                                                                    dtype=torch.int32),

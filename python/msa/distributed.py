@@ -84,6 +84,7 @@ warning). NCCL reads them when a communicator is created, so import ``msa.distri
 """
 
 import hashlib
+import math
 import os
 from collections import OrderedDict
 import struct
@@ -113,7 +114,8 @@ from torch import Tensor  # noqa: E402
 from . import _ops  # noqa: E402,F401  (registers torch.ops.msa.*)
 from . import _cu_seqlens, _int, _kl_pass, _scale, _MAX_TOP_K  # noqa: E402
 
-__all__ = ["sparse_attention", "warmup_attention", "shard_positions", "shard", "multicast_off"]
+__all__ = ["sparse_attention", "warmup_attention", "shard_positions", "shard", "contiguous_sizes",
+           "exchange_bytes", "moved_bytes", "multicast_off"]
 
 _LAYOUTS = ("contiguous", "balanced")
 _EXCHANGES = ("selected", "allgather")
@@ -163,11 +165,76 @@ def shard_positions(layout: str, rank: int, world: int, total: int, cu_seqlens=N
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
 
 
-def shard(x: Tensor, layout: str, rank: int, world: int, cu_seqlens=None) -> Tensor:
+def shard(x: Tensor, layout: str, rank: int, world: int, cu_seqlens=None,
+          sizes: Optional[Sequence[int]] = None) -> Tensor:
     """The rows of the packed tensor ``x`` ([T, ...]) that rank ``rank`` holds in ``layout``
-    (contiguous: the even split)."""
-    pos = shard_positions(layout, rank, world, x.shape[0], cu_seqlens)
+    (contiguous: ``sizes``, by default the even split)."""
+    pos = shard_positions(layout, rank, world, x.shape[0], cu_seqlens, sizes=sizes)
     return x[pos.to(x.device)]
+
+
+# One query's selection cost per earlier key, relative to the rest of its training step (forward
+# and backward with the KL gradient over its k blocks). Measured on an H200 at the paper's heads
+# (Hq 64 / Hkv 4 / Hi 4, D = Di = 128, Bk 128, k 16; bench_cp.py --phases): 54.4 ms of the
+# one-GPU step's 461.6 selecting at 256K tokens, so 54.4 / (256K^2 / 2) per pair against
+# 407.2 / 256K per query.
+SELECT_WEIGHT_H200_PAPER = 1.02e-6
+
+
+def contiguous_sizes(world: int, total: Optional[int] = None, cu_seqlens=None,
+                     select_weight: float = SELECT_WEIGHT_H200_PAPER,
+                     block_size: int = 128) -> List[int]:
+    """Contiguous shard sizes that balance a training step's work over ``world`` ranks.
+
+    A query's attention work is bounded (``k`` blocks), but its selection scores every earlier
+    key of its sequence, so the rank holding a sequence's end has more to do. The model: a
+    token at position ``t`` of its sequence costs ``1 + select_weight * (t + 1)`` (the second
+    term its selection, relative to the rest of its step; see ``SELECT_WEIGHT_H200_PAPER``, or
+    measure it: the one-GPU selection's time per (query, earlier key) pair over the rest of the
+    step's time per query). Rank ``r`` gets the packed tokens up to the ``(r+1)/world`` share
+    of the batch's cost, each cut moved to the nearest ``block_size`` boundary of the sequence
+    it falls in (a block is then never split between two ranks). ``cu_seqlens`` gives the
+    sequences (None: one sequence of ``total`` tokens). ``select_weight = 0`` gives the even
+    split, rounded to blocks. With the sizes returned, pass ``layout="contiguous"``.
+
+    Against the zigzag layout ("balanced"), which balances the selection by giving every rank
+    early and late chunks, these shards keep each rank's keys in one piece: the first rank
+    fetches nothing and the others fetch only earlier ranks' blocks (fewer bytes; see
+    :func:`exchange_bytes`)."""
+    _int("world", world, 1)
+    if not (select_weight >= 0.0 and math.isfinite(select_weight)):
+        raise ValueError(f"msa.distributed: argument 'select_weight': expected a finite value "
+                         f">= 0, got {select_weight}")
+    _int("block_size", block_size, 1)
+    if cu_seqlens is None:
+        if total is None:
+            raise ValueError("msa.distributed: argument 'total': give total or cu_seqlens")
+        _int("total", total, 0)
+        cu = [0, int(total)]
+    else:
+        cu = _cu_list(cu_seqlens, 0)
+        if total is not None and int(total) != cu[-1]:
+            raise ValueError(f"msa.distributed: argument 'total': {total} differs from "
+                             f"cu_seqlens' last offset {cu[-1]}")
+        if cu[0] != 0 or any(b < a for a, b in zip(cu[:-1], cu[1:])):
+            raise ValueError("msa.distributed: argument 'cu_seqlens': expected non-decreasing "
+                             "offsets from 0")
+    N = cu[-1]
+    cut = [0]
+    if N:
+        lens = torch.tensor(cu, dtype=torch.int64).diff()
+        seq_start = torch.repeat_interleave(torch.tensor(cu[:-1], dtype=torch.int64), lens)
+        t = torch.arange(N, dtype=torch.int64) - seq_start
+        cost = torch.cumsum(1.0 + select_weight * (t + 1).double(), 0)
+        for r in range(1, world):
+            x = int(torch.searchsorted(cost, cost[-1] * r / world))  # first token past the share
+            s = int(torch.searchsorted(torch.tensor(cu[1:]), x, right=True))  # its sequence
+            s = min(s, len(cu) - 2)
+            a, b = cu[s], cu[s + 1]
+            x = min(a + int(round((x - a) / block_size)) * block_size, b)
+            cut.append(max(x, cut[-1]))
+    cut += [N] * (world + 1 - len(cut))
+    return [cut[r + 1] - cut[r] for r in range(world)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -1090,6 +1157,7 @@ def warmup_attention(
     deterministic: bool = False,
     kl_pass: str = "auto",
     phase_times: bool = False,
+    call: str = "auto",
 ):
     """Context-parallel :func:`msa.warmup_attention` (dense causal attention, the KL over the
     full causal support: contract §5) over the process group ``group``.
@@ -1099,14 +1167,18 @@ def warmup_attention(
     rank's prefix takes part, so each rank gathers the K, V (and index key) rows of every
     sequence up to its last query there: from their owners with ``exchange="selected"``, by
     all-gather with ``"allgather"``. It runs on the call over keys apart (``call="keys"`` of
-    :func:`sparse_attention`), taken on CPU tensors; CUDA tensors raise NotImplementedError
-    naming 'q' before anything moves (the key call is not yet measured on two GPUs).
+    :func:`sparse_attention`): ``call="auto"`` takes it on CPU tensors and raises
+    NotImplementedError naming 'q' on CUDA tensors before anything moves (the key call is not
+    yet measured on two GPUs); ``call="keys"`` takes it on any device.
     """
-    if isinstance(q, Tensor) and q.device.type not in _KEYS_APART_DEVICES:
+    if call not in ("auto", "keys"):
+        raise ValueError(f"msa.distributed.warmup_attention: argument 'call': expected 'auto' "
+                         f"or 'keys', got {call!r}")
+    if call == "auto" and isinstance(q, Tensor) and q.device.type not in _KEYS_APART_DEVICES:
         raise NotImplementedError(
             f"msa.distributed.warmup_attention: argument 'q': the dense warmup runs on the call "
-            f"over keys apart from queries, which msa.distributed does not take for "
-            f"{q.device.type} tensors yet (devices: {', '.join(_KEYS_APART_DEVICES)})")
+            f"over keys apart from queries, which call='auto' does not take for {q.device.type} "
+            f"tensors yet (devices: {', '.join(_KEYS_APART_DEVICES)}); call='keys' does")
     return _run(q, k, v, q_idx, k_idx, None, cu_seqlens, group, True, 1, 128, layout, exchange,
                 0, 1, scale, scale_idx, kl_value, return_lse, False, return_stats, deterministic,
                 kl_pass, "auto", phase_times, "keys")
@@ -1177,3 +1249,154 @@ def moved_bytes(stats: Dict[str, int], phase: str = "all") -> int:
     bwd = ("grad_request_ids", "grad_return")
     keys = fwd if phase == "forward" else bwd if phase == "backward" else fwd + bwd
     return sum(int(stats[x]) for x in keys)
+
+
+def exchange_bytes(block_idx: Optional[Tensor], world: int, *, cu_seqlens=None,
+                   layout: str = "contiguous", sizes: Optional[Sequence[int]] = None,
+                   block_size: int = 128, Hkv: int, D: int, Hik: int = 0, Di: int = 0,
+                   element_size: int = 2, exchange: str = "selected", call: str = "keys",
+                   kl_value: bool = False) -> List[Dict[str, int]]:
+    """The bytes every rank would receive in one :func:`sparse_attention` step, without running
+    it: per rank a dict with the keys of the stats dict (``k_idx_allgather``,
+    ``kv_request_ids``, ``kv_fetch``, ``kv_allgather``, ``kl_allgather``, ``grad_request_ids``,
+    ``grad_return``; sum them with :func:`moved_bytes`) and ``fetched_tokens``, the key rows
+    this rank takes from others.
+
+    ``block_idx`` [N, Hi, k] is the whole batch's selection (block ids of each token's own
+    sequence, -1 padding: what :func:`msa.select_blocks` returns, which is what the ranks
+    select), on any device; ``exchange="allgather"`` needs none (None). ``Hkv, D`` give the K
+    and V rows, ``Hik, Di`` the index keys (0: no index branch), ``element_size`` the inputs'
+    bytes per value. ``layout``, ``sizes``, ``exchange``, ``call`` and ``kl_value`` as in
+    :func:`sparse_attention` (the backward included, as a training step runs it). For planning:
+    how much a layout moves on a model's own selections, at lengths no machine at hand runs."""
+    if layout not in _LAYOUTS:
+        raise ValueError(f"msa.distributed: argument 'layout': expected 'contiguous' or "
+                         f"'balanced', got {layout!r}")
+    if exchange not in _EXCHANGES:
+        raise ValueError(f"msa.distributed: argument 'exchange': expected 'selected' or "
+                         f"'allgather', got {exchange!r}")
+    if call not in _CALLS:
+        raise ValueError(f"msa.distributed: argument 'call': expected 'keys' or 'rows', "
+                         f"got {call!r}")
+    _int("world", world, 1)
+    _int("block_size", block_size, 1)
+    allgather = exchange == "allgather"
+    if block_idx is None:
+        if not allgather:
+            raise ValueError("msa.distributed: argument 'block_idx': required with "
+                             "exchange='selected'")
+        if cu_seqlens is None and sizes is None:
+            raise ValueError("msa.distributed: argument 'cu_seqlens': give cu_seqlens or sizes "
+                             "when block_idx is None")
+    elif not isinstance(block_idx, Tensor) or block_idx.dim() != 3:
+        raise ValueError("msa.distributed: argument 'block_idx': expected [N, Hi, k]")
+    if cu_seqlens is not None:
+        N = _cu_list(cu_seqlens, 0)[-1]
+    elif block_idx is not None:
+        N = int(block_idx.shape[0])
+    else:
+        N = int(sum(sizes))
+    if block_idx is not None and int(block_idx.shape[0]) != N:
+        raise ValueError(f"msa.distributed: argument 'block_idx': {block_idx.shape[0]} rows, "
+                         f"the batch has {N} tokens")
+    if sizes is not None and (layout != "contiguous" or len(sizes) != world
+                              or sum(int(x) for x in sizes) != N or min(sizes) < 0):
+        raise ValueError(f"msa.distributed: argument 'sizes': expected {world} contiguous shard "
+                         f"sizes summing to {N}, got {list(sizes)}")
+    cu = torch.tensor(_cu_list(cu_seqlens, N), dtype=torch.int64)
+    lens = cu.diff()
+    nseq = int(lens.numel())
+    positions = [shard_positions(layout, r, world, N, cu, sizes) for r in range(world)]
+    owner = torch.empty(N, dtype=torch.int64)
+    for r in range(world):
+        owner[positions[r]] = r
+    seq = torch.repeat_interleave(torch.arange(nseq), lens, output_size=N)
+    t_in = torch.arange(N) - cu[:-1][seq]
+    bi = None if block_idx is None else block_idx.detach().to("cpu", torch.int64)
+    return _exchange_bytes(bi, world, cu, block_size, positions, owner, seq, t_in, Hkv * D,
+                           Hik * Di, element_size, allgather, call, kl_value and Hik * Di > 0)
+
+
+def _exchange_bytes(bi, W, cu, Bk, positions, owner, seq, t_in, F, Fi, es, allgather, call, kl):
+    N, nseq = int(owner.numel()), int(cu.numel()) - 1
+    need = []  # per rank: the rows its call reads (its own included)
+    for r in range(W):
+        pos = positions[r]
+        s_r, t_r = seq[pos], t_in[pos]
+        tmax = torch.full((max(nseq, 1),), -1, dtype=torch.int64)
+        if pos.numel():
+            tmax = tmax.scatter_reduce(0, s_r, t_r, reduce="amax")
+        readable = t_in <= tmax[seq]  # rows up to this rank's last position of their sequence
+        row = torch.zeros(N + 1, dtype=torch.int64)  # a difference array of row ranges
+        if pos.numel():
+            first = torch.ones(pos.numel(), dtype=torch.bool)
+            first[1:] = (s_r[1:] != s_r[:-1]) | (t_r[1:] != t_r[:-1] + 1)
+            run = torch.cumsum(first.long(), 0) - 1
+            last = torch.ones_like(first)
+            last[:-1] = first[1:]
+            if call == "keys":
+                # per run: its rows from its first block's start, and the blocks below that
+                lo = cu[s_r[first]] + (t_r[first] // Bk) * Bk
+                hi = pos[last] + 1
+                row.index_add_(0, lo, torch.ones_like(lo))
+                row.index_add_(0, hi, -torch.ones_like(hi))
+                fb = (t_r[first] // Bk)[run]  # each query's run's first block
+                if allgather:
+                    blo, bhi = cu[s_r[first]], cu[s_r[first]] + (t_r[first] // Bk) * Bk
+                    row.index_add_(0, blo, torch.ones_like(blo))
+                    row.index_add_(0, bhi, -torch.ones_like(bhi))
+                    rows = torch.cumsum(row[:N], 0) > 0
+                else:
+                    b = bi[pos]
+                    ok = (b >= 0) & (b < fb[:, None, None])
+                    rows = torch.cumsum(row[:N], 0) > 0
+                    rows |= _block_rows(cu, s_r[:, None, None].expand_as(b)[ok], b[ok], Bk, N)
+            else:
+                own = _block_rows(cu, s_r, t_r // Bk, Bk, N)
+                if allgather:
+                    rows = readable.clone()
+                else:
+                    b = bi[pos]
+                    ok = b >= 0
+                    rows = own | _block_rows(cu, s_r[:, None, None].expand_as(b)[ok], b[ok],
+                                             Bk, N)
+                rows &= readable
+        else:
+            rows = torch.zeros(N, dtype=torch.bool)
+        need.append((rows, readable))
+    out = []
+    for r in range(W):
+        rows_r, readable_r = need[r]
+        others = owner != r
+        fetched = int((rows_r & others).sum())
+        # rows of this rank that every other rank reads
+        served = sum(int((need[o][0] & (owner == r)).sum()) for o in range(W) if o != r)
+        st = {k: 0 for k in _STAT_KEYS if k not in ("call_tokens", "call_queries",
+                                                     "call_blocks")}
+        n_other = N - int(positions[r].numel())
+        if allgather:
+            st["k_idx_allgather"] = n_other * Fi * es
+            st["kv_allgather"] = n_other * 2 * F * es
+            st["grad_request_ids"] = 8 * (W - 1) + 8 * served
+        else:
+            st["k_idx_allgather"] = int((readable_r & others).sum()) * Fi * es
+            st["kv_request_ids"] = 8 * (W - 1) + 8 * served
+            st["kv_fetch"] = fetched * 2 * F * es
+        st["grad_return"] = served * (2 * F + Fi) * es
+        st["kl_allgather"] = 8 * (W - 1) if kl else 0
+        st["fetched_tokens"] = fetched
+        out.append(st)
+    return out
+
+
+def _block_rows(cu, s, b, Bk, N):
+    """A mask of the rows of blocks ``b`` of sequences ``s`` (1-D, the same length)."""
+    row = torch.zeros(N + 1, dtype=torch.int64)
+    if s.numel():
+        gb = torch.unique(s * (1 << 40) + b)
+        s, b = gb >> 40, gb & ((1 << 40) - 1)
+        lo = cu[s] + b * Bk
+        hi = torch.minimum(lo + Bk, cu[s + 1])
+        row.index_add_(0, lo, torch.ones_like(lo))
+        row.index_add_(0, hi, -torch.ones_like(hi))
+    return torch.cumsum(row[:N], 0) > 0

@@ -130,6 +130,40 @@ def test_stats_large_chunked():
     assert 0.95 < st["overlap"] < 0.99 and 1.0 < st["union"] < 1.2
 
 
+@pytest.mark.parametrize("cu, Hi, Hik, Bk, k, sink, local", [
+    ([0, 2048], 2, 1, 8, 16, 1, 4),              # the levels' shape
+    ([0, 300, 300, 1000, 1001], 4, 2, 16, 5, 0, 1),  # packed, an empty and a one-token sequence
+    ([0, 700], 2, 2, 32, 3, 2, 1),                # sink and local fill all but one slot
+])
+def test_select_by_gemm_equals_select_blocks(cu, Hi, Hik, Bk, k, sink, local):
+    # the GEMM selection (for statistics at lengths the CPU backend's loop is slow at) selects
+    # the library's sets, on inputs whose block scores do not tie
+    import msa
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    g = torch.Generator().manual_seed(len(cu) + Bk)
+    qi, ki = sp.index_inputs(0.3, cu_t, Hi, Hik, DI, Bk, dtype=torch.bfloat16, generator=g)
+    want = msa.select_blocks(qi, ki, k, Bk, cu_seqlens=cu_t, sink_blocks=sink, local_blocks=local)
+    got = sp.select_by_gemm(qi, ki, cu_t, k, Bk, sink, local)
+
+    def sets(x):
+        return torch.where(x < 0, torch.full_like(x, 1 << 30), x).sort(-1).values
+
+    assert torch.equal(sets(got), sets(want))
+    assert torch.equal(got, sets(got).masked_fill(sets(got) == 1 << 30, -1))  # ascending, -1 last
+    # sampled query blocks: their rows the same, every other row empty
+    nblk = sum((b - a + Bk - 1) // Bk for a, b in zip(cu[:-1], cu[1:]))
+    pick = [0, nblk // 2, nblk - 1]
+    part = sp.select_by_gemm(qi, ki, cu_t, k, Bk, sink, local, blocks=pick)
+    rows = torch.zeros(cu[-1], dtype=torch.bool)
+    i = 0
+    for a, b in zip(cu[:-1], cu[1:]):
+        for blk in range((b - a + Bk - 1) // Bk):
+            if i in pick:
+                rows[a + blk * Bk: min(a + (blk + 1) * Bk, b)] = True
+            i += 1
+    assert torch.equal(part[rows], got[rows]) and bool((part[~rows] == -1).all())
+
+
 def test_index_inputs_shapes_and_determinism():
     cu = torch.tensor([0, 100, 100, 350], dtype=torch.int32)
     g1, g2 = torch.Generator(), torch.Generator()

@@ -285,6 +285,78 @@ def test_keys_call_fetches_no_more_than_rows_call(world):
                 assert keys["grad_return"] <= rows["grad_return"], (case, layout)
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_exchange_bytes_predicts_the_stats(world):
+    # msad.exchange_bytes computes, from the single-process selection alone, what every rank's
+    # stats dict records in a step (forward and backward): each byte count and fetched row
+    res = _results(world)
+    keys = ("k_idx_allgather", "kv_request_ids", "kv_fetch", "kv_allgather", "kl_allgather",
+            "grad_request_ids", "grad_return", "fetched_tokens")
+    for name, cu, dtype, opts in CASES:
+        bi = _ref(name)["block_idx"]
+        T = cu[-1]
+        for layout in LAYOUTS + ("empty_last",):
+            sizes = _empty_last_sizes(T, world) if layout == "empty_last" else None
+            lay = "contiguous" if layout == "empty_last" else layout
+            for exchange in EXCHANGES:
+                for call in CALLS:
+                    got = msad.exchange_bytes(
+                        bi if exchange == "selected" else None, world,
+                        cu_seqlens=torch.tensor(cu), layout=lay, sizes=sizes,
+                        block_size=opts["block_size"], Hkv=HEADS["Hkv"], D=HEADS["D"],
+                        Hik=HEADS["Hik"], Di=HEADS["Di"],
+                        element_size=torch.empty((), dtype=dtype).element_size(),
+                        exchange=exchange, call=call, kl_value=True)
+                    for r in range(world):
+                        st = res[r][(name, layout, exchange, call)]["stats"]
+                        for key in keys:
+                            assert got[r][key] == st[key], (name, layout, exchange, call, r, key,
+                                                            got[r][key], st[key])
+                        assert msad.moved_bytes(got[r]) == msad.moved_bytes(st)
+
+
+def test_contiguous_sizes_balance_the_modelled_cost():
+    def cost(sizes, cu, w):
+        pos = torch.cat([torch.arange(a, b) - a for a, b in zip(cu[:-1], cu[1:])]).double()
+        c = 1.0 + w * (pos + 1)
+        out, lo = [], 0
+        for n in sizes:
+            out.append(float(c[lo: lo + n].sum()))
+            lo += n
+        return out
+
+    # one sequence: every rank's cost within one block's cost of the others'; the first rank
+    # (early, cheap selections) takes the most tokens; cuts on block boundaries
+    for world, w in ((2, 1e-3), (3, 2e-3), (4, 5e-4)):
+        T = 8192
+        sizes = msad.contiguous_sizes(world, T, select_weight=w, block_size=64)
+        assert sum(sizes) == T and all(x % 64 == 0 for x in sizes[:-1]), sizes
+        c = cost(sizes, [0, T], w)
+        assert max(c) - min(c) <= 2 * 64 * (1 + w * T), (sizes, c)
+        assert sizes == sorted(sizes, reverse=True) and sizes[0] > sizes[-1], sizes
+    # no selection cost: the even split
+    assert msad.contiguous_sizes(4, 4096, select_weight=0.0, block_size=128) == [1024] * 4
+    # packed sequences: cuts on the block boundaries of the sequence they fall in
+    cu = [0, 1000, 1000, 5000, 5100]
+    sizes = msad.contiguous_sizes(3, cu_seqlens=torch.tensor(cu), select_weight=1e-3,
+                                  block_size=128)
+    assert sum(sizes) == cu[-1]
+    for cut in torch.tensor(sizes).cumsum(0)[:-1].tolist():
+        s = max(i for i in range(len(cu) - 1) if cu[i] <= cut)
+        assert (cut - cu[s]) % 128 == 0 or cut == cu[s + 1], (cut, cu)
+    # a shard that is larger than the others' holds the earlier (cheaper) tokens
+    assert sizes[0] >= sizes[1], sizes
+    for kw, arg in ((dict(select_weight=-1.0), "select_weight"),
+                    (dict(select_weight=float("nan")), "select_weight"),
+                    (dict(block_size=0), "block_size")):
+        with pytest.raises(ValueError, match=arg):
+            msad.contiguous_sizes(2, 1024, **kw)
+    with pytest.raises(ValueError, match="total"):
+        msad.contiguous_sizes(2)
+    with pytest.raises(ValueError, match="total"):
+        msad.contiguous_sizes(2, 10, cu_seqlens=torch.tensor([0, 11]))
+
+
 def _readable_rows(cu, positions, r):
     """The other ranks' rows that rank r reads: those up to its last row of their sequence."""
     seq_of = torch.repeat_interleave(torch.arange(len(cu) - 1), torch.tensor(cu).diff())
@@ -357,7 +429,8 @@ def test_bad_arguments_raise_before_any_collective(kw, arg):
 @pytest.mark.parametrize("kw, exc", [
     (dict(layout="zigzag"), ValueError),
     (dict(k_idx=None), ValueError),
-    (dict(device="meta"), NotImplementedError),  # a backend without keys apart from queries
+    (dict(device="meta"), NotImplementedError),  # call="auto" off the CPU: not yet measured
+    (dict(call="rows"), ValueError),  # the warmup runs only on the call over keys apart
 ])
 def test_warmup_bad_arguments_raise_before_any_collective(kw, exc):
     T, D = 32, 8
@@ -452,8 +525,39 @@ def test_bench_cp_tiny(tmp_path, capsys):
     import bench_cp
     out = tmp_path / "cp"
     rc = bench_cp.main(["--device", "cpu", "--tiny", "--spawn", "2", "--lengths", "256",
-                        "--index", "random", "--reps", "1", "--timeout", "60", "--out", str(out)])
+                        "--index", "random", "--reps", "1", "--timeout", "60", "--out", str(out),
+                        "--warmup-check", "128"])
     assert rc == 0
+    warm = list(__import__("csv").DictReader(open(tmp_path / "cp-warmup.csv")))
+    assert [r["layout"] for r in warm] == ["contiguous", "balanced"]
+    for r in warm:  # float32 on the CPU backend: the query side exact, the key side's sums close
+        errs = {k: float(v) for k, v in r.items() if k.startswith("err_")}
+        assert len(errs) == 7 and max(errs.values()) < 1e-6, r
     rows = (tmp_path / "cp.csv").read_text().splitlines()
-    assert len(rows) == 1 + 4  # header + 2 layouts x 2 exchanges
+    assert len(rows) == 1 + 6  # header + 3 layouts x 2 exchanges
     assert "err_out" in rows[0]
+    import csv
+    weighted = [r for r in csv.DictReader(rows) if r["layout"] == "contiguous-weighted"]
+    assert len(weighted) == 2 and all(
+        sum(map(int, r["shard_sizes"].split("/"))) == 256 for r in weighted), weighted
+
+
+def test_cp_bytes_tiny(tmp_path):
+    """bench/cp_bytes.py at tiny heads: per layout the bytes of the selected exchange (below
+    the all-gather's) and the modelled work, the weighted contiguous shards the most even."""
+    import csv
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import cp_bytes
+    out = tmp_path / "b"
+    assert cp_bytes.main(["--tiny", "--lengths", "2048", "--levels", "shared,random", "--world",
+                          "3", "--select-weight", "1e-3", "--out", str(out)]) == 0
+    rows = list(csv.DictReader(open(f"{out}.csv")))
+    assert len(rows) == 2 * 3
+    for level in ("shared", "random"):
+        by = {r["layout"]: r for r in rows if r["level"] == level}
+        for r in by.values():
+            assert 0 < float(r["of_allgather"]) < 1, r
+        assert float(by["contiguous-weighted"]["work_max_over_mean"]) < float(
+            by["contiguous"]["work_max_over_mean"])
