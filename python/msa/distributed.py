@@ -821,7 +821,9 @@ class _CPAttention(torch.autograd.Function):
             dk_c = dv_c = k_call.new_zeros(k_call.shape)
             dqi_c = q_call.new_zeros((0, p.Hi, p.Di)) if has_idx else None
             dki_c = q_call.new_zeros((0, p.Hik, p.Di)) if has_idx else None
-        dk, dv, dk_idx = _key_grads(ctx, dk_c, dv_c, dki_c, want_idx, ph)
+        grads = [dk_c, dv_c, dki_c]
+        del dk_c, dv_c, dki_c  # _key_grads lets each go once it is sent
+        dk, dv, dk_idx = _key_grads(ctx, grads, want_idx, ph)
         dq = dq_c.index_select(0, qrow)
         dq_idx = dqi_c.index_select(0, qrow) if want_idx else None
         return None, None, None, None, None, dq, dk, dv, dq_idx, dk_idx
@@ -852,10 +854,12 @@ def _keys_forward(ctx, comm: _Comm, p: _Plan, opts, stats, ph, q, k, v, q_idx, k
     lay = _layout_keys_call(p, bi_local, allgather or dense, dev)
     rows, Tk = lay["rows"], lay["Tk"]
     urows, inv = torch.unique(rows, sorted=True, return_inverse=True)
+    if urows.numel() == Tk and torch.equal(urows, rows):
+        inv = None  # the keys ascending, none twice (one run: contiguous shards): no copy
     ph.mark("layout")
     kv_u, routing = _fetch_kv(comm, p, k, v, urows, allgather, stats)
     ph.mark("kv_exchange")
-    kv_call = kv_u.index_select(0, inv)
+    kv_call = kv_u.index_select(0, inv) if inv is not None else kv_u
     del kv_u
     k_call = kv_call[:, :F].reshape(Tk, p.Hkv, p.D)
     v_call = kv_call[:, F:].reshape(Tk, p.Hkv, p.D)
@@ -898,24 +902,32 @@ def _keys_forward(ctx, comm: _Comm, p: _Plan, opts, stats, ph, q, k, v, q_idx, k
     return out, kl, lse, bi_local
 
 
-def _sum_repeats(g: Tensor, inv: Tensor, n_u: int) -> Tensor:
-    """[n_u, F]: the rows of ``g`` summed by ``inv`` (row i of ``g`` goes to row inv[i]), in
-    float32 (float64 for float64) and in the order of the rows of ``g`` (bitwise repeatable: one
-    index_add per occurrence level, whose targets are distinct), rounded to ``g``'s dtype."""
+def _repeat_levels(inv: Tensor, n_u: int) -> Optional[List[Tensor]]:
+    """How ``_sum_repeats`` adds the rows mapped by ``inv`` (row i to row inv[i], ``n_u``
+    targets): None when no target repeats, else the rows of each occurrence level in row order
+    (level 0 every target's first row, level 1 its second, ...), whose targets are distinct."""
     if inv.numel() == n_u:  # no key row read by two runs
-        out = torch.empty_like(g[:n_u])
-        return out.index_copy_(0, inv, g)
-    acc_dtype = torch.float64 if g.dtype == torch.float64 else torch.float32
-    acc = torch.zeros((n_u, g.shape[1]), dtype=acc_dtype, device=g.device)
+        return None
     order = torch.argsort(inv, stable=True)
     sv = inv[order]
     starts = torch.ones_like(sv, dtype=torch.bool)
     starts[1:] = sv[1:] != sv[:-1]
-    first = torch.cummax(torch.where(starts, torch.arange(sv.numel(), device=g.device),
+    first = torch.cummax(torch.where(starts, torch.arange(sv.numel(), device=inv.device),
                                      torch.zeros_like(sv)), 0).values
-    level = torch.arange(sv.numel(), device=g.device) - first
-    for lv in range(int(level.max()) + 1 if level.numel() else 0):
-        sel = order[level == lv]
+    level = torch.arange(sv.numel(), device=inv.device) - first
+    return [order[level == lv] for lv in range(int(level.max()) + 1 if level.numel() else 0)]
+
+
+def _sum_repeats(g: Tensor, inv: Tensor, n_u: int, levels: Optional[List[Tensor]]) -> Tensor:
+    """[n_u, F]: the rows of ``g`` summed by ``inv`` (row i of ``g`` goes to row inv[i]), in
+    float32 (float64 for float64) and in the order of the rows of ``g`` (bitwise repeatable: one
+    index_add per occurrence level of ``_repeat_levels``), rounded to ``g``'s dtype."""
+    if levels is None:
+        out = torch.empty_like(g[:n_u])
+        return out.index_copy_(0, inv, g)
+    acc_dtype = torch.float64 if g.dtype == torch.float64 else torch.float32
+    acc = torch.zeros((n_u, g.shape[1]), dtype=acc_dtype, device=g.device)
+    for sel in levels:
         acc.index_add_(0, inv[sel], g[sel].to(acc_dtype))
     return acc.to(g.dtype)
 
@@ -945,32 +957,39 @@ def _keys_backward(ctx, grad_out, grad_kl):
         dq_idx = q_idx.new_zeros(q_idx.shape) if has_idx else None
         dk_c = dv_c = k_call.new_zeros(k_call.shape)
         dki_c = k_call.new_zeros((0, p.Hik, p.Di)) if has_idx else None
-    dk, dv, dk_idx = _key_grads(ctx, dk_c, dv_c, dki_c, want_idx, ph, inv)
+    grads = [dk_c, dv_c, dki_c]
+    del dk_c, dv_c, dki_c  # _key_grads lets each go once it is sent
+    dk, dv, dk_idx = _key_grads(ctx, grads, want_idx, ph, inv)
     return None, None, None, None, None, dq, dk, dv, dq_idx if want_idx else None, dk_idx
 
 
-def _key_grads(ctx, dk_c: Tensor, dv_c: Tensor, dki_c: Optional[Tensor], want_idx: bool, ph,
+def _key_grads(ctx, grads: List[Optional[Tensor]], want_idx: bool, ph,
                inv: Optional[Tensor] = None):
     """The key side's gradients of this rank's shard (dk, dv, and dk_idx when ``want_idx``)
-    from the call's (rows of ``_fetch_kv``'s rows, or of the call's keys mapped to them by
-    ``inv``, whose repeats are summed first), sent back to and summed at their owners."""
+    from the call's ``grads`` = [dk, dv, dk_idx] (rows of ``_fetch_kv``'s rows, or of the
+    call's keys mapped to them by ``inv``, whose repeats are summed first), sent back to and
+    summed at their owners. One tensor at a time (an all-to-all each), so that no more than one
+    of them is ever held in float32 or in a send buffer; the list's entries are dropped as they
+    are sent. The sums are those of one exchange of all three: the same bits."""
     p = ctx.p
-    n, F = p.sizes[p.r], p.Hkv * p.D
-    Tk = dk_c.shape[0]
-    parts = [dk_c.reshape(Tk, F), dv_c.reshape(Tk, F)]
-    if p.has_idx:
-        parts.append(dki_c.reshape(Tk, p.Hik * p.Di))
-    g = torch.cat(parts, 1)
-    del parts
-    if inv is not None:
-        g = _sum_repeats(g, inv, ctx.n_u)
+    n = p.sizes[p.r]
+    shapes = [(p.Hkv, p.D), (p.Hkv, p.D), (p.Hik, p.Di)]
     ph.mark("backward")
-    acc = _return_grads(ctx, g, ph)
-    dk = acc[:, :F].reshape(n, p.Hkv, p.D)
-    dv = acc[:, F: 2 * F].reshape(n, p.Hkv, p.D)
-    dk_idx = acc[:, 2 * F:].reshape(n, p.Hik, p.Di) if want_idx else None
+    if ctx.served is None:  # the all-gather mode: the owners learn which rows come back now
+        ctx.served = _exchange_ids(ctx.comm, ctx.req_ids, ctx.send_counts, ctx.stats,
+                                   "grad_request_ids")
+    levels = _repeat_levels(inv, ctx.n_u) if inv is not None else None
+    out: List[Optional[Tensor]] = [None, None, None]
+    for i in range(3 if p.has_idx and want_idx else 2):
+        g = grads[i]
+        grads[i] = None
+        g = g.reshape(g.shape[0], shapes[i][0] * shapes[i][1])
+        if inv is not None:
+            g = _sum_repeats(g, inv, ctx.n_u, levels)
+        out[i] = _return_grads(ctx, g, ph).reshape((n,) + shapes[i])
+        del g
     ph.mark("grad_sum")
-    return dk, dv, dk_idx
+    return out[0], out[1], out[2]
 
 
 def _fetch_kv(comm: _Comm, p: _Plan, k: Tensor, v: Tensor, rows: Tensor, allgather: bool,
@@ -1022,8 +1041,6 @@ def _return_grads(ctx, g: Tensor, ph) -> Tensor:
     comm, p, stats = ctx.comm, ctx.p, ctx.stats
     W, r, dev, dtype = p.W, p.r, g.device, g.dtype
     served = ctx.served
-    if served is None:
-        served = _exchange_ids(comm, ctx.req_ids, ctx.send_counts, stats, "grad_request_ids")
     send = torch.cat([g[ctx.req_rows[o].to(dev)] if o != r else g[:0] for o in range(W)])
     recv_counts = [int(x.numel()) for x in served]
     recv = comm.all_to_all(send, ctx.send_counts, recv_counts)
@@ -1267,7 +1284,8 @@ def exchange_bytes(block_idx: Optional[Tensor], world: int, *, cu_seqlens=None,
     select), on any device; ``exchange="allgather"`` needs none (None). ``Hkv, D`` give the K
     and V rows, ``Hik, Di`` the index keys (0: no index branch), ``element_size`` the inputs'
     bytes per value. ``layout``, ``sizes``, ``exchange``, ``call`` and ``kl_value`` as in
-    :func:`sparse_attention` (the backward included, as a training step runs it). For planning:
+    :func:`sparse_attention` (the backward included, as a training step runs it: with the KL's
+    gradient, so the index keys' gradients go back too). For planning:
     how much a layout moves on a model's own selections, at lengths no machine at hand runs."""
     if layout not in _LAYOUTS:
         raise ValueError(f"msa.distributed: argument 'layout': expected 'contiguous' or "
