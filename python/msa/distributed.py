@@ -1201,20 +1201,24 @@ def warmup_attention(
                 kl_pass, "auto", phase_times, "keys")
 
 
-def _run(q, k, v, q_idx, k_idx, block_idx, cu_seqlens, group, dense, top_k, block_size, layout,
-         exchange, sink_blocks, local_blocks, scale, scale_idx, kl_value, return_lse,
-         return_block_idx, return_stats, deterministic, kl_pass, fwd_pass, phase_times, call):
-    """The checks and the call shared by :func:`sparse_attention` and :func:`warmup_attention`
-    (``dense``)."""
+def _check_modes(layout: str, exchange: str, call: str, calls: Sequence[str]) -> None:
     if layout not in _LAYOUTS:
         raise ValueError(f"msa.distributed: argument 'layout': expected 'contiguous' or "
                          f"'balanced', got {layout!r}")
     if exchange not in _EXCHANGES:
         raise ValueError(f"msa.distributed: argument 'exchange': expected 'selected' or "
                          f"'allgather', got {exchange!r}")
-    if call not in _CALLS + ("auto",):
-        raise ValueError(f"msa.distributed: argument 'call': expected 'auto', 'keys' or 'rows', "
-                         f"got {call!r}")
+    if call not in calls:
+        raise ValueError(f"msa.distributed: argument 'call': expected one of "
+                         f"{', '.join(repr(c) for c in calls)}, got {call!r}")
+
+
+def _run(q, k, v, q_idx, k_idx, block_idx, cu_seqlens, group, dense, top_k, block_size, layout,
+         exchange, sink_blocks, local_blocks, scale, scale_idx, kl_value, return_lse,
+         return_block_idx, return_stats, deterministic, kl_pass, fwd_pass, phase_times, call):
+    """The checks and the call shared by :func:`sparse_attention` and :func:`warmup_attention`
+    (``dense``)."""
+    _check_modes(layout, exchange, call, _CALLS + ("auto",))
     if call == "auto":
         dev_type = q.device.type if isinstance(q, Tensor) else "cpu"
         call = "keys" if dev_type in _KEYS_APART_DEVICES else "rows"
@@ -1287,15 +1291,7 @@ def exchange_bytes(block_idx: Optional[Tensor], world: int, *, cu_seqlens=None,
     :func:`sparse_attention` (the backward included, as a training step runs it: with the KL's
     gradient, so the index keys' gradients go back too). For planning:
     how much a layout moves on a model's own selections, at lengths no machine at hand runs."""
-    if layout not in _LAYOUTS:
-        raise ValueError(f"msa.distributed: argument 'layout': expected 'contiguous' or "
-                         f"'balanced', got {layout!r}")
-    if exchange not in _EXCHANGES:
-        raise ValueError(f"msa.distributed: argument 'exchange': expected 'selected' or "
-                         f"'allgather', got {exchange!r}")
-    if call not in _CALLS:
-        raise ValueError(f"msa.distributed: argument 'call': expected 'keys' or 'rows', "
-                         f"got {call!r}")
+    _check_modes(layout, exchange, call, _CALLS)
     _int("world", world, 1)
     _int("block_size", block_size, 1)
     allgather = exchange == "allgather"
