@@ -175,6 +175,8 @@ def main(argv=None) -> int:
     for T in parse_tokens(args.lengths):
         for level in sp.level_names(args.levels):
             rows += case(msad, T, level, h, args)
+            if args.out:  # after every case: a long run's finished cases are kept
+                write_csv(args.out + ".csv", rows)
     print(f"\n## Bytes of a context-parallel step (computed from the selection; call="
           f"{args.call}), and the modelled work's balance\n")
     print("| T | index (overlap / union) | ranks | layout | shard sizes | MiB selected | "
@@ -187,12 +189,15 @@ def main(argv=None) -> int:
               f"{r['mib_allgather']:.1f} | {r['of_allgather']:.1%} | "
               f"{r['work_max_over_mean']:.3f} |")
     if args.out:
-        with open(args.out + ".csv", "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
         print(f"\nwrote {args.out}.csv")
     return 0
+
+
+def write_csv(path: str, rows: List[Dict]) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
 
 
 if __name__ == "__main__":
