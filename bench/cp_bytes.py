@@ -98,8 +98,9 @@ def calibrate(target: float, T: int, h: Dict, seed: int, pairs: int, tol: float)
     return sp._bisect(f, target, tol, 10)[-1]
 
 
-def modelled_work(sizes_or_pos: List[torch.Tensor], w: float) -> List[float]:
-    return [float((1.0 + w * (p.double() + 1)).sum()) for p in sizes_or_pos]
+def modelled_work(positions: List[torch.Tensor], w: float) -> List[float]:
+    """Each rank's work in contiguous_sizes' model (one sequence: a row's position is t)."""
+    return [float((1.0 + w * (p.double() + 1)).sum()) for p in positions]
 
 
 def case(msad, T: int, level: str, h: Dict, args) -> List[Dict]:

@@ -222,13 +222,14 @@ def contiguous_sizes(world: int, total: Optional[int] = None, cu_seqlens=None,
     N = cu[-1]
     cut = [0]
     if N:
+        ends = torch.tensor(cu[1:], dtype=torch.int64)
         lens = torch.tensor(cu, dtype=torch.int64).diff()
         seq_start = torch.repeat_interleave(torch.tensor(cu[:-1], dtype=torch.int64), lens)
         t = torch.arange(N, dtype=torch.int64) - seq_start
         cost = torch.cumsum(1.0 + select_weight * (t + 1).double(), 0)
         for r in range(1, world):
             x = int(torch.searchsorted(cost, cost[-1] * r / world))  # first token past the share
-            s = int(torch.searchsorted(torch.tensor(cu[1:]), x, right=True))  # its sequence
+            s = int(torch.searchsorted(ends, x, right=True))  # its sequence
             s = min(s, len(cu) - 2)
             a, b = cu[s], cu[s + 1]
             x = min(a + int(round((x - a) / block_size)) * block_size, b)
@@ -1341,42 +1342,31 @@ def _exchange_bytes(bi, W, cu, Bk, positions, owner, seq, t_in, F, Fi, es, allga
         if pos.numel():
             tmax = tmax.scatter_reduce(0, s_r, t_r, reduce="amax")
         readable = t_in <= tmax[seq]  # rows up to this rank's last position of their sequence
-        row = torch.zeros(N + 1, dtype=torch.int64)  # a difference array of row ranges
-        if pos.numel():
+        if not pos.numel():
+            rows = torch.zeros(N, dtype=torch.bool)
+        elif call == "keys":
+            # per run of consecutive positions: its rows from its first block's start (fb), and
+            # the blocks below fb that its queries selected (every one with allgather)
             first = torch.ones(pos.numel(), dtype=torch.bool)
             first[1:] = (s_r[1:] != s_r[:-1]) | (t_r[1:] != t_r[:-1] + 1)
-            run = torch.cumsum(first.long(), 0) - 1
             last = torch.ones_like(first)
             last[:-1] = first[1:]
-            if call == "keys":
-                # per run: its rows from its first block's start, and the blocks below that
-                lo = cu[s_r[first]] + (t_r[first] // Bk) * Bk
-                hi = pos[last] + 1
-                row.index_add_(0, lo, torch.ones_like(lo))
-                row.index_add_(0, hi, -torch.ones_like(hi))
-                fb = (t_r[first] // Bk)[run]  # each query's run's first block
-                if allgather:
-                    blo, bhi = cu[s_r[first]], cu[s_r[first]] + (t_r[first] // Bk) * Bk
-                    row.index_add_(0, blo, torch.ones_like(blo))
-                    row.index_add_(0, bhi, -torch.ones_like(bhi))
-                    rows = torch.cumsum(row[:N], 0) > 0
-                else:
-                    b = bi[pos]
-                    ok = (b >= 0) & (b < fb[:, None, None])
-                    rows = torch.cumsum(row[:N], 0) > 0
-                    rows |= _block_rows(cu, s_r[:, None, None].expand_as(b)[ok], b[ok], Bk, N)
-            else:
-                own = _block_rows(cu, s_r, t_r // Bk, Bk, N)
-                if allgather:
-                    rows = readable.clone()
-                else:
-                    b = bi[pos]
-                    ok = b >= 0
-                    rows = own | _block_rows(cu, s_r[:, None, None].expand_as(b)[ok], b[ok],
-                                             Bk, N)
-                rows &= readable
-        else:
-            rows = torch.zeros(N, dtype=torch.bool)
+            seq0, fb = cu[s_r[first]], t_r[first] // Bk
+            lo, hi = seq0 + fb * Bk, pos[last] + 1
+            if allgather:
+                lo, hi = torch.cat([lo, seq0]), torch.cat([hi, seq0 + fb * Bk])
+            rows = _range_mask(lo, hi, N)
+            if not allgather:
+                b = bi[pos]
+                ok = (b >= 0) & (b < fb[torch.cumsum(first.long(), 0) - 1][:, None, None])
+                rows |= _block_rows(cu, s_r[:, None, None].expand_as(b)[ok], b[ok], Bk, N)
+        elif allgather:  # the row call: every block up to this rank's last position
+            rows = readable.clone()
+        else:  # the row call: its own blocks and the selected ones, up to its last position
+            b = bi[pos]
+            ok = b >= 0
+            rows = _block_rows(cu, torch.cat([s_r, s_r[:, None, None].expand_as(b)[ok]]),
+                               torch.cat([t_r // Bk, b[ok]]), Bk, N) & readable
         need.append((rows, readable))
     out = []
     for r in range(W):
@@ -1403,14 +1393,16 @@ def _exchange_bytes(bi, W, cu, Bk, positions, owner, seq, t_in, F, Fi, es, allga
     return out
 
 
+def _range_mask(lo: Tensor, hi: Tensor, N: int) -> Tensor:
+    """A mask of the N rows in any of the ranges [lo[i], hi[i]) (by a difference array)."""
+    row = torch.zeros(N + 1, dtype=torch.int64)
+    row.index_add_(0, lo, torch.ones_like(lo))
+    row.index_add_(0, hi, -torch.ones_like(hi))
+    return torch.cumsum(row[:N], 0) > 0
+
+
 def _block_rows(cu, s, b, Bk, N):
     """A mask of the rows of blocks ``b`` of sequences ``s`` (1-D, the same length)."""
-    row = torch.zeros(N + 1, dtype=torch.int64)
-    if s.numel():
-        gb = torch.unique(s * (1 << 40) + b)
-        s, b = gb >> 40, gb & ((1 << 40) - 1)
-        lo = cu[s] + b * Bk
-        hi = torch.minimum(lo + Bk, cu[s + 1])
-        row.index_add_(0, lo, torch.ones_like(lo))
-        row.index_add_(0, hi, -torch.ones_like(hi))
-    return torch.cumsum(row[:N], 0) > 0
+    gb = torch.unique(s * (1 << 40) + b)  # each block once
+    lo = cu[gb >> 40] + (gb & ((1 << 40) - 1)) * Bk
+    return _range_mask(lo, torch.minimum(lo + Bk, cu[(gb >> 40) + 1]), N)
