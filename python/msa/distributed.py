@@ -1295,6 +1295,9 @@ def exchange_bytes(block_idx: Optional[Tensor], world: int, *, cu_seqlens=None,
     _check_modes(layout, exchange, call, _CALLS)
     _int("world", world, 1)
     _int("block_size", block_size, 1)
+    for name, value, lo in (("Hkv", Hkv, 1), ("D", D, 1), ("Hik", Hik, 0), ("Di", Di, 0),
+                            ("element_size", element_size, 1)):
+        _int(name, value, lo)
     allgather = exchange == "allgather"
     if block_idx is None:
         if not allgather:
@@ -1328,6 +1331,11 @@ def exchange_bytes(block_idx: Optional[Tensor], world: int, *, cu_seqlens=None,
     seq = torch.repeat_interleave(torch.arange(nseq), lens, output_size=N)
     t_in = torch.arange(N) - cu[:-1][seq]
     bi = None if block_idx is None else block_idx.detach().to("cpu", torch.int64)
+    if bi is not None and bi.numel():
+        nblk = ((lens + block_size - 1) // block_size)[seq]
+        if bool(((bi < -1) | (bi >= nblk[:, None, None])).any()):
+            raise ValueError("msa.distributed: argument 'block_idx': ids must be -1 or blocks of "
+                             "the row's own sequence")
     return _exchange_bytes(bi, world, cu, block_size, positions, owner, seq, t_in, Hkv * D,
                            Hik * Di, element_size, allgather, call, kl_value and Hik * Di > 0)
 

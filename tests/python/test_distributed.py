@@ -315,6 +315,23 @@ def test_exchange_bytes_predicts_the_stats(world):
                         assert msad.moved_bytes(got[r]) == msad.moved_bytes(st)
 
 
+def test_exchange_bytes_bad_arguments():
+    bi = torch.zeros(64, 1, 2, dtype=torch.int32)
+    ok = dict(cu_seqlens=torch.tensor([0, 64]), block_size=16, Hkv=1, D=8)
+    msad.exchange_bytes(bi, 2, **ok)
+    for kw, arg in ((dict(Hkv=0), "Hkv"), (dict(element_size=0), "element_size"),
+                    (dict(layout="zigzag"), "layout"), (dict(call="auto"), "call"),
+                    (dict(sizes=[10, 10]), "sizes"), (dict(cu_seqlens=torch.tensor([0, 65])),
+                                                      "block_idx")):
+        with pytest.raises(ValueError, match=f"'{arg}'"):
+            msad.exchange_bytes(bi, 2, **dict(ok, **kw))
+    for bad in (4, -2):  # 64 tokens of Bk 16: blocks 0..3
+        with pytest.raises(ValueError, match="'block_idx'"):
+            msad.exchange_bytes(torch.full_like(bi, bad), 2, **ok)
+    with pytest.raises(ValueError, match="'block_idx'"):
+        msad.exchange_bytes(None, 2, **ok)
+
+
 def test_contiguous_sizes_balance_the_modelled_cost():
     def cost(sizes, cu, w):
         pos = torch.cat([torch.arange(a, b) - a for a, b in zip(cu[:-1], cu[1:])]).double()
