@@ -56,11 +56,14 @@ def fmt_tokens(n: int) -> str:
     return f"{n >> 10}K" if n % 1024 == 0 else str(n)
 
 
-def draw(alpha: float, T: int, h: Dict, seed: int):
+def draw(alpha: float, T: int, h: Dict, seed: int, device="cpu"):
+    """The index inputs of ``seed``, drawn by the CPU generator (the same numbers whatever
+    ``device`` the selection runs on), on ``device``."""
     g = torch.Generator().manual_seed(seed)
     cu = torch.tensor([0, T], dtype=torch.int64)
-    return sp.index_inputs(alpha, cu, h["Hi"], h["Hik"], h["Di"], h["Bk"], dtype=torch.bfloat16,
-                           generator=g)
+    qi, ki = sp.index_inputs(alpha, cu, h["Hi"], h["Hik"], h["Di"], h["Bk"],
+                             dtype=torch.bfloat16, generator=g)
+    return qi.to(device), ki.to(device)
 
 
 def sampled_blocks(T: int, Bk: int, pairs: int) -> List[int]:
@@ -74,16 +77,16 @@ def sampled_blocks(T: int, Bk: int, pairs: int) -> List[int]:
     return sorted({b for s in starts for b in (s, s + 1)})
 
 
-def calibrate(target: float, T: int, h: Dict, seed: int, pairs: int, tol: float):
+def calibrate(target: float, T: int, h: Dict, seed: int, pairs: int, tol: float, device="cpu"):
     """alpha whose sampled query blocks' selections overlap ``target`` (bisection on the same
     random numbers, as ``selection_patterns.make_level`` does on the full selection)."""
     blocks = sampled_blocks(T, h["Bk"], pairs)
     Bk = h["Bk"]
 
     def f(a):
-        qi, ki = draw(a, T, h, seed)
+        qi, ki = draw(a, T, h, seed, device)
         bi = sp.select_by_gemm(qi, ki, [0, T], h["k"], Bk, sp.SINK_BLOCKS, sp.LOCAL_BLOCKS,
-                               blocks=blocks)
+                               blocks=blocks).cpu()
         rows = torch.cat([torch.arange(b * Bk, min((b + 1) * Bk, T)) for b in blocks])
         # each run of neighbouring sampled blocks is a sequence of its own (no pair across runs)
         cuts, n = [0], 0
@@ -103,15 +106,17 @@ def modelled_work(positions: List[torch.Tensor], w: float) -> List[float]:
     return [float((1.0 + w * (p.double() + 1)).sum()) for p in positions]
 
 
-def case(msad, T: int, level: str, h: Dict, args) -> List[Dict]:
+def case(msad, T: int, level: str, seed: int, h: Dict, args) -> List[Dict]:
     t0 = time.time()
     lv = sp.LEVELS[level]
     if "target" in lv:
-        alpha = calibrate(lv["target"], T, h, args.seed, args.calib_pairs, args.tol)["alpha"]
+        alpha = calibrate(lv["target"], T, h, seed, args.calib_pairs, args.tol,
+                          args.device)["alpha"]
     else:
         alpha = lv["alpha"]
-    qi, ki = draw(alpha, T, h, args.seed)
-    bi = sp.select_by_gemm(qi, ki, [0, T], h["k"], h["Bk"], sp.SINK_BLOCKS, sp.LOCAL_BLOCKS)
+    qi, ki = draw(alpha, T, h, seed, args.device)
+    bi = sp.select_by_gemm(qi, ki, [0, T], h["k"], h["Bk"], sp.SINK_BLOCKS,
+                           sp.LOCAL_BLOCKS).cpu()
     del qi, ki
     st = sp.selection_stats(bi, torch.tensor([0, T]), h["k"])
     t_sel = time.time() - t0
@@ -133,7 +138,7 @@ def case(msad, T: int, level: str, h: Dict, args) -> List[Dict]:
         b_sel = sum(msad.moved_bytes(x) for x in sel)
         b_ag = sum(msad.moved_bytes(x) for x in ag)
         rows.append(dict(
-            T=T, level=level, alpha=round(alpha, 4), overlap=round(st["overlap"], 3),
+            T=T, level=level, seed=seed, alpha=round(alpha, 4), overlap=round(st["overlap"], 3),
             union=round(st["union"], 3), world=W, layout=layout,
             sizes="/".join(str(int(p.numel())) for p in pos),
             mib_selected=round(b_sel / 2**20, 1), mib_allgather=round(b_ag / 2**20, 1),
@@ -143,7 +148,7 @@ def case(msad, T: int, level: str, h: Dict, args) -> List[Dict]:
             fetched_tokens=sum(x["fetched_tokens"] for x in sel),
             work_max_over_mean=round(max(work) / (sum(work) / W), 4),
             select_weight=args.select_weight, call=args.call))
-    print(f"  {fmt_tokens(T)} {level}: alpha {alpha:.3f}, overlap {st['overlap']:.3f}, union "
+    print(f"  {fmt_tokens(T)} {level} seed {seed}: alpha {alpha:.3f}, overlap {st['overlap']:.3f}, union "
           f"{st['union']:.2f} ({t_sel:.0f} s)", flush=True)
     return rows
 
@@ -154,7 +159,12 @@ def main(argv=None) -> int:
     ap.add_argument("--levels", default="mixed,random")
     ap.add_argument("--world", default="2", help="ranks, or a list (2,4,8): one selection each")
     ap.add_argument("--tiny", action="store_true", help="tiny heads (tests)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", default="0",
+                    help="the inputs' seed, or a list (0,1,2,3): one selection each; the mixed "
+                         "level's union, and so its bytes, varies with the draw")
+    ap.add_argument("--device", default="cpu",
+                    help="where the selection's GEMMs run (cuda: minutes at 512K instead of "
+                         "about 40 on two CPU cores); the inputs are the CPU generator's")
     ap.add_argument("--call", default="keys", choices=("keys", "rows"))
     ap.add_argument("--select-weight", type=float, default=None,
                     help="selection cost per earlier key, relative to the rest of a token's "
@@ -168,23 +178,28 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     args.worlds = [int(x) for x in str(args.world).split(",") if x.strip()]
+    seeds = [int(x) for x in str(args.seed).split(",") if x.strip()]
+    if args.device != "cpu":  # float32 scores as on the CPU: no TF32 in the selection's GEMMs
+        torch.backends.cuda.matmul.allow_tf32 = False
     import msa.distributed as msad
     if args.select_weight is None:
         args.select_weight = msad.SELECT_WEIGHT_H200_PAPER
     h = TINY if args.tiny else PAPER
     rows = []
-    for T in parse_tokens(args.lengths):
-        for level in sp.level_names(args.levels):
-            rows += case(msad, T, level, h, args)
-            if args.out:  # after every case: a long run's finished cases are kept
-                write_csv(args.out + ".csv", rows)
+    cases = [(T, level, seed) for T in parse_tokens(args.lengths)
+             for level in sp.level_names(args.levels) for seed in seeds]
+    for T, level, seed in cases:
+        rows += case(msad, T, level, seed, h, args)
+        if args.out:  # after every case: a long run's finished cases are kept
+            write_csv(args.out + ".csv", rows)
     print(f"\n## Bytes of a context-parallel step (computed from the selection; call="
           f"{args.call}), and the modelled work's balance\n")
-    print("| T | index (overlap / union) | ranks | layout | shard sizes | MiB selected | "
+    print("| T | index (overlap / union) | seed | ranks | layout | shard sizes | MiB selected | "
           "MiB all-gather | of all-gather | largest rank's work / mean |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {fmt_tokens(r['T'])} | {r['level']} ({r['overlap']:.2f} / {r['union']:.2f}) | "
+              f"{r['seed']} | "
               f"{r['world']} | "
               f"{r['layout']} | {r['sizes']} | {r['mib_selected']:.1f} | "
               f"{r['mib_allgather']:.1f} | {r['of_allgather']:.1%} | "

@@ -578,3 +578,13 @@ def test_cp_bytes_tiny(tmp_path):
             assert 0 < float(r["of_allgather"]) < 1, r
         assert float(by["contiguous-weighted"]["work_max_over_mean"]) < float(
             by["contiguous"]["work_max_over_mean"])
+    # a list of seeds: one selection each, the listed seed's rows those of a run of it alone
+    out2 = tmp_path / "s"
+    assert cp_bytes.main(["--tiny", "--lengths", "2048", "--levels", "random", "--world", "3",
+                          "--select-weight", "1e-3", "--seed", "1,0", "--out", str(out2)]) == 0
+    rows2 = list(csv.DictReader(open(f"{out2}.csv")))
+    assert [r["seed"] for r in rows2] == ["1"] * 3 + ["0"] * 3
+    key = ("layout", "mib_selected", "fetched_tokens", "overlap", "union")
+    assert [tuple(r[k] for k in key) for r in rows2[3:]] == [
+        tuple(r[k] for k in key) for r in rows if r["level"] == "random"]
+    assert [r["fetched_tokens"] for r in rows2[:3]] != [r["fetched_tokens"] for r in rows2[3:]]
