@@ -316,3 +316,47 @@ def test_plot_bench_writes_png(tmp_path):
     assert plot_bench._label("mixed", pts) == "mixed (overlap 0.65–0.67)"
     out = plot_bench.plot_csv(str(tmp_path / "bwd.csv"), str(tmp_path / "sub" / "b.png"))
     assert Path(out).is_file()
+
+
+@pytest.mark.parametrize("alpha,ties", [(0.0, False), (0.6, False), (0.3, True)])
+def test_fp8_shortlist_rules_equal_the_backend(alpha, ties):
+    """bench/fp8_shortlist_recall.py's quantiser and shipped rule (float64 scores) choose what
+    the CPU backend's select_blocks(select_scores="fp8", fp8_rerank=m) chooses, row by row
+    (with ties: integer inputs whose block scores tie exactly, the copies equal to the inputs);
+    its rule a/m keeps the best free - a blocks by FP8 and equals the rule m once a >= free."""
+    import msa
+    import cp_bytes as cb
+    import fp8_shortlist_recall as fr
+    h, T = cb.TINY, 768
+    qi, ki = cb.draw(alpha, T, h, 3)
+    if ties:  # small integers, every group's amax 4: the copies are exact, every sum too
+        g = torch.Generator().manual_seed(5)
+        qi = torch.randint(-4, 5, qi.shape, generator=g).to(qi.dtype)
+        ki = torch.randint(-4, 5, ki.shape, generator=g).to(ki.dtype)
+        qi[..., 0] = 4
+        ki[::h["Bk"], :, 0] = 4
+    k8 = fr.key_copies(ki, h["Bk"], torch.float64)
+    cu = torch.tensor([0, T], dtype=torch.int32)
+    G = h["Hi"] // h["Hik"]
+    checked = 0
+    for m in (0, 2, 4):
+        bi = msa.select_blocks(qi, ki, h["k"], h["Bk"], cu_seqlens=cu, sink_blocks=sp.SINK_BLOCKS,
+                               local_blocks=sp.LOCAL_BLOCKS, select_scores="fp8", fp8_rerank=m)
+        for b in range(T // h["Bk"]):
+            got = fr.block_rows(qi, ki, k8, b, 0, h, torch.float64)
+            if got is None:
+                continue
+            BM, BM8, cand, free = got
+            rows = bi[b * h["Bk"]:(b + 1) * h["Bk"], :G].reshape(-1, h["k"]).long()
+            want = torch.zeros_like(BM, dtype=torch.bool)
+            ok = (rows >= int(cand[0, 0])) & (rows <= int(cand[0, -1]))
+            want[torch.arange(rows.shape[0])[:, None].expand_as(rows)[ok], rows[ok]] = True
+            assert torch.equal(fr.select_rows(BM, BM8, cand, free, -1, m), want), (m, b)
+            if m > 0:
+                assert torch.equal(fr.select_rows(BM, BM8, cand, free, free, m), want)
+                kept = fr.select_rows(BM, BM8, cand, free, 1, m)
+                best8 = fr._best(BM8, cand, free - 1)
+                assert bool(kept.gather(1, best8).all())
+                assert int(kept.sum()) == BM.shape[0] * min(free, cand.shape[1])
+            checked += 1
+    assert checked > 60
