@@ -87,7 +87,9 @@ def main(argv=None):
     p.add_argument("--configs", default="paper")
     p.add_argument("--lengths", type=bf.token_list, default=None, help="default 128K,512K,1M")
     p.add_argument("--levels", default="mixed,random")
-    p.add_argument("--reranks", default="0,4", help="fp8_rerank values of the FP8 selections")
+    p.add_argument("--reranks", default="0,4",
+                   help="the FP8 selections: fp8_rerank values m, or a/m for fp8_rerank_slots a "
+                        "with fp8_rerank m (4/8: only the last 4 free slots re-ranked, from 12)")
     p.add_argument("--forward", action="store_true", help="also the whole MSA forward and dense")
     p.add_argument("--dense-max-tokens", type=bf.parse_tokens, default=131072)
     p.add_argument("--top-k", type=int, default=16)
@@ -114,9 +116,11 @@ def main(argv=None):
     anchors = gemm_anchors(device)
     bf.log(f"torch GEMM 8192^3: {anchors}")
     rows, dense_ref = [], {}
-    # (name, select_scores, fp8_rerank): bf16 scores, then FP8 with each fp8_rerank.
-    variants = [("input", "input", 0)] + [(f"fp8_m{m}", "fp8", m) for m in
-                                          (int(x) for x in args.reranks.split(","))]
+    # (name, select_scores, (fp8_rerank, fp8_rerank_slots)): bf16 scores, then FP8 with each.
+    variants = [("input", "input", (0, 0))]
+    for x in args.reranks.split(","):
+        a, m = (int(y) for y in x.split("/")) if "/" in x else (0, int(x))
+        variants.append((f"fp8_m{m}" + (f"_a{a}" if a else ""), "fp8", (m, a)))
     Bk, k, D, Di = args.block_size, args.top_k, args.head_dim, args.index_dim
     for cfg in args.configs.split(","):
         h = bf.HEADS[cfg]
@@ -131,11 +135,11 @@ def main(argv=None):
                 row = dict(config=cfg, T=L, level=level, overlap=st["overlap"], union=st["union"],
                            **anchors)
 
-                def select(scores, m):
+                def select(scores, ma):
                     return lambda: msa.select_blocks(qi, ki, k, Bk, cu_seqlens=cu,
                                                      sink_blocks=sp.SINK_BLOCKS,
                                                      local_blocks=sp.LOCAL_BLOCKS, select_scores=scores,
-                                                     fp8_rerank=m)
+                                                     fp8_rerank=ma[0], fp8_rerank_slots=ma[1])
                 for name, scores, m in variants:
                     ms = timer.median_ms([select(scores, m)])
                     row[f"select_{name}_ms"] = ms
@@ -158,7 +162,8 @@ def main(argv=None):
                             return msa.sparse_attention(q, kk, v, qi, ki, k, Bk, cu_seqlens=cu,
                                                         sink_blocks=sp.SINK_BLOCKS,
                                                         local_blocks=sp.LOCAL_BLOCKS, kl_value=False,
-                                                        select_scores=scores, fp8_rerank=m)
+                                                        select_scores=scores, fp8_rerank=m[0],
+                                                        fp8_rerank_slots=m[1])
                         row[f"msa_{name}_ms"] = timer.median_ms([full])
                     if L <= args.dense_max_tokens and (cfg, L) not in dense_ref:
                         run, _ = bf.dense_runner(q.unsqueeze(0).transpose(1, 2), kk.unsqueeze(0).transpose(1, 2),

@@ -134,10 +134,12 @@ msa::SelectScores select_scores_arg(const std::string& s) {
   bad_arg("select_scores", "expected 'input' or 'fp8', got '" + s + "'");
 }
 
-// Options.select_scores and Options.fp8_rerank.
-void set_scores(msa::Options* o, const std::string& select_scores, const nb::int_& fp8_rerank) {
+// Options.select_scores, Options.fp8_rerank and Options.fp8_rerank_slots.
+void set_scores(msa::Options* o, const std::string& select_scores, const nb::int_& fp8_rerank,
+                const nb::int_& fp8_rerank_slots = nb::int_(0)) {
   o->select_scores = select_scores_arg(select_scores);
   o->fp8_rerank = int32_arg("fp8_rerank", fp8_rerank);
+  o->fp8_rerank_slots = int32_arg("fp8_rerank_slots", fp8_rerank_slots);
 }
 
 msa::Options options(const nb::int_& mode, const nb::int_& block_size, const nb::int_& top_k,
@@ -279,7 +281,8 @@ NB_MODULE(_C, m) {
          const OptArray& lse_idx, const nb::int_& block_size, const nb::int_& top_k,
          const nb::int_& sink_blocks, const nb::int_& local_blocks, float scale_idx,
          const std::string& select_scores, const nb::int_& fp8_rerank, uintptr_t stream,
-         bool check_values, const nb::object& workspace_alloc, const OptArray& cu_seqlens_k) {
+         bool check_values, const nb::object& workspace_alloc, const OptArray& cu_seqlens_k,
+         const nb::int_& fp8_rerank_slots) {
         msa::SelectParams p;
         p.q_idx = to_ref("q_idx", q_idx);
         p.k_idx = to_ref("k_idx", k_idx);
@@ -288,14 +291,15 @@ NB_MODULE(_C, m) {
         p.block_idx = to_ref("block_idx", block_idx);
         p.lse_idx = to_ref("lse_idx", lse_idx);
         p.opts = options(nb::int_(0), block_size, top_k, sink_blocks, local_blocks, 0.f, scale_idx, false);
-        set_scores(&p.opts, select_scores, fp8_rerank);
+        set_scores(&p.opts, select_scores, fp8_rerank, fp8_rerank_slots);
         run(p, stream, check_values, workspace_alloc, [](const msa::SelectParams& x) { return msa::select_blocks(x); });
       },
       nb::arg("q_idx"), nb::arg("k_idx"), nb::arg("cu_seqlens").none(), nb::arg("block_idx"),
       nb::arg("lse_idx").none() = nb::none(), nb::arg("block_size") = 128, nb::arg("top_k") = 16,
       nb::arg("sink_blocks") = 0, nb::arg("local_blocks") = 1, nb::arg("scale_idx") = 0.f,
       nb::arg("select_scores") = "input", nb::arg("fp8_rerank") = 4, nb::arg("stream") = 0, nb::arg("check_values") = true,
-      nb::arg("workspace_alloc") = nb::none(), nb::arg("cu_seqlens_k").none() = nb::none());
+      nb::arg("workspace_alloc") = nb::none(), nb::arg("cu_seqlens_k").none() = nb::none(),
+      nb::arg("fp8_rerank_slots") = 0);
 
   m.def(
       "forward",
@@ -306,7 +310,7 @@ NB_MODULE(_C, m) {
          const nb::int_& local_blocks, float scale, float scale_idx, bool deterministic,
          const std::string& fwd_pass, const nb::int_& fwd_chunk_tokens, const std::string& select_scores,
          const nb::int_& fp8_rerank, uintptr_t stream, bool check_values, const nb::object& workspace_alloc,
-         const OptArray& cu_seqlens_k) {
+         const OptArray& cu_seqlens_k, const nb::int_& fp8_rerank_slots) {
         msa::ForwardParams p;
         p.q = to_ref("q", q);
         p.k = to_ref("k", k);
@@ -323,7 +327,7 @@ NB_MODULE(_C, m) {
         p.opts = options(mode, block_size, top_k, sink_blocks, local_blocks, scale, scale_idx, deterministic);
         p.opts.fwd_pass = fwd_pass_arg(fwd_pass);
         p.opts.fwd_chunk_tokens = int32_arg("fwd_chunk_tokens", fwd_chunk_tokens);
-        set_scores(&p.opts, select_scores, fp8_rerank);
+        set_scores(&p.opts, select_scores, fp8_rerank, fp8_rerank_slots);
         run(p, stream, check_values, workspace_alloc, [](const msa::ForwardParams& x) { return msa::forward(x); });
       },
       nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("cu_seqlens").none(),
@@ -335,7 +339,7 @@ NB_MODULE(_C, m) {
       nb::arg("fwd_chunk_tokens") = 0, nb::arg("select_scores") = "input", nb::arg("fp8_rerank") = 4,
       nb::arg("stream") = 0,
       nb::arg("check_values") = true, nb::arg("workspace_alloc") = nb::none(),
-      nb::arg("cu_seqlens_k").none() = nb::none());
+      nb::arg("cu_seqlens_k").none() = nb::none(), nb::arg("fp8_rerank_slots") = 0);
 
   m.def(
       "backward",

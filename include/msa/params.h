@@ -97,6 +97,11 @@ struct Options {
   // kFp8: FP8-scored candidates beyond a row's free slots that the inputs' own scores rank again
   // (0: the FP8 scores decide alone); 0 ... 64, ignored with kInput.
   int32_t fp8_rerank = 4;
+  // kFp8 with fp8_rerank = m > 0: how many of a row's free slots the re-ranking decides (0: all).
+  // With a > 0 the best (free slots - a) blocks by FP8 score are kept as they are and only the
+  // last a slots go to the best of the next a + m by the inputs' own scores: fewer blocks to
+  // score again for nearly the same recall (bench/fp8_shortlist_recall.py). 0 ... 2^20.
+  int32_t fp8_rerank_slots = 0;
   DqPass dq_pass = DqPass::kAuto;
   // dq_pass = kFromDs: query tokens per pass of the backward (0: as many as keep one pass's dS
   // near 8 GiB: 32K tokens with 64 query heads, k = 16, Bk = 128).

@@ -196,6 +196,7 @@ def sparse_attention(
     bwd_chunk_tokens: int = 0,
     fwd_chunk_tokens: int = 0,
     cu_seqlens_k: Optional[Tensor] = None,
+    fp8_rerank_slots: int = 0,
 ):
     """MSA training attention: index selection, sparse attention, KL loss (contract §2-§4).
 
@@ -251,6 +252,9 @@ def sparse_attention(
             inputs' scores). See :func:`select_blocks`.
         fp8_rerank: with "fp8", how many candidates beyond a row's free slots the FP8 scores
             shortlist for the inputs' own scores to rank again (0: the FP8 scores decide).
+        fp8_rerank_slots: with "fp8" and fp8_rerank = m > 0, how many of a row's free slots
+            the re-ranking decides (0: all): with a > 0 the best (free - a) by FP8 score are
+            kept and the last a slots go to the best of the next a + m by the inputs' scores.
         dq_pass: how the backward computes dq: "auto" (the backend's choice; CUDA: "from_ds"
             where it can run), "query_tile" (a tile of query rows visits the union of its
             tokens' selections and recomputes the scores there) or "from_ds" (the KV-side pass
@@ -296,7 +300,8 @@ def sparse_attention(
         top_k, sink_blocks, local_blocks, _scale("scale", scale), _scale("scale_idx", scale_idx),
         bool(kl_value) and has_idx, bool(deterministic), kl_pass, fwd_pass, select_scores,
         _int("fp8_rerank", fp8_rerank, 0, 64), dq_pass, _int("bwd_chunk_tokens", bwd_chunk_tokens, 0),
-        _int("fwd_chunk_tokens", fwd_chunk_tokens, 0), _cu_seqlens(cu_seqlens_k, q.device, "cu_seqlens_k"))
+        _int("fwd_chunk_tokens", fwd_chunk_tokens, 0), _cu_seqlens(cu_seqlens_k, q.device, "cu_seqlens_k"),
+        _int("fp8_rerank_slots", fp8_rerank_slots, 0, 1 << 20))
     result = (out, kl)
     if return_lse:
         result += (lse,)
@@ -362,6 +367,7 @@ def select_blocks(
     select_scores: str = "input",
     fp8_rerank: int = 4,
     cu_seqlens_k: Optional[Tensor] = None,
+    fp8_rerank_slots: int = 0,
 ) -> Tensor:
     """Index selection alone (docs/contract.md §2). Not differentiable.
 
@@ -375,7 +381,10 @@ def select_blocks(
     values ``e4m3(x * scale)``; on the GPU the scores come from FP8 tensor-core products.
     With ``fp8_rerank = m > 0`` (default 4) those scores only shortlist: the best (free slots +
     m) blocks by them are ranked again by the inputs' own scores, which keeps nearly all of the
-    "input" selection (``fp8_rerank=0``: the FP8 scores decide alone). ``cu_seqlens_k``: keys
+    "input" selection (``fp8_rerank=0``: the FP8 scores decide alone). ``fp8_rerank_slots =
+    a > 0``: only the last a free slots are re-ranked, from the next a + m blocks by FP8 score,
+    the best (free slots - a) kept as the FP8 scores rank them: fewer blocks to score again
+    for nearly the same recall (``bench/fp8_shortlist_recall.py``). ``cu_seqlens_k``: keys
     apart from queries (``k_idx`` [Tk, Hik, Di]), as in :func:`sparse_attention`.
 
     Returns ``block_idx`` [T, Hi, top_k] int32: ascending block ids, then -1 padding.
@@ -390,7 +399,8 @@ def select_blocks(
     return torch.ops.msa.select_blocks(q_idx, k_idx, cu, top_k, block_size, sink_blocks,
                                        local_blocks, _scale("scale_idx", scale_idx), select_scores,
                                        _int("fp8_rerank", fp8_rerank, 0, 64),
-                                       _cu_seqlens(cu_seqlens_k, q_idx.device, "cu_seqlens_k"))
+                                       _cu_seqlens(cu_seqlens_k, q_idx.device, "cu_seqlens_k"),
+                                       _int("fp8_rerank_slots", fp8_rerank_slots, 0, 1 << 20))
 
 
 def kl_divergence(

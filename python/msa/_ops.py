@@ -194,9 +194,11 @@ def select_blocks(
     select_scores: str = "input",
     fp8_rerank: int = 4,
     cu_seqlens_k: Optional[Tensor] = None,
+    fp8_rerank_slots: int = 0,
 ) -> Tensor:
     """block_idx [T, Hi, top_k] int32: ascending selected block ids, then -1 (docs/contract.md §2).
-    ``select_scores``: "input" or "fp8" (Options.select_scores); ``fp8_rerank``: Options.fp8_rerank.
+    ``select_scores``: "input" or "fp8" (Options.select_scores); ``fp8_rerank``,
+    ``fp8_rerank_slots``: Options.fp8_rerank, Options.fp8_rerank_slots.
     ``cu_seqlens_k``: keys apart from queries (k_idx [Tk, Hik, Di]; msa/params.h, contract §1)."""
     _need_select_scores(select_scores)
     _need_rank("q_idx", q_idx, 3, "[T, Hi, Di]")
@@ -206,14 +208,14 @@ def select_blocks(
     _launch(_C.select_blocks, q_idx.device, _lc(q_idx), _lc(k_idx), _lc(cu_seqlens), block_idx,
             None, block_size=block_size, top_k=top_k, sink_blocks=sink_blocks,
             local_blocks=local_blocks, scale_idx=scale_idx, select_scores=select_scores,
-            fp8_rerank=fp8_rerank, cu_seqlens_k=_lc(cu_seqlens_k),
+            fp8_rerank=fp8_rerank, cu_seqlens_k=_lc(cu_seqlens_k), fp8_rerank_slots=fp8_rerank_slots,
             values=((cu_seqlens, None), q_idx.shape[0], block_size))
     return block_idx
 
 
 @select_blocks.register_fake
 def _(q_idx, k_idx, cu_seqlens, top_k, block_size, sink_blocks, local_blocks, scale_idx,
-      select_scores="input", fp8_rerank=4, cu_seqlens_k=None):
+      select_scores="input", fp8_rerank=4, cu_seqlens_k=None, fp8_rerank_slots=0):
     _need_select_scores(select_scores)
     return q_idx.new_empty((q_idx.shape[0], q_idx.shape[1], top_k), dtype=torch.int32)
 
@@ -249,6 +251,7 @@ def _forward_impl(
     bwd_chunk_tokens: int = 0,
     fwd_chunk_tokens: int = 0,
     cu_seqlens_k: Optional[Tensor] = None,
+    fp8_rerank_slots: int = 0,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(out [T, Hq, D] dtype of q, lse [T, Hq] fp32, block_idx, kl 0-dim fp32).
 
@@ -259,7 +262,7 @@ def _forward_impl(
     (Options.fwd_pass: "auto", "query_tile", "kv_block" or "split"). ``select_scores``: the scores a
     selection made here ranks blocks by (Options.select_scores: "input" or "fp8"), and
     ``fp8_rerank`` how many FP8-scored candidates beyond the free slots the inputs' scores rank
-    again (Options.fp8_rerank). ``dq_pass`` and ``bwd_chunk_tokens`` are for the autograd
+    again (Options.fp8_rerank; ``fp8_rerank_slots``: Options.fp8_rerank_slots). ``dq_pass`` and ``bwd_chunk_tokens`` are for the autograd
     backward (see ``msa::backward``); they are checked here. ``fwd_chunk_tokens``: the tokens
     of one pass of the KV-block forward (Options.fwd_chunk_tokens). ``cu_seqlens_k``: keys apart
     from queries (k, v, k_idx with Tk rows; msa/params.h, contract §1).
@@ -296,7 +299,7 @@ def _forward_impl(
             top_k=top_k, sink_blocks=sink_blocks, local_blocks=local_blocks, scale=scale,
             scale_idx=scale_idx, deterministic=deterministic, fwd_pass=fwd_pass,
             fwd_chunk_tokens=fwd_chunk_tokens, select_scores=select_scores, fp8_rerank=fp8_rerank,
-            cu_seqlens_k=_lc(cu_seqlens_k),
+            cu_seqlens_k=_lc(cu_seqlens_k), fp8_rerank_slots=fp8_rerank_slots,
             values=((cu_seqlens, None if sel or dense else block_idx), T, block_size))
     return out, lse, bi_out, kl
 
@@ -308,7 +311,7 @@ forward = torch.library.custom_op("msa::forward", mutates_args=())(_forward_impl
 def _(q, k, v, q_idx, k_idx, block_idx, cu_seqlens, dense, select, block_size, top_k,
       sink_blocks, local_blocks, scale, scale_idx, want_kl, deterministic, kl_pass="auto",
       fwd_pass="auto", select_scores="input", fp8_rerank=4, dq_pass="auto", bwd_chunk_tokens=0,
-      fwd_chunk_tokens=0, cu_seqlens_k=None):
+      fwd_chunk_tokens=0, cu_seqlens_k=None, fp8_rerank_slots=0):
     _need_kl_pass(kl_pass)
     _need_fwd_pass(fwd_pass)
     _need_select_scores(select_scores)

@@ -89,12 +89,15 @@ def select_blocks_ref(q_idx: Tensor, k_idx: Tensor, top_k: int, block_size: int,
                       cu_seqlens: Optional[Tensor] = None, sink_blocks: int = 0,
                       local_blocks: int = 1, scale_idx: Optional[float] = None,
                       shortlist_by: Optional[Tuple[Tensor, Tensor]] = None,
-                      rerank: int = 0) -> Tensor:
+                      rerank: int = 0, rerank_slots: int = 0) -> Tensor:
     """Contract §2: block_idx [T, Hi, top_k] int32, ascending block ids then -1.
 
     ``shortlist_by`` = (q, k) (select_scores="fp8": the E4M3 copies of fp8_index_copies_ref):
     the free slots + ``rerank`` best candidates by the scores of q and k are kept, and the slots
-    go to the best of them by the scores of q_idx and k_idx (with rerank = 0: by q and k's)."""
+    go to the best of them by the scores of q_idx and k_idx (with rerank = 0: by q and k's).
+    ``rerank_slots`` = a (fp8_rerank_slots) in (0, free slots), with more candidates than free
+    slots: the best (free - a) by q and k's scores are selected as they are, and only the last a
+    slots go to the best of the other shortlisted blocks by q_idx and k_idx's."""
     T, Hi, Di = q_idx.shape
     if scale_idx is None:
         scale_idx = Di ** -0.5
@@ -115,13 +118,21 @@ def select_blocks_ref(q_idx: Tensor, k_idx: Tensor, top_k: int, block_size: int,
             forced = local | sink  # [L, nb]
             cand = (blk[None, :] < own[:, None]) & ~forced  # [L, nb]
             slots = top_k - forced.sum(-1)  # [L]
+            kept = torch.zeros_like(cand)
+            n = slots
             if shortlist_by is not None:
                 M8 = _block_scores(shortlist_by[0][a:b], shortlist_by[1][a:b], scale_idx, Bk)
                 if rerank == 0:
                     M = M8
                 else:
-                    cand = cand[None] & _best(M8, cand, slots + rerank)
-            chosen = _best(M, cand, slots)
+                    short = cand[None] & _best(M8, cand, slots + rerank)
+                    if rerank_slots > 0:
+                        n = torch.where((rerank_slots < slots) & (cand.sum(-1) > slots),
+                                        torch.clamp(torch.full_like(slots, rerank_slots),
+                                                    max=slots), slots)
+                        kept = _best(M8, cand, slots - n)
+                    cand = short & ~kept
+            chosen = kept | _best(M, cand, n)
             sel = forced[None] | chosen  # [Hi, L, nb]
             ids = torch.where(sel, blk, nb + blk).sort(dim=-1).values
             count = sel.sum(-1, keepdim=True)

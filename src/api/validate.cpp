@@ -403,6 +403,8 @@ Status option_ranges(const Check& c, const Options& o) {
                    "must be kInput or kFp8, got " + std::to_string(static_cast<int32_t>(o.select_scores))));
   MSA_TRY(c.option("fp8_rerank", o.fp8_rerank >= 0 && o.fp8_rerank <= 64,
                    "must be in [0, 64], got " + std::to_string(o.fp8_rerank)));
+  MSA_TRY(c.option("fp8_rerank_slots", o.fp8_rerank_slots >= 0 && o.fp8_rerank_slots <= (1 << 20),
+                   "must be in [0, 2^20], got " + std::to_string(o.fp8_rerank_slots)));
   return Status::Ok();
 }
 

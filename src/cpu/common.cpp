@@ -111,14 +111,23 @@ void choose_blocks(const Options& o, int32_t k, int64_t t, const std::vector<dou
   const auto by = [](const std::vector<double>& sc) {
     return [&sc](int32_t a, int32_t b) { return sc[a] > sc[b] || (sc[a] == sc[b] && a < b); };
   };
-  if (rerank != nullptr && cand.size() > slots + m) {  // the shortlist
+  // With rerank and fp8_rerank_slots = a in (0, slots): the best (slots - a) by `rank` are kept,
+  // the next (a + m) are the shortlist for the last a slots.
+  const size_t a = static_cast<size_t>(o.fp8_rerank_slots);
+  const size_t keep = rerank != nullptr && cand.size() > slots && a > 0 && a < slots ? slots - a : 0;
+  if (rerank != nullptr && cand.size() > slots + m) {  // the shortlist (the kept ones first)
     std::partial_sort(cand.begin(), cand.begin() + slots + m, cand.end(), by(rank));
     cand.resize(slots + m);
+  } else if (keep > 0) {
+    std::sort(cand.begin(), cand.end(), by(rank));
   }
+  chosen->insert(chosen->end(), cand.begin(), cand.begin() + keep);
+  cand.erase(cand.begin(), cand.begin() + keep);
+  const size_t left = slots - keep;
   const std::vector<double>& final_rank = rerank != nullptr ? *rerank : rank;
-  if (cand.size() > slots) {
-    std::partial_sort(cand.begin(), cand.begin() + slots, cand.end(), by(final_rank));
-    cand.resize(slots);
+  if (cand.size() > left) {
+    std::partial_sort(cand.begin(), cand.begin() + left, cand.end(), by(final_rank));
+    cand.resize(left);
   }
   chosen->insert(chosen->end(), cand.begin(), cand.end());
   std::sort(chosen->begin(), chosen->end());

@@ -147,7 +147,9 @@ void block_maxima(int32_t Di, int32_t Bk, double scale_idx, const E* q_row, int6
 // Contract §2's choice for the query at position t from its block scores `rank` (M(t, b), b <=
 // blk(t)): the forced blocks, then the other slots by score (ties to the lower block index), as
 // ascending ids in *chosen. With `rerank` (kFp8 with fp8_rerank = m > 0: the inputs' own block
-// scores), the best (slots + m) candidates by `rank` are ranked again by `rerank`.
+// scores), the best (slots + m) candidates by `rank` are ranked again by `rerank`; with
+// o.fp8_rerank_slots = a in (0, slots) only the last a slots are: the best (slots - a) by `rank`
+// are kept and the next (a + m) ranked again.
 void choose_blocks(const Options& o, int32_t k, int64_t t, const std::vector<double>& rank,
                    const std::vector<double>* rerank, int32_t m, std::vector<int32_t>* chosen);
 

@@ -160,9 +160,12 @@ inline std::string selection_rule_error(const Config& c, int own, const std::vec
 // `m8` (the copies' block scores) up to abs_tol + rel_tol * |that (slots + m)-th score|, and no
 // candidate surely in the shortlist (above that score by more than the slack) is left out while
 // it outscores a selected one under `m_in` (the inputs' block scores) by more than the slack.
+// With `a` in (0, free slots) (Options.fp8_rerank_slots) and more candidates than slots, every
+// candidate surely among the best (slots - a) by `m8` is selected, and only the selected blocks
+// surely below them by `m8` are the re-ranked ones a left-out candidate is compared with.
 inline std::string shortlist_rule_error(const Config& c, int own, const std::vector<double>& m8,
                                         const std::vector<double>& m_in, int m, const std::vector<int>& chosen,
-                                        double abs_tol, double rel_tol) {
+                                        double abs_tol, double rel_tol, int a = 0) {
   std::vector<int> cand;
   for (int b = 0; b <= own; ++b) {
     if (!is_forced(c, own, b)) {
@@ -180,12 +183,19 @@ inline std::string shortlist_rule_error(const Config& c, int own, const std::vec
   const bool limited = static_cast<int>(cand.size()) > slots + m;
   const double kth8 = limited ? by8[slots + m - 1] : -INFINITY;
   const double allowed8 = limited ? abs_tol + rel_tol * std::fabs(kth8) : 0.0;
+  const bool keeps = a > 0 && a < slots && static_cast<int>(cand.size()) > slots;
+  const double keep8 = keeps ? by8[slots - a - 1] : INFINITY;
+  const double allowed_keep = keeps ? abs_tol + rel_tol * std::fabs(keep8) : 0.0;
+  for (int b : cand)
+    if (keeps && m8[b] > keep8 + allowed_keep && std::find(chosen.begin(), chosen.end(), b) == chosen.end())
+      return "block " + std::to_string(b) + " is among the best free slots - " + std::to_string(a) +
+             " by FP8 score (" + std::to_string(m8[b]) + " above " + std::to_string(keep8) + ") and not selected";
   double worst = INFINITY;
   int picked = 0;
   for (int b : chosen) {
     if (is_forced(c, own, b)) continue;
     ++picked;
-    worst = std::min(worst, m_in[b]);
+    if (!keeps || m8[b] < keep8 - allowed_keep) worst = std::min(worst, m_in[b]);
     if (limited && m8[b] < kth8 - allowed8)
       return "block " + std::to_string(b) + " is outside the FP8 shortlist (score " + std::to_string(m8[b]) +
              " below " + std::to_string(kth8) + ")";
@@ -204,7 +214,10 @@ inline std::string shortlist_rule_error(const Config& c, int own, const std::vec
 
 // Brute force of the re-ranked FP8 selection: the free slots + m best candidates by `q8`'s block
 // scores (fp8_scored of `p`), then the slots by p's own, ties to the lower index both times.
-inline Sets ref_select_shortlist(const Problem& p, const Problem& q8, int m) {
+// With `a` in (0, free slots) (Options.fp8_rerank_slots) and more candidates than slots, the
+// best (free - a) by q8's scores are kept and only the last a slots ranked by p's own scores.
+// `only` > 0: instead of the selection, each row's `only` best candidates by q8's scores.
+inline Sets ref_select_shortlist(const Problem& p, const Problem& q8, int m, int a = 0, int only = 0) {
   const Config& c = p.cfg;
   Sets s(p.T, std::vector<std::vector<int>>(c.Hi));
   for (int64_t g = 0; g < p.T; ++g) {
@@ -214,11 +227,19 @@ inline Sets ref_select_shortlist(const Problem& p, const Problem& q8, int m) {
       std::vector<int> chosen, cand;
       for (int b = 0; b <= own; ++b) (is_forced(c, own, b) ? chosen : cand).push_back(b);
       const int slots = c.k - static_cast<int>(chosen.size());
-      std::stable_sort(cand.begin(), cand.end(), [&](int a, int b) { return m8[a] > m8[b]; });
+      std::stable_sort(cand.begin(), cand.end(), [&](int x, int y) { return m8[x] > m8[y]; });
+      if (only > 0) {
+        s[g][i].assign(cand.begin(), cand.begin() + std::min<size_t>(only, cand.size()));
+        std::sort(s[g][i].begin(), s[g][i].end());
+        continue;
+      }
+      const int keep = a > 0 && a < slots && static_cast<int>(cand.size()) > slots ? slots - a : 0;
       if (static_cast<int>(cand.size()) > slots + m) cand.resize(slots + m);
+      chosen.insert(chosen.end(), cand.begin(), cand.begin() + keep);
+      cand.erase(cand.begin(), cand.begin() + keep);
       std::sort(cand.begin(), cand.end());
-      std::stable_sort(cand.begin(), cand.end(), [&](int a, int b) { return m_in[a] > m_in[b]; });
-      for (int x = 0; x < static_cast<int>(cand.size()) && x < slots; ++x) chosen.push_back(cand[x]);
+      std::stable_sort(cand.begin(), cand.end(), [&](int x, int y) { return m_in[x] > m_in[y]; });
+      for (int x = 0; x < static_cast<int>(cand.size()) && x < slots - keep; ++x) chosen.push_back(cand[x]);
       std::sort(chosen.begin(), chosen.end());
       s[g][i] = chosen;
     }

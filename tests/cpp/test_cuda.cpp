@@ -417,9 +417,10 @@ std::vector<int> bi_row(const HostTensor& bi, int64_t g, int i) {
 // acceptance rule with a slack of 1e-3 * (1 + |k-th score|), and lse_idx (when given) within
 // 1e-3 * (1 + |ref|) of the log-normaliser over the returned support.
 // With `shortlist` (kFp8 with fp8_rerank = m > 0: the E4M3 copies' scores) the rule is
-// shortlist_rule_error's instead, with `sc` the inputs' own scores.
+// shortlist_rule_error's instead (`a`: fp8_rerank_slots), with `sc` the inputs' own scores.
 Failures check_selection(const Problem& p, const IndexScores& sc, const HostTensor& bi, const HostTensor* lse_idx,
-                         const std::vector<int64_t>& tokens, const IndexScores* shortlist = nullptr, int m = 0) {
+                         const std::vector<int64_t>& tokens, const IndexScores* shortlist = nullptr, int m = 0,
+                         int a = 0) {
   return parallel_check(static_cast<int64_t>(tokens.size()), [&](int64_t x, Failures& f) {
     const int64_t g = tokens[x];
     const int own = sc.own_block(g);
@@ -437,7 +438,7 @@ Failures check_selection(const Problem& p, const IndexScores& sc, const HostTens
       const std::string rule =
           shortlist != nullptr
               ? shortlist_rule_error(p.cfg, own, shortlist->block_maxima(g, i), sc.block_maxima(g, i), m, chosen,
-                                     1e-3, 1e-3)
+                                     1e-3, 1e-3, a)
               : selection_rule_error(p.cfg, own, sc.block_maxima(g, i), chosen, 1e-3, 1e-3);
       if (!rule.empty()) f.add(where + ": " + rule);
       if (lse_idx) {
@@ -792,22 +793,23 @@ TEST_P(CudaVsCpu, SelectBlocks) {
   EXPECT_EQ(f.count, 0) << what("select_blocks") << f.first;
 }
 
-// select_blocks with FP8 scores (Options.select_scores = kFp8), fp8_rerank 0 and 4: the
-// contract's format and tolerance rule over the scores of the dequantised E4M3 copies (the tests'
-// own quantiser), or the shortlist's rule over those and the inputs' scores; lse_idx over the
-// returned support with the inputs' own scores; the re-ranked selection the same in a second
-// call (its lists are built with atomics).
+// select_blocks with FP8 scores (Options.select_scores = kFp8), fp8_rerank 0 and 4 (and 4 with
+// fp8_rerank_slots 1 and 2): the contract's format and tolerance rule over the scores of the
+// dequantised E4M3 copies (the tests' own quantiser), or the shortlist's rule over those and the
+// inputs' scores; lse_idx over the returned support with the inputs' own scores; the re-ranked
+// selection the same in a second call (its lists are built with atomics).
 TEST_P(CudaVsCpu, SelectBlocksFp8) {
   SKIP_UNLESS_BUILT(cfg(), false, true);
   const Config& c = cfg();
   const Problem q8 = fp8_scored(p());
   const IndexScores own(p()), own8(q8);
-  for (int m : {0, 4}) {
+  for (const auto [m, a] : {std::pair{0, 0}, std::pair{4, 0}, std::pair{4, 1}, std::pair{4, 2}}) {
     DeviceTensor bi = DeviceTensor::poisoned(DType::kInt32, {p().T, c.Hi, c.k}, s());
     DeviceTensor lse_idx = DeviceTensor::poisoned(DType::kFloat32, {p().T, c.Hi}, s());
     msa::SelectParams sp = select_params(bi, lse_idx);
     sp.opts.select_scores = msa::SelectScores::kFp8;
     sp.opts.fp8_rerank = m;
+    sp.opts.fp8_rerank_slots = a;
     const size_t ws_bytes = msa::workspace_size(sp);
     ASSERT_GT(ws_bytes, 0u);
     DeviceTensor ws = DeviceTensor::poisoned(DType::kInt32, {static_cast<int64_t>((ws_bytes + 3) / 4)}, s());
@@ -815,9 +817,10 @@ TEST_P(CudaVsCpu, SelectBlocksFp8) {
     sp.launch.workspace_bytes = ws_bytes;
     require_ok(msa::select_blocks(sp));
     const HostTensor got = bi.download(s()), got_lse = lse_idx.download(s());
-    const std::string name = "select_blocks, kFp8, fp8_rerank " + std::to_string(m);
+    const std::string name =
+        "select_blocks, kFp8, fp8_rerank " + std::to_string(m) + ", fp8_rerank_slots " + std::to_string(a);
     const Failures f = m == 0 ? check_selection(q8, own8, got, nullptr, all_tokens(p()))
-                              : check_selection(p(), own, got, nullptr, all_tokens(p()), &own8, m);
+                              : check_selection(p(), own, got, nullptr, all_tokens(p()), &own8, m, a);
     EXPECT_EQ(f.count, 0) << what(name) << f.first;
     Failures fl;
     for (int64_t g = 0; g < p().T; ++g)

@@ -183,7 +183,7 @@ TEST(Selection, NanKeyLeavesItsBlockTheOtherKeysMaximum) {
 
 // select_blocks with FP8 scores and fp8_rerank = m on the CPU: block_idx (poisoned first), and
 // lse_idx into *lse when given.
-HostTensor select_fp8(Problem& p, int m, HostTensor* lse = nullptr) {
+HostTensor select_fp8(Problem& p, int m, HostTensor* lse = nullptr, int slots = 0) {
   HostTensor bi(DType::kInt32, {p.T, p.cfg.Hi, p.cfg.k});
   bi.fill(-7);
   msa::SelectParams sp;
@@ -195,6 +195,7 @@ HostTensor select_fp8(Problem& p, int m, HostTensor* lse = nullptr) {
   sp.opts = p.options();
   sp.opts.select_scores = msa::SelectScores::kFp8;
   sp.opts.fp8_rerank = m;
+  sp.opts.fp8_rerank_slots = slots;
   expect_ok(msa::select_blocks(sp));
   return bi;
 }
@@ -338,6 +339,38 @@ TEST(Selection, Fp8RerankShortlistWithOneCandidateToSpare) {
   }
   EXPECT_EQ(sets_from(p, bi), ref_select_shortlist(p, fp8_scored(p), 1));
   EXPECT_EQ(ref_select(p)[48][0], (std::vector<int>{2, 3}));  // the inputs' own choice
+}
+
+// Options.fp8_rerank_slots = a (contract §2): the best (free - a) candidates by the E4M3 copies'
+// scores are kept and the last a slots go to the best of the next a + m by the inputs' own
+// scores: the brute force of that rule, exactly, for (a, m) in {1, 2, 4} x {1, 4}, on the
+// sequences of Fp8RerankFollowsTheRule (free slots 3: a = 4 is the rule of fp8_rerank alone). It
+// differs from the rule of fp8_rerank alone on some rows (a = 1), and every row holds its
+// (free - a) best blocks by the copies' scores.
+TEST(Selection, Fp8RerankSlotsFollowTheRule) {
+  Config c = sel({300, 1, 77, 129}, 16, 5, 1, 1, 4, 2);
+  c.dtype = DType::kBFloat16;
+  Problem p(c);
+  p.k_idx.set(40 * c.Hik * c.Di + 3, 9.5);
+  const Problem q8 = fp8_scored(p);
+  for (int m : {1, 4}) {
+    const Sets all = ref_select_shortlist(p, q8, m);
+    for (int a : {1, 2, 4}) {
+      const Sets got = sets_from(p, select_fp8(p, m, nullptr, a)), want = ref_select_shortlist(p, q8, m, a);
+      for (int64_t g = 0; g < p.T; ++g)
+        for (int i = 0; i < c.Hi; ++i)
+          ASSERT_EQ(got[g][i], want[g][i]) << "m " << m << " a " << a << " row " << g << " head " << i;
+      if (a == 1) EXPECT_NE(got, all) << "m " << m;  // two kept by FP8: some row differs
+      if (a >= 3) EXPECT_EQ(got, all) << "m " << m << " a " << a;
+      if (a >= 3) continue;
+      const Sets kept = ref_select_shortlist(p, q8, 0, 0, 3 - a);  // the FP8 order's best
+      for (int64_t g = 0; g < p.T; ++g)
+        for (int i = 0; i < c.Hi; ++i)
+          for (int b : kept[g][i])
+            ASSERT_NE(std::find(got[g][i].begin(), got[g][i].end(), b), got[g][i].end())
+                << "m " << m << " a " << a << " row " << g << " head " << i << " block " << b;
+    }
+  }
 }
 
 }  // namespace msatest

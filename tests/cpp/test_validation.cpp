@@ -385,6 +385,11 @@ TEST(Validation, OptionRangesAlwaysChecked) {
     f.opts.fp8_rerank = m;
     expect_invalid(msa::forward(f), "fp8_rerank", "fp8_rerank " + std::to_string(m));
   }
+  for (int32_t a : {-1, (1 << 20) + 1}) {
+    f = v.forward();
+    f.opts.fp8_rerank_slots = a;
+    expect_invalid(msa::forward(f), "fp8_rerank_slots", "fp8_rerank_slots " + std::to_string(a));
+  }
   msa::KlParams k = v.klp();
   k.opts.top_k = 0;
   expect_invalid(msa::kl_divergence(k), "top_k", "top_k 0 in kl_divergence");

@@ -385,6 +385,20 @@ def test_select_blocks_fp8_scores():
         out2, kl2 = msa.sparse_attention(q, k, v, qi, ki, block_idx=bi, block_size=Bk,
                                          cu_seqlens=cu)
         assert torch.equal(out, out2) and torch.equal(kl, kl2)
+    # fp8_rerank_slots: the reference's rule, through the forward and select_blocks alike
+    for m, a in ((2, 1), (4, 2), (4, 64)):
+        _, _, bi = msa.sparse_attention(q, k, v, qi, ki, top_k, Bk, cu_seqlens=cu,
+                                        return_block_idx=True, select_scores="fp8", fp8_rerank=m,
+                                        fp8_rerank_slots=a)
+        want = R.select_blocks_ref(qi, ki, top_k, Bk, cu, shortlist_by=(q8, k8), rerank=m,
+                                   rerank_slots=a)
+        assert torch.equal(bi, want), (m, a)
+        assert torch.equal(bi, msa.select_blocks(qi, ki, top_k, Bk, cu_seqlens=cu,
+                                                 select_scores="fp8", fp8_rerank=m,
+                                                 fp8_rerank_slots=a))
+        if a == 64:  # every free slot re-ranked: the rule of fp8_rerank alone
+            assert torch.equal(want, R.select_blocks_ref(qi, ki, top_k, Bk, cu,
+                                                         shortlist_by=(q8, k8), rerank=m))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])

@@ -322,8 +322,9 @@ def test_plot_bench_writes_png(tmp_path):
 def test_fp8_shortlist_rules_equal_the_backend(alpha, ties):
     """bench/fp8_shortlist_recall.py's quantiser and shipped rule (float64 scores) choose what
     the CPU backend's select_blocks(select_scores="fp8", fp8_rerank=m) chooses, row by row
-    (with ties: integer inputs whose block scores tie exactly, the copies equal to the inputs);
-    its rule a/m keeps the best free - a blocks by FP8 and equals the rule m once a >= free."""
+    (with ties: integer inputs whose block scores tie exactly, the copies equal to the inputs),
+    and its rule a/m what fp8_rerank_slots=a chooses; the rule a/m keeps the best free - a
+    blocks by FP8 and equals the rule m once a >= free."""
     import msa
     import cp_bytes as cb
     import fp8_shortlist_recall as fr
@@ -339,9 +340,10 @@ def test_fp8_shortlist_rules_equal_the_backend(alpha, ties):
     cu = torch.tensor([0, T], dtype=torch.int32)
     G = h["Hi"] // h["Hik"]
     checked = 0
-    for m in (0, 2, 4):
+    for m, a in ((0, 0), (2, 0), (4, 0), (2, 1), (4, 2)):
         bi = msa.select_blocks(qi, ki, h["k"], h["Bk"], cu_seqlens=cu, sink_blocks=sp.SINK_BLOCKS,
-                               local_blocks=sp.LOCAL_BLOCKS, select_scores="fp8", fp8_rerank=m)
+                               local_blocks=sp.LOCAL_BLOCKS, select_scores="fp8", fp8_rerank=m,
+                               fp8_rerank_slots=a)
         for b in range(T // h["Bk"]):
             got = fr.block_rows(qi, ki, k8, b, 0, h, torch.float64)
             if got is None:
@@ -351,12 +353,14 @@ def test_fp8_shortlist_rules_equal_the_backend(alpha, ties):
             want = torch.zeros_like(BM, dtype=torch.bool)
             ok = (rows >= int(cand[0, 0])) & (rows <= int(cand[0, -1]))
             want[torch.arange(rows.shape[0])[:, None].expand_as(rows)[ok], rows[ok]] = True
-            assert torch.equal(fr.select_rows(BM, BM8, cand, free, -1, m), want), (m, b)
-            if m > 0:
+            assert torch.equal(fr.select_rows(BM, BM8, cand, free, a if a else -1, m), want), (m, a, b)
+            if m > 0 and a == 0:
                 assert torch.equal(fr.select_rows(BM, BM8, cand, free, free, m), want)
                 kept = fr.select_rows(BM, BM8, cand, free, 1, m)
                 best8 = fr._best(BM8, cand, free - 1)
                 assert bool(kept.gather(1, best8).all())
                 assert int(kept.sum()) == BM.shape[0] * min(free, cand.shape[1])
             checked += 1
-    assert checked > 60
+    assert checked > 100
+    with pytest.raises(ValueError, match="fp8_rerank_slots"):
+        msa.select_blocks(qi, ki, h["k"], h["Bk"], select_scores="fp8", fp8_rerank_slots=-1)

@@ -162,9 +162,14 @@ struct E4M3KvCopyArgs : SeqArgs {
 // 2^range_shift tokens each (bucket = seg * ranges + range: `seg_count`, `seg_start`,
 // `entries`), scores them by the inputs (`score`, one CTA per chunk of kRerankRows entries of a
 // segment: `chunk_start`), and picks the slots.
+// With Options.fp8_rerank_slots = a in (0, free slots) the select kernel marks the best (free
+// slots - a) of a row's shortlist by FP8 score as kept (kRerankKept set in `cand`): the list
+// kernels leave them out and the pick takes them first.
 constexpr int kRerankRows = 128;
+constexpr int32_t kRerankKept = 1 << 30;
 struct RerankArgs {
   int32_t m = 0;      // 0: no re-ranking
+  int32_t slots = 0;  // Options.fp8_rerank_slots: the free slots re-ranked (0: all)
   int32_t width = 0;  // of a shortlist row: k + m
   const void *q_idx = nullptr, *k_idx = nullptr;  // the inputs (not the E4M3 copies)
   int64_t q_s0 = 0, q_s1 = 0, k_s0 = 0, k_s1 = 0;

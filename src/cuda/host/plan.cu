@@ -365,6 +365,7 @@ void set_select_fp8(const Problem& prob, void* ws, SelectArgs* a) {
   if (l.nseg > 0) {
     RerankArgs& r = a->rerank;
     r.m = prob.opts.fp8_rerank;
+    r.slots = prob.opts.fp8_rerank_slots;
     r.width = rerank_width(prob);
     set_index_inputs(&r, *a);
     r.negate = a->negate;

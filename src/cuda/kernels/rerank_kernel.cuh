@@ -13,7 +13,9 @@
 //                          accumulators, as the bf16 select kernel), each row's max over the
 //                          block's keys times |scale_idx| into score[entry];
 //   rerank_pick_kernel     (rerank_list_kernel.cuh) one thread per row: the free slots go to
-//                          the best shortlisted blocks by that score (ties to the lower block
+//                          the blocks the select kernel kept (fp8_rerank_slots > 0: the best
+//                          free slots - a by FP8 score, never listed nor scored) and to the best
+//                          other shortlisted blocks by that score (ties to the lower block
 //                          index), written ascending into the places the select kernel left in
 //                          block_idx.
 //

@@ -14,7 +14,7 @@ namespace msa::cuda::kern {
 // one counter. A warp takes one column c of one index head for 32 consecutive tokens:
 // neighbouring tokens shortlist alike, so the lanes that share a bucket (`same`, by
 // __match_any_sync) act with one atomic instead of one each. f(bucket, same, entry) runs for the
-// lanes with an entry.
+// lanes with an entry (kept blocks have none).
 template <class F>
 __device__ __forceinline__ void for_each_entry(const SelectArgs& a, F&& f) {
   const RerankArgs& r = a.rerank;
@@ -27,7 +27,8 @@ __device__ __forceinline__ void for_each_entry(const SelectArgs& a, F&& f) {
     const int32_t h = static_cast<int32_t>(task / W % Hi);
     const int64_t t = task / (int64_t(W) * Hi) * 32 + lane;
     const int64_t row = t * Hi + h;
-    const int32_t b = t < a.T ? r.cand[row * W + c] : -1;
+    const int32_t listed = t < a.T ? r.cand[row * W + c] : -1;
+    const int32_t b = listed & kRerankKept ? -1 : listed;  // a kept block is not scored again
     // Lanes past the last token read nothing (rows[] ends with the tokens).
     const int64_t bucket =
         b >= 0 ? (int64_t(r.rows[row].x + b) * a.Hik + h / a.idx_per_key) * r.ranges + (t >> r.range_shift) : -1;
@@ -64,7 +65,8 @@ __global__ void __launch_bounds__(256) rerank_chunks_kernel(const __grid_constan
     r.chunk_start[s] = s < r.nseg ? (r.seg_start[(s + 1) * r.ranges] - r.seg_start[s * r.ranges] + kRerankRows - 1) / kRerankRows : 0;
 }
 
-// One thread per (token, index head) row: the free slots from the shortlist by the inputs' scores.
+// One thread per (token, index head) row: the free slots from the shortlist, its kept blocks
+// first, the others by the inputs' scores.
 __global__ void __launch_bounds__(256) rerank_pick_kernel(const __grid_constant__ SelectArgs a) {
   const RerankArgs& r = a.rerank;
   const int32_t Hi = a.Hik * a.idx_per_key;
@@ -78,9 +80,16 @@ __global__ void __launch_bounds__(256) rerank_pick_kernel(const __grid_constant_
   // local memory); the shortlist is ascending, so a lower column is a lower block and wins a tie.
   uint64_t taken_lo = 0, taken_hi = 0;
   const auto is_taken = [&](int c) { return ((c < 64 ? taken_lo : taken_hi) >> (c & 63)) & 1u; };
-  int32_t n = 0;
-  while (n < r.width && cand[n] >= 0) ++n;
-  for (int j = 0; j < chosen; ++j) {
+  const auto take = [&](int c) {
+    if (c < 64) taken_lo |= uint64_t(1) << c; else taken_hi |= uint64_t(1) << (c - 64);
+  };
+  int32_t n = 0, kept = 0;
+  for (; n < r.width && cand[n] >= 0; ++n)
+    if (cand[n] & kRerankKept) {
+      take(n);
+      ++kept;
+    }
+  for (int j = kept; j < chosen; ++j) {
     int best = -1;
     float best_score = 0.f;
     for (int c = 0; c < n; ++c) {
@@ -91,12 +100,12 @@ __global__ void __launch_bounds__(256) rerank_pick_kernel(const __grid_constant_
         best_score = sc;
       }
     }
-    if (best < 64) taken_lo |= uint64_t(1) << best; else taken_hi |= uint64_t(1) << (best - 64);
+    take(best);
   }
   int32_t* out = a.block_idx + (row / Hi) * a.bi_s0 + (row % Hi) * a.bi_s1 + n_sink;
   int32_t w = 0;
   for (int c = 0; c < n; ++c)
-    if (is_taken(c)) out[w++] = cand[c];
+    if (is_taken(c)) out[w++] = cand[c] & ~kRerankKept;
 }
 
 }  // namespace msa::cuda::kern

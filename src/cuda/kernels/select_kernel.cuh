@@ -324,11 +324,32 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   }
 
   if (!active) return;
+  // fp8_rerank_slots = a in (0, free slots), more candidates than free slots: the best (free
+  // slots - a) by FP8 score (ties to the lower block) are kept, marked in their block id.
+  if (p.rerank.m > 0 && p.rerank.slots > 0 && p.rerank.slots < free_slots) {
+    int32_t listed = 0;
+    for (int i = 0; i < slots; ++i) listed += my_block[i] >= 0;
+    if (listed > free_slots) {
+      const int32_t keep = free_slots - p.rerank.slots;
+      for (int i = 0; i < slots; ++i) {
+        const int32_t bi = my_block[i];
+        if (bi < 0) continue;
+        const float si = my_score[i];
+        int32_t above = 0;
+        for (int j = 0; j < slots; ++j) {
+          const int32_t bj = my_block[j] & ~kRerankKept;
+          above += my_block[j] >= 0 && (my_score[j] > si || (my_score[j] == si && bj < bi));
+        }
+        if (above < keep) my_block[i] = bi | kRerankKept;
+      }
+    }
+  }
   // Ascending output: sink blocks, the chosen candidates (all in [sink, first_local)), local.
+  // (A kept mark is above every block id: the order is the ids'.)
   for (int i = 1; i < slots; ++i) {  // insertion sort by block id, -1 last
     const int32_t v = my_block[i];
     int j = i;
-    while (j > 0 && v >= 0 && (my_block[j - 1] < 0 || my_block[j - 1] > v)) {
+    while (j > 0 && v >= 0 && (my_block[j - 1] < 0 || (my_block[j - 1] & ~kRerankKept) > (v & ~kRerankKept))) {
       my_block[j] = my_block[j - 1];
       --j;
     }
