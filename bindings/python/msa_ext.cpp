@@ -228,7 +228,7 @@ msa::PagedSelectParams paged_select_params(const Array& q_idx, const Array& cu_s
                                            const nb::int_& top_k, const nb::int_& sink_blocks,
                                            const nb::int_& local_blocks, float scale_idx,
                                            const OptArray& k_idx_scale, const std::string& select_scores,
-                                           const nb::int_& fp8_rerank) {
+                                           const nb::int_& fp8_rerank, const nb::int_& fp8_rerank_slots) {
   msa::PagedSelectParams p;
   p.q_idx = to_ref("q_idx", q_idx);
   p.cu_seqlens_q = to_ref("cu_seqlens_q", cu_seqlens_q);
@@ -237,7 +237,7 @@ msa::PagedSelectParams paged_select_params(const Array& q_idx, const Array& cu_s
   p.block_idx = to_ref("block_idx", block_idx);
   p.max_q_len = int32_arg("max_q_len", max_q_len);
   p.opts = options(nb::int_(0), block_size, top_k, sink_blocks, local_blocks, 0.f, scale_idx, false);
-  set_scores(&p.opts, select_scores, fp8_rerank);
+  set_scores(&p.opts, select_scores, fp8_rerank, fp8_rerank_slots);
   return p;
 }
 
@@ -423,11 +423,12 @@ NB_MODULE(_C, m) {
          const Array& seq_lens, const Array& block_idx, const nb::int_& max_q_len, const nb::int_& block_size,
          const nb::int_& top_k, const nb::int_& sink_blocks, const nb::int_& local_blocks, float scale_idx,
          uintptr_t stream, bool check_values, const nb::object& workspace_alloc, const OptArray& workspace,
-         const OptArray& k_idx_scale, const std::string& select_scores, const nb::int_& fp8_rerank) {
+         const OptArray& k_idx_scale, const std::string& select_scores, const nb::int_& fp8_rerank,
+         const nb::int_& fp8_rerank_slots) {
         msa::PagedSelectParams p = paged_select_params(q_idx, cu_seqlens_q, k_idx_cache, page_table, seq_lens,
                                                        block_idx, max_q_len, block_size, top_k, sink_blocks,
                                                        local_blocks, scale_idx, k_idx_scale, select_scores,
-                                                       fp8_rerank);
+                                                       fp8_rerank, fp8_rerank_slots);
         run(p, stream, check_values, workspace_alloc,
             [](const msa::PagedSelectParams& x) { return msa::paged_select_blocks(x); }, workspace);
       },
@@ -436,25 +437,28 @@ NB_MODULE(_C, m) {
       nb::arg("top_k") = 16, nb::arg("sink_blocks") = 0, nb::arg("local_blocks") = 1,
       nb::arg("scale_idx") = 0.f, nb::arg("stream") = 0, nb::arg("check_values") = true,
       nb::arg("workspace_alloc") = nb::none(), nb::arg("workspace").none() = nb::none(),
-      nb::arg("k_idx_scale").none() = nb::none(), nb::arg("select_scores") = "input", nb::arg("fp8_rerank") = 4);
+      nb::arg("k_idx_scale").none() = nb::none(), nb::arg("select_scores") = "input", nb::arg("fp8_rerank") = 4,
+      nb::arg("fp8_rerank_slots") = 0);
 
   m.def(
       "paged_select_workspace_size",
       [](const Array& q_idx, const Array& cu_seqlens_q, const Array& k_idx_cache, const Array& page_table,
          const Array& seq_lens, const Array& block_idx, const nb::int_& max_q_len, const nb::int_& block_size,
          const nb::int_& top_k, const nb::int_& sink_blocks, const nb::int_& local_blocks, float scale_idx,
-         const OptArray& k_idx_scale, const std::string& select_scores, const nb::int_& fp8_rerank) {
+         const OptArray& k_idx_scale, const std::string& select_scores, const nb::int_& fp8_rerank,
+         const nb::int_& fp8_rerank_slots) {
         const msa::PagedSelectParams p = paged_select_params(q_idx, cu_seqlens_q, k_idx_cache, page_table,
                                                              seq_lens, block_idx, max_q_len, block_size, top_k,
                                                              sink_blocks, local_blocks, scale_idx, k_idx_scale,
-                                                             select_scores, fp8_rerank);
+                                                             select_scores, fp8_rerank, fp8_rerank_slots);
         return msa::workspace_size(p);
       },
       nb::arg("q_idx"), nb::arg("cu_seqlens_q"), nb::arg("k_idx_cache"), nb::arg("page_table"),
       nb::arg("seq_lens"), nb::arg("block_idx"), nb::arg("max_q_len") = 0, nb::arg("block_size") = 128,
       nb::arg("top_k") = 16, nb::arg("sink_blocks") = 0, nb::arg("local_blocks") = 1,
       nb::arg("scale_idx") = 0.f, nb::arg("k_idx_scale").none() = nb::none(), nb::arg("select_scores") = "input",
-      nb::arg("fp8_rerank") = 4);
+      nb::arg("fp8_rerank") = 4,
+      nb::arg("fp8_rerank_slots") = 0);
 
   m.def(
       "paged_forward",
@@ -466,14 +470,15 @@ NB_MODULE(_C, m) {
          const nb::object& workspace_alloc, const OptArray& workspace, const OptArray& k_scale,
          const OptArray& v_scale, const OptArray& k_idx_scale, const OptArray& q_scale,
          const std::string& fwd_pass, const nb::int_& fwd_chunk_tokens, const std::string& select_scores,
-         const nb::int_& fp8_rerank) {
+         const nb::int_& fp8_rerank,
+         const nb::int_& fp8_rerank_slots) {
         msa::PagedForwardParams p = paged_forward_params(
             q, cu_seqlens_q, k_cache, v_cache, k_idx_cache, page_table, seq_lens, block_idx, select, q_idx, out,
             lse, max_q_len, mode, block_size, top_k, sink_blocks, local_blocks, scale, scale_idx,
             {k_scale, v_scale, k_idx_scale}, q_scale);
         p.opts.fwd_pass = fwd_pass_arg(fwd_pass);
         p.opts.fwd_chunk_tokens = int32_arg("fwd_chunk_tokens", fwd_chunk_tokens);
-        set_scores(&p.opts, select_scores, fp8_rerank);
+        set_scores(&p.opts, select_scores, fp8_rerank, fp8_rerank_slots);
         run(p, stream, check_values, workspace_alloc,
             [](const msa::PagedForwardParams& x) { return msa::paged_forward(x); }, workspace);
       },
@@ -487,7 +492,8 @@ NB_MODULE(_C, m) {
       nb::arg("k_scale").none() = nb::none(), nb::arg("v_scale").none() = nb::none(),
       nb::arg("k_idx_scale").none() = nb::none(), nb::arg("q_scale").none() = nb::none(),
       nb::arg("fwd_pass") = "auto", nb::arg("fwd_chunk_tokens") = 0, nb::arg("select_scores") = "input",
-      nb::arg("fp8_rerank") = 4);
+      nb::arg("fp8_rerank") = 4,
+      nb::arg("fp8_rerank_slots") = 0);
 
   m.def(
       "paged_forward_workspace_size",
@@ -498,14 +504,15 @@ NB_MODULE(_C, m) {
          const nb::int_& local_blocks, float scale, float scale_idx, const OptArray& k_scale,
          const OptArray& v_scale, const OptArray& k_idx_scale, const OptArray& q_scale,
          const std::string& fwd_pass, const nb::int_& fwd_chunk_tokens, const std::string& select_scores,
-         const nb::int_& fp8_rerank) {
+         const nb::int_& fp8_rerank,
+         const nb::int_& fp8_rerank_slots) {
         msa::PagedForwardParams p = paged_forward_params(
             q, cu_seqlens_q, k_cache, v_cache, k_idx_cache, page_table, seq_lens, block_idx, select, q_idx, out,
             lse, max_q_len, mode, block_size, top_k, sink_blocks, local_blocks, scale, scale_idx,
             {k_scale, v_scale, k_idx_scale}, q_scale);
         p.opts.fwd_pass = fwd_pass_arg(fwd_pass);
         p.opts.fwd_chunk_tokens = int32_arg("fwd_chunk_tokens", fwd_chunk_tokens);
-        set_scores(&p.opts, select_scores, fp8_rerank);
+        set_scores(&p.opts, select_scores, fp8_rerank, fp8_rerank_slots);
         return msa::workspace_size(p);
       },
       nb::arg("q"), nb::arg("cu_seqlens_q"), nb::arg("k_cache"), nb::arg("v_cache"),
@@ -516,7 +523,8 @@ NB_MODULE(_C, m) {
       nb::arg("scale_idx") = 0.f, nb::arg("k_scale").none() = nb::none(),
       nb::arg("v_scale").none() = nb::none(), nb::arg("k_idx_scale").none() = nb::none(),
       nb::arg("q_scale").none() = nb::none(), nb::arg("fwd_pass") = "auto", nb::arg("fwd_chunk_tokens") = 0,
-      nb::arg("select_scores") = "input", nb::arg("fp8_rerank") = 4);
+      nb::arg("select_scores") = "input", nb::arg("fp8_rerank") = 4,
+      nb::arg("fp8_rerank_slots") = 0);
 
   m.def(
       "paged_append",

@@ -127,6 +127,8 @@ class MSAAttention(nn.Module):
             keeps the branch's own scores; see :func:`msa.select_blocks`).
         fp8_rerank: with "fp8", the candidates beyond a row's free slots that the FP8 scores
             shortlist for the branch's own scores to rank again (0 ... 64; 0: FP8 decides).
+        fp8_rerank_slots: with "fp8", how many of a row's free slots that re-ranking decides
+            (0: all; a > 0: the best free - a kept by FP8 score).
         bias: biases in the projections.
 
     ``forward(x, cu_seqlens=None)`` takes ``x`` [T, d_model] (packed sequences marked by
@@ -150,7 +152,8 @@ class MSAAttention(nn.Module):
                  block_size: int = 128, top_k: int = 16, sink_blocks: int = 1,
                  local_blocks: int = 4, kl_weight: float = 1.0, kl_value: bool = False,
                  rope_theta: float = 10000.0, mode: str = "sparse", select_scores: str = "input",
-                 fp8_rerank: int = 4, bias: bool = False, device=None, dtype=None):
+                 fp8_rerank: int = 4, bias: bool = False, device=None, dtype=None,
+                 fp8_rerank_slots: int = 0):
         super().__init__()
         _need(isinstance(d_model, int) and d_model >= 1, "d_model", f"must be a positive int, got {d_model!r}")
         _need(isinstance(n_heads, int) and n_heads >= 1, "n_heads", f"must be a positive int, got {n_heads!r}")
@@ -189,6 +192,10 @@ class MSAAttention(nn.Module):
         _need(isinstance(fp8_rerank, int) and not isinstance(fp8_rerank, bool) and 0 <= fp8_rerank <= 64,
               "fp8_rerank", f"must be an int in [0, 64], got {fp8_rerank!r}")
         self.fp8_rerank = fp8_rerank
+        _need(isinstance(fp8_rerank_slots, int) and not isinstance(fp8_rerank_slots, bool)
+              and 0 <= fp8_rerank_slots <= 1 << 20, "fp8_rerank_slots",
+              f"must be an int in [0, 2^20], got {fp8_rerank_slots!r}")
+        self.fp8_rerank_slots = fp8_rerank_slots
         self.d_model, self.n_heads, self.n_kv_heads = d_model, n_heads, n_kv_heads
         self.head_dim, self.n_idx_heads, self.n_idx_key_heads = head_dim, n_idx_heads, n_idx_key_heads
         self.idx_head_dim = idx_head_dim
@@ -282,7 +289,8 @@ class MSAAttention(nn.Module):
                                            cu_seqlens=cu_seqlens, sink_blocks=self.sink_blocks,
                                            local_blocks=self.local_blocks, kl_value=self.kl_value,
                                            select_scores=self.select_scores,
-                                           fp8_rerank=self.fp8_rerank)
+                                           fp8_rerank=self.fp8_rerank,
+                                           fp8_rerank_slots=self.fp8_rerank_slots)
         y = self.o_proj(out.reshape(x.shape[0], self.n_heads * self.head_dim))
         if batched:
             y = y.view(B, L, self.d_model)

@@ -68,11 +68,12 @@ def _paged_select_blocks_op(
     k_idx_scale: Optional[Tensor] = None,
     select_scores: str = "input",
     fp8_rerank: int = 4,
+    fp8_rerank_slots: int = 0,
 ) -> Tensor:
     """block_idx [Tq, Hi, top_k] int32: ascending logical block ids, then -1. ``k_idx_scale``:
     the scale of a float8_e4m3fn ``k_idx_cache`` ([1] or [pages] float32). ``select_scores``,
-    ``fp8_rerank``: Options.select_scores ("input" or "fp8": a prefill's E4M3 copies) and
-    Options.fp8_rerank."""
+    ``fp8_rerank``, ``fp8_rerank_slots``: Options.select_scores ("input" or "fp8": a prefill's
+    E4M3 copies), Options.fp8_rerank and Options.fp8_rerank_slots."""
     _ops._need_select_scores(select_scores)
     _ops._need_rank("q_idx", q_idx, 3, "[Tq, Hi, Di]")
     _ops._need_int("top_k", top_k, 1, _ops._MAX_TOP_K)
@@ -82,13 +83,14 @@ def _paged_select_blocks_op(
             _lc(k_idx_cache), _lc(page_table), _lc(seq_lens), block_idx, max_q_len=max_q_len,
             block_size=block_size, top_k=top_k, sink_blocks=sink_blocks,
             local_blocks=local_blocks, scale_idx=scale_idx, k_idx_scale=_lc(k_idx_scale),
-            select_scores=select_scores, fp8_rerank=fp8_rerank)
+            select_scores=select_scores, fp8_rerank=fp8_rerank, fp8_rerank_slots=fp8_rerank_slots)
     return block_idx
 
 
 @_paged_select_blocks_op.register_fake
 def _(q_idx, cu_seqlens_q, k_idx_cache, page_table, seq_lens, max_q_len, top_k, block_size,
-      sink_blocks, local_blocks, scale_idx, k_idx_scale=None, select_scores="input", fp8_rerank=4):
+      sink_blocks, local_blocks, scale_idx, k_idx_scale=None, select_scores="input", fp8_rerank=4,
+      fp8_rerank_slots=0):
     return q_idx.new_empty((q_idx.shape[0], q_idx.shape[1], top_k), dtype=torch.int32)
 
 
@@ -107,7 +109,7 @@ def _run_paged_forward(q, cu_seqlens_q, k_cache, v_cache, k_idx_cache, page_tabl
                        q_idx, block_idx, out, lse, max_q_len, dense, sel, block_size, top_k,
                        sink_blocks, local_blocks, scale, scale_idx, k_scale=None, v_scale=None,
                        k_idx_scale=None, q_scale=None, fwd_pass="auto", fwd_chunk_tokens=0,
-                       select_scores="input", fp8_rerank=4, **launch):
+                       select_scores="input", fp8_rerank=4, fp8_rerank_slots=0, **launch):
     """The binding's paged_forward into out / lse (and block_idx when ``sel``); ``launch``:
     msa._ops._launch's check_values and workspace."""
     _launch(_C.paged_forward, q.device, _lc(q), _lc(cu_seqlens_q), _lc(k_cache), _lc(v_cache),
@@ -118,7 +120,7 @@ def _run_paged_forward(q, cu_seqlens_q, k_cache, v_cache, k_idx_cache, page_tabl
             scale_idx=scale_idx, k_scale=_lc(k_scale), v_scale=_lc(v_scale),
             k_idx_scale=_lc(k_idx_scale) if sel else None, q_scale=_lc(q_scale), fwd_pass=fwd_pass,
             fwd_chunk_tokens=fwd_chunk_tokens, select_scores=select_scores, fp8_rerank=fp8_rerank,
-            **launch)
+            fp8_rerank_slots=fp8_rerank_slots, **launch)
 
 
 @torch.library.custom_op("msa::paged_forward", mutates_args=())
@@ -150,6 +152,7 @@ def _paged_forward_op(
     fwd_chunk_tokens: int = 0,
     select_scores: str = "input",
     fp8_rerank: int = 4,
+    fp8_rerank_slots: int = 0,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """(out [Tq, Hq, D] dtype of q (``out_dtype`` for float8 queries), lse [Tq, Hq] fp32,
     block_idx).
@@ -157,8 +160,9 @@ def _paged_forward_op(
     ``block_idx`` (output) is the selection written by this call, [Tq, Hi, top_k] int32, when
     ``select`` is set in sparse mode, else an empty [0] int32 tensor. ``fwd_pass``,
     ``fwd_chunk_tokens``: a sparse prefill's walk and its pass size (Options.fwd_pass,
-    Options.fwd_chunk_tokens). ``select_scores``, ``fp8_rerank``: the scores a selection made
-    here ranks blocks by (Options.select_scores, Options.fp8_rerank).
+    Options.fwd_chunk_tokens). ``select_scores``, ``fp8_rerank``, ``fp8_rerank_slots``: the
+    scores a selection made here ranks blocks by (Options.select_scores, Options.fp8_rerank,
+    Options.fp8_rerank_slots).
     """
     _ops._need_fwd_pass(fwd_pass)
     _ops._need_select_scores(select_scores)
@@ -183,7 +187,8 @@ def _paged_forward_op(
     _run_paged_forward(q, cu_seqlens_q, k_cache, v_cache, k_idx_cache, page_table, seq_lens,
                        q_idx, bi, out, lse, max_q_len, dense, sel, block_size, top_k,
                        sink_blocks, local_blocks, scale, scale_idx, k_scale, v_scale, k_idx_scale,
-                       q_scale, fwd_pass, fwd_chunk_tokens, select_scores, fp8_rerank)
+                       q_scale, fwd_pass, fwd_chunk_tokens, select_scores, fp8_rerank,
+                       fp8_rerank_slots)
     return out, lse, bi_out
 
 
@@ -191,7 +196,7 @@ def _paged_forward_op(
 def _(q, cu_seqlens_q, k_cache, v_cache, k_idx_cache, page_table, seq_lens, q_idx, block_idx,
       max_q_len, dense, select, block_size, top_k, sink_blocks, local_blocks, scale, scale_idx,
       k_scale=None, v_scale=None, k_idx_scale=None, q_scale=None, out_dtype=None, fwd_pass="auto",
-      fwd_chunk_tokens=0, select_scores="input", fp8_rerank=4):
+      fwd_chunk_tokens=0, select_scores="input", fp8_rerank=4, fp8_rerank_slots=0):
     Tq, Hq, D = q.shape
     out = q.new_empty((Tq, Hq, D), dtype=_out_dtype(q, out_dtype))
     lse = q.new_empty((Tq, Hq), dtype=torch.float32)
@@ -235,18 +240,20 @@ def _paged_forward_into_op(
     fwd_chunk_tokens: int = 0,
     select_scores: str = "input",
     fp8_rerank: int = 4,
+    fp8_rerank_slots: int = 0,
 ) -> None:
     """paged_forward into caller buffers (PagedMSAWrapper.run): ``out``, ``lse`` and, with
     ``select``, ``block_idx`` are written; ``workspace`` (uint8, at least the planned size) is
     the call's whole device workspace, so nothing is allocated. ``q_scale``: float8 queries'
-    scales (Q8KV8). ``fwd_pass``, ``fwd_chunk_tokens``, ``select_scores``, ``fp8_rerank``: as
-    planned."""
+    scales (Q8KV8). ``fwd_pass``, ``fwd_chunk_tokens``, ``select_scores``, ``fp8_rerank``,
+    ``fp8_rerank_slots``: as planned."""
     sel = (not dense) and select
     _run_paged_forward(q, cu_seqlens_q, k_cache, v_cache, k_idx_cache, page_table, seq_lens,
                        q_idx, None if dense else block_idx, out, lse, max_q_len, dense, sel,
                        block_size, top_k, sink_blocks, local_blocks, scale, scale_idx,
                        k_scale, v_scale, k_idx_scale, q_scale, fwd_pass, fwd_chunk_tokens,
-                       select_scores, fp8_rerank, check_values=check_values, workspace=workspace)
+                       select_scores, fp8_rerank, fp8_rerank_slots, check_values=check_values,
+                       workspace=workspace)
 
 
 @_paged_forward_into_op.register_fake
@@ -254,7 +261,7 @@ def _(q, cu_seqlens_q, k_cache, v_cache, k_idx_cache, page_table, seq_lens, q_id
       out, lse, workspace, max_q_len, dense, select, block_size, top_k, sink_blocks,
       local_blocks, scale, scale_idx, check_values, k_scale=None, v_scale=None,
       k_idx_scale=None, q_scale=None, fwd_pass="auto", fwd_chunk_tokens=0, select_scores="input",
-      fp8_rerank=4):
+      fp8_rerank=4, fp8_rerank_slots=0):
     return None
 
 
@@ -342,6 +349,7 @@ def paged_select_blocks(
     k_idx_scale: Optional[Tensor] = None,
     select_scores: str = "input",
     fp8_rerank: int = 4,
+    fp8_rerank_slots: int = 0,
 ) -> Tensor:
     """Selection for the new tokens (contract §2 at their positions) over the paged index keys
     ``k_idx_cache [pages, Bk, Hik, Di]`` (``Bk`` = its dim 1). Returns ``block_idx``
@@ -353,7 +361,8 @@ def paged_select_blocks(
     per page and index key head; a float8 cache's dequantised keys), as :func:`msa.select_blocks`
     does over each block of a contiguous sequence; ``fp8_rerank`` as there: the FP8 scores
     shortlist the best (free slots + ``fp8_rerank``) blocks, which the inputs' own scores rank
-    again (0: the FP8 scores decide alone)."""
+    again (0: the FP8 scores decide alone), and ``fp8_rerank_slots`` (0: all) how many of the
+    free slots they rank."""
     from . import _int, _scale, _tensor
     _tensor("q_idx", q_idx, 3, "[Tq, Hi, Di]")
     _tensor("cache.k_idx", k_idx_cache, 4, "[pages, Bk, Hik, Di]")
@@ -362,7 +371,8 @@ def paged_select_blocks(
     return torch.ops.msa.paged_select_blocks(q_idx, cu, k_idx_cache, pt, sl, max_q_len, top_k,
                                              k_idx_cache.shape[1], sink_blocks, local_blocks,
                                              _scale("scale_idx", scale_idx), k_idx_scale,
-                                             select_scores, _int("fp8_rerank", fp8_rerank, 0, 64))
+                                             select_scores, _int("fp8_rerank", fp8_rerank, 0, 64),
+                                             _int("fp8_rerank_slots", fp8_rerank_slots, 0, 1 << 20))
 
 
 def paged_forward(
@@ -394,6 +404,7 @@ def paged_forward(
     fwd_chunk_tokens: int = 0,
     select_scores: str = "input",
     fp8_rerank: int = 4,
+    fp8_rerank_slots: int = 0,
 ):
     """Attention of the new tokens ``q [Tq, Hq, D]`` over the cache (contract §3 at their
     positions). ``torch.float8_e4m3fn`` cache tensors need their scales (float32 [1] or
@@ -408,8 +419,9 @@ def paged_forward(
     ``msa.msa_attention``'s ("auto", "query_tile", "kv_block", "split"; the CUDA backend's
     "auto" picks the split or the query tiles on the device), and ``fwd_chunk_tokens`` the new
     tokens of one of its passes (0: as many as keep the split's partial outputs near 8 GiB; the
-    call's workspace holds one pass's). ``select_scores``, ``fp8_rerank``: the scores the
-    selection made here ranks blocks by, as in :func:`paged_select_blocks`. Not differentiable.
+    call's workspace holds one pass's). ``select_scores``, ``fp8_rerank``,
+    ``fp8_rerank_slots``: the scores the selection made here ranks blocks by, as in
+    :func:`paged_select_blocks`. Not differentiable.
 
     Returns ``out`` [Tq, Hq, D] (dtype of q, or ``out_dtype``), then ``lse`` [Tq, Hq] float32
     and ``block_idx`` when asked for.
@@ -433,7 +445,8 @@ def paged_forward(
         bool(dense), select, k_cache.shape[1], top_k, sink_blocks, local_blocks,
         _scale("scale", scale), _scale("scale_idx", scale_idx), k_scale, v_scale,
         k_idx_scale if select else None, q_scale, out_dtype, fwd_pass, fwd_chunk_tokens,
-        select_scores, _int("fp8_rerank", fp8_rerank, 0, 64))
+        select_scores, _int("fp8_rerank", fp8_rerank, 0, 64),
+        _int("fp8_rerank_slots", fp8_rerank_slots, 0, 1 << 20))
     result = (out,)
     if return_lse:
         result += (lse,)
@@ -644,7 +657,8 @@ class PagedMSAWrapper:
              max_q_len: int = 0, num_idx_heads: Optional[int] = None, top_k: int = 16,
              sink_blocks: int = 0, local_blocks: int = 1, scale: Optional[float] = None,
              scale_idx: Optional[float] = None, dense: bool = False, fwd_pass: str = "auto",
-             fwd_chunk_tokens: int = 0, select_scores: str = "input", fp8_rerank: int = 4) -> None:
+             fwd_chunk_tokens: int = 0, select_scores: str = "input", fp8_rerank: int = 4,
+             fp8_rerank_slots: int = 0) -> None:
         """The batch shape and options (see the class); a prefill plan (``max_q_len`` 0)
         in sparse mode also sizes the workspace of the split's passes (``fwd_pass``,
         ``fwd_chunk_tokens`` as in :func:`paged_forward`): one pass's partial outputs,
@@ -655,6 +669,7 @@ class PagedMSAWrapper:
         _ops._need_fwd_pass(fwd_pass)
         _ops._need_select_scores(select_scores)
         _int("fp8_rerank", fp8_rerank, 0, 64)
+        _int("fp8_rerank_slots", fp8_rerank_slots, 0, 1 << 20)
         _int("fwd_chunk_tokens", fwd_chunk_tokens, 0)
         _int("nseq", nseq, 1)
         _int("num_tokens", num_tokens, 0)
@@ -686,7 +701,7 @@ class PagedMSAWrapper:
                 scale_idx=scale_idx_v, k_scale=_scale_of(c, "k_scale"), v_scale=_scale_of(c, "v_scale"),
                 k_idx_scale=None if dense else _scale_of(c, "k_idx_scale"), q_scale=q_scale,
                 fwd_pass=fwd_pass, fwd_chunk_tokens=fwd_chunk_tokens, select_scores=select_scores,
-                fp8_rerank=fp8_rerank))
+                fp8_rerank=fp8_rerank, fp8_rerank_slots=fp8_rerank_slots))
 
         need = need_for(q)
         if c.k.dtype == torch.float8_e4m3fn:  # run() may take FP8 queries (Q8KV8): their copy too
@@ -699,7 +714,7 @@ class PagedMSAWrapper:
                           sink_blocks=sink_blocks, local_blocks=local_blocks, scale=scale_v,
                           scale_idx=scale_idx_v, dense=bool(dense), fwd_pass=fwd_pass,
                           fwd_chunk_tokens=fwd_chunk_tokens, select_scores=select_scores,
-                          fp8_rerank=fp8_rerank)
+                          fp8_rerank=fp8_rerank, fp8_rerank_slots=fp8_rerank_slots)
 
     def run(self, q: Tensor, page_table: Tensor, seq_lens: Tensor, cu_seqlens_q: Tensor,
             q_idx: Optional[Tensor] = None,
@@ -731,5 +746,5 @@ class PagedMSAWrapper:
             p["sink_blocks"], p["local_blocks"], p["scale"], p["scale_idx"], False,
             _scale_of(c, "k_scale"), _scale_of(c, "v_scale"),
             None if p["dense"] else _scale_of(c, "k_idx_scale"), q_scale, p["fwd_pass"],
-            p["fwd_chunk_tokens"], p["select_scores"], p["fp8_rerank"])
+            p["fwd_chunk_tokens"], p["select_scores"], p["fp8_rerank"], p["fp8_rerank_slots"])
         return self.out, self.lse, self.block_idx

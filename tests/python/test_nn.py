@@ -91,20 +91,34 @@ def test_matches_functional_api(mode, sink, local):
     assert qi2 is None and ki2 is None
 
 
-def test_fp8_selection_scores():
+def test_fp8_selection_scores(monkeypatch):
     """select_scores="fp8": the module's output is the functional API's over the selection of
-    the E4M3 copies."""
+    the E4M3 copies (fp8_rerank and fp8_rerank_slots passed on)."""
     cu = torch.tensor([0, 21, 21, 37], dtype=torch.int32)
     x = torch.randn(37, 32, dtype=torch.float64)
-    for rerank in (0, 1):
-        m = small(select_scores="fp8", fp8_rerank=rerank)
+    for rerank, slots, top_k in ((0, 0, 3), (1, 0, 3), (1, 1, 5)):
+        m = small(select_scores="fp8", fp8_rerank=rerank, fp8_rerank_slots=slots, top_k=top_k)
         y, _ = m(x, cu)
         q, k, v, qi, ki = m.project(x, cu)
-        out, _ = msa.sparse_attention(q, k, v, qi, ki, 3, 4, cu_seqlens=cu, sink_blocks=1,
-                                      local_blocks=1, select_scores="fp8", fp8_rerank=rerank)
+        out, _ = msa.sparse_attention(q, k, v, qi, ki, top_k, 4, cu_seqlens=cu, sink_blocks=1,
+                                      local_blocks=1, select_scores="fp8", fp8_rerank=rerank,
+                                      fp8_rerank_slots=slots)
         assert torch.equal(y, m.o_proj(out.reshape(37, 32)))
     with pytest.raises(ValueError, match="fp8_rerank"):
         small(select_scores="fp8", fp8_rerank=-1)
+    with pytest.raises(ValueError, match="fp8_rerank_slots"):
+        small(select_scores="fp8", fp8_rerank_slots=-1)
+    # the options reach the call (on this small input the slots may not change the selection)
+    seen = {}
+    real = msa.sparse_attention
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(msa, "sparse_attention", spy)
+    small(select_scores="fp8", fp8_rerank=3, fp8_rerank_slots=2, top_k=5)(x, cu)
+    assert (seen["select_scores"], seen["fp8_rerank"], seen["fp8_rerank_slots"]) == ("fp8", 3, 2)
 
 
 def test_batched_input_equals_packed():

@@ -485,7 +485,8 @@ def test_prefill_fp8_scores_equal_select_blocks(device):
     """select_scores="fp8" in a prefill: the E4M3 copies of each page of a sequence's index keys
     are msa.select_blocks's copies of that sequence's blocks, so the new tokens select as their
     positions do in msa.select_blocks(select_scores="fp8") over the contiguous sequences, bit for
-    bit on the same backend (fp8_rerank 0 and 4), and paged_forward's selection too. The FP8
+    bit on the same backend (fp8_rerank 0 and 4, and 4 with fp8_rerank_slots 2), and
+    paged_forward's selection too. The FP8
     selection must differ from the input scores' somewhere, or the case would not tell them
     apart. On the GPU: a PagedMSAWrapper planned with FP8 scores, captured in a CUDA graph and
     replayed with a shorter prefix, equals the eager call."""
@@ -496,19 +497,21 @@ def test_prefill_fp8_scores_equal_select_blocks(device):
     q, qi = b.new(b.q), b.new(b.q_idx)
     kw = dict(sink_blocks=1, local_blocks=2)
     plain = serving.paged_select_blocks(qi, b.k_idx_cache, b.table, b.seq_lens, b.cu_q, top_k, **kw)
-    for m in (0, 4):
+    for m, a in ((0, 0), (4, 0), (4, 2)):
         want = b.new(msa.select_blocks(b.q_idx, b.k_idx, top_k, Bk, cu_seqlens=b.cu,
-                                       select_scores="fp8", fp8_rerank=m, **kw))
+                                       select_scores="fp8", fp8_rerank=m, fp8_rerank_slots=a,
+                                       **kw))
         got = serving.paged_select_blocks(qi, b.k_idx_cache, b.table, b.seq_lens, b.cu_q, top_k,
-                                          select_scores="fp8", fp8_rerank=m, **kw)
-        assert torch.equal(got, want), f"fp8_rerank {m}: differs from select_blocks"
+                                          select_scores="fp8", fp8_rerank=m, fp8_rerank_slots=a,
+                                          **kw)
+        assert torch.equal(got, want), f"fp8_rerank {m}, slots {a}: differs from select_blocks"
         if m == 0:
             assert not torch.equal(got, plain), "the FP8 selection equals the input scores' here"
         _, sbi = serving.paged_forward(q, b.k_cache, b.v_cache, b.table, b.seq_lens, b.cu_q,
                                        q_idx=qi, k_idx_cache=b.k_idx_cache, top_k=top_k,
-                                       select_scores="fp8", fp8_rerank=m, return_block_idx=True,
-                                       **kw)
-        assert torch.equal(sbi, want), f"fp8_rerank {m}: paged_forward's selection differs"
+                                       select_scores="fp8", fp8_rerank=m, fp8_rerank_slots=a,
+                                       return_block_idx=True, **kw)
+        assert torch.equal(sbi, want), f"fp8_rerank {m}, slots {a}: paged_forward's selection differs"
     if device != "cuda":
         return
     cache = _cuda_cache_of(b)
@@ -539,6 +542,7 @@ def test_fp8_scores_errors_name_the_argument():
     _error(lambda: sel(select_scores="fp8", max_q_len=16), "select_scores")
     _error(lambda: sel(select_scores="e4m3"), "select_scores")
     _error(lambda: sel(select_scores="fp8", fp8_rerank=65), "fp8_rerank")
+    _error(lambda: sel(select_scores="fp8", fp8_rerank_slots=-1), "fp8_rerank_slots")
     k8 = b.k_idx_cache.nan_to_num(0.0).clamp(-448, 448).to(torch.float8_e4m3fn)
     ks = torch.rand(k8.shape[0], generator=torch.Generator().manual_seed(3)) + 0.25
     deq = k8.float() * ks.view(-1, 1, 1, 1)
