@@ -190,10 +190,20 @@ def main(argv=None) -> int:
     ap.add_argument("--double", action="store_true", help="float64 scores (the CPU backend's)")
     ap.add_argument("--tiny", action="store_true", help="tiny heads (tests)")
     ap.add_argument("--out", default="", help="write PREFIX.csv")
+    ap.add_argument("--csv", default="", help="with --plot: CSVs of earlier runs to plot")
+    ap.add_argument("--plot", default="", help="write a PNG: recall against the blocks a row "
+                    "re-scores, one panel per length, from this run's or these CSVs' rows "
+                    "(comma-separated; no computing then)")
     args = ap.parse_args(argv)
     h = cb.TINY if args.tiny else cb.PAPER
     rules = parse_rules(args.rules)
     rows = []
+    if args.plot and args.csv:
+        for f in args.csv.split(","):
+            with open(f) as fh:
+                rows += list(csv.DictReader(fh))
+        plot(rows, args.plot)
+        return 0
     for T in cb.parse_tokens(args.lengths):
         for level in sp.level_names(args.levels):
             for seed in [int(x) for x in str(args.seed).split(",") if x.strip()]:
@@ -206,7 +216,48 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"| {cb.fmt_tokens(r['T'])} | {r['level']} | {r['seed']} | {r['rule']} | "
               f"{r['rescored_per_row']:.2f} | {r['recall']:.4f} | {r['misses']} |")
+    if args.plot:
+        plot(rows, args.plot)
     return 0
+
+
+def plot(rows: List[Dict], path: str) -> None:
+    """Recall against the blocks each row re-scores: a panel per length, a series per level
+    (summed over seeds), each rule a labelled point (the rule m joined by a line)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    lengths = sorted({int(r["T"]) for r in rows})
+    fig, axes = plt.subplots(1, len(lengths), figsize=(5.5 * len(lengths), 4.2), squeeze=False)
+    for ax, T in zip(axes[0], lengths):
+        for level, colour in (("mixed", "tab:blue"), ("random", "tab:orange"), ("shared", "tab:green")):
+            agg: Dict[str, List[float]] = {}
+            for r in rows:
+                if int(r["T"]) == T and r["level"] == level:
+                    a = agg.setdefault(r["rule"], [0.0, 0.0, float(r["rescored_per_row"])])
+                    a[0] += int(r["entries"]) - int(r["misses"])
+                    a[1] += int(r["entries"])
+            if not agg:
+                continue
+            pts = {k: (v[2], v[0] / v[1]) for k, v in agg.items()}
+            plain = sorted((p for k, p in pts.items() if "/" not in k))
+            ax.plot([p[0] for p in plain], [p[1] for p in plain], "-o", color=colour,
+                    label=f"{level}: fp8_rerank m")
+            slots = [(k, p) for k, p in pts.items() if "/" in k]
+            ax.plot([p[0] for _, p in slots], [p[1] for _, p in slots], "s", color=colour,
+                    mfc="none", label=f"{level}: slots a / m")
+            for k, p in pts.items():
+                ax.annotate(k, p, textcoords="offset points", xytext=(4, -10), fontsize=7)
+        ax.axhline(0.98, color="grey", lw=0.8, ls="--")
+        ax.set_title(f"T = {cb.fmt_tokens(T)}: FP8 selection's recall of the inputs' (non-forced)",
+                     fontsize=9)
+        ax.set_xlabel("blocks re-scored by the inputs' scores, per row")
+        ax.set_ylabel("recall")
+        ax.legend(fontsize=7, loc="lower right")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
