@@ -282,6 +282,15 @@ TEST(Selection, Fp8ScoresTieWhatE4M3CannotTellApart) {
   }
 }
 
+// The re-ranking tests' case: four sequences with partial last blocks (Bk 16, k 5, sink 1,
+// local 1: three free slots), Hi 4 over Hik 2, one key with a large value (its block's scale).
+Problem rerank_problem() {
+  Config c = sel({300, 1, 77, 129}, 16, 5, 1, 1, 4, 2);
+  c.dtype = DType::kBFloat16;
+  Problem p(c);
+  p.k_idx.set(40 * c.Hik * c.Di + 3, 9.5);
+  return p;
+}
 }  // namespace
 
 // Options.fp8_rerank = m > 0 (contract §2): the selection is the brute force of the rule (the
@@ -289,10 +298,8 @@ TEST(Selection, Fp8ScoresTieWhatE4M3CannotTellApart) {
 // exactly, for m = 1, 4 and 7 on several sequences with partial last blocks; it changes rows
 // against m = 0, holds more of kInput's selection, and with m covering every candidate equals it.
 TEST(Selection, Fp8RerankFollowsTheRule) {
-  Config c = sel({300, 1, 77, 129}, 16, 5, 1, 1, 4, 2);
-  c.dtype = DType::kBFloat16;
-  Problem p(c);
-  p.k_idx.set(40 * c.Hik * c.Di + 3, 9.5);
+  Problem p = rerank_problem();
+  const Config& c = p.cfg;
   const Problem q8 = fp8_scored(p);
   const Sets exact = ref_select(p);
   const auto run = [&](int m) { return sets_from(p, select_fp8(p, m)); };
@@ -348,10 +355,8 @@ TEST(Selection, Fp8RerankShortlistWithOneCandidateToSpare) {
 // differs from the rule of fp8_rerank alone on some rows (a = 1), and every row holds its
 // (free - a) best blocks by the copies' scores.
 TEST(Selection, Fp8RerankSlotsFollowTheRule) {
-  Config c = sel({300, 1, 77, 129}, 16, 5, 1, 1, 4, 2);
-  c.dtype = DType::kBFloat16;
-  Problem p(c);
-  p.k_idx.set(40 * c.Hik * c.Di + 3, 9.5);
+  Problem p = rerank_problem();
+  const Config& c = p.cfg;
   const Problem q8 = fp8_scored(p);
   for (int m : {1, 4}) {
     const Sets all = ref_select_shortlist(p, q8, m);
