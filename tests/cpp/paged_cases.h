@@ -36,6 +36,7 @@ struct PagedCase {
   int fwd_chunk_tokens = 0;
   msa::SelectScores select_scores = msa::SelectScores::kInput;  // kFp8: a prefill's E4M3 copies
   int fp8_rerank = 4;
+  int fp8_rerank_slots = 0;
 
   std::string str() const {
     std::ostringstream os;
@@ -46,7 +47,8 @@ struct PagedCase {
     os << "] Hq=" << Hq << " Hkv=" << Hkv << " D=" << D << " Hi=" << Hi << " Hik=" << Hik << " Di=" << Di
        << " Bk=" << Bk << " k=" << k << " sink=" << sink << " local=" << local << " max_q_len=" << max_q_len
        << " dtype=" << msa::dtype_name(dtype) << " seed=" << seed;
-    if (select_scores == msa::SelectScores::kFp8) os << " select_scores=kFp8 fp8_rerank=" << fp8_rerank;
+    if (select_scores == msa::SelectScores::kFp8)
+      os << " select_scores=kFp8 fp8_rerank=" << fp8_rerank << " fp8_rerank_slots=" << fp8_rerank_slots;
     return os.str();
   }
   Config config() const {
@@ -77,6 +79,7 @@ struct PagedCase {
     o.fwd_chunk_tokens = fwd_chunk_tokens;
     o.select_scores = select_scores;
     o.fp8_rerank = fp8_rerank;
+    o.fp8_rerank_slots = fp8_rerank_slots;
     return o;
   }
 };
@@ -237,6 +240,7 @@ inline PagedOracle paged_oracle(PagedBatch& b, Mode mode) {
   msa::Options so = b.full.options();
   so.select_scores = b.cs.select_scores;
   so.fp8_rerank = b.cs.fp8_rerank;
+  so.fp8_rerank_slots = b.cs.fp8_rerank_slots;
   HostTensor bi = run_select(b.full, nullptr, &so);
   FwdResult f = run_forward(b.full, &bi, mode, false);
   o.block_idx = gather_rows(bi, b.new_rows);

@@ -2988,7 +2988,8 @@ TEST(CudaPaged, PrefillByEachForwardPass) {
   }
 }
 
-// FP8 scores in a prefill (select_scores = kFp8, fp8_rerank 0 and 4): the E4M3 copies of each
+// FP8 scores in a prefill (select_scores = kFp8, fp8_rerank 0 and 4, and 4 with fp8_rerank_slots
+// 2): the E4M3 copies of each
 // page are select_blocks's copies of that sequence's block, so paged_select_blocks (and
 // paged_forward's selection) over a shuffled page table, with a poisoned workspace, must equal
 // select_blocks with kFp8 on the contiguous sequences bit for bit; and follow the contract's
@@ -3006,10 +3007,11 @@ TEST(CudaPaged, PrefillFp8ScoresEqualSelectBlocks) {
     const IndexScores own(full), own8(q8);
     DeviceTensor fq = DeviceTensor::upload(full.q_idx, st.get()), fk = DeviceTensor::upload(full.k_idx, st.get());
     DeviceTensor fcu = DeviceTensor::upload(full.cu, st.get());
-    for (const int m : {0, 4}) {
+    for (const auto [m, a] : {std::pair{0, 0}, std::pair{4, 0}, std::pair{4, 2}}) {
       PagedCase cs = base;
       cs.select_scores = msa::SelectScores::kFp8;
       cs.fp8_rerank = m;
+      cs.fp8_rerank_slots = a;
       SCOPED_TRACE(cs.str());
       // select_blocks on the contiguous sequences, the new tokens' rows.
       DeviceTensor fbi = DeviceTensor::poisoned(DType::kInt32, {full.T, cs.Hi, cs.k}, st.get());
@@ -3030,7 +3032,7 @@ TEST(CudaPaged, PrefillFp8ScoresEqualSelectBlocks) {
       const HostTensor got = bi.download(st.get());
       EXPECT_EQ(first_difference(got, want), "") << "paged_select_blocks against select_blocks";
       const Failures f = m == 0 ? check_selection(q8, own8, to_full_rows(got, b, -1), nullptr, b.new_rows)
-                                : check_selection(full, own, to_full_rows(got, b, -1), nullptr, b.new_rows, &own8, m);
+                                : check_selection(full, own, to_full_rows(got, b, -1), nullptr, b.new_rows, &own8, m, a);
       EXPECT_EQ(f.count, 0) << "paged_select_blocks, the contract's rule:" << f.first;
       // paged_forward's selection.
       DeviceTensor bi2 = DeviceTensor::poisoned(DType::kInt32, {b.Tq, cs.Hi, cs.k}, st.get());
