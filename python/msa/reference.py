@@ -128,8 +128,7 @@ def select_blocks_ref(q_idx: Tensor, k_idx: Tensor, top_k: int, block_size: int,
                     short = cand[None] & _best(M8, cand, slots + rerank)
                     if rerank_slots > 0:
                         n = torch.where((rerank_slots < slots) & (cand.sum(-1) > slots),
-                                        torch.clamp(torch.full_like(slots, rerank_slots),
-                                                    max=slots), slots)
+                                        torch.full_like(slots, rerank_slots), slots)
                         kept = _best(M8, cand, slots - n)
                     cand = short & ~kept
             chosen = kept | _best(M, cand, n)

@@ -216,8 +216,7 @@ inline std::string shortlist_rule_error(const Config& c, int own, const std::vec
 // scores (fp8_scored of `p`), then the slots by p's own, ties to the lower index both times.
 // With `a` in (0, free slots) (Options.fp8_rerank_slots) and more candidates than slots, the
 // best (free - a) by q8's scores are kept and only the last a slots ranked by p's own scores.
-// `only` > 0: instead of the selection, each row's `only` best candidates by q8's scores.
-inline Sets ref_select_shortlist(const Problem& p, const Problem& q8, int m, int a = 0, int only = 0) {
+inline Sets ref_select_shortlist(const Problem& p, const Problem& q8, int m, int a = 0) {
   const Config& c = p.cfg;
   Sets s(p.T, std::vector<std::vector<int>>(c.Hi));
   for (int64_t g = 0; g < p.T; ++g) {
@@ -228,11 +227,6 @@ inline Sets ref_select_shortlist(const Problem& p, const Problem& q8, int m, int
       for (int b = 0; b <= own; ++b) (is_forced(c, own, b) ? chosen : cand).push_back(b);
       const int slots = c.k - static_cast<int>(chosen.size());
       std::stable_sort(cand.begin(), cand.end(), [&](int x, int y) { return m8[x] > m8[y]; });
-      if (only > 0) {
-        s[g][i].assign(cand.begin(), cand.begin() + std::min<size_t>(only, cand.size()));
-        std::sort(s[g][i].begin(), s[g][i].end());
-        continue;
-      }
       const int keep = a > 0 && a < slots && static_cast<int>(cand.size()) > slots ? slots - a : 0;
       if (static_cast<int>(cand.size()) > slots + m) cand.resize(slots + m);
       chosen.insert(chosen.end(), cand.begin(), cand.begin() + keep);
