@@ -15,6 +15,8 @@ times, on the level's index inputs:
   each score type, and dense causal attention (cuDNN through SDPA) up to ``--dense-max-tokens``,
   beyond which its time is scaled from the largest measured length by the FLOP ratio and
   labelled "scaled";
+* with ``--profile``, each selection's kernels (torch.profiler, one call after a warm-up),
+  longest first, to the log and the CSV (``profile_<name>``: "kernel ms; ...");
 * once per run, the FP8 and bf16 GEMM rates of torch (``torch._scaled_mm`` and ``torch.mm`` on
   8192^3), the tensor-core anchors of this GPU in the same run.
 
@@ -91,6 +93,7 @@ def main(argv=None):
                    help="the FP8 selections: fp8_rerank values m, or a/m for fp8_rerank_slots a "
                         "with fp8_rerank m (4/8: only the last 4 free slots re-ranked, from 12)")
     p.add_argument("--forward", action="store_true", help="also the whole MSA forward and dense")
+    p.add_argument("--profile", action="store_true", help="each selection's kernels (torch.profiler)")
     p.add_argument("--dense-max-tokens", type=bf.parse_tokens, default=131072)
     p.add_argument("--top-k", type=int, default=16)
     p.add_argument("--block-size", type=int, default=128)
@@ -150,6 +153,12 @@ def main(argv=None):
                         st8 = sp.selection_stats(bi8, cu, k)
                         row[f"overlap_{name}"], row[f"union_{name}"] = st8["overlap"], st8["union"]
                         del bi8
+                    if args.profile:
+                        import bench_backward as bb
+                        kern = bb.profile_kernels(select(scores, m))
+                        row[f"profile_{name}"] = "; ".join(f"{kn} {kms:.3f}" for kn, kms in kern)
+                        for kn, kms in kern[:8]:
+                            bf.log(f"    {kms:8.3f} ms  {kn}")
                     bf.log(f"{cfg} T={L} {level} {name}: select {ms:.2f} ms ({row[f'select_{name}_tflops']:.0f} "
                            f"TF/s), recall {row.get(f'recall_{name}', 1.0):.4f} "
                            f"(non-forced {row.get(f'recall_free_{name}', 1.0):.4f})")
