@@ -34,6 +34,7 @@
 
 #include "../backend.h"
 #include "../device/entry_list.cuh"
+#include "../device/grid_dependency.cuh"
 #include "check_values.h"
 #include "common.h"
 #include "launch.h"
@@ -52,6 +53,7 @@ namespace {
 template <class Element, int kLanes>
 __global__ void delta_kernel(const Element* dout, int64_t do_s0, int64_t do_s1, const Element* out,
                              int64_t o_s0, int64_t o_s1, int64_t rows, int32_t Hq, float* delta) {
+  grid_dependency_begin();
   const int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t row = g / kLanes;
   const int c = static_cast<int>(g % kLanes);
@@ -78,11 +80,11 @@ void launch_delta(const TensorRef& dout, const TensorRef& out, int64_t rows, int
   const auto* b = static_cast<const Element*>(out.data);
   const int blocks = static_cast<int>((rows * (D / 8) + 255) / 256);
   if (D == 128)
-    delta_kernel<Element, 16><<<blocks, 256, 0, stream>>>(a, dout.stride[0], dout.stride[1], b,
-                                                          out.stride[0], out.stride[1], rows, Hq, delta);
+    launch_grid(delta_kernel<Element, 16>, blocks, 256, 0, stream, a, dout.stride[0], dout.stride[1], b,
+                out.stride[0], out.stride[1], rows, Hq, delta);
   else
-    delta_kernel<Element, 8><<<blocks, 256, 0, stream>>>(a, dout.stride[0], dout.stride[1], b,
-                                                         out.stride[0], out.stride[1], rows, Hq, delta);
+    launch_grid(delta_kernel<Element, 8>, blocks, 256, 0, stream, a, dout.stride[0], dout.stride[1], b,
+                out.stride[0], out.stride[1], rows, Hq, delta);
 }
 
 // out[t, h, :] = acc[t, h, :] * 2^-32 * coef, coef = base * kl_weight * (kl_grad ? kl_grad[0] : 1):
@@ -93,6 +95,7 @@ template <class Element>
 __global__ void finalize_grad_kernel(const unsigned long long* acc, int64_t rows, int32_t H,
                                      int d4_shift, Element* out, int64_t s0, int64_t s1, bool vec,
                                      const float* kl_grad, double base) {
+  grid_dependency_begin();
   const double coef = base * (kl_grad != nullptr ? static_cast<double>(kl_grad[0]) : 1.0) /
                       kern::kFixedOne;
   const int64_t n4 = (rows * H) << d4_shift;
@@ -126,6 +129,7 @@ template <class Element>
 __global__ void finalize_dkv_kernel(const float* dk_sum, const float* dv_sum, int64_t T, int32_t Hkv,
                                     int32_t D, Element* dk, int64_t dk_s0, int64_t dk_s1, Element* dv,
                                     int64_t dv_s0, int64_t dv_s1, float scale) {
+  grid_dependency_begin();
   const int64_t n = T * Hkv * D / 2;  // D is even
   for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -150,6 +154,7 @@ __global__ void finalize_dkv_kernel(const float* dk_sum, const float* dv_sum, in
 // warp: lane j of a row takes slots j, j + lanes, ...; the max and the sum are then butterfly
 // reductions over the row's lanes (a fixed order: the same bits every run).
 __global__ void lse_combine_kernel(const float2* part, int64_t rows, int32_t k, int lanes, float* lse_idx) {
+  grid_dependency_begin();
   const int lane = threadIdx.x & 31, sub = lane & (lanes - 1);
   const int64_t rows_per_warp = 32 / lanes;
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
@@ -180,6 +185,7 @@ __global__ void lse_combine_kernel(const float2* part, int64_t rows, int32_t k, 
 // is over integers, so its order does not matter.
 __global__ void finalize_kl_kernel(const unsigned long long* rows_acc, int64_t T, int32_t Hi,
                                    float* kl, float* kl_rows, int64_t kr_s0, int64_t kr_s1) {
+  grid_dependency_begin();
   __shared__ unsigned long long part[32];
   unsigned long long sum = 0;
   const int64_t n = T * Hi;
@@ -206,6 +212,7 @@ __global__ void finalize_kl_kernel(const unsigned long long* rows_acc, int64_t T
 
 // Zeroes a [rows, H, D] tensor of 16-bit elements (strides s0, s1 in elements).
 __global__ void zero_rows_kernel(uint16_t* out, int64_t rows, int32_t H, int32_t D, int64_t s0, int64_t s1) {
+  grid_dependency_begin();
   const int64_t n = rows * H * D;
   for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < n;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -224,9 +231,9 @@ Status zero_key_grads(const char* fn, const Problem& prob, const BackwardParams&
     if (!t->defined() || t->shape[0] == 0) continue;
     const int64_t n = t->shape[0] * t->shape[1] * t->shape[2];
     const int blocks = static_cast<int>(std::min<int64_t>((n + 255) / 256, num_sms() * 32));
-    zero_rows_kernel<<<blocks, 256, 0, stream>>>(static_cast<uint16_t*>(t->data), t->shape[0],
-                                                 static_cast<int32_t>(t->shape[1]),
-                                                 static_cast<int32_t>(t->shape[2]), t->stride[0], t->stride[1]);
+    launch_grid(zero_rows_kernel, blocks, 256, 0, stream, static_cast<uint16_t*>(t->data), t->shape[0],
+                static_cast<int32_t>(t->shape[1]), static_cast<int32_t>(t->shape[2]), t->stride[0],
+                t->stride[1]);
   }
   const cudaError_t e = cudaGetLastError();
   return e == cudaSuccess ? Status::Ok() : cuda_error(fn, e);
@@ -284,8 +291,9 @@ Status finalize_grad(const unsigned long long* acc, int64_t T, int32_t H, int32_
   const int64_t n4 = T * H * D / 4;
   const int blocks = static_cast<int>(std::min<int64_t>((n4 + 255) / 256, num_sms() * 32));
   if (n4 == 0) return Status::Ok();
-  finalize_grad_kernel<Element><<<blocks, 256, 0, stream>>>(
-      acc, T, H, D == 128 ? 5 : 4, static_cast<Element*>(out.data), out.stride[0], out.stride[1],
+  launch_grid(
+      finalize_grad_kernel<Element>, blocks, 256, 0, stream, acc, T, H, D == 128 ? 5 : 4,
+      static_cast<Element*>(out.data), out.stride[0], out.stride[1],
       reinterpret_cast<uintptr_t>(out.data) % 8 == 0 && out.stride[0] % 4 == 0 && out.stride[1] % 4 == 0,
       kl_grad, base);
   return Status::Ok();
@@ -357,8 +365,9 @@ Status teacher_lse(const Plan& pl, const Problem& prob, KlArgs g, const BwdKvArg
   const int lanes = prob.k <= 16 ? 16 : 32;
   const int64_t threads = rows * lanes;
   const int blocks = static_cast<int>(std::min<int64_t>((threads + 255) / 256, num_sms() * 32));
-  lse_combine_kernel<<<blocks, 256, 0, stream>>>(reinterpret_cast<const float2*>(g.lse_part) + t0 * prob.Hi * prob.k,
-                                                 rows, prob.k, lanes, at<float>(ws, pl.lse_idx) + t0 * prob.Hi);
+  launch_grid(lse_combine_kernel, blocks, 256, 0, stream,
+              reinterpret_cast<const float2*>(g.lse_part) + t0 * prob.Hi * prob.k, rows, prob.k, lanes,
+              at<float>(ws, pl.lse_idx) + t0 * prob.Hi);
   return Status::Ok();
 }
 
@@ -383,9 +392,9 @@ void finalize_dkv(const Problem& prob, const BackwardParams& p, const BwdKvArgs&
   const int64_t n = prob.Tk * prob.Hkv * prob.D / 2;
   if (n == 0) return;
   const int blocks = static_cast<int>(std::min<int64_t>((n + 255) / 256, num_sms() * 32));
-  finalize_dkv_kernel<Element><<<blocks, 256, 0, stream>>>(
-      kv.dk_acc, kv.dv_acc, prob.Tk, prob.Hkv, prob.D, static_cast<Element*>(p.dk.data), p.dk.stride[0],
-      p.dk.stride[1], static_cast<Element*>(p.dv.data), p.dv.stride[0], p.dv.stride[1], prob.opts.scale);
+  launch_grid(finalize_dkv_kernel<Element>, blocks, 256, 0, stream, kv.dk_acc, kv.dv_acc, prob.Tk, prob.Hkv,
+              prob.D, static_cast<Element*>(p.dk.data), p.dk.stride[0], p.dk.stride[1],
+              static_cast<Element*>(p.dv.data), p.dv.stride[0], p.dv.stride[1], prob.opts.scale);
 }
 
 // The sparse backward with dq from dS (pl.bwd_tokens > 0; KL gradient, if any, by kTeacher), in
@@ -528,10 +537,10 @@ Status kl_divergence(const Problem& prob, const KlParams& p) {
   KlArgs a = kl_args(prob, in);
   MSA_TRY(kv_lists(fn, pl, pl.kl_work, prob, p.block_idx, ws, stream, &a, false));
   MSA_TRY(run_kl(fn, pl, prob, in, a, ws, stream));
-  finalize_kl_kernel<<<1, 1024, 0, stream>>>(
-      at<unsigned long long>(ws, pl.kl_acc), prob.T, prob.Hi, static_cast<float*>(p.kl.data),
-      p.kl_rows.defined() ? static_cast<float*>(p.kl_rows.data) : nullptr,
-      p.kl_rows.defined() ? p.kl_rows.stride[0] : 0, p.kl_rows.defined() ? p.kl_rows.stride[1] : 0);
+  launch_grid(finalize_kl_kernel, 1, 1024, 0, stream, at<unsigned long long>(ws, pl.kl_acc), prob.T, prob.Hi,
+              static_cast<float*>(p.kl.data),
+              p.kl_rows.defined() ? static_cast<float*>(p.kl_rows.data) : nullptr,
+              p.kl_rows.defined() ? p.kl_rows.stride[0] : 0, p.kl_rows.defined() ? p.kl_rows.stride[1] : 0);
   const cudaError_t e = cudaGetLastError();
   return e == cudaSuccess ? Status::Ok() : cuda_error(fn, e);
 }

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "../device/grid_dependency.cuh"
 #include "../device/tile.cuh"
 #include "common.h"
 
@@ -56,6 +57,7 @@ __device__ int64_t first_position(const int32_t* cu, const int32_t* cu_k, int32_
 __global__ void check_kernel(const int32_t* cu, int32_t nseq, int64_t T, const int32_t* cu_k, int64_t Tk,
                              const int32_t* bi, int64_t bi_s0, int64_t bi_s1, int32_t Hi, int32_t k,
                              int32_t Bk, unsigned long long* verdict) {
+  grid_dependency_begin();
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (cu != nullptr) {
@@ -130,6 +132,7 @@ struct PagedCheck {
 };
 
 __global__ void paged_check_kernel(const PagedCheck c, unsigned long long* verdict) {
+  grid_dependency_begin();
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t cap = int64_t(c.max_pages) * c.Bk;
@@ -244,14 +247,14 @@ Status check_values(const char* fn, const Problem& prob, const TensorRef& cu_seq
   const int32_t* bi = block_idx.defined() ? static_cast<const int32_t*>(block_idx.data) : nullptr;
   const int64_t n = bi != nullptr ? prob.T * prob.Hi * prob.k : 0;
   unsigned long long v = 0;
-  MSA_TRY(run_check(fn, stream, "cu_seqlens, cu_seqlens_k and block_idx", std::max<int64_t>(n, nseq + 1),
-                    [&](int blocks, unsigned long long* verdict) {
-                      check_kernel<<<blocks, 256, 0, stream>>>(cu, nseq, prob.T, cu_k, prob.Tk, bi,
-                                                              bi ? block_idx.stride[0] : 0,
-                                                              bi ? block_idx.stride[1] : 0, prob.Hi, prob.k,
-                                                              prob.opts.block_size, verdict);
-                    },
-                    &v));
+  MSA_TRY(run_check(
+      fn, stream, "cu_seqlens, cu_seqlens_k and block_idx", std::max<int64_t>(n, nseq + 1),
+      [&](int blocks, unsigned long long* verdict) {
+        launch_grid(check_kernel, blocks, 256, 0, stream, cu, nseq, prob.T, cu_k, prob.Tk, bi,
+                    bi ? block_idx.stride[0] : 0, bi ? block_idx.stride[1] : 0, prob.Hi, prob.k,
+                    prob.opts.block_size, verdict);
+      },
+      &v));
   if (v == kNone) return Status::Ok();
 
   // An offence: read what the message quotes.
@@ -337,13 +340,14 @@ Status check_paged_values(const char* fn, const Problem& prob, const TensorRef& 
     }
   }
   unsigned long long v = 0;
-  MSA_TRY(run_check(fn, stream, "cu_seqlens_q, the cache's seq_lens, page_table and scales and block_idx",
-                    std::max<int64_t>({int64_t(c.Tq) * c.Hi * c.k, int64_t(c.nseq) * c.max_pages, c.nseq + 1,
-                                       c.scale_n[0], c.scale_n[1], c.scale_n[2], c.scale_n[3]}),
-                    [&](int blocks, unsigned long long* verdict) {
-                      paged_check_kernel<<<blocks, 256, 0, stream>>>(c, verdict);
-                    },
-                    &v));
+  MSA_TRY(run_check(
+      fn, stream, "cu_seqlens_q, the cache's seq_lens, page_table and scales and block_idx",
+      std::max<int64_t>({int64_t(c.Tq) * c.Hi * c.k, int64_t(c.nseq) * c.max_pages, c.nseq + 1, c.scale_n[0],
+                         c.scale_n[1], c.scale_n[2], c.scale_n[3]}),
+      [&](int blocks, unsigned long long* verdict) {
+        launch_grid(paged_check_kernel, blocks, 256, 0, stream, c, verdict);
+      },
+      &v));
   if (v == kNone) return Status::Ok();
 
   const auto kind = static_cast<Kind>(v >> 56);

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "../../core/problem.h"
 #include "msa/types.h"
@@ -87,6 +88,37 @@ inline int num_sms() {
     n = 1;
   }
   return n;
+}
+
+// Programmatic dependent launch (device/grid_dependency.cuh) where the library is built with
+// MSA_CUDA_PDL (CMake option, off by default). Every kernel of the library waits for the
+// previous grid before it touches memory, so either way the results are the stream order's;
+// only the gaps between kernels change.
+#ifdef MSA_CUDA_PDL
+inline constexpr bool kProgrammaticLaunch = true;
+#else
+inline constexpr bool kProgrammaticLaunch = false;
+#endif
+
+// kernel<<<grid, block, smem, stream>>>(args...), with programmatic dependent launch where
+// kProgrammaticLaunch. Only this library's kernels (each begins with grid_dependency_begin())
+// go through it. Returns the launch's error (also left for cudaGetLastError()).
+template <class... Params, class... Args>
+cudaError_t launch_grid(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                        Args&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  if constexpr (kProgrammaticLaunch) {
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+  }
+  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 
 template <class T>

@@ -44,7 +44,7 @@ Status choose_pass(const char* fn, const Problem& prob, const FwdArgs& a, const 
   if (e != cudaSuccess) return cuda_error(fn, e);
   const int64_t n = a.num_tiles * a.Hi;
   const unsigned blocks = static_cast<unsigned>((n + warps - 1) / warps);
-  kern::pass_choice_kernel<<<blocks, 32 * warps, smem, stream>>>(a, prob.opts.block_size, s, seen);
+  launch_grid(kern::pass_choice_kernel, blocks, 32 * warps, smem, stream, a, prob.opts.block_size, s, seen);
   e = cudaGetLastError();
   if (e != cudaSuccess) return cuda_error(fn, e);
   *sums = s;

@@ -53,7 +53,7 @@ Status launch_kernel(const char* fn, Kernel kernel, dim3 grid, int threads, size
                                        static_cast<int>(smem));
   if (e != cudaSuccess) return launch_error(fn, e);
   if (grid.x == 0 || grid.y == 0) return Status::Ok();
-  kernel<<<grid, threads, smem, stream>>>(p);
+  launch_grid(kernel, grid, threads, smem, stream, p);
   e = cudaGetLastError();
   return e == cudaSuccess ? Status::Ok() : launch_error(fn, e);
 }
@@ -206,7 +206,7 @@ Status launch_fwd_kv(const FwdKvArgs& a, cudaStream_t stream) {
   const auto grid = [](int64_t threads) {
     return static_cast<unsigned>(std::min<int64_t>((threads + 255) / 256, int64_t(num_sms()) * 128));
   };
-  kern::fwd_zero_kernel<Element><<<grid(pairs * a.top_k / 2 + 1), 256, 0, stream>>>(a);
+  launch_grid(kern::fwd_zero_kernel<Element>, grid(pairs * a.top_k / 2 + 1), 256, 0, stream, a);
   // scaled: K and V an E4M3 cache's codes, with its page scales; recs: records an entry (two at
   // Gi = 2, FwdKvTraits::kRecs)
   auto launch = [&](auto scaled, auto recs) {
@@ -221,7 +221,7 @@ Status launch_fwd_kv(const FwdKvArgs& a, cudaStream_t stream) {
   if (!st.ok()) return st;
   // The split: the query tiles that run next merge the partials.
   if (a.taken == nullptr)
-    kern::fwd_combine_kernel<Element, kHeadDim><<<grid(pairs * (kHeadDim / 8)), 256, 0, stream>>>(a);
+    launch_grid(kern::fwd_combine_kernel<Element, kHeadDim>, grid(pairs * (kHeadDim / 8)), 256, 0, stream, a);
   const cudaError_t e = cudaGetLastError();
   return e == cudaSuccess ? Status::Ok() : detail::launch_error("forward", e);
 }
@@ -281,7 +281,8 @@ Status launch_paged_attn(const PagedAttnArgs& a, cudaStream_t stream) {
   MSA_TRY(a.k_scale != nullptr ? with_layout(cute::true_type{}) : with_layout(cute::false_type{}));
   if (a.splits == 1) return Status::Ok();
   const int64_t blocks = (int64_t(a.Tq) * a.Hq * 32 + 255) / 256;
-  kern::paged_combine_kernel<Element, kHeadDim><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(a);
+  launch_grid(kern::paged_combine_kernel<Element, kHeadDim>, static_cast<unsigned>(blocks), 256, 0, stream,
+              a);
   const cudaError_t e = cudaGetLastError();
   return e == cudaSuccess ? Status::Ok() : detail::launch_error("paged_forward", e);
 }

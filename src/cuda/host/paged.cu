@@ -34,6 +34,7 @@
 
 #include "../backend.h"
 #include "../device/e4m3.cuh"
+#include "../device/grid_dependency.cuh"
 #include "../kernels/fp8_copy_kernel.cuh"
 #include "../kernels/paged_topk_kernel.cuh"
 #include "check_values.h"
@@ -303,7 +304,7 @@ Status run_select(const char* fn, const Problem& prob, SelectPlan sp, void* ws, 
     }));
     sp.topk.tok_lo = lo;
     const int64_t rows = (hi - lo) * prob.Hi;
-    kern::paged_topk_kernel<<<static_cast<unsigned>(rows), kern::kTopkThreads, 0, stream>>>(sp.topk);
+    launch_grid(kern::paged_topk_kernel, static_cast<unsigned>(rows), kern::kTopkThreads, 0, stream, sp.topk);
     const cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return cuda_error(fn, e);
   }
@@ -642,6 +643,7 @@ __device__ float append_source(const AppendArgs::Part& p, int64_t off) {
 }
 
 __global__ void paged_append_kernel(const __grid_constant__ AppendArgs a) {
+  grid_dependency_begin();
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int w = 0; w < 3; ++w) {
     const AppendArgs::Part& p = a.part[w];
@@ -713,13 +715,13 @@ Status paged_forward(const Problem& prob, const PagedForwardParams& p) {
       set_kv_copy(prob, static_cast<char*>(ws) + pf.bytes, &pf);
       MSA_TRY(dispatch(fn, attn_dtype_arg(p), dt, prob.D, prob.opts.block_size, [&](auto v) {
         using E = typename decltype(v)::Element;
-        kern::e4m3_kv_pages_kernel<E>
-            <<<dim3(static_cast<unsigned>(pf.copy.num_tiles), static_cast<unsigned>(prob.Hkv)), 128, 0, stream>>>(
-                pf.copy);
+        launch_grid(kern::e4m3_kv_pages_kernel<E>,
+                    dim3(static_cast<unsigned>(pf.copy.num_tiles), static_cast<unsigned>(prob.Hkv)), 128, 0,
+                    stream, pf.copy);
         if (pf.copy.q != nullptr) {
           const int64_t threads = prob.T * prob.Hq * (prob.D / 16);
           const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(ceil_div(threads, 256), int64_t(num_sms()) * 16));
-          kern::e4m3_query_rows_kernel<E><<<blocks, 256, 0, stream>>>(pf.copy);
+          launch_grid(kern::e4m3_query_rows_kernel<E>, blocks, 256, 0, stream, pf.copy);
         }
         const cudaError_t e = cudaGetLastError();
         return e == cudaSuccess ? Status::Ok() : cuda_error(fn, e);
@@ -794,7 +796,7 @@ Status paged_append(const PagedAppendParams& p) {
   int64_t n = 0;
   for (const auto& part : a.part) n = std::max<int64_t>(n, int64_t(a.Tq) * part.H * part.D);
   const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(n, 256), int64_t(num_sms()) * 8));
-  paged_append_kernel<<<blocks, 256, 0, static_cast<cudaStream_t>(p.launch.stream)>>>(a);
+  launch_grid(paged_append_kernel, blocks, 256, 0, static_cast<cudaStream_t>(p.launch.stream), a);
   const cudaError_t e = cudaGetLastError();
   return e == cudaSuccess ? Status::Ok() : cuda_error(fn, e);
 }

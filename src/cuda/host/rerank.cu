@@ -36,26 +36,26 @@ Status rerank_lists(const char* fn, const SelectArgs& a, cudaStream_t stream) {
   cudaError_t e = cudaMemsetAsync(r.seg_count, 0, sizeof(int32_t) * size_t(n), stream);
   if (e != cudaSuccess) return cuda_error(fn, e);
   if (entries > 0) {
-    kern::rerank_count_kernel<<<grid_for(entries, 256), 256, 0, stream>>>(a);
+    launch_grid(kern::rerank_count_kernel, grid_for(entries, 256), 256, 0, stream, a);
     MSA_TRY(last_error(fn));
   }
   size_t bytes = r.cub_bytes;
   e = cub::DeviceScan::ExclusiveSum(r.cub, bytes, r.seg_count, r.seg_start, n, stream);
   if (e != cudaSuccess) return cuda_error(fn, e);
-  kern::rerank_chunks_kernel<<<grid_for(nseg, 256), 256, 0, stream>>>(a);
+  launch_grid(kern::rerank_chunks_kernel, grid_for(nseg, 256), 256, 0, stream, a);
   MSA_TRY(last_error(fn));
   bytes = r.cub_bytes;
   e = cub::DeviceScan::ExclusiveSum(r.cub, bytes, r.chunk_start, r.chunk_start, nseg, stream);
   if (e != cudaSuccess) return cuda_error(fn, e);
   if (entries == 0) return Status::Ok();
-  kern::rerank_scatter_kernel<<<grid_for(entries, 256), 256, 0, stream>>>(a);
+  launch_grid(kern::rerank_scatter_kernel, grid_for(entries, 256), 256, 0, stream, a);
   return last_error(fn);
 }
 
 Status rerank_pick(const char* fn, const SelectArgs& a, cudaStream_t stream) {
   const int64_t rows = int64_t(a.T) * a.Hik * a.idx_per_key;
   if (rows == 0) return Status::Ok();
-  kern::rerank_pick_kernel<<<static_cast<unsigned>((rows + 255) / 256), 256, 0, stream>>>(a);
+  launch_grid(kern::rerank_pick_kernel, static_cast<unsigned>((rows + 255) / 256), 256, 0, stream, a);
   return last_error(fn);
 }
 

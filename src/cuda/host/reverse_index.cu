@@ -11,6 +11,7 @@
 #include <type_traits>
 
 #include "../device/entry_list.cuh"
+#include "../device/grid_dependency.cuh"
 #include "../device/pass_choice.cuh"
 #include "common.h"
 
@@ -27,6 +28,7 @@ __global__ void key_kernel(const int32_t* block_idx, int64_t bi_s0, int64_t bi_s
                            int32_t Hi, int32_t k, int32_t Bk, int32_t Hkv, int32_t ipk, int tbits,
                            int sbits, uint64_t invalid, const unsigned long long* choice,
                            const uint8_t* taken, kern::PagedKeys paged, uint64_t* keys) {
+  grid_dependency_begin();
   // kAuto chose the query-tile forward: no entries (the sort still runs, on invalid keys).
   const bool none = choice != nullptr && !kern::split_chosen(choice);
   // n < 2^31 (make_plan): 32-bit index arithmetic.
@@ -77,6 +79,7 @@ __global__ void key_kernel(const int32_t* block_idx, int64_t bi_s0, int64_t bi_s
 // repeated in a row (which the value checks refuse) counts once, at its first column.
 __global__ void first_kernel(const uint64_t* keys, int64_t n, int sbits, uint64_t invalid,
                              uint8_t* first) {
+  grid_dependency_begin();
   for (int64_t p = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; p < n;
        p += static_cast<int64_t>(gridDim.x) * blockDim.x)
     first[p] = keys[p] != invalid && (p == 0 || (keys[p] >> sbits) != (keys[p - 1] >> sbits));
@@ -85,6 +88,7 @@ __global__ void first_kernel(const uint64_t* keys, int64_t n, int sbits, uint64_
 // head[p] = p where unique key p starts a segment, else 0 (a max-scan then gives each key its
 // segment's first position). `shift`: the segment's position in a key.
 __global__ void head_kernel(const uint64_t* keys, const int32_t* count, int shift, int32_t* head) {
+  grid_dependency_begin();
   const int32_t n = *count;
   for (int32_t p = blockIdx.x * blockDim.x + threadIdx.x; p < n; p += gridDim.x * blockDim.x)
     head[p] = p > 0 && (keys[p] >> shift) != (keys[p - 1] >> shift) ? p : 0;
@@ -94,6 +98,7 @@ __global__ void head_kernel(const uint64_t* keys, const int32_t* count, int shif
 // the unique keys (the selection reads all n flags).
 __global__ void flag_kernel(const int32_t* count, const int32_t* seg_first, int64_t n, int32_t m,
                             uint8_t* flag) {
+  grid_dependency_begin();
   const int32_t nk = *count;
   for (int64_t p = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; p < n;
        p += static_cast<int64_t>(gridDim.x) * blockDim.x)
@@ -107,6 +112,7 @@ __global__ void flag_kernel(const int32_t* count, const int32_t* seg_first, int6
 __global__ void record_kernel(const uint64_t* keys, const int32_t* count, const int32_t* starts,
                               const int32_t* num_records, int32_t m, int tbits, int sbits,
                               int32_t segments, kern::EntryRecord* records, int32_t* seg_start) {
+  grid_dependency_begin();
   const int32_t nk = *count;
   const int32_t nr = *num_records;
   const uint64_t tmask = (uint64_t(1) << tbits) - 1, smask = (uint64_t(1) << sbits) - 1;
@@ -199,6 +205,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                      int32_t Bk, int32_t Hkv, int32_t ipk, int32_t m, int32_t items, int32_t chunk,
                      kern::PagedKeys paged, int size_bits, int64_t grid, int32_t* slot_start,
                      int32_t* arrivals, kern::CtaWork* cta) {
+  grid_dependency_begin();
   using C = WorkListCta<kThreads, kPer>;
   extern __shared__ __align__(16) char smem_raw[];
   typename C::Smem& sm = *reinterpret_cast<typename C::Smem*>(smem_raw);
@@ -247,6 +254,7 @@ __global__ void chunk_kernel(kern::EntryListParams list, const int32_t* cu, int3
                              int32_t Bk, int32_t Hkv, int32_t ipk, int32_t m, int32_t items,
                              int32_t chunk, kern::PagedKeys paged, int32_t* num_chunks,
                              int32_t* num_slots, uint32_t* sizes, int32_t* ids) {
+  grid_dependency_begin();
   const int32_t item = blockIdx.x * blockDim.x + threadIdx.x;
   if (item >= items) return;
   const int32_t n = item_chunks(list, cu, nseq, T, Bk, Hkv, ipk, m, chunk, paged, item, &sizes[item]);
@@ -258,6 +266,7 @@ __global__ void chunk_kernel(kern::EntryListParams list, const int32_t* cu, int3
 // ordered[pos] = the chunk count of the item at position pos of the order.
 __global__ void ordered_chunks_kernel(const int32_t* order, const int32_t* num_chunks, int32_t items,
                                       int32_t* ordered) {
+  grid_dependency_begin();
   const int32_t pos = blockIdx.x * blockDim.x + threadIdx.x;
   if (pos < items) ordered[pos] = num_chunks[order[pos]];
 }
@@ -265,6 +274,7 @@ __global__ void ordered_chunks_kernel(const int32_t* order, const int32_t* num_c
 // Each CTA's chunk from the layout (the multi-kernel path).
 __global__ void cta_kernel(const int32_t* chunk_start, const int32_t* order, const int32_t* num_chunks,
                            int32_t items, int64_t grid, kern::CtaWork* cta) {
+  grid_dependency_begin();
   for (int64_t w = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; w < grid;
        w += static_cast<int64_t>(gridDim.x) * blockDim.x)
     cta[w] = cta_work(chunk_start, order, num_chunks, items, w);
@@ -289,10 +299,9 @@ Status build_entries(const char* fn, const Plan& pl, const Problem& prob, const 
   const int blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((n + threads - 1) / threads, num_sms() * 16)));
   const int32_t ipk = prob.Hi / prob.Hkv;
   if (n > 0) {
-    key_kernel<<<blocks, threads, 0, stream>>>(
-        static_cast<const int32_t*>(bi.data), bi.stride[0], bi.stride[1], cu, nseq, prob.T, t_lo,
-        t_hi, prob.Hi, prob.k, prob.opts.block_size, prob.Hkv, ipk, pl.tbits, pl.sbits,
-        pl.invalid, choice, taken, paged, ka);
+    launch_grid(key_kernel, blocks, threads, 0, stream, static_cast<const int32_t*>(bi.data), bi.stride[0],
+                bi.stride[1], cu, nseq, prob.T, t_lo, t_hi, prob.Hi, prob.k, prob.opts.block_size, prob.Hkv,
+                ipk, pl.tbits, pl.sbits, pl.invalid, choice, taken, paged, ka);
   }
   // The keys by segment alone: key_kernel writes them in (token, index head, slot) order and the
   // radix sort is stable, so a segment's keys keep their (token, slot) order, as a sort of the
@@ -304,7 +313,8 @@ Status build_entries(const char* fn, const Plan& pl, const Problem& prob, const 
                                                  static_cast<int>(n), pl.seg_bit, pl.end_bit, stream);
   if (e != cudaSuccess) return cuda_error(fn, e);
   // The real keys, each (segment, token) once.
-  if (n > 0) first_kernel<<<blocks, threads, 0, stream>>>(keys.Current(), n, pl.sbits, pl.invalid, flags);
+  if (n > 0)
+    launch_grid(first_kernel, blocks, threads, 0, stream, keys.Current(), n, pl.sbits, pl.invalid, flags);
   uint64_t* ukeys = keys.Alternate();
   bytes = pl.cub_bytes;
   e = cub::DeviceSelect::Flagged(at<void>(ws, pl.cub), bytes, keys.Current(), flags, ukeys, counts,
@@ -313,13 +323,13 @@ Status build_entries(const char* fn, const Plan& pl, const Problem& prob, const 
   // The sorted keys' buffer is free now: the segment starts go there.
   int32_t* seg_first = reinterpret_cast<int32_t*>(keys.Current());
   if (n > 0) {
-    head_kernel<<<blocks, threads, 0, stream>>>(ukeys, counts, pl.seg_bit, seg_first);
+    launch_grid(head_kernel, blocks, threads, 0, stream, ukeys, counts, pl.seg_bit, seg_first);
   }
   bytes = pl.cub_bytes;
   e = cub::DeviceScan::InclusiveScan(at<void>(ws, pl.cub), bytes, seg_first, seg_first, MaxOp{},
                                      static_cast<int>(n), stream);
   if (e != cudaSuccess) return cuda_error(fn, e);
-  if (n > 0) flag_kernel<<<blocks, threads, 0, stream>>>(counts, seg_first, n, pl.m, flags);
+  if (n > 0) launch_grid(flag_kernel, blocks, threads, 0, stream, counts, seg_first, n, pl.m, flags);
   bytes = pl.cub_bytes;
   e = cub::DeviceSelect::Flagged(at<void>(ws, pl.cub), bytes, CountingIt(0), flags, starts,
                                  counts + 1, static_cast<int>(n), stream);
@@ -327,9 +337,8 @@ Status build_entries(const char* fn, const Plan& pl, const Problem& prob, const 
   int32_t* seg_start = at<int32_t>(ws, pl.seg_start);
   if (n > 0) {
     const int rblocks = static_cast<int>(std::min<int64_t>(((pl.entries + 1) * 32 + threads - 1) / threads, num_sms() * 16));
-    record_kernel<<<rblocks, threads, 0, stream>>>(ukeys, counts, starts, counts + 1, pl.m, pl.tbits,
-                                                   pl.sbits, static_cast<int32_t>(pl.segments), records,
-                                                   seg_start);
+    launch_grid(record_kernel, rblocks, threads, 0, stream, ukeys, counts, starts, counts + 1, pl.m, pl.tbits,
+                pl.sbits, static_cast<int32_t>(pl.segments), records, seg_start);
   } else {
     e = cudaMemsetAsync(seg_start, 0, 4 * (size_t(pl.segments) + 1), stream);  // no records
     if (e != cudaSuccess) return cuda_error(fn, e);
@@ -359,9 +368,9 @@ Status build_work(const char* fn, const Plan& pl, const Plan::Work& w, const Pro
     const int smem = static_cast<int>(sizeof(typename WorkListCta<kThreads, kPer>::Smem));
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return err;
-    kernel<<<1, kThreads, smem, stream>>>(list, cu, nseq, prob.T, prob.opts.block_size, prob.Hkv, ipk,
-                                          pl.m, pl.items, w.chunk, paged, pl.size_bits, w.grid,
-                                          at<int32_t>(ws, w.slot_start), at<int32_t>(ws, w.arrivals), cta);
+    launch_grid(kernel, 1, kThreads, smem, stream, list, cu, nseq, prob.T, prob.opts.block_size, prob.Hkv,
+                ipk, pl.m, pl.items, w.chunk, paged, pl.size_bits, w.grid, at<int32_t>(ws, w.slot_start),
+                at<int32_t>(ws, w.arrivals), cta);
     return cudaGetLastError();
   };
   if (pl.items <= kWorkListItems) {
@@ -371,9 +380,8 @@ Status build_work(const char* fn, const Plan& pl, const Plan::Work& w, const Pro
     if (e != cudaSuccess) return cuda_error(fn, e);
   } else {
     const int blocks = (pl.items + 255) / 256;
-    chunk_kernel<<<blocks, 256, 0, stream>>>(list, cu, nseq, prob.T, prob.opts.block_size, prob.Hkv,
-                                             ipk, pl.m, pl.items, w.chunk, paged, num_chunks,
-                                             num_slots, sizes, at<int32_t>(ws, w.ids));
+    launch_grid(chunk_kernel, blocks, 256, 0, stream, list, cu, nseq, prob.T, prob.opts.block_size, prob.Hkv,
+                ipk, pl.m, pl.items, w.chunk, paged, num_chunks, num_slots, sizes, at<int32_t>(ws, w.ids));
     // The items longest first (a stable sort: ties keep the item order), and the chunk starts in
     // that order (the sizes' buffer is free after the sort).
     size_t bytes = pl.cub_bytes;
@@ -382,7 +390,7 @@ Status build_work(const char* fn, const Plan& pl, const Plan::Work& w, const Pro
                                                   order, pl.items, 0, pl.size_bits, stream);
     if (e != cudaSuccess) return cuda_error(fn, e);
     int32_t* ordered = reinterpret_cast<int32_t*>(sizes);
-    ordered_chunks_kernel<<<blocks, 256, 0, stream>>>(order, num_chunks, pl.items, ordered);
+    launch_grid(ordered_chunks_kernel, blocks, 256, 0, stream, order, num_chunks, pl.items, ordered);
     bytes = pl.cub_bytes;
     e = cub::DeviceScan::ExclusiveSum(at<void>(ws, pl.cub), bytes, ordered,
                                       at<int32_t>(ws, w.chunk_start), pl.items, stream);
@@ -393,8 +401,8 @@ Status build_work(const char* fn, const Plan& pl, const Plan::Work& w, const Pro
     if (e == cudaSuccess) e = cudaMemsetAsync(at<void>(ws, w.arrivals), 0, 4 * size_t(pl.items), stream);
     if (e != cudaSuccess) return cuda_error(fn, e);
     const int cblocks = static_cast<int>(std::min<int64_t>((w.grid + 255) / 256, num_sms() * 16));
-    cta_kernel<<<cblocks, 256, 0, stream>>>(at<int32_t>(ws, w.chunk_start), order, num_chunks,
-                                            pl.items, w.grid, cta);
+    launch_grid(cta_kernel, cblocks, 256, 0, stream, at<int32_t>(ws, w.chunk_start), order, num_chunks,
+                pl.items, w.grid, cta);
   }
   out->cta = cta;
   out->slot_start = at<int32_t>(ws, w.slot_start);

@@ -29,6 +29,7 @@
 
 #include "../device/block_list.cuh"
 #include "../device/epilogue.cuh"
+#include "../device/grid_dependency.cuh"
 #include "../device/kv_producer.cuh"
 #include "../device/load.cuh"
 #include "../device/tile.cuh"
@@ -193,6 +194,7 @@ using DsLoader = std::conditional_t<Traits::kKMajorDs, DsLoaderK<Traits>, DsLoad
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     bwd_dq_kernel(const __grid_constant__ BwdDqParams<Traits> p) {
+  grid_dependency_begin();
   using Element = typename Traits::Element;
   constexpr int kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim, kRows = Traits::kRows;
   constexpr int kDsStages = Traits::kDsStages;

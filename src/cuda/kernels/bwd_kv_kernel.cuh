@@ -53,6 +53,7 @@
 #include <cutlass/gemm/collective/builders/sm90_common.inl>
 
 #include "../device/entry_list.cuh"
+#include "../device/grid_dependency.cuh"
 #include "../device/kv_side_traits.cuh"
 #include "../device/load.cuh"
 #include "../device/mask.cuh"
@@ -184,6 +185,7 @@ struct BwdKVParams : BwdKvArgs {};
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     bwd_kv_kernel(const __grid_constant__ BwdKVParams<Traits> p) {
+  grid_dependency_begin();
   using Element = typename Traits::Element;
   using Bar = cutlass::arch::ClusterBarrier;
   constexpr int kBlockN = Traits::kBlockN, kBlockC = Traits::kBlockC, kHeadDim = Traits::kHeadDim;

@@ -19,6 +19,7 @@
 #include <cutlass/numeric_types.h>
 
 #include "../device/e4m3.cuh"
+#include "../device/grid_dependency.cuh"
 #include "../device/tile.cuh"
 #include "../host/args.h"
 
@@ -30,6 +31,7 @@ __device__ __forceinline__ float fp8_scale(float amax) {
 
 template <class Element, int kDim>
 __global__ void __launch_bounds__(256) fp8_rows_kernel(const __grid_constant__ Fp8CopyArgs a) {
+  grid_dependency_begin();
   constexpr int kPer = kDim / 32;
   using Vec = cutlass::AlignedArray<Element, kPer>;
   const int64_t row = int64_t(blockIdx.x) * 8 + threadIdx.x / 32;
@@ -56,6 +58,7 @@ __global__ void __launch_bounds__(256) fp8_rows_kernel(const __grid_constant__ F
 
 template <class Element, int kDim>
 __global__ void __launch_bounds__(128) fp8_blocks_kernel(const __grid_constant__ Fp8CopyArgs a) {
+  grid_dependency_begin();
   constexpr int kChunks = kDim / 8;  // 8 elements (16 bytes) per load
   using Vec = cutlass::AlignedArray<Element, 8>;
   const QueryTile blk = a.paged.tile_of(a.cu_seqlens, a.nseq, a.T, a.block_size, blockIdx.x);
@@ -125,6 +128,7 @@ __device__ __forceinline__ void e4m3_page_rows(const uint8_t* src, int64_t src_s
 // first row.
 template <class Element, int kDim>
 __global__ void __launch_bounds__(128) e4m3_pages_kernel(const __grid_constant__ Fp8CopyArgs a) {
+  grid_dependency_begin();
   constexpr int kChunks = kDim / 16;  // 16 codes (16 bytes) per load
   if (a.table != nullptr && blockIdx.y == 0 && threadIdx.x == 0) a.table[blockIdx.x] = static_cast<int32_t>(blockIdx.x);
   const QueryTile blk = a.paged.tile_of(a.cu_seqlens, a.nseq, a.T, a.block_size, blockIdx.x);
@@ -145,6 +149,7 @@ __global__ void __launch_bounds__(128) e4m3_pages_kernel(const __grid_constant__
 // page's k and v codes, 16 per step, exactly into Element, and the page's scales.
 template <class Element>
 __global__ void __launch_bounds__(128) e4m3_kv_pages_kernel(const __grid_constant__ E4M3KvCopyArgs a) {
+  grid_dependency_begin();
   const int64_t x = blockIdx.x;
   const int32_t r = blockIdx.y;
   if (r == 0 && threadIdx.x == 0) a.table[x] = static_cast<int32_t>(x);
@@ -170,6 +175,7 @@ __global__ void __launch_bounds__(128) e4m3_kv_pages_kernel(const __grid_constan
 // into q_factor (by the row's first thread).
 template <class Element>
 __global__ void __launch_bounds__(256) e4m3_query_rows_kernel(const __grid_constant__ E4M3KvCopyArgs a) {
+  grid_dependency_begin();
   const int chunks = a.D / 16;
   const int64_t n = int64_t(a.T) * a.Hq * chunks;
   for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x) {

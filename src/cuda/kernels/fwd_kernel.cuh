@@ -22,6 +22,7 @@
 
 #include "../device/block_list.cuh"
 #include "../device/epilogue.cuh"
+#include "../device/grid_dependency.cuh"
 #include "../device/kv_producer.cuh"
 #include "../device/load.cuh"
 #include "../device/mask.cuh"
@@ -84,6 +85,7 @@ struct FwdParams : FwdArgs {
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     fwd_kernel(const __grid_constant__ FwdParams<Traits> p) {
+  grid_dependency_begin();
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
   using Pipeline = typename Traits::Pipeline;

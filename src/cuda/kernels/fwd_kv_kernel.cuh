@@ -38,6 +38,7 @@
 #include <cutlass/gemm/collective/builders/sm90_common.inl>
 
 #include "../device/entry_list.cuh"
+#include "../device/grid_dependency.cuh"
 #include "../device/kv_side_traits.cuh"
 #include "../device/load.cuh"
 #include "../device/pass_choice.cuh"
@@ -102,6 +103,7 @@ struct FwdKvParams : FwdKvArgs {};
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     fwd_kv_kernel(const __grid_constant__ FwdKvParams<Traits> p) {
+  grid_dependency_begin();
   using Element = typename Traits::Element;
   constexpr int kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim, kStages = Traits::kStages;
   constexpr int kRecs = Traits::kRecs;
@@ -397,6 +399,7 @@ __device__ void combine_pair(const FwdKvArgs& p, int64_t g, int lane) {
 // (the reverse index keeps one record per block and token), whose sum is at least 1.
 template <class Element, int kHeadDim>
 __global__ void fwd_combine_kernel(const __grid_constant__ FwdKvArgs p) {
+  grid_dependency_begin();
   constexpr int kLanes = kHeadDim / 8;
   if (p.choice != nullptr && !split_chosen(p.choice)) return;
   const int lane = threadIdx.x % kLanes;
@@ -411,6 +414,7 @@ __global__ void fwd_combine_kernel(const __grid_constant__ FwdKvArgs p) {
 // reads as holding no partial); nothing where kAuto chose the query tiles.
 template <class Element>
 __global__ void fwd_zero_kernel(const __grid_constant__ FwdKvArgs p) {
+  grid_dependency_begin();
   if (p.choice != nullptr && !split_chosen(p.choice)) return;
   const int64_t n = (p.tok_hi - p.tok_lo) * p.Hq * p.top_k / 2;  // float4: two slots
   float4* dst = reinterpret_cast<float4*>(p.part_ml);

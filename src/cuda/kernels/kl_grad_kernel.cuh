@@ -25,6 +25,7 @@
 #include <cutlass/gemm/collective/builders/sm90_common.inl>
 
 #include "../device/entry_list.cuh"
+#include "../device/grid_dependency.cuh"
 #include "../device/kv_side_traits.cuh"
 #include "../device/load.cuh"
 #include "../device/softmax.cuh"
@@ -71,6 +72,7 @@ struct KlGradParams : KlArgs {};
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     kl_grad_kernel(const __grid_constant__ KlGradParams<Traits> p) {
+  grid_dependency_begin();
   using Element = typename Traits::Element;
   constexpr int kBlockN = Traits::kBlockN, kDim = Traits::kDim, kTok = Traits::kTok;
   constexpr int kThreads = Traits::kThreads, kStages = Traits::kStages, kLead = Traits::kLead;

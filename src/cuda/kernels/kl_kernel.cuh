@@ -19,6 +19,7 @@
 #include <cutlass/gemm/collective/builders/sm90_common.inl>
 
 #include "../device/entry_list.cuh"
+#include "../device/grid_dependency.cuh"
 #include "../device/kv_side_traits.cuh"
 #include "../device/load.cuh"
 #include "../device/mask.cuh"
@@ -68,6 +69,7 @@ struct KlParams : KlArgs {};
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     kl_kernel(const __grid_constant__ KlParams<Traits> p) {
+  grid_dependency_begin();
   using Element = typename Traits::Element;
   constexpr int kBlockN = Traits::kBlockN, kBlockC = Traits::kBlockC, kDim = Traits::kDim;
   constexpr int kThreads = Traits::kThreads, kPStride = Traits::kPStride;

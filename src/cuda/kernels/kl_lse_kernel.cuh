@@ -23,6 +23,7 @@
 #include <cutlass/gemm/collective/builders/sm90_common.inl>
 
 #include "../device/entry_list.cuh"
+#include "../device/grid_dependency.cuh"
 #include "../device/load.cuh"
 #include "../device/softmax.cuh"
 #include "../device/utils.cuh"
@@ -66,6 +67,7 @@ struct KlLseParams : KlArgs {};
 
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks) kl_lse_kernel(const __grid_constant__ KlLseParams<Traits> p) {
+  grid_dependency_begin();
   using Element = typename Traits::Element;
   constexpr int kRows = Traits::kRows, kBlockN = Traits::kBlockN, kDim = Traits::kDim;
   constexpr int kThreads = Traits::kThreads, kStages = Traits::kStages, kLead = Traits::kLead;

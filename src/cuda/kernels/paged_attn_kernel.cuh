@@ -34,6 +34,7 @@
 #include <cub/block/block_scan.cuh>
 
 #include "../device/e4m3.cuh"
+#include "../device/grid_dependency.cuh"
 #include "../device/paged.cuh"
 #include "../device/utils.cuh"
 
@@ -614,6 +615,7 @@ __device__ inline void paged_attn_columns(const PagedAttnArgs& a, typename Trait
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kCtasPerSm)
     paged_attn_kernel(const __grid_constant__ PagedAttnArgs a) {
+  grid_dependency_begin();
   using Element = typename Traits::Element;
   constexpr int kHeadDim = Traits::kHeadDim, kBlockN = Traits::kBlockN, kRows = Traits::kRows;
   constexpr int kThreads = Traits::kThreads;
@@ -664,6 +666,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kCtasPerSm)
 // Merges the splits' partial outputs: one warp per (token, head) row, in split order.
 template <class Element, int kHeadDim>
 __global__ void __launch_bounds__(256) paged_combine_kernel(const __grid_constant__ PagedAttnArgs a) {
+  grid_dependency_begin();
   const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (row >= int64_t(a.Tq) * a.Hq) return;

@@ -28,6 +28,7 @@
 #pragma once
 
 #include "../device/e4m3.cuh"
+#include "../device/grid_dependency.cuh"
 #include "../device/paged.cuh"
 #include "../device/utils.cuh"
 
@@ -70,6 +71,7 @@ struct QueryType {  // the element type the scoring loop's MMAs take the queries
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads)
     paged_score_kernel(const __grid_constant__ PagedScoreArgs a) {
+  grid_dependency_begin();
   using Element = typename Traits::Element;
   constexpr int kDim = Traits::kDim, kBlockN = Traits::kBlockN, kRows = Traits::kRows;
   constexpr int kThreads = Traits::kThreads;

@@ -28,6 +28,7 @@
 
 #include <cub/block/block_scan.cuh>
 
+#include "../device/grid_dependency.cuh"
 #include "../device/tile.cuh"
 
 namespace msa::cuda::kern {
@@ -59,6 +60,7 @@ __device__ inline uint32_t order_key(float x) {
 }
 
 __global__ void __launch_bounds__(kTopkThreads) paged_topk_kernel(const __grid_constant__ PagedTopkArgs a) {
+  grid_dependency_begin();
   using Scan = cub::BlockScan<int32_t, kTopkThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
   __shared__ int32_t hist[256];

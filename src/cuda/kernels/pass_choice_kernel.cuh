@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "../device/grid_dependency.cuh"
 #include "../device/pass_choice.cuh"
 #include "../device/tile.cuh"
 #include "../host/args.h"
@@ -29,6 +30,7 @@ constexpr int kChoiceLoads = kChoiceStage / 32;
 // each chunk's loads issued together (one memory latency a chunk, not one per entry).
 __global__ void pass_choice_kernel(const __grid_constant__ FwdArgs p, int32_t bk,
                                    unsigned long long* sums, uint32_t* seen) {
+  grid_dependency_begin();
   extern __shared__ uint32_t counts[];
   __shared__ unsigned long long block_sums[2];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;

@@ -30,6 +30,7 @@
 #include <cute/tensor.hpp>
 #include <cutlass/gemm/collective/builders/sm90_common.inl>
 
+#include "../device/grid_dependency.cuh"
 #include "../device/load.cuh"
 #include "../device/tile.cuh"
 #include "../device/utils.cuh"
@@ -66,6 +67,7 @@ struct RerankTraits {
 // last chunk leave).
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads) rerank_score_kernel(const __grid_constant__ SelectArgs a) {
+  grid_dependency_begin();
   using Element = typename Traits::Element;
   constexpr int kRows = Traits::kRows, kBlockN = Traits::kBlockN, kDim = Traits::kDim;
   const RerankArgs& r = a.rerank;

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "../device/grid_dependency.cuh"
 #include "../host/args.h"
 
 namespace msa::cuda::kern {
@@ -39,6 +40,7 @@ __device__ __forceinline__ void for_each_entry(const SelectArgs& a, F&& f) {
 
 // seg_count[bucket] = the bucket's entries (zeroed before).
 __global__ void __launch_bounds__(256) rerank_count_kernel(const __grid_constant__ SelectArgs a) {
+  grid_dependency_begin();
   for_each_entry(a, [&](int64_t bucket, unsigned same, int32_t) {
     if ((threadIdx.x & 31) == __ffs(same) - 1) atomicAdd(&a.rerank.seg_count[bucket], __popc(same));
   });
@@ -46,6 +48,7 @@ __global__ void __launch_bounds__(256) rerank_count_kernel(const __grid_constant
 
 // Each entry into its segment's list (its bucket's part of it): the bucket's count counted down.
 __global__ void __launch_bounds__(256) rerank_scatter_kernel(const __grid_constant__ SelectArgs a) {
+  grid_dependency_begin();
   const int lane = threadIdx.x & 31;
   for_each_entry(a, [&](int64_t bucket, unsigned same, int32_t entry) {
     const int leader = __ffs(same) - 1, n = __popc(same);
@@ -60,6 +63,7 @@ __global__ void __launch_bounds__(256) rerank_scatter_kernel(const __grid_consta
 // chunk_start[s] = the chunks of segment s (kRerankRows entries each; seg_start scanned), before
 // their scan; 0 at nseg.
 __global__ void __launch_bounds__(256) rerank_chunks_kernel(const __grid_constant__ SelectArgs a) {
+  grid_dependency_begin();
   const RerankArgs& r = a.rerank;
   for (int64_t s = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; s <= r.nseg; s += int64_t(gridDim.x) * blockDim.x)
     r.chunk_start[s] = s < r.nseg ? (r.seg_start[(s + 1) * r.ranges] - r.seg_start[s * r.ranges] + kRerankRows - 1) / kRerankRows : 0;
@@ -68,6 +72,7 @@ __global__ void __launch_bounds__(256) rerank_chunks_kernel(const __grid_constan
 // One thread per (token, index head) row: the free slots from the shortlist, its kept blocks
 // first, the others by the inputs' scores.
 __global__ void __launch_bounds__(256) rerank_pick_kernel(const __grid_constant__ SelectArgs a) {
+  grid_dependency_begin();
   const RerankArgs& r = a.rerank;
   const int32_t Hi = a.Hik * a.idx_per_key;
   const int64_t row = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;

@@ -27,6 +27,7 @@
 #include <cutlass/gemm/collective/builders/sm90_common.inl>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
+#include "../device/grid_dependency.cuh"
 #include "../device/load.cuh"
 #include "../device/tile.cuh"
 #include "../device/utils.cuh"
@@ -89,6 +90,7 @@ struct SelectKernelParams : SelectArgs {
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     select_kernel(const __grid_constant__ SelectKernelParams<Traits> p) {
+  grid_dependency_begin();
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kDim = Traits::kDim;
   using SharedStorage = typename Traits::SharedStorage;
