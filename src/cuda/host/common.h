@@ -100,25 +100,29 @@ inline constexpr bool kProgrammaticLaunch = true;
 inline constexpr bool kProgrammaticLaunch = false;
 #endif
 
-// kernel<<<grid, block, smem, stream>>>(args...), with programmatic dependent launch where
-// kProgrammaticLaunch. Only this library's kernels (each begins with grid_dependency_begin())
-// go through it. Returns the launch's error (also left for cudaGetLastError()).
+// kernel<<<grid, block, smem, stream>>>(args...); with kProgrammaticLaunch, by
+// cudaLaunchKernelEx with programmatic stream serialisation. Only this library's kernels (each
+// begins with grid_dependency_begin()) go through it. Returns the launch's error and leaves it for
+// cudaGetLastError(), which the callers check.
 template <class... Params, class... Args>
 cudaError_t launch_grid(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
                         Args&&... args) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
   if constexpr (kProgrammaticLaunch) {
+    cudaLaunchAttribute attr[1];
     attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
     cfg.attrs = attr;
     cfg.numAttrs = 1;
+    return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+  } else {
+    kernel<<<grid, block, smem, stream>>>(std::forward<Args>(args)...);
+    return cudaPeekAtLastError();
   }
-  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 
 template <class T>
