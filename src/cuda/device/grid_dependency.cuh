@@ -1,5 +1,5 @@
 // Programmatic dependent launch (sm_90), where the library is built with MSA_CUDA_PDL (CMake
-// option MSA_CUDA_PDL, off by default). Then host/common.h's launch_grid() launches every kernel
+// option MSA_CUDA_PDL, on by default). Then host/common.h's launch_grid() launches every kernel
 // with programmatic stream serialisation: a kernel's CTAs may be scheduled while the previous
 // kernel on the stream still runs, and start the moment it completes instead of after the launch
 // gap. Every kernel of this library begins with grid_dependency_begin(): it waits until the

@@ -91,7 +91,7 @@ inline int num_sms() {
 }
 
 // Programmatic dependent launch (device/grid_dependency.cuh) where the library is built with
-// MSA_CUDA_PDL (CMake option, off by default). Every kernel of the library waits for the
+// MSA_CUDA_PDL (CMake option, on by default). Every kernel of the library waits for the
 // previous grid before it touches memory, so either way the results are the stream order's;
 // only the gaps between kernels change.
 #ifdef MSA_CUDA_PDL
