@@ -6,7 +6,15 @@
 // previous grid has completed and its memory is visible (griddepcontrol.wait), so no access
 // moves ahead of the stream's order, then lets the next kernel be scheduled early
 // (griddepcontrol.launch_dependents; that kernel waits in turn). Without the option it is empty.
+//
+// Built with MSA_CUDA_POISON_SMEM (CMake option, off: a debugging build), the call also fills the
+// CTA's dynamic shared memory with 0xff bytes (NaN in every floating-point format the kernels
+// use, -1 as an integer) and waits for the whole CTA: a kernel that reads shared memory it has
+// not written then computes with NaN every time, which the tests' checks of the outputs see,
+// instead of with whatever the SM's last CTA left there.
 #pragma once
+
+#include <cstdint>
 
 namespace msa::cuda {
 
@@ -14,6 +22,15 @@ __device__ __forceinline__ void grid_dependency_begin() {
 #if defined(MSA_CUDA_PDL) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+#if defined(MSA_CUDA_POISON_SMEM) && defined(__CUDA_ARCH__)
+  extern __shared__ __align__(16) uint4 poisoned_smem[];
+  uint32_t bytes;
+  asm volatile("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(bytes));
+  const uint32_t threads = blockDim.x * blockDim.y * blockDim.z;
+  const uint32_t tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+  for (uint32_t i = tid; i < bytes / 16; i += threads) poisoned_smem[i] = make_uint4(~0u, ~0u, ~0u, ~0u);
+  __syncthreads();
 #endif
 }
 
