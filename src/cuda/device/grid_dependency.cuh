@@ -7,11 +7,12 @@
 // moves ahead of the stream's order, then lets the next kernel be scheduled early
 // (griddepcontrol.launch_dependents; that kernel waits in turn). Without the option it is empty.
 //
-// Built with MSA_CUDA_POISON_SMEM (CMake option, off: a debugging build), the call also fills the
-// CTA's dynamic shared memory with 0xff bytes (NaN in every floating-point format the kernels
-// use, -1 as an integer) and waits for the whole CTA: a kernel that reads shared memory it has
-// not written then computes with NaN every time, which the tests' checks of the outputs see,
-// instead of with whatever the SM's last CTA left there.
+// Built with MSA_CUDA_POISON_SMEM = a byte (CMake cache variable, OFF by default: a debugging
+// build), the call also fills the CTA's dynamic shared memory with that byte and waits for the
+// whole CTA: a kernel that reads shared memory it has not written then computes with the same
+// poison every time, which the tests' checks of the outputs see, instead of with whatever the
+// SM's last CTA left there. 0xff (ON) reads as NaN in every floating-point format the kernels
+// use and -1 as an integer; 0x7f as 3.4e38 and 2139062143 (a count or index runs out of range).
 #pragma once
 
 #include <cstdint>
@@ -29,7 +30,8 @@ __device__ __forceinline__ void grid_dependency_begin() {
   asm volatile("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(bytes));
   const uint32_t threads = blockDim.x * blockDim.y * blockDim.z;
   const uint32_t tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
-  for (uint32_t i = tid; i < bytes / 16; i += threads) poisoned_smem[i] = make_uint4(~0u, ~0u, ~0u, ~0u);
+  constexpr uint32_t kWord = (static_cast<uint32_t>(MSA_CUDA_POISON_SMEM) & 0xffu) * 0x01010101u;
+  for (uint32_t i = tid; i < bytes / 16; i += threads) poisoned_smem[i] = make_uint4(kWord, kWord, kWord, kWord);
   __syncthreads();
 #endif
 }
