@@ -32,6 +32,8 @@ __device__ __forceinline__ void grid_dependency_begin() {
   const uint32_t tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
   constexpr uint32_t kWord = (static_cast<uint32_t>(MSA_CUDA_POISON_SMEM) & 0xffu) * 0x01010101u;
   for (uint32_t i = tid; i < bytes / 16; i += threads) poisoned_smem[i] = make_uint4(kWord, kWord, kWord, kWord);
+  for (uint32_t i = bytes / 16 * 16 + tid; i < bytes; i += threads)  // a size not a multiple of 16
+    reinterpret_cast<unsigned char*>(poisoned_smem)[i] = static_cast<unsigned char>(kWord);
   __syncthreads();
 #endif
 }
