@@ -18,6 +18,12 @@
 #   bench      bench/bench_forward.py                  -> bench.log, bench.csv, bench.json
 #   bench_bwd  bench/bench_backward.py (training step)  -> bench_bwd.log, bench_bwd.csv
 #   bench_serving  bench/bench_serving.py (decode, prefill) -> bench_serving.log, .csv, .json
+#   variants   (not by default) each library scripts/build_variants.sh made (VARIANTS_DIR,
+#              default build-variants/lib: base and one per patch set), with the binding of
+#              the build stage: the gtest filter VARIANT_GTEST, then the benchmark command
+#              VARIANT_BENCH (a script of bench/ and its arguments; --out is added), the
+#              variants taken in turn VARIANT_ROUNDS times (the order reversed every other
+#              round)                            -> variants/NAME-*.log, NAME-rK.csv
 #   bench_cp   (not by default; two or more GPUs) bench/bench_cp.py under torchrun over every
 #              visible GPU, NVLink multicast off                    -> bench_cp.log, bench_cp.csv
 # and, where matplotlib is installed, bench/plot_bench.py draws PNGs next to the CSVs.
@@ -35,6 +41,11 @@
 #   BENCH_SERVING_ARGS  arguments of the serving benchmark (default none)
 #   BENCH_CP_ARGS     arguments of the context-parallel benchmark (default --quick; e.g.
 #                     "--call keys --lengths 256K,512K" or "--call keys --fit 1M,1536K,2M")
+#   VARIANTS_DIR, VARIANT_GTEST, VARIANT_BENCH, VARIANT_ROUNDS  the variants stage (above);
+#                     VARIANT_GTEST_ARGS (e.g. --gtest_repeat=3) and VARIANT_SANITIZER (a
+#                     compute-sanitizer tool the gtest runs under, the guards off), e.g.
+#                     STAGES="build variants" VARIANT_GTEST='*SelectBlocks*'
+#                     VARIANT_BENCH="bench/bench_select_fp8.py --lengths 131072 --levels mixed,random"
 #   STAGES            the stages to run (default: build ptxas gtest pytest memcheck racecheck
 #                     bench bench_bwd bench_serving)
 #   GPU_CHECK_BUDGET  seconds for everything (default 560); each stage also has a cap,
@@ -289,6 +300,83 @@ if enabled bench_serving; then
   fi
 fi
 
+# ---- variants: the same tests and benchmark on each library of scripts/build_variants.sh ----
+if enabled variants; then
+  vdir="${VARIANTS_DIR:-build-variants/lib}"
+  vout="$OUT/variants"
+  mkdir -p "$vout"
+  read -r -a variant_bench <<<"${VARIANT_BENCH:-}"
+  variant_names=()
+  for d in "$vdir"/*/; do
+    [ -f "$d/libmsa.so.xz" ] || [ -f "$d/libmsa.so" ] || continue
+    variant_names+=("$(basename "$d")")
+  done
+  if [ "${#variant_names[@]}" -eq 0 ]; then
+    note variants FAILED "no library under $vdir (scripts/build_variants.sh)" 0
+    failures+=("variants $vout/none.log")
+    echo "no variant library under $vdir" >"$vout/none.log"
+  elif [ -n "${VARIANT_SANITIZER:-}" ] && [ -z "$sanitizer" ]; then
+    note variants FAILED "VARIANT_SANITIZER=$VARIANT_SANITIZER: compute-sanitizer not found" 0
+  elif [ -n "${VARIANT_BENCH:-}" ] && [ "$binding_ok" -ne 1 ]; then
+    note variants skipped "no binding built (the build stage)" 0
+    failed=1
+  else
+    # Each variant: its library next to a copy of the staged package.
+    for name in "${variant_names[@]}"; do
+      d="$root/build-gpu-variants/$name"
+      rm -rf "$d"
+      mkdir -p "$d"
+      if [ -f "$vdir/$name/libmsa.so" ]; then
+        cp "$vdir/$name/libmsa.so" "$d/libmsa.so"
+      else
+        xz -dc "$vdir/$name/libmsa.so.xz" >"$d/libmsa.so"
+      fi
+      if [ "$binding_ok" -eq 1 ]; then
+        cp -r "$stage_dir/msa" "$d/msa"
+        for f in "$d"/msa/libmsa.so*; do cp "$d/libmsa.so" "$f"; done
+      fi
+    done
+    rounds="${VARIANT_ROUNDS:-1}"
+    order=("${variant_names[@]}")
+    for ((round = 1; round <= rounds; ++round)); do
+      for name in "${order[@]}"; do
+        d="$root/build-gpu-variants/$name"
+        if [ -n "${VARIANT_GTEST:-}" ] && [ "$round" -eq 1 ]; then
+          log="$vout/$name-gtest.log"
+          : >"$log"
+          tool_cmd=()
+          tool_env=()
+          if [ -n "${VARIANT_SANITIZER:-}" ]; then
+            # Each tensor an allocation of its own, as in the sanitizer stages.
+            tool_cmd=("$sanitizer" --tool "$VARIANT_SANITIZER" --print-limit 20)
+            tool_env=(MSA_TEST_GUARDS=0)
+          fi
+          read -r -a variant_gtest_args <<<"${VARIANT_GTEST_ARGS:-}"
+          run_stage "variants" "$log" "${VARIANT_GTEST_TIMEOUT:-240}" 0 \
+            env LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" "${tool_env[@]}" "${tool_cmd[@]}" \
+            "$build_dir/msa_tests" --gtest_color=no --gtest_filter="$VARIANT_GTEST" "${variant_gtest_args[@]}"
+          found=""
+          [ -n "${VARIANT_SANITIZER:-}" ] && found="; $(grep -m1 -E '(ERROR|RACECHECK) SUMMARY' "$log" | sed 's/.*SUMMARY: //')"
+          note "$name" "$(result_of "$rc")" "gtest${VARIANT_SANITIZER:+ under $VARIANT_SANITIZER}: $(gtest_counts "$log")$found" "$stage_seconds"
+          [ "$rc" -ne 0 ] && failures+=("$name $log")
+        fi
+        if [ -n "${VARIANT_BENCH:-}" ]; then
+          log="$vout/$name-bench-r$round.log"
+          : >"$log"
+          run_stage "variants" "$log" "${VARIANT_BENCH_TIMEOUT:-300}" 0 \
+            env PYTHONPATH="$d" "$PY" "${variant_bench[@]}" --out "$vout/$name-r$round"
+          note "$name" "$(result_of "$rc")" "bench round $round: $VARIANT_BENCH" "$stage_seconds"
+          [ "$rc" -ne 0 ] && failures+=("$name $log")
+        fi
+      done
+      # The next round in the other order, so that no variant always runs first.
+      rev=()
+      for ((i = ${#order[@]} - 1; i >= 0; --i)); do rev+=("${order[$i]}"); done
+      order=("${rev[@]}")
+    done
+  fi
+fi
+
 # ---- bench_cp -----------------------------------------------------------------------------
 if enabled bench_cp; then
   : >"$OUT/bench_cp.log"
@@ -338,5 +426,13 @@ fi
 if enabled bench_serving && [ -s "$OUT/bench_serving.log" ] && grep -q '^## MSA serving' "$OUT/bench_serving.log"; then
   echo
   sed -n '/^## MSA serving/,$p' "$OUT/bench_serving.log"
+fi
+if enabled variants && [ -d "$OUT/variants" ]; then
+  for f in "$OUT"/variants/*-bench-r*.log; do
+    [ -f "$f" ] || continue
+    echo
+    echo "### $(basename "$f" .log)"
+    tail -n "${VARIANT_TAIL:-12}" "$f"
+  done
 fi
 exit "$failed"
