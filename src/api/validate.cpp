@@ -738,6 +738,21 @@ Status paged_values(const Check& c, const PagedCache& cache, const TensorRef& cu
   return Status::Ok();
 }
 
+// The sequences of a training-side call, last: the shapes of cu_seqlens and cu_seqlens_k; then no
+// two of the call's tensors overlap wrongly (the layout is all checked: the values of inputs come
+// last); then the offsets' values and, where given, those of a caller's block_idx.
+Status sequences(Check& c, const TensorRef& cu, const TensorRef& cu_k, const TensorRef* block_idx,
+                 Problem* prob) {
+  MSA_TRY(seqlens_shape(c, cu));
+  MSA_TRY(key_seqlens_shape(c, cu_k, cu, *prob));
+  MSA_TRY(c.no_aliasing());
+  MSA_TRY(seqlens_values(c, cu, prob));
+  std::vector<int64_t> start;
+  MSA_TRY(key_seqlens_values(c, cu_k, prob, &start));
+  if (block_idx != nullptr) MSA_TRY(block_idx_values(c, *block_idx, *prob, &start));
+  return Status::Ok();
+}
+
 }  // namespace
 
 Status validate(const SelectParams& p, Problem* prob) {
@@ -755,11 +770,7 @@ Status validate(const SelectParams& p, Problem* prob) {
   MSA_TRY(out_tensor(c, "block_idx", p.block_idx, DType::kInt32, {prob->T, prob->Hi, prob->k}, "[T, Hi, top_k]"));
   if (p.lse_idx.defined())
     MSA_TRY(out_tensor(c, "lse_idx", p.lse_idx, DType::kFloat32, {prob->T, prob->Hi}, "[T, Hi]"));
-  MSA_TRY(seqlens_shape(c, p.cu_seqlens));
-  MSA_TRY(key_seqlens_shape(c, p.cu_seqlens_k, p.cu_seqlens, *prob));
-  MSA_TRY(c.no_aliasing());
-  MSA_TRY(seqlens_values(c, p.cu_seqlens, prob));
-  return key_seqlens_values(c, p.cu_seqlens_k, prob);
+  return sequences(c, p.cu_seqlens, p.cu_seqlens_k, nullptr, prob);
 }
 
 Status validate(const ForwardParams& p, Problem* prob) {
@@ -788,14 +799,7 @@ Status validate(const ForwardParams& p, Problem* prob) {
   MSA_TRY(out_tensor(c, "out", p.out, prob->dtype, {prob->T, prob->Hq, prob->D}, "[T, Hq, D]"));
   MSA_TRY(out_tensor(c, "lse", p.lse, DType::kFloat32, {prob->T, prob->Hq}, "[T, Hq]"));
   if (p.kl.defined()) MSA_TRY(scalar_out(c, "kl", p.kl));
-  MSA_TRY(seqlens_shape(c, p.cu_seqlens));
-  MSA_TRY(key_seqlens_shape(c, p.cu_seqlens_k, p.cu_seqlens, *prob));
-  MSA_TRY(c.no_aliasing());  // the layout is all checked: the values of inputs come last
-  MSA_TRY(seqlens_values(c, p.cu_seqlens, prob));
-  std::vector<int64_t> start;
-  MSA_TRY(key_seqlens_values(c, p.cu_seqlens_k, prob, &start));
-  if (sparse && !p.select) MSA_TRY(block_idx_values(c, p.block_idx, *prob, &start));
-  return Status::Ok();
+  return sequences(c, p.cu_seqlens, p.cu_seqlens_k, sparse && !p.select ? &p.block_idx : nullptr, prob);
 }
 
 Status validate(const BackwardParams& p, Problem* prob) {
@@ -836,14 +840,7 @@ Status validate(const BackwardParams& p, Problem* prob) {
     MSA_TRY(out_tensor(c, "dk_idx", p.dk_idx, prob->dtype, {Tk, prob->Hik, prob->Di},
                        apart ? "[Tk, Hik, Di]" : "[T, Hik, Di]"));
   if (p.kl_grad.defined()) MSA_TRY(in_tensor(c, "kl_grad", p.kl_grad, DType::kFloat32, {1}, "[1]"));
-  MSA_TRY(seqlens_shape(c, p.cu_seqlens));
-  MSA_TRY(key_seqlens_shape(c, p.cu_seqlens_k, p.cu_seqlens, *prob));
-  MSA_TRY(c.no_aliasing());  // the layout is all checked: the values of inputs come last
-  MSA_TRY(seqlens_values(c, p.cu_seqlens, prob));
-  std::vector<int64_t> start;
-  MSA_TRY(key_seqlens_values(c, p.cu_seqlens_k, prob, &start));
-  if (sparse) MSA_TRY(block_idx_values(c, p.block_idx, *prob, &start));
-  return Status::Ok();
+  return sequences(c, p.cu_seqlens, p.cu_seqlens_k, sparse ? &p.block_idx : nullptr, prob);
 }
 
 Status validate(const KlParams& p, Problem* prob) {
@@ -864,14 +861,7 @@ Status validate(const KlParams& p, Problem* prob) {
   MSA_TRY(scalar_out(c, "kl", p.kl));
   if (p.kl_rows.defined())
     MSA_TRY(out_tensor(c, "kl_rows", p.kl_rows, DType::kFloat32, {prob->T, prob->Hi}, "[T, Hi]"));
-  MSA_TRY(seqlens_shape(c, p.cu_seqlens));
-  MSA_TRY(key_seqlens_shape(c, p.cu_seqlens_k, p.cu_seqlens, *prob));
-  MSA_TRY(c.no_aliasing());  // the layout is all checked: the values of inputs come last
-  MSA_TRY(seqlens_values(c, p.cu_seqlens, prob));
-  std::vector<int64_t> start;
-  MSA_TRY(key_seqlens_values(c, p.cu_seqlens_k, prob, &start));
-  if (sparse) MSA_TRY(block_idx_values(c, p.block_idx, *prob, &start));
-  return Status::Ok();
+  return sequences(c, p.cu_seqlens, p.cu_seqlens_k, sparse ? &p.block_idx : nullptr, prob);
 }
 
 Status validate(const PagedSelectParams& p, Problem* prob) {
