@@ -74,17 +74,14 @@ reset_src() {
   git -C "$src" clean -qfdx
 }
 
-# The build tree, configured once (the CUTLASS headers of this checkout's environment).
+# The build tree, configured once. The worktree has no .venv: CMake asks this checkout's for the
+# CUTLASS headers (Python_EXECUTABLE comes first in its lookup).
 if [ ! -f "$bld/build.ninja" ]; then
   reset_src
   read -r -a cmake_args <<<"${MSA_VARIANT_CMAKE_ARGS:--DMSA_CUDA_FAST_BUILD=ON}"
-  cutlass=()
-  for py in "$root/.venv/bin/python" python3; do
-    dir="$("$py" -c 'import os, cutlass_library; print(os.path.join(os.path.dirname(cutlass_library.__file__), "source"))' 2>/dev/null)" || continue
-    cutlass=(-DMSA_CUTLASS_DIR="$dir")
-    break
-  done
-  cmake -S "$src" -B "$bld" -G Ninja -DMSA_BUILD_TESTS=OFF -DMSA_BUILD_APPS=OFF "${cutlass[@]}" \
+  venv=()
+  [ -x "$root/.venv/bin/python" ] && venv=(-DPython_EXECUTABLE="$root/.venv/bin/python")
+  cmake -S "$src" -B "$bld" -G Ninja -DMSA_BUILD_TESTS=OFF -DMSA_BUILD_APPS=OFF "${venv[@]}" \
     "${cmake_args[@]}" >"$top/configure.log" 2>&1 || { tail -20 "$top/configure.log"; die "configure failed"; }
 fi
 

@@ -308,7 +308,7 @@ if enabled variants; then
   read -r -a variant_bench <<<"${VARIANT_BENCH:-}"
   variant_names=()
   for d in "$vdir"/*/; do
-    [ -f "$d/libmsa.so.xz" ] || [ -f "$d/libmsa.so" ] || continue
+    [ -f "$d/libmsa.so.xz" ] || continue
     variant_names+=("$(basename "$d")")
   done
   if [ "${#variant_names[@]}" -eq 0 ]; then
@@ -326,11 +326,7 @@ if enabled variants; then
       d="$root/build-gpu-variants/$name"
       rm -rf "$d"
       mkdir -p "$d"
-      if [ -f "$vdir/$name/libmsa.so" ]; then
-        cp "$vdir/$name/libmsa.so" "$d/libmsa.so"
-      else
-        xz -dc "$vdir/$name/libmsa.so.xz" >"$d/libmsa.so"
-      fi
+      xz -dc "$vdir/$name/libmsa.so.xz" >"$d/libmsa.so"
       if [ "$binding_ok" -eq 1 ]; then
         cp -r "$stage_dir/msa" "$d/msa"
         for f in "$d"/msa/libmsa.so*; do cp "$d/libmsa.so" "$f"; done
