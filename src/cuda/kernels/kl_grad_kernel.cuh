@@ -254,14 +254,17 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       for (int c = 0; c < kCols; ++c) {
         const int col = get<1>(cSirc(0, c));
         const int j = col >> m_shift, t = col & (m - 1);
+        // The column's last visible key row (-1: no token in the column). Not a token of -1
+        // tested against key_base + row: with the keys apart from the tokens key_base may be
+        // negative, and a column with no token would see keys, its dS made of a stale teacher.
         const bool real = j < n && t < recs[j].count;
-        const int64_t tok = real ? recs[j].tok[t] : -1;
+        const int64_t lim = real ? recs[j].tok[t] - key_base : -1;
         const float lidx = ss.lidx[st][col];
         const float* pi_col = ss.pi[st] + j * kBlockN * m + t;
 #pragma unroll
         for (int a = 0; a < kRows; ++a) {
           const int row = get<0>(cSirc(a, 0));
-          const bool ok = key_base + row <= tok;  // tok < 0: no token
+          const bool ok = row <= lim;
           const float lsig2 = (Si(a, c) * scale_idx - lidx) * static_cast<float>(M_LOG2E);
           Si(a, c) = ok ? fast_exp2(lsig2) - pi_col[row * m] : 0.f;
         }
