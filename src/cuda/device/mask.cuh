@@ -48,6 +48,14 @@ __device__ __forceinline__ bool entry_selects(const EntryRecord& en, int32_t t) 
   return t < en.count;
 }
 
+// The last key row of the block that token slot t of an entry sees (key_base: the packed index
+// of the token at the block's first key, PagedKeys::token_base); -1 where the slot holds no
+// token. A column's mask is row <= this: a slot without a token sees no key even where key_base
+// is negative (keys apart from the tokens), where a token of -1 would have seen some.
+__device__ __forceinline__ int64_t entry_last_row(const EntryRecord& en, int32_t t, int64_t key_base) {
+  return entry_selects(en, t) ? en.tok[t] - key_base : -1;
+}
+
 // ... and key `key` of the block is in its support: not in the token's future (`key`: the packed
 // index of the token at the key's position, PagedKeys::token_base + the key's row in the block).
 __device__ __forceinline__ bool entry_sees(const EntryRecord& en, int32_t t, int64_t key) {

@@ -666,7 +666,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         // kRecs = 2: column col is column col % 32 of record col / 32
         const EntryRecord& er = recs[kRecs == 1 ? 0 : col / (kBlockC / 2)];
         const int32_t t = col_token(kRecs == 1 ? col : col % (kBlockC / 2));
-        const int32_t lim = entry_selects(er, t) ? static_cast<int32_t>(er.tok[t] - key_base) : -1;
+        const int32_t lim = static_cast<int32_t>(entry_last_row(er, t, key_base));
         const float lse2 = ss.lse[st][col] * static_cast<float>(M_LOG2E);
         const float delta = ss.delta[st][col];
 #pragma unroll

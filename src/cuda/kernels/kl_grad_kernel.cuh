@@ -28,6 +28,7 @@
 #include "../device/grid_dependency.cuh"
 #include "../device/kv_side_traits.cuh"
 #include "../device/load.cuh"
+#include "../device/mask.cuh"
 #include "../device/softmax.cuh"
 #include "../device/utils.cuh"
 #include "../host/args.h"
@@ -254,11 +255,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       for (int c = 0; c < kCols; ++c) {
         const int col = get<1>(cSirc(0, c));
         const int j = col >> m_shift, t = col & (m - 1);
-        // The column's last visible key row (-1: no token in the column). Not a token of -1
-        // tested against key_base + row: with the keys apart from the tokens key_base may be
-        // negative, and a column with no token would see keys, its dS made of a stale teacher.
-        const bool real = j < n && t < recs[j].count;
-        const int64_t lim = real ? recs[j].tok[t] - key_base : -1;
+        // The column's last visible key row, -1 without a token (past the step's records too:
+        // a stale teacher slot must not reach dS).
+        const int64_t lim = j < n ? entry_last_row(recs[j], t, key_base) : -1;
         const float lidx = ss.lidx[st][col];
         const float* pi_col = ss.pi[st] + j * kBlockN * m + t;
 #pragma unroll
