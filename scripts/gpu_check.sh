@@ -9,12 +9,17 @@
 #   build      the Python binding for this machine's python3, staged in build-gpu-py/
 #              (scripts/build_binding.sh)                                        -> build.log
 #   ptxas      scripts/check_ptxas.sh on the carried build's build.log            -> ptxas.log
-#   gtest      build/msa_tests (the C++ suite, its CUDA tests included)          -> gtest.log
+#   gtest      build/msa_tests (the C++ suite, its CUDA tests included), GTEST_SHARDS shards
+#              side by side (scripts/gtest_shards.sh)                             -> gtest.log
 #   pytest     tests/python against the staged package                          -> pytest.log
 #   memcheck   compute-sanitizer --tool memcheck on a few small CUDA tests      -> memcheck.log
 #   racecheck  compute-sanitizer --tool racecheck on the same tests             -> racecheck.log
 #              (both with MSA_TEST_GUARDS=0: each test tensor its own allocation, whose exact
 #              bounds the tool checks; the gtest stage's tensors sit between guard bytes instead)
+#   poison     the CUDA tests (POISON_FILTER, default Cuda*:*/*Cuda*) on the library of
+#              MSA_POISON_BUILD_DIR (default build-poison; skipped where it has no libmsa.so),
+#              built with -DMSA_CUDA_POISON_SMEM=0xff: every CTA's shared memory starts as NaN
+#              words and -1 integers, so that a read of a word never written shows  -> poison.log
 #   bench      bench/bench_forward.py                  -> bench.log, bench.csv, bench.json
 #   bench_bwd  bench/bench_backward.py (training step)  -> bench_bwd.log, bench_bwd.csv
 #   bench_serving  bench/bench_serving.py (decode, prefill) -> bench_serving.log, .csv, .json
@@ -46,8 +51,12 @@
 #                     compute-sanitizer tool the gtest runs under, the guards off), e.g.
 #                     STAGES="build variants" VARIANT_GTEST='*SelectBlocks*'
 #                     VARIANT_BENCH="bench/bench_select_fp8.py --lengths 131072 --levels mixed,random"
+#   GTEST_SHARDS      shards of the gtest and poison stages run side by side (default 4)
+#   MSA_POISON_BUILD_DIR  the poison build folder (default build-poison: its libmsa.so alone,
+#                     e.g. cmake -S . -B build-poison -G Ninja -DMSA_CUDA_FAST_BUILD=ON
+#                     -DMSA_CUDA_POISON_SMEM=0xff && cmake --build build-poison --target msa)
 #   STAGES            the stages to run (default: build ptxas gtest pytest memcheck racecheck
-#                     bench bench_bwd bench_serving)
+#                     poison bench bench_bwd bench_serving)
 #   GPU_CHECK_BUDGET  seconds for everything (default 560); each stage also has a cap,
 #                     e.g. PYTEST_TIMEOUT=300 (BUILD_, GTEST_, MEMCHECK_, RACECHECK_, BENCH_)
 set -uo pipefail
@@ -67,7 +76,8 @@ if [[ "$PY" == */* ]]; then
 fi
 build_dir="${MSA_BUILD_DIR:-build}"
 stage_dir="$root/build-gpu-py"
-stages="${STAGES:-build ptxas gtest pytest memcheck racecheck bench bench_bwd bench_serving}"
+stages="${STAGES:-build ptxas gtest pytest memcheck racecheck poison bench bench_bwd bench_serving}"
+gtest_shards="${GTEST_SHARDS:-4}"
 bench_args_text="${BENCH_ARGS---with-1m}"
 read -r -a bench_args <<<"$bench_args_text"
 read -r -a gtest_args <<<"${GTEST_ARGS:-}"
@@ -87,10 +97,23 @@ summary=()
 
 enabled() { [[ " $stages " == *" $1 "* ]]; }
 
-# Seconds a stage may take: its cap, within what the budget leaves after `reserve` seconds kept
-# for the stages after it.
+# The stages in the order they run; a stage's reserve (below) is kept only where a stage after it
+# is enabled, so that a call of one stage may use the whole budget.
+stage_order=(build ptxas gtest pytest memcheck racecheck poison bench bench_bwd bench_serving variants bench_cp)
+later_enabled() {  # name -> status 0 when a stage after it is enabled
+  local seen=0 s
+  for s in "${stage_order[@]}"; do
+    if ((seen)) && enabled "$s"; then return 0; fi
+    [ "$s" = "$1" ] && seen=1
+  done
+  return 1
+}
+
+# Seconds stage `name` may take: its cap, within what the budget leaves after `reserve` seconds
+# kept for the stages after it.
 stage_limit() {
-  local cap=$1 reserve=$2
+  local name=$1 cap=$2 reserve=$3
+  later_enabled "$name" || reserve=0
   local left=$((budget - (SECONDS - start) - reserve))
   if ((left < cap)); then echo "$left"; else echo "$cap"; fi
 }
@@ -105,7 +128,7 @@ run_stage() {
   local name=$1 log=$2 cap=$3 reserve=$4
   shift 4
   local limit
-  limit="$(stage_limit "$cap" "$reserve")"
+  limit="$(stage_limit "$name" "$cap" "$reserve")"
   if ((limit < 10)); then
     echo "no time left in the budget of ${budget}s" >>"$log"
     rc=200
@@ -189,8 +212,9 @@ if enabled gtest; then
   if [ ! -x "$build_dir/msa_tests" ]; then
     note gtest FAILED "no $build_dir/msa_tests" 0
   else
-    run_stage gtest "$OUT/gtest.log" "${GTEST_TIMEOUT:-180}" 210 \
-      env LD_LIBRARY_PATH="$test_lib_path" "$build_dir/msa_tests" --gtest_color=no "${gtest_args[@]}"
+    run_stage gtest "$OUT/gtest.log" "${GTEST_TIMEOUT:-240}" 210 \
+      env LD_LIBRARY_PATH="$test_lib_path" scripts/gtest_shards.sh "$gtest_shards" \
+      "$build_dir/msa_tests" --gtest_color=no "${gtest_args[@]}"
     note gtest "$(result_of "$rc")" "$(gtest_counts "$OUT/gtest.log")" "$stage_seconds"
     [ "$rc" -ne 0 ] && failures+=("gtest $OUT/gtest.log")
   fi
@@ -255,6 +279,27 @@ for tool in memcheck racecheck; do
   note "$tool" "$res" "${found:-?}; tests: $counts" "$stage_seconds"
   [ "$res" != ok ] && failures+=("$tool $log")
 done
+
+# ---- poison: the CUDA suites on a build whose kernels fill their shared memory first ---------
+# Every CTA writes MSA_CUDA_POISON_SMEM's byte over its shared memory before it starts (0xff:
+# NaN floats, -1 integers), so that a kernel which reads a word it never wrote gets a value that
+# shows in its results instead of a stale one that happens to be harmless.
+if enabled poison; then
+  : >"$OUT/poison.log"
+  poison_dir="${MSA_POISON_BUILD_DIR:-build-poison}"
+  if [ ! -f "$poison_dir/libmsa.so" ]; then
+    note poison skipped "no $poison_dir/libmsa.so (a -DMSA_CUDA_POISON_SMEM=0xff build)" 0
+  elif [ ! -x "$build_dir/msa_tests" ]; then
+    note poison FAILED "no $build_dir/msa_tests" 0
+  else
+    poison_lib="$(cd "$poison_dir" && pwd)"
+    run_stage poison "$OUT/poison.log" "${POISON_TIMEOUT:-240}" 0 \
+      env LD_LIBRARY_PATH="$poison_lib:$test_lib_path" scripts/gtest_shards.sh "$gtest_shards" \
+      "$build_dir/msa_tests" --gtest_color=no --gtest_filter="${POISON_FILTER:-Cuda*:*/*Cuda*}"
+    note poison "$(result_of "$rc")" "$(gtest_counts "$OUT/poison.log")" "$stage_seconds"
+    [ "$rc" -ne 0 ] && failures+=("poison $OUT/poison.log")
+  fi
+fi
 
 # ---- bench --------------------------------------------------------------------------------
 if enabled bench; then

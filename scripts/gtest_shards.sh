@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Runs a GoogleTest binary as N shards side by side and reports them as one run:
+#
+#   scripts/gtest_shards.sh N BINARY [ARGS...]
+#
+# Shard i runs with GTEST_TOTAL_SHARDS=N and GTEST_SHARD_INDEX=i, so that each test runs in
+# exactly one shard, and with MSA_CPU_THREADS = cores / N (unless set) for the CPU references
+# the CUDA tests compare with: those references, not the GPU, take most of a CUDA suite's time.
+# The shards' outputs follow one another on stdout, then a summary in GoogleTest's own words
+# ("[  PASSED  ] N tests." and so on, summed over the shards) that scripts/gpu_check.sh counts.
+# The exit status is the first non-zero status of a shard, or 0. Killed (SIGTERM, e.g. by
+# `timeout`), it prints what the shards wrote so far and exits with 124.
+set -uo pipefail
+die() { echo "gtest_shards: $*" >&2; exit 2; }
+(($# >= 2)) || die "usage: scripts/gtest_shards.sh N BINARY [ARGS...]"
+n=$1
+shift
+[[ "$n" =~ ^[1-9][0-9]*$ ]] || die "N must be a positive integer, got '$n'"
+cores="$(nproc 2>/dev/null || echo 1)"
+threads=$((cores / n))
+((threads < 1)) && threads=1
+tmp="$(mktemp -d)"
+pids=()
+
+report() {  # prints every shard's output and the summed summary
+  local i p f s tp=0 tf=0 ts=0
+  for ((i = 0; i < n; ++i)); do
+    echo "[----------] shard $i of $n"
+    cat "$tmp/$i.log" 2>/dev/null
+    p="$(sed -n 's/^\[  PASSED  \] \([0-9]*\) test.*/\1/p' "$tmp/$i.log" 2>/dev/null | tail -1)"
+    f="$(sed -n 's/^\[  FAILED  \] \([0-9]*\) test.*/\1/p' "$tmp/$i.log" 2>/dev/null | tail -1)"
+    s="$(sed -n 's/^\[  SKIPPED \] \([0-9]*\) test.*/\1/p' "$tmp/$i.log" 2>/dev/null | tail -1)"
+    tp=$((tp + ${p:-0}))
+    tf=$((tf + ${f:-0}))
+    ts=$((ts + ${s:-0}))
+  done
+  echo "[==========] $n shards"
+  echo "[  PASSED  ] $tp tests."
+  ((ts > 0)) && echo "[  SKIPPED ] $ts tests."
+  if ((tf > 0)); then
+    echo "[  FAILED  ] $tf tests, listed below:"
+    grep -h '^\[  FAILED  \] .*, where\|^\[  FAILED  \] [^0-9].* ([0-9]* ms)$' "$tmp"/*.log | sed 's/ ([0-9]* ms)$//' | sort -u
+  fi
+}
+
+on_term() {
+  kill "${pids[@]}" 2>/dev/null
+  wait 2>/dev/null
+  report
+  echo "gtest_shards: stopped before every shard finished" >&2
+  rm -rf "$tmp"
+  exit 124
+}
+trap on_term TERM INT
+
+for ((i = 0; i < n; ++i)); do
+  GTEST_TOTAL_SHARDS=$n GTEST_SHARD_INDEX=$i MSA_CPU_THREADS="${MSA_CPU_THREADS:-$threads}" \
+    "$@" >"$tmp/$i.log" 2>&1 &
+  pids+=($!)
+done
+rc=0
+for pid in "${pids[@]}"; do
+  wait "$pid"
+  r=$?
+  ((rc == 0 && r != 0)) && rc=$r
+done
+report
+rm -rf "$tmp"
+exit "$rc"
