@@ -54,8 +54,14 @@ struct SelectTraits {
   // registers. The copies' scale (fp8_copy_kernel.cuh: 16 / amax) keeps every sum of
   // Di <= 128 products inside fp16's range.
   using Acc = std::conditional_t<kFp8, cutlass::half_t, float>;
-  using MmaQK = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, Acc, TileQK>(),
-                                        Layout<Shape<_2, _1, _1>>{}));
+  // FP8: the queries are the MMA's register operand (RS), copied from shared memory once per
+  // tile, so that each wgmma reads only the key block from shared memory (4 of its 6 KB); the
+  // candidate lists share that bandwidth. bf16 keeps them in shared memory (SS): its fp32
+  // accumulator leaves no room for 64 more registers a thread.
+  static constexpr bool kQInRegisters = kFp8;
+  using MmaAtomQK = std::conditional_t<kQInRegisters, decltype(GMMA::rs_op_selector<Element, Element, Acc, TileQK>()),
+                                       decltype(GMMA::ss_op_selector<Element, Element, Acc, TileQK>())>;
+  using MmaQK = decltype(make_tiled_mma(MmaAtomQK{}, Layout<Shape<_2, _1, _1>>{}));
   using SmemAtomQ = decltype(cutlass::gemm::collective::detail::ss_smem_selector<
                              GMMA::Major::K, Element, Int<kBlockM>, Int<kDim>>());
   using SmemLayoutQ = decltype(tile_to_shape(SmemAtomQ{}, Shape<Int<kBlockM>, Int<kDim>>{}));
@@ -161,7 +167,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   typename Traits::MmaQK mma;
   auto thr = mma.get_thread_slice(tidx);
-  Tensor tSrQ = thr.partition_fragment_A(sQ);
+  Tensor tSrQ = thr.partition_fragment_A(sQ);  // descriptors (SS) or the queries' registers (RS)
+  if constexpr (Traits::kQInRegisters) copy(thr.partition_A(sQ), tSrQ);
   Tensor tSrK = thr.partition_fragment_B(sK);
   Tensor tSrS = partition_fragment_C(mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
   Tensor S = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
@@ -273,7 +280,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       const float factor = k_factor != nullptr && b < key_blocks ? k_factor[int64_t(b) * kBlockN * p.Hik] : 1.f;
       __syncwarp();  // the list update diverges; wgmma needs the warp converged
       pipe.consumer_wait(state);
-      wg_gemm<true>(mma, tSrQ, tSrK(_, _, _, state.index()), tSrS);
+      wg_gemm<true, Traits::kQInRegisters>(mma, tSrQ, tSrK(_, _, _, state.index()), tSrS);
       warpgroup_wait<0>();
       pipe.consumer_release(state);
       ++state;
@@ -289,14 +296,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     float factor = key_blocks > 0 ? k_factor[0] : 1.f;
     typename Pipeline::PipelineState done = state;  // the stage of the block taken next
     pipe.consumer_wait(state);
-    wg_gemm<true>(mma, tSrQ, tSrK(_, _, _, state.index()), tSrS);
+    wg_gemm<true, Traits::kQInRegisters>(mma, tSrQ, tSrK(_, _, _, state.index()), tSrS);
     ++state;
     // Block b + 1's GEMM into acc_next, then block b's maxima from S_cur (the other one).
     auto step = [&](auto& acc_next, auto& S_cur, int32_t b) {
       const float factor_next = k_factor[int64_t(b + 1) * kBlockN * p.Hik];
       __syncwarp();
       pipe.consumer_wait(state);
-      wg_gemm<true>(mma, tSrQ, tSrK(_, _, _, state.index()), acc_next);
+      wg_gemm<true, Traits::kQInRegisters>(mma, tSrQ, tSrK(_, _, _, state.index()), acc_next);
       ++state;
       warpgroup_wait<1>();
       pipe.consumer_release(done);
