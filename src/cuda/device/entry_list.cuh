@@ -206,6 +206,31 @@ __device__ inline bool kv_chunk(const Params& p, WorkItem* it, QueryTile* tile, 
   return true;
 }
 
+// A KV-side CTA's chunk (kv_chunk's item, tile, list and entries [begin, end)) and where its
+// block's keys are: key_row, the row of the block's first key in the key tensors (K, V, k_idx),
+// and key_base, the packed index of the token at that key's position (a token u sees key j of
+// the block where u - key_base >= j): both the block's first token when the keys are the
+// tokens; for a prefill's pages or keys apart, the block's page row or key row and seq_start +
+// first - pos0 (pos0: the position of the sequence's first token; PagedKeys).
+struct KvChunk {
+  WorkItem it;
+  QueryTile tile;
+  EntryList list;
+  int64_t begin, end;  // set by find
+  int64_t key_row, key_base;
+
+  // False: nothing to do (kv_chunk); with kEntries also where the chunk has no entry (a kernel
+  // that writes nothing for a block no token selected).
+  template <int kBlockN, bool kPasses = false, bool kEntries = false, class Params>
+  __device__ bool find(const Params& p) {
+    if (!kv_chunk<kBlockN, kPasses>(p, &it, &tile, &list, &begin, &end)) return false;
+    if (kEntries && begin >= end) return false;
+    key_row = p.paged.first_row(tile, kBlockN);
+    key_base = p.paged.token_base(tile);
+    return true;
+  }
+};
+
 // A chunk's records [begin, end) taken R a step (kl_lse_kernel.cuh; kl_grad_kernel.cuh walks its
 // steps the same way with lambdas of its own: written with this struct it spilled 156 instead of
 // 116 bytes and ran 1.43 against 1.28 ms at 16K tokens, flash-msa's heads): step s holds

@@ -198,17 +198,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   SharedStorage& ss = *reinterpret_cast<SharedStorage*>(smem_raw);
 
   __shared__ int32_t last_chunk;
-  WorkItem it;
-  QueryTile tile;
-  EntryList list;
-  int64_t e_begin, e_end;
-  if (!kv_chunk<kBlockN, Traits::kTeacher>(p, &it, &tile, &list, &e_begin, &e_end)) return;
-  const int32_t r = it.r;
-  // The block's first key: its row in the key tensors, and the packed index of the token at its
-  // position (a token u sees key j of the block where u - key_base >= j): both the block's first
-  // token when the keys are the tokens (PagedKeys).
-  const int64_t key_row = p.paged.first_row(tile, kBlockN);
-  const int64_t key_base = p.paged.token_base(tile);
+  KvChunk work;
+  if (!work.find<kBlockN, Traits::kTeacher>(p)) return;
+  const QueryTile& tile = work.tile;
+  const EntryList& list = work.list;
+  const int64_t e_begin = work.begin, e_end = work.end, key_row = work.key_row, key_base = work.key_base;
+  const int32_t r = work.it.r;
   const int tid = threadIdx.x;
   const int32_t Gi = p.heads_per_idx, m = p.group_tokens, ipk = p.idx_per_kv;
 
@@ -834,7 +829,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     *reinterpret_cast<cutlass::Array<Element, 2>*>(as<Element>(p.dk) + (key_row + row) * p.dk_s0 + r * p.dk_s1 + col) = a;
     *reinterpret_cast<cutlass::Array<Element, 2>*>(as<Element>(p.dv) + (key_row + row) * p.dv_s0 + r * p.dv_s1 + col) = b;
   };
-  if (it.chunks == 1) {
+  if (work.it.chunks == 1) {
 #pragma unroll
     for (int i = 0; i < size<0>(dK); ++i) {
       const int row = get<0>(cKVrc(i, 0));
@@ -849,8 +844,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // A split item: this chunk's partial sums to its slot; the last chunk to arrive adds the slots
   // in chunk order.
   constexpr int kSlot = 2 * kBlockN * kHeadDim;
-  float* slots = p.work.partials + int64_t(p.work.slot_start[it.item]) * kSlot;
-  float* mine = slots + int64_t(it.c) * kSlot;
+  float* slots = p.work.partials + int64_t(p.work.slot_start[work.it.item]) * kSlot;
+  float* mine = slots + int64_t(work.it.c) * kSlot;
 #pragma unroll
   for (int i = 0; i < size<0>(dK); ++i) {
     const int row = get<0>(cKVrc(i, 0));
@@ -864,13 +859,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   }
   __threadfence();
   sync_consumers();
-  if (tid == 0) last_chunk = atomicAdd(p.work.arrivals + it.item, 1) == it.chunks - 1;
+  if (tid == 0) last_chunk = atomicAdd(p.work.arrivals + work.it.item, 1) == work.it.chunks - 1;
   sync_consumers();
   if (!last_chunk) return;
   __threadfence();
   for (int e = tid * 2; e < tile.count * kHeadDim; e += kConsumerThreads * 2) {
     float2 sk = make_float2(0.f, 0.f), sv = make_float2(0.f, 0.f);
-    for (int c = 0; c < it.chunks; ++c) {
+    for (int c = 0; c < work.it.chunks; ++c) {
       const float2 a = __ldcg(reinterpret_cast<const float2*>(slots + int64_t(c) * kSlot + e));
       const float2 b = __ldcg(reinterpret_cast<const float2*>(slots + int64_t(c) * kSlot + kBlockN * kHeadDim + e));
       sk.x += a.x;

@@ -113,25 +113,18 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   SharedStorage& ss = *reinterpret_cast<SharedStorage*>(smem_raw);
 
   if (p.choice != nullptr && !split_chosen(p.choice)) return;  // kAuto chose the plain query tiles
-  WorkItem it;
-  QueryTile tile;
-  EntryList list;
-  int64_t e_begin, e_end;
-  if (!kv_chunk<kBlockN>(p, &it, &tile, &list, &e_begin, &e_end)) return;
-  if (e_begin >= e_end) return;  // no token of this pass selected the block
-  const int32_t r = it.r;
-  // The block's first key: its row in K and V, and the packed index of the token at its position
-  // (a token t sees key j of the block where t - key_base >= j). Packed keys: both the block's
-  // first token. A prefill's paged keys or keys apart: the block's page row or key row, and
-  // seq_start + first - pos0 (pos0: the position of the sequence's first token).
-  const int64_t key_row = p.paged.first_row(tile, kBlockN);
-  const int64_t key_base = p.paged.token_base(tile);
+  KvChunk work;
+  if (!work.find<kBlockN, false, true>(p)) return;  // also where no token of this pass selected the block
+  const QueryTile& tile = work.tile;
+  const EntryList& list = work.list;
+  const int64_t e_begin = work.begin, e_end = work.end, key_row = work.key_row, key_base = work.key_base;
+  const int32_t r = work.it.r;
   const int tid = threadIdx.x, wg = tid / 128, lt = tid % 128;
   const int32_t Gi = p.heads_per_idx, ipk = p.idx_per_kv;
   // The scores' factor (log2 units), and the values' scale of an E4M3 cache's block.
   float s_factor = p.scale_log2, v_factor = 1.f;
   if constexpr (Traits::kScaledKV) {
-    const float2 f = p.kv_scale[it.x * p.Hkv + r];
+    const float2 f = p.kv_scale[work.it.x * p.Hkv + r];
     s_factor *= f.x;
     v_factor = f.y;
   }

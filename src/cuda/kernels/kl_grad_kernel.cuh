@@ -83,17 +83,12 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   extern __shared__ __align__(1024) char smem_raw[];
   SharedStorage& ss = *reinterpret_cast<SharedStorage*>(smem_raw);
 
-  WorkItem it;
-  QueryTile tile;
-  EntryList list;
-  int64_t e_begin, e_end;
-  if (!kv_chunk<kBlockN, true>(p, &it, &tile, &list, &e_begin, &e_end)) return;
-  const int32_t r = it.r;
-  // The block's first key: its row in the key tensors, and the packed index of the token at its
-  // position (a token u sees key j of the block where u - key_base >= j): both the block's first
-  // token when the keys are the tokens (PagedKeys).
-  const int64_t key_row = p.paged.first_row(tile, kBlockN);
-  const int64_t key_base = p.paged.token_base(tile);
+  KvChunk work;
+  if (!work.find<kBlockN, true>(p)) return;
+  const QueryTile& tile = work.tile;
+  const EntryList& list = work.list;
+  const int64_t e_begin = work.begin, e_end = work.end, key_row = work.key_row, key_base = work.key_base;
+  const int32_t r = work.it.r;
   const int tid = threadIdx.x;
   const int32_t m = p.group_tokens, R = p.step_records, ipk = p.idx_per_kv;
   const int m_shift = __ffs(m) - 1;  // m is a power of two (kTeacher: Gi is)

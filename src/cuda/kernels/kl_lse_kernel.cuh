@@ -77,19 +77,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks) kl_lse_k
   extern __shared__ __align__(1024) char smem_raw[];
   SharedStorage& ss = *reinterpret_cast<SharedStorage*>(smem_raw);
 
-  WorkItem it;
-  QueryTile tile;
-  EntryList list;
-  int64_t e_begin, e_end;
-  if (!kv_chunk<kBlockN>(p, &it, &tile, &list, &e_begin, &e_end)) return;
-  // The block's first key: its row in the key tensors, and the packed index of the token at its
-  // position (a token u sees key j of the block where u - key_base >= j): both the block's first
-  // token when the keys are the tokens (PagedKeys).
-  const int64_t key_row = p.paged.first_row(tile, kBlockN);
-  const int64_t key_base = p.paged.token_base(tile);
+  KvChunk work;
+  if (!work.find<kBlockN>(p)) return;
+  const QueryTile& tile = work.tile;
+  const int64_t key_row = work.key_row, key_base = work.key_base;
   const int tid = threadIdx.x;
-  const RecordSteps<kRing, Traits::kMaxRecords> steps(p.list, list, e_begin, e_end, p.step_records, p.group_tokens,
-                                                      it.r, p.idx_per_kv);
+  const RecordSteps<kRing, Traits::kMaxRecords> steps(p.list, work.list, work.begin, work.end, p.step_records, p.group_tokens,
+                                                      work.it.r, p.idx_per_kv);
   const Element* q_idx = as<Element>(p.q_idx);
 
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQ{});
