@@ -51,7 +51,8 @@
 #                     compute-sanitizer tool the gtest runs under, the guards off), e.g.
 #                     STAGES="build variants" VARIANT_GTEST='*SelectBlocks*'
 #                     VARIANT_BENCH="bench/bench_select_fp8.py --lengths 131072 --levels mixed,random"
-#   GTEST_SHARDS      shards of the gtest and poison stages run side by side (default 4)
+#   GTEST_SHARDS      shards of the gtest and poison stages and of VARIANT_GTEST run side by
+#                     side (default 4; VARIANT_GTEST under a sanitizer runs as one process)
 #   MSA_POISON_BUILD_DIR  the poison build folder (default build-poison: its libmsa.so alone,
 #                     e.g. cmake -S . -B build-poison -G Ninja -DMSA_CUDA_FAST_BUILD=ON
 #                     -DMSA_CUDA_POISON_SMEM=0xff && cmake --build build-poison --target msa)
@@ -393,8 +394,11 @@ if enabled variants; then
             tool_env=(MSA_TEST_GUARDS=0)
           fi
           read -r -a variant_gtest_args <<<"${VARIANT_GTEST_ARGS:-}"
+          # Shards side by side, as the gtest stage (one process under a sanitizer).
+          shard_cmd=(scripts/gtest_shards.sh "$gtest_shards")
+          [ -n "${VARIANT_SANITIZER:-}" ] && shard_cmd=()
           run_stage "variants" "$log" "${VARIANT_GTEST_TIMEOUT:-240}" 0 \
-            env LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" "${tool_env[@]}" "${tool_cmd[@]}" \
+            env LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" "${tool_env[@]}" "${shard_cmd[@]}" "${tool_cmd[@]}" \
             "$build_dir/msa_tests" --gtest_color=no --gtest_filter="$VARIANT_GTEST" "${variant_gtest_args[@]}"
           found=""
           [ -n "${VARIANT_SANITIZER:-}" ] && found="; $(grep -m1 -E '(ERROR|RACECHECK) SUMMARY' "$log" | sed 's/.*SUMMARY: //')"
