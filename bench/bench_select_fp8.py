@@ -16,7 +16,9 @@ times, on the level's index inputs:
   beyond which its time is scaled from the largest measured length by the FLOP ratio and
   labelled "scaled";
 * with ``--profile``, each selection's kernels (torch.profiler, one call after a warm-up),
-  longest first, to the log and the CSV (``profile_<name>``: "kernel ms; ...");
+  longest first, to the log and the CSV (``profile_<name>``: "kernel ms; ...", and their sum
+  ``profile_sum_<name>_ms``, which the timed median exceeds by the launch gaps and the flushed
+  L2's misses);
 * once per run, the FP8 and bf16 GEMM rates of torch (``torch._scaled_mm`` and ``torch.mm`` on
   8192^3), the tensor-core anchors of this GPU in the same run.
 
@@ -157,8 +159,13 @@ def main(argv=None):
                         import bench_backward as bb
                         kern = bb.profile_kernels(select(scores, m))
                         row[f"profile_{name}"] = "; ".join(f"{kn} {kms:.3f}" for kn, kms in kern)
+                        # What the kernels of one profiled call (L2 not flushed) add up to, beside
+                        # the timed median: the rest is launch gaps or the flushed L2's misses.
+                        row[f"profile_sum_{name}_ms"] = sum(kms for _, kms in kern)
                         for kn, kms in kern[:8]:
                             bf.log(f"    {kms:8.3f} ms  {kn}")
+                        bf.log(f"    {row[f'profile_sum_{name}_ms']:8.3f} ms  all {len(kern)} kernels "
+                               f"(timed: {ms:.3f} ms)")
                     bf.log(f"{cfg} T={L} {level} {name}: select {ms:.2f} ms ({row[f'select_{name}_tflops']:.0f} "
                            f"TF/s), recall {row.get(f'recall_{name}', 1.0):.4f} "
                            f"(non-forced {row.get(f'recall_free_{name}', 1.0):.4f})")
