@@ -22,14 +22,21 @@ threads=$((cores / n))
 tmp="$(mktemp -d)"
 pids=()
 
+status=()  # each shard's exit status, once it has ended
+
 report() {  # prints every shard's output and the summed summary
-  local i p f s tp=0 tf=0 ts=0
+  local i p f s tp=0 tf=0 ts=0 broken=()
   for ((i = 0; i < n; ++i)); do
     echo "[----------] shard $i of $n"
     cat "$tmp/$i.log" 2>/dev/null
     p="$(sed -n 's/^\[  PASSED  \] \([0-9]*\) test.*/\1/p' "$tmp/$i.log" 2>/dev/null | tail -1)"
     f="$(sed -n 's/^\[  FAILED  \] \([0-9]*\) test.*/\1/p' "$tmp/$i.log" 2>/dev/null | tail -1)"
     s="$(sed -n 's/^\[  SKIPPED \] \([0-9]*\) test.*/\1/p' "$tmp/$i.log" 2>/dev/null | tail -1)"
+    # A shard that failed without naming a failed test (a crash, an abort) counts as one.
+    if [ -z "$f" ] && [ "${status[$i]:-0}" -ne 0 ]; then
+      f=1
+      broken+=("shard $i of $n: exited with status ${status[$i]} before its summary")
+    fi
     tp=$((tp + ${p:-0}))
     tf=$((tf + ${f:-0}))
     ts=$((ts + ${s:-0}))
@@ -40,6 +47,7 @@ report() {  # prints every shard's output and the summed summary
   if ((tf > 0)); then
     echo "[  FAILED  ] $tf tests, listed below:"
     grep -h '^\[  FAILED  \] .*, where\|^\[  FAILED  \] [^0-9].* ([0-9]* ms)$' "$tmp"/*.log | sed 's/ ([0-9]* ms)$//' | sort -u
+    for b in "${broken[@]}"; do echo "[  FAILED  ] $b"; done
   fi
 }
 
@@ -59,10 +67,10 @@ for ((i = 0; i < n; ++i)); do
   pids+=($!)
 done
 rc=0
-for pid in "${pids[@]}"; do
-  wait "$pid"
-  r=$?
-  ((rc == 0 && r != 0)) && rc=$r
+for i in "${!pids[@]}"; do
+  wait "${pids[$i]}"
+  status[i]=$?
+  ((rc == 0 && status[i] != 0)) && rc=${status[i]}
 done
 report
 rm -rf "$tmp"
