@@ -160,12 +160,15 @@ struct E4M3KvCopyArgs : SeqArgs {
 // ascending ids, -1 after) in `cand` and the row's place in block_idx in `rows`; the re-ranking
 // lists the entries of each (KV tile, index key head) segment, in buckets of one range of
 // 2^range_shift tokens each (bucket = seg * ranges + range: `seg_count`, `seg_start`,
-// `entries`), scores them by the inputs (`score`, one CTA per chunk of kRerankRows entries of a
-// segment: `chunk_start`), and picks the slots.
+// `entries`), scores them by the inputs (`score`, one CTA per chunk of kRerankChunk entries of
+// a segment, kRerankRows at a time over the block's keys loaded once: `chunk_start`), and picks
+// the slots.
 // With Options.fp8_rerank_slots = a in (0, free slots) the select kernel marks the best (free
 // slots - a) of a row's shortlist by FP8 score as kept (kRerankKept set in `cand`): the list
 // kernels leave them out and the pick takes them first.
 constexpr int kRerankRows = 128;
+constexpr int kRerankTiles = 4;
+constexpr int kRerankChunk = kRerankRows * kRerankTiles;
 constexpr int32_t kRerankKept = 1 << 30;
 struct RerankArgs {
   int32_t m = 0;      // 0: no re-ranking

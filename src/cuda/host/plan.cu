@@ -387,7 +387,7 @@ void set_select_fp8(const Problem& prob, void* ws, SelectArgs* a) {
     r.ranges = l.ranges;
     r.range_shift = l.range_shift;
     // Chunks: at most one partial chunk per segment beyond the full ones.
-    r.grid = (int64_t(prob.T) * prob.Hi * r.width + kRerankRows - 1) / kRerankRows + l.nseg;
+    r.grid = (int64_t(prob.T) * prob.Hi * r.width + kRerankChunk - 1) / kRerankChunk + l.nseg;
   }
   a->fp8 = true;
   a->q_idx = c.q8;

@@ -60,13 +60,13 @@ __global__ void __launch_bounds__(256) rerank_scatter_kernel(const __grid_consta
   });
 }
 
-// chunk_start[s] = the chunks of segment s (kRerankRows entries each; seg_start scanned), before
+// chunk_start[s] = the chunks of segment s (kRerankChunk entries each; seg_start scanned), before
 // their scan; 0 at nseg.
 __global__ void __launch_bounds__(256) rerank_chunks_kernel(const __grid_constant__ SelectArgs a) {
   grid_dependency_begin();
   const RerankArgs& r = a.rerank;
   for (int64_t s = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; s <= r.nseg; s += int64_t(gridDim.x) * blockDim.x)
-    r.chunk_start[s] = s < r.nseg ? (r.seg_start[(s + 1) * r.ranges] - r.seg_start[s * r.ranges] + kRerankRows - 1) / kRerankRows : 0;
+    r.chunk_start[s] = s < r.nseg ? (r.seg_start[(s + 1) * r.ranges] - r.seg_start[s * r.ranges] + kRerankChunk - 1) / kRerankChunk : 0;
 }
 
 // One thread per (token, index head) row: the free slots from the shortlist, its kept blocks
