@@ -8,9 +8,13 @@
 One sequence of --length tokens; the index inputs and selections of ``selection_patterns``
 (sink 1, local 4 forced). Prints, per (level, pass), the overlap and union of the selection,
 the wall time of the call (CUDA events, L2 flushed, median of --reps) and the kernels' device times.
+With --out PREFIX the rows also go to PREFIX.csv, each with a digest of the output's bytes
+(``out_digest``), so that runs of two builds show whether a change left the result bit for bit.
 """
 
 import argparse
+import csv
+import hashlib
 import os
 import sys
 
@@ -20,6 +24,20 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import selection_patterns as sp  # noqa: E402
 from bench_backward import Timer, profile_kernels  # noqa: E402
 from bench_forward import HEADS  # noqa: E402
+
+
+def digest(t: torch.Tensor) -> str:
+    """A digest of a 16-bit tensor's bits, taken on its device in chunks (the output of a long
+    sequence is GBs): per chunk the sum of its words and their sum weighted by a hash of the
+    position, both in wrapping int64 arithmetic, then SHA-1 over those sums."""
+    h = hashlib.sha1()
+    words = t.contiguous().view(-1).view(torch.int16)
+    for chunk in words.split(1 << 26):
+        c = chunk.to(torch.int64)
+        pos = torch.arange(c.numel(), device=c.device, dtype=torch.int64)
+        w = (pos * 2654435761) % (1 << 31) + 1
+        h.update(f"{c.sum().item()},{(c * w).sum().item()};".encode())
+    return h.hexdigest()[:16]
 
 
 def main(argv=None) -> int:
@@ -33,6 +51,7 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="write PREFIX.csv")
     args = ap.parse_args(argv)
     import msa
 
@@ -45,6 +64,7 @@ def main(argv=None) -> int:
     r = lambda *s: torch.randn(*s, device=dev, dtype=torch.bfloat16, generator=gen)  # noqa: E731
     q, kk, v = r(T, h["Hq"], D), r(T, h["Hkv"], D), r(T, h["Hkv"], D)
     cu = torch.tensor([0, T], device=dev, dtype=torch.int32)
+    rows = []
     for name in sp.level_names(args.levels):
         _, _, bi, st = sp.make_level(name, cu, h["Hi"], h["Hik"], D, Bk, k, device=dev, generator=gen)
         outs = {}
@@ -52,11 +72,17 @@ def main(argv=None) -> int:
             fn = lambda: msa.sparse_attention(q, kk, v, None, None, block_idx=bi, block_size=Bk,  # noqa: E731
                                               cu_seqlens=cu, kl_value=False, fwd_pass=fp)
             ms = timer.ms(fn, reps=args.reps)
-            outs[fp] = fn()[0].float()
+            out = fn()[0]
+            outs[fp] = out.float()
+            sha = digest(out)
             print(f"{args.config} T={T} {name} (overlap {st['overlap']:.2f} / union {st['union']:.2f}) "
                   f"{fp}: {ms:.2f} ms")
-            for kname, kms in profile_kernels(fn)[:8]:
+            kernels = profile_kernels(fn)[:8]
+            for kname, kms in kernels:
                 print(f"    {kms:9.3f} ms  {kname}")
+            rows.append(dict(config=args.config, T=T, level=name, overlap=st["overlap"], union=st["union"],
+                             fwd_pass=fp, ms=ms, out_digest=sha,
+                             kernels="; ".join(f"{kn} {km:.3f}" for kn, km in kernels)))
         if "query_tile" in outs:
             for other in ("kv_block", "split"):
                 if other in outs:
@@ -66,6 +92,11 @@ def main(argv=None) -> int:
             ran = [fp for fp in ("query_tile", "split") if fp in outs and torch.equal(outs[fp], outs["auto"])]
             print(f"    auto ran: {', '.join(ran) or '?'}")
         sys.stdout.flush()
+    if args.out:
+        with open(args.out + ".csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
+            w.writeheader()
+            w.writerows(rows)
     return 0
 
 
