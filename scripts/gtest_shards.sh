@@ -3,9 +3,13 @@
 #
 #   scripts/gtest_shards.sh N BINARY [ARGS...]
 #
-# Shard i runs with GTEST_TOTAL_SHARDS=N and GTEST_SHARD_INDEX=i, so that each test runs in
-# exactly one shard, and with MSA_CPU_THREADS = cores / N (unless set) for the CPU references
-# the CUDA tests compare with: those references, not the GPU, take most of a CUDA suite's time.
+# Each test runs in exactly one shard. The shards are planned by scripts/gtest_plan.py from the
+# tests' earlier durations (scripts/gtest-times.txt, or GTEST_TIMES), longest first onto the
+# least loaded shard, and each runs its list as a --gtest_filter in place of the caller's (which
+# chose the tests); without python3, or where listing the tests fails, shard i runs with
+# GTEST_TOTAL_SHARDS=N and GTEST_SHARD_INDEX=i instead. Every shard runs with MSA_CPU_THREADS =
+# cores / N (unless set) for the CPU references the CUDA tests compare with: those references,
+# not the GPU, take most of a CUDA suite's time.
 # The shards' outputs follow one another on stdout, then a summary in GoogleTest's own words
 # ("[  PASSED  ] N tests." and so on, summed over the shards) that scripts/gpu_check.sh counts.
 # The exit status is the first non-zero status of a shard, or 0. Killed (SIGTERM, e.g. by
@@ -61,11 +65,31 @@ on_term() {
 }
 trap on_term TERM INT
 
-for ((i = 0; i < n; ++i)); do
-  GTEST_TOTAL_SHARDS=$n GTEST_SHARD_INDEX=$i MSA_CPU_THREADS="${MSA_CPU_THREADS:-$threads}" \
-    "$@" >"$tmp/$i.log" 2>&1 &
-  pids+=($!)
-done
+# The planned shards: the caller's arguments less its --gtest_filter, plus each shard's list.
+here="$(cd "$(dirname "$0")" && pwd)"
+times=("${GTEST_TIMES:-$here/gtest-times.txt}")
+[ -f "${times[0]}" ] || times=()
+plan=()
+if command -v python3 >/dev/null 2>&1 && "$@" --gtest_list_tests >"$tmp/list.txt" 2>/dev/null &&
+  mapfile -t plan < <(python3 "$here/gtest_plan.py" "$n" "${times[@]}" <"$tmp/list.txt") && ((${#plan[@]} == n)); then
+  args=()
+  for a in "${@:2}"; do [[ "$a" == --gtest_filter=* ]] || args+=("$a"); done
+  for ((i = 0; i < n; ++i)); do
+    if [ -z "${plan[$i]}" ]; then  # more shards than tests
+      echo "[  PASSED  ] 0 tests." >"$tmp/$i.log"
+      continue
+    fi
+    MSA_CPU_THREADS="${MSA_CPU_THREADS:-$threads}" \
+      "$1" "${args[@]}" --gtest_filter="${plan[$i]}" >"$tmp/$i.log" 2>&1 &
+    pids[i]=$!
+  done
+else
+  for ((i = 0; i < n; ++i)); do
+    GTEST_TOTAL_SHARDS=$n GTEST_SHARD_INDEX=$i MSA_CPU_THREADS="${MSA_CPU_THREADS:-$threads}" \
+      "$@" >"$tmp/$i.log" 2>&1 &
+    pids[i]=$!
+  done
+fi
 rc=0
 for i in "${!pids[@]}"; do
   wait "${pids[$i]}"
