@@ -52,7 +52,9 @@
 #                     STAGES="build variants" VARIANT_GTEST='*SelectBlocks*'
 #                     VARIANT_BENCH="bench/bench_select_fp8.py --lengths 131072 --levels mixed,random"
 #   GTEST_SHARDS      shards of the gtest and poison stages and of VARIANT_GTEST run side by
-#                     side (default 4; VARIANT_GTEST under a sanitizer runs as one process)
+#                     side (default: half the cores, two CPU threads a shard; shards are
+#                     planned from scripts/gtest-times.txt; VARIANT_GTEST under a sanitizer
+#                     runs as one process)
 #   MSA_POISON_BUILD_DIR  the poison build folder (default build-poison: its libmsa.so alone,
 #                     e.g. cmake -S . -B build-poison -G Ninja -DMSA_CUDA_FAST_BUILD=ON
 #                     -DMSA_CUDA_POISON_SMEM=0xff && cmake --build build-poison --target msa)
@@ -78,7 +80,8 @@ fi
 build_dir="${MSA_BUILD_DIR:-build}"
 stage_dir="$root/build-gpu-py"
 stages="${STAGES:-build ptxas gtest pytest memcheck racecheck poison bench bench_bwd bench_serving}"
-gtest_shards="${GTEST_SHARDS:-4}"
+cores="$(nproc 2>/dev/null || echo 2)"
+gtest_shards="${GTEST_SHARDS:-$((cores >= 4 ? cores / 2 : 1))}"  # two CPU threads a shard
 bench_args_text="${BENCH_ARGS---with-1m}"
 read -r -a bench_args <<<"$bench_args_text"
 read -r -a gtest_args <<<"${GTEST_ARGS:-}"
