@@ -137,10 +137,8 @@ __global__ void __launch_bounds__(Traits::kThreads) rerank_score_kernel(const __
       __syncthreads();
       set_rows(t + 1);
       __syncthreads();
-    }
-    if (t + 1 < tiles) {
       gather(t + 1);
-      cp_async_wait<1>();
+      cp_async_wait<1>();  // tile t's rows are in
     } else {
       cp_async_wait_all();
     }
