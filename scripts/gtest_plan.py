@@ -62,7 +62,7 @@ def plan(names: List[str], n: int, times: Dict[str, float]) -> List[List[str]]:
     known = [times[t] for t in names if t in times]
     default = statistics.median(known) if known else 1.0
     cost = {t: times.get(t, default) for t in names}
-    order = sorted(names, key=lambda t: (-cost[t], names.index(t)))
+    order = sorted(names, key=lambda t: -cost[t])  # stable: ties keep the listing's order
     shards: List[List[str]] = [[] for _ in range(n)]
     load = [0.0] * n
     for t in order:
