@@ -17,8 +17,8 @@ times, on the level's index inputs:
   labelled "scaled";
 * with ``--profile``, each selection's kernels (torch.profiler, one call after a warm-up),
   longest first, to the log and the CSV (``profile_<name>``: "kernel ms; ...", and their sum
-  ``profile_sum_<name>_ms``, which the timed median exceeds by the launch gaps and the flushed
-  L2's misses);
+  ``profile_sum_<name>_ms`` beside the timed median: launch gaps and the flushed L2's misses
+  add to the median, and one profiled call can also run longer than the median);
 * once per run, the FP8 and bf16 GEMM rates of torch (``torch._scaled_mm`` and ``torch.mm`` on
   8192^3), the tensor-core anchors of this GPU in the same run.
 
@@ -160,7 +160,7 @@ def main(argv=None):
                         kern = bb.profile_kernels(select(scores, m))
                         row[f"profile_{name}"] = "; ".join(f"{kn} {kms:.3f}" for kn, kms in kern)
                         # What the kernels of one profiled call (L2 not flushed) add up to, beside
-                        # the timed median: the rest is launch gaps or the flushed L2's misses.
+                        # the timed median.
                         row[f"profile_sum_{name}_ms"] = sum(kms for _, kms in kern)
                         for kn, kms in kern[:8]:
                             bf.log(f"    {kms:8.3f} ms  {kn}")
