@@ -62,7 +62,8 @@ struct FwdParams : FwdArgs {
 // Warp roles: the first warpgroup produces (warp 0: the block list, then TMA of K and V; the
 // other three warps leave); warpgroups 1 and 2 consume 64 rows each.
 // Pipelines: pipe_k, pipe_v (kStages each), producer -> consumers (QueryTileStream); in the
-// split's epilogue, kMergeStages cp.async stages of partial rows per warpgroup.
+// split's epilogue, kMergeStages cp.async stages of partial rows per warpgroup (each row's s-th
+// partial in stage s).
 // Work: one tile (blockIdx.x over the tile ids [tile_lo, tile_lo + num_tiles), late tiles first)
 // of one head group (blockIdx.y), for its tokens in the pass [tok_lo, tok_hi).
 // Scaled keys (a prefill over an E4M3 cache): each block's scores times its k scale (and each
@@ -294,17 +295,26 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   if (p.split.part_o != nullptr && (p.choice == nullptr || split_chosen(p.choice))) {
     // The split: each row's own (max, sum, O) merged with the partials the KV-block
     // pass wrote for the row's other blocks (slots with a positive sum, in column order). The
-    // partial rows come in through shared memory (the K and V stages, free once every consumer
-    // is done with them): per slot, this warpgroup's 64 rows by 16-byte cp.async, kMergeStages
-    // slots in flight.
+    // partial rows come in through shared memory (Q, K and V, free once every consumer is done
+    // with them), by 16-byte cp.async, kMergeStages stages a warpgroup: stage s holds each
+    // row's s-th partial (its s-th slot with a sum), so that every stage is full but for the
+    // rows with fewer partials, and a warpgroup walks as many stages as its row with the most
+    // partials has. A row still merges its slots in column order.
     constexpr int kRowElems = kHeadDim + 8;  // rows 16 bytes apart in the banks
     constexpr int kStageElems = 64 * kRowElems;
-    constexpr int kMergeStages = cute::min(3, int(cosize_v<typename Traits::SmemLayoutKV>) / kStageElems);
-    static_assert(kMergeStages >= 1);
+    using SmemLayoutQ = typename Traits::SmemLayoutQ;
+    using SmemLayoutKV = typename Traits::SmemLayoutKV;
+    // Q, K and V follow each other with no gap (each a multiple of its 1024-byte alignment).
+    static_assert(cosize_v<SmemLayoutQ> * sizeof(Element) % 1024 == 0 &&
+                  cosize_v<SmemLayoutKV> * sizeof(Element) % 1024 == 0);
+    constexpr int kValidElems = 1024 / sizeof(Element);  // the rows' slot masks: 128 words
+    constexpr int kRegionElems = cosize_v<SmemLayoutQ> + 2 * cosize_v<SmemLayoutKV> - kValidElems;
+    constexpr int kMergeStages = cute::min(4, kRegionElems / 2 / kStageElems);
+    static_assert(kMergeStages >= 2);
     constexpr int kChunks = kHeadDim / 8, kLoadRows = 128 / kChunks, kLoads = 64 / kLoadRows;
     const int lt = tidx % 128;
-    Element* stages = wg == 0 ? ss.k.data() : ss.v.data();
-    uint32_t* row_valid = reinterpret_cast<uint32_t*>(ss.q.data()) + 64 * wg;  // Q, once read no more
+    uint32_t* row_valid = reinterpret_cast<uint32_t*>(ss.q.data()) + 64 * wg;
+    Element* stages = ss.q.data() + kValidElems + wg * kMergeStages * kStageElems;
     const float2* ml[kRows];
     float mx[kRows], sum[kRows], own_m[kRows];
     uint32_t valid[kRows];
@@ -363,48 +373,56 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     for (int r = 0; r < kRows; ++r)
       if ((tidx & 3) == 0) row_valid[get<0>(cOrc(r, 0)) - 64 * wg] = valid[r];
     cutlass::arch::NamedBarrier::sync(128, wg_bar);
-    // The slots any row of the warpgroup has a partial in, walked in order: stage s holds the
-    // s-th of them (mod kMergeStages).
-    uint32_t slots = 0u;
+    // The stages: as many as the warpgroup's row with the most partials has. Each loading
+    // thread keeps its rows' slots still to load; each consumer thread its rows' still to merge.
+    int num_stages = 0;
 #pragma unroll 8
-    for (int i = 0; i < 64; ++i) slots |= row_valid[i];
-    uint32_t to_issue = slots;
+    for (int i = 0; i < 64; ++i) num_stages = max(num_stages, __popc(row_valid[i]));
+    uint32_t to_load[kLoads];
+#pragma unroll
+    for (int i = 0; i < kLoads; ++i) to_load[i] = row_valid[lt / kChunks + kLoadRows * i];
     int issued = 0;
     auto issue = [&]() {
-      if (to_issue != 0u) {
-        const int j = __ffs(to_issue) - 1;
-        to_issue &= to_issue - 1u;
+      if (issued < num_stages) {
         Element* dst = stages + (issued % kMergeStages) * kStageElems + (lt / kChunks) * kRowElems +
                        (lt % kChunks) * 8;
 #pragma unroll
-        for (int i = 0; i < kLoads; ++i)
-          if ((row_valid[lt / kChunks + kLoadRows * i] >> j) & 1u)
+        for (int i = 0; i < kLoads; ++i) {
+          if (to_load[i] != 0u) {
+            const int j = __ffs(to_load[i]) - 1;
+            to_load[i] &= to_load[i] - 1u;
             cp_async16(dst + kLoadRows * i * kRowElems, src[i] + j * kHeadDim, true);
+          }
+        }
       }
       ++issued;
-      cp_async_commit();  // empty past the last slot: the count of groups in flight stays fixed
+      cp_async_commit();  // empty past the last stage: the count of groups in flight stays fixed
     };
 #pragma unroll
     for (int s = 0; s < kMergeStages - 1; ++s) issue();
-    // The rows' (max, sum) of slot j (-1: none), requested a slot ahead of their use.
-    auto slot_ml = [&](int j, float2 (&v)[kRows]) {
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) v[r] = j >= 0 && ((valid[r] >> j) & 1u) ? ml[r][j] : make_float2(0.f, 0.f);
-    };
+    // Each row's (max, sum) of its next slot to merge, requested a stage ahead of its use.
+    uint32_t to_merge[kRows];
     float2 v_cur[kRows];
-    slot_ml(slots != 0u ? __ffs(slots) - 1 : -1, v_cur);
-    for (int s = 0; slots != 0u; ++s) {
-      const int j = __ffs(slots) - 1;
-      slots &= slots - 1u;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      to_merge[r] = valid[r];
+      v_cur[r] = valid[r] != 0u ? ml[r][__ffs(valid[r]) - 1] : make_float2(0.f, 0.f);
+    }
+    for (int s = 0; s < num_stages; ++s) {
       float2 v_next[kRows];
-      slot_ml(slots != 0u ? __ffs(slots) - 1 : -1, v_next);
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const uint32_t rest = to_merge[r] & (to_merge[r] - 1u);  // after this stage's slot
+        v_next[r] = rest != 0u ? ml[r][__ffs(rest) - 1] : make_float2(0.f, 0.f);
+      }
       issue();
       cp_async_wait<kMergeStages - 1>();
       cutlass::arch::NamedBarrier::sync(128, wg_bar);
       const Element* stage = stages + (s % kMergeStages) * kStageElems;
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
-        if (!((valid[r] >> j) & 1u)) continue;
+        if (to_merge[r] == 0u) continue;
+        to_merge[r] &= to_merge[r] - 1u;
         const float2 v = v_cur[r];
         const float wj = fast_exp2(v.x - mx[r]);
         sum[r] += wj * v.y;
