@@ -89,8 +89,11 @@ def main(argv=None) -> int:
                     a, b = outs["query_tile"], outs[other]
                     print(f"    rel L2 diff query_tile / {other}: {((a - b).norm() / b.norm()).item():.2e}")
         if "auto" in outs:  # which pass kAuto ran: its out is that pass's, bit for bit
+            # (A split with no partials to merge can give the query tiles' out too, so where only
+            # one of the two ran, equal outputs do not tell them apart.)
             ran = [fp for fp in ("query_tile", "split") if fp in outs and torch.equal(outs[fp], outs["auto"])]
-            print(f"    auto ran: {', '.join(ran) or '?'}")
+            print(f"    auto's out equals: {', '.join(ran) or 'neither'}"
+                  + ("" if "query_tile" in outs and "split" in outs else " (run both passes to tell them apart)"))
         sys.stdout.flush()
     if args.out:
         with open(args.out + ".csv", "w", newline="") as f:
