@@ -6,7 +6,10 @@
     python bench/kernel_split.py --config flash-msa --length 32768 --passes kv_block,split,auto
 
 One sequence of --length tokens; the index inputs and selections of ``selection_patterns``
-(sink 1, local 4 forced). Prints, per (level, pass), the overlap and union of the selection,
+(sink 1, local 4 forced). Prints, per level, how the split divides the selection
+(``selection_patterns.split_work``: the tiles' unions, the blocks they keep, the pairs left to the
+KV-block pass and those pairs' bytes against the HBM copy bandwidth measured in the run), and per
+(level, pass) the overlap and union of the selection,
 the wall time of the call (CUDA events, L2 flushed, median of --reps) and the kernels' device times.
 With --out PREFIX the rows also go to PREFIX.csv, each with a digest of the output's bytes
 (``out_digest``), so that runs of two builds show whether a change left the result bit for bit.
@@ -40,6 +43,15 @@ def digest(t: torch.Tensor) -> str:
     return h.hexdigest()[:16]
 
 
+def hbm_bandwidth(timer, dev) -> float:
+    """Bytes per second of a 4 GiB device copy (read + write)."""
+    x = torch.empty(1 << 31, dtype=torch.int16, device=dev)
+    y = torch.empty_like(x)
+    ms = timer.ms(lambda: y.copy_(x), reps=5)
+    del x, y
+    return 2 * (1 << 32) / (ms * 1e-3)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", choices=sorted(HEADS), default="paper")
@@ -51,6 +63,8 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kv-cost", type=float, default=2.1,
+                    help="the split's cost constant kKvCost (device/pass_choice.cuh) for its counts")
     ap.add_argument("--out", default=None, help="write PREFIX.csv")
     args = ap.parse_args(argv)
     import msa
@@ -64,9 +78,25 @@ def main(argv=None) -> int:
     r = lambda *s: torch.randn(*s, device=dev, dtype=torch.bfloat16, generator=gen)  # noqa: E731
     q, kk, v = r(T, h["Hq"], D), r(T, h["Hkv"], D), r(T, h["Hkv"], D)
     cu = torch.tensor([0, T], device=dev, dtype=torch.int32)
+    # The split's division of each selection (query tiles of 128 rows: 128 / Gi tokens), and the
+    # bytes of the KV-block pass's pairs: per pair its Gi query rows gathered, their partial O
+    # written and read back by the tiles' merge, their (max, sum) written and read.
+    gi = h["Hq"] // h["Hi"]
+    tile_tokens = max(1, 128 // gi)
+    share_min = -(-tile_tokens * 10 // round(args.kv_cost * 10))
+    pair_bytes = gi * (3 * D * 2 + 2 * 8)
+    bw = hbm_bandwidth(timer, dev)
+    print(f"HBM copy bandwidth {bw / 1e12:.2f} TB/s; split: tiles of {tile_tokens} tokens keep the blocks "
+          f"at least {share_min} of them selected; a KV-block pair moves {pair_bytes} bytes")
     rows = []
     for name in sp.level_names(args.levels):
         _, _, bi, st = sp.make_level(name, cu, h["Hi"], h["Hik"], D, Bk, k, device=dev, generator=gen)
+        sw = sp.split_work(bi, cu, tile_tokens, share_min)
+        kv_gb = sw["kv_pairs"] * pair_bytes / 1e9
+        print(f"{name}: per tile and index head {sw['union_blocks'] / sw['tiles']:.1f} blocks in the union, "
+              f"{sw['kept_blocks'] / sw['tiles']:.1f} kept; KV-block pairs {sw['kv_pairs']} "
+              f"({sw['kv_pairs'] / max(1, sw['pairs']):.1%} of the selected), {kv_gb:.1f} GB "
+              f"= {kv_gb * 1e9 / bw * 1e3:.2f} ms at the copy bandwidth")
         outs = {}
         for fp in [x.strip() for x in args.passes.split(",") if x.strip()]:
             fn = lambda: msa.sparse_attention(q, kk, v, None, None, block_idx=bi, block_size=Bk,  # noqa: E731
@@ -81,7 +111,9 @@ def main(argv=None) -> int:
             for kname, kms in kernels:
                 print(f"    {kms:9.3f} ms  {kname}")
             rows.append(dict(config=args.config, T=T, level=name, overlap=st["overlap"], union=st["union"],
-                             fwd_pass=fp, ms=ms, out_digest=sha,
+                             fwd_pass=fp, ms=ms, out_digest=sha, pairs=sw["pairs"],
+                             union_blocks=sw["union_blocks"], kept_blocks=sw["kept_blocks"],
+                             kv_pairs=sw["kv_pairs"], kv_pair_bytes=pair_bytes, hbm_bytes_per_s=bw,
                              kernels="; ".join(f"{kn} {km:.3f}" for kn, km in kernels)))
         if "query_tile" in outs:
             for other in ("kv_block", "split"):

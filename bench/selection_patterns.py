@@ -153,6 +153,45 @@ def selection_stats(block_idx: torch.Tensor, cu_seqlens=None, k: Optional[int] =
         pairs=pairs, windows=W, overlap_count=ov_count, union_count=un_count)
 
 
+def split_work(block_idx: torch.Tensor, cu_seqlens=None, tile_tokens: int = 8,
+               share_min: int = 4) -> Dict:
+    """How the split forward (``fwd_pass="split"``) divides a selection, counted exactly: the
+    query tiles are ``tile_tokens`` consecutive tokens of a sequence (from its first token), and
+    a tile keeps, per index head, the blocks of its tokens' union that at least ``share_min`` of
+    them selected (a repeated id counts once in its row, negative ids are padding); the
+    KV-block pass computes every other selected (token, block) pair.
+
+    Returns dict(pairs, union_blocks, kept_blocks, kept_pairs, kv_pairs, tiles): ``pairs`` the
+    selected (token, index head, block) triples; ``union_blocks`` the (tile, index head, block)
+    triples of the tiles' unions (the query-tile pass's work, in blocks of a whole tile each),
+    ``kept_blocks`` those the split keeps and ``kept_pairs`` the selected pairs inside them;
+    ``kv_pairs`` = pairs - kept_pairs; ``tiles`` the (tile, index head) pairs."""
+    if block_idx.dim() != 3:
+        raise ValueError("block_idx must be [T, Hi, k]")
+    if tile_tokens <= 0 or share_min <= 0:
+        raise ValueError("tile_tokens and share_min must be positive")
+    T, Hi, _ = block_idx.shape
+    dev = block_idx.device
+    cu = _cu(cu_seqlens, T, dev)
+    n = cu[1:] - cu[:-1]
+    ntile = (n + tile_tokens - 1) // tile_tokens
+    first_tile = torch.cumsum(ntile, 0) - ntile
+    seq = torch.repeat_interleave(torch.arange(n.numel(), device=dev), n)
+    tile = first_tile[seq] + (torch.arange(T, device=dev) - cu[seq]) // tile_tokens  # [T]
+    v = torch.where(block_idx >= 0, block_idx.to(torch.int64), torch.full_like(block_idx, -1, dtype=torch.int64))
+    v = v.sort(-1).values
+    ok = v >= 0
+    ok[..., 1:] &= v[..., 1:] != v[..., :-1]
+    nb = int(v.max()) + 1 if v.numel() else 1
+    keys = (tile[:, None, None] * Hi + torch.arange(Hi, device=dev)[None, :, None]) * nb + v
+    _, counts = torch.unique(keys[ok], return_counts=True)
+    kept = counts >= share_min
+    pairs = int(counts.sum())
+    kept_pairs = int(counts[kept].sum())
+    return dict(pairs=pairs, union_blocks=int(counts.numel()), kept_blocks=int(kept.sum()),
+                kept_pairs=kept_pairs, kv_pairs=pairs - kept_pairs, tiles=int(ntile.sum()) * Hi)
+
+
 def random_overlap_expectation(lengths: Sequence[int], Bk: int, k: int,
                                sink_blocks: int = SINK_BLOCKS,
                                local_blocks: int = LOCAL_BLOCKS) -> float:

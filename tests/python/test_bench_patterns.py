@@ -80,6 +80,49 @@ def test_stats_equal_python_reference(seed):
     assert got["union"] == pytest.approx(want["union"], rel=1e-12)
 
 
+def reference_split(bi, cu, tile_tokens, share_min):
+    """split_work by plain Python loops: per sequence, tile and index head, the members of each
+    block of the tiles' union."""
+    rows, cu = bi.tolist(), [int(x) for x in cu]
+    Hi = bi.shape[1]
+    out = dict(pairs=0, union_blocks=0, kept_blocks=0, kept_pairs=0, kv_pairs=0, tiles=0)
+    for s in range(len(cu) - 1):
+        for t0 in range(cu[s], cu[s + 1], tile_tokens):
+            for h in range(Hi):
+                out["tiles"] += 1
+                members = {}
+                for t in range(t0, min(t0 + tile_tokens, cu[s + 1])):
+                    for b in {x for x in rows[t][h] if x >= 0}:
+                        members[b] = members.get(b, 0) + 1
+                for c in members.values():
+                    out["pairs"] += c
+                    out["union_blocks"] += 1
+                    kept = c >= share_min
+                    out["kept_blocks"] += kept
+                    out["kept_pairs" if kept else "kv_pairs"] += c
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_split_work_equals_python_reference(seed):
+    g = torch.Generator()
+    g.manual_seed(100 + seed)
+    lengths = torch.randint(1, 30, (4,), generator=g).tolist() + [0, 8]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    T, Hi, k = int(cu[-1]), 2, 5
+    cases = [sorted_rows(T, Hi, k, 7, g),
+             torch.randint(-2, 6, (T, Hi, k), generator=g, dtype=torch.int32)]  # repeats, padding
+    for bi in cases:
+        for tile_tokens, share_min in ((8, 4), (4, 2), (3, 1), (1, 1), (8, 9)):
+            got = sp.split_work(bi, cu, tile_tokens, share_min)
+            assert got == reference_split(bi, cu, tile_tokens, share_min), (tile_tokens, share_min)
+    # one token per tile keeping every block: the KV-block pass gets nothing
+    got = sp.split_work(cases[0], cu, 1, 1)
+    assert got["kv_pairs"] == 0 and got["kept_pairs"] == got["pairs"] == got["union_blocks"]
+    with pytest.raises(ValueError):
+        sp.split_work(cases[0], cu, 0, 1)
+
+
 def test_stats_constructed_cases():
     k, Hi = 8, 2
     # identical rows of c valid ids: overlap c/k, union c/k (one window of 8 tokens, one of 4)
