@@ -43,15 +43,6 @@ def digest(t: torch.Tensor) -> str:
     return h.hexdigest()[:16]
 
 
-def hbm_bandwidth(timer, dev) -> float:
-    """Bytes per second of a 4 GiB device copy (read + write)."""
-    x = torch.empty(1 << 31, dtype=torch.int16, device=dev)
-    y = torch.empty_like(x)
-    ms = timer.ms(lambda: y.copy_(x), reps=5)
-    del x, y
-    return 2 * (1 << 32) / (ms * 1e-3)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", choices=sorted(HEADS), default="paper")
@@ -68,6 +59,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="write PREFIX.csv")
     args = ap.parse_args(argv)
     import msa
+    from bench_serving import hbm_bandwidth
 
     dev = torch.device("cuda")
     h = HEADS[args.config]
@@ -85,7 +77,7 @@ def main(argv=None) -> int:
     tile_tokens = max(1, 128 // gi)
     share_min = -(-tile_tokens * 10 // round(args.kv_cost * 10))
     pair_bytes = gi * (3 * D * 2 + 2 * 8)
-    bw = hbm_bandwidth(timer, dev)
+    bw = hbm_bandwidth(dev)
     print(f"HBM copy bandwidth {bw / 1e12:.2f} TB/s; split: tiles of {tile_tokens} tokens keep the blocks "
           f"at least {share_min} of them selected; a KV-block pair moves {pair_bytes} bytes")
     rows = []

@@ -80,13 +80,19 @@ def _cu(cu_seqlens, T: int, device) -> torch.Tensor:
     return cu
 
 
-def _distinct(x: torch.Tensor) -> torch.Tensor:
-    """Number of distinct non-negative values along the last dim (int64, shape x.shape[:-1])."""
+def _first_of_each(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(v, new): x's values sorted along the last dim (int32; negative values as padding, last)
+    and where each distinct non-negative value first appears in v."""
     v = torch.where(x >= 0, x.to(torch.int32), torch.full_like(x, _INVALID, dtype=torch.int32))
     v = v.sort(-1).values
     new = v != _INVALID
     new[..., 1:] &= v[..., 1:] != v[..., :-1]
-    return new.sum(-1)
+    return v, new
+
+
+def _distinct(x: torch.Tensor) -> torch.Tensor:
+    """Number of distinct non-negative values along the last dim (int64, shape x.shape[:-1])."""
+    return _first_of_each(x)[1].sum(-1)
 
 
 def selection_stats(block_idx: torch.Tensor, cu_seqlens=None, k: Optional[int] = None,
@@ -178,11 +184,9 @@ def split_work(block_idx: torch.Tensor, cu_seqlens=None, tile_tokens: int = 8,
     first_tile = torch.cumsum(ntile, 0) - ntile
     seq = torch.repeat_interleave(torch.arange(n.numel(), device=dev), n)
     tile = first_tile[seq] + (torch.arange(T, device=dev) - cu[seq]) // tile_tokens  # [T]
-    v = torch.where(block_idx >= 0, block_idx.to(torch.int64), torch.full_like(block_idx, -1, dtype=torch.int64))
-    v = v.sort(-1).values
-    ok = v >= 0
-    ok[..., 1:] &= v[..., 1:] != v[..., :-1]
-    nb = int(v.max()) + 1 if v.numel() else 1
+    v, ok = _first_of_each(block_idx)
+    v = v.to(torch.int64)
+    nb = int(v[ok].max()) + 1 if bool(ok.any()) else 1
     keys = (tile[:, None, None] * Hi + torch.arange(Hi, device=dev)[None, :, None]) * nb + v
     _, counts = torch.unique(keys[ok], return_counts=True)
     kept = counts >= share_min
