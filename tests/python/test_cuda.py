@@ -453,6 +453,30 @@ def test_forward_sink_and_local_blocks():
     check_against_references(out, lse, q, k, v, bi, lengths, Bk, BF16, scale=0.1)
 
 
+@pytest.mark.parametrize("fwd_pass", ["query_tile", "kv_block", "split", "warmup"])
+@skip_unbuilt
+def test_forward_negative_scale(fwd_pass):
+    """A negative softmax scale (the kernels negate Q where they load it and use |scale|) in each
+    forward pass and the dense warmup, against both references."""
+    lengths, Hq, Hkv, Hi, D, Bk, top_k = [700, 0, 333], 16, 2, 2, 128, 128, 3
+    T = sum(lengths)
+    q, k, v = rand(T, Hq, D, dtype=BF16), rand(T, Hkv, D, dtype=BF16), rand(T, Hkv, D, dtype=BF16)
+    cu = cu_of(lengths)
+    if fwd_pass == "warmup":
+        out, _, lse = msa.warmup_attention(q, k, v, None, None, cu_seqlens=cu, scale=-0.2,
+                                           kl_value=False, return_lse=True)
+        bi = None
+    else:
+        bi = random_block_idx(lengths, Hi, top_k, Bk, empty_rows=0.02)
+        out, _, lse = msa.sparse_attention(q, k, v, None, None, block_idx=bi, block_size=Bk,
+                                           cu_seqlens=cu, scale=-0.2, kl_value=False,
+                                           return_lse=True, fwd_pass=fwd_pass)
+    check_against_references(out, lse, q, k, v, bi, lengths, Bk, BF16, scale=-0.2)
+    # and not the answer of the positive scale
+    pos_out, _ = ref_attention(q, k, v, bi, lengths, Bk, scale=0.2)
+    assert (out.double() - pos_out).norm() > 0.1 * pos_out.norm()
+
+
 @pytest.mark.parametrize("with_index", [False, True], ids=["no_index", "index"])
 @pytest.mark.parametrize("case", [
     ("len113_g4", [113], 8, 2, 2, 64, FP16),

@@ -303,26 +303,52 @@ __device__ inline void load_block_rows_now(SmemTensor&& s, const Element* base, 
 
 // Rows (token, head) of a [T, H, D] tensor into a swizzled [kRowsTile, kHeadDim] shared tile:
 // row = token * heads + head, `tokens` tokens from `base` (the first token's row of head 0),
-// heads first_head .. first_head + heads - 1; zero rows past them. `negate` flips every sign
-// (16-bit elements). 16-byte chunks: 8 elements of 16 bits or 16 of E4M3.
+// heads first_head .. first_head + heads - 1; zero rows past them. 16-byte chunks: 8 elements of
+// 16 bits or 16 of E4M3. Every chunk of the thread is requested before any has landed (one
+// cp.async group, committed here), so a tile costs one round trip to memory rather than one per
+// chunk the thread copies; the caller waits (cp_async_wait_all), then negate_head_rows if
+// needed, then fences and syncs as for any shared write the MMAs read.
+template <int kRowsTile, int kHeadDim, int kThreadsUsed, class SmemTensor, class Element>
+__device__ __forceinline__ void load_head_rows_async(SmemTensor& s, const Element* base, int64_t s0,
+                                                     int64_t s1, int32_t first_head, int32_t heads,
+                                                     int32_t tokens, int tidx) {
+  constexpr int kPer = 16 / sizeof(Element);
+  constexpr int kChunks = kHeadDim / kPer;
+  constexpr int kIters = (kRowsTile * kChunks + kThreadsUsed - 1) / kThreadsUsed;
+  const int32_t rows_used = tokens * heads;
+#pragma unroll
+  for (int i = 0; i < kIters; ++i) {
+    const int e = tidx + i * kThreadsUsed;
+    if (kRowsTile * kChunks % kThreadsUsed != 0 && e >= kRowsTile * kChunks) break;
+    const int row = e / kChunks, c = e % kChunks;
+    const int tok = row / heads, h = row - tok * heads;
+    const bool ok = row < rows_used;
+    cp_async16(&s(row, c * kPer), ok ? base + tok * s0 + (int64_t)(first_head + h) * s1 + c * kPer : base, ok);
+  }
+  cp_async_commit();
+}
+
+// Flips the sign of every element of the chunks this thread copied with load_head_rows_async
+// (16-bit elements), once its copies have landed; padding rows stay zero.
+template <int kRowsTile, int kHeadDim, int kThreadsUsed, class SmemTensor>
+__device__ __forceinline__ void negate_head_rows(SmemTensor& s, int tidx) {
+  constexpr int kChunks = kHeadDim / 8;
+  for (int e = tidx; e < kRowsTile * kChunks; e += kThreadsUsed) {
+    uint4* v = reinterpret_cast<uint4*>(&s(e / kChunks, (e % kChunks) * 8));
+    *v = negate8(*v);
+  }
+}
+
+// load_head_rows_async, waited for (and negated: `negate` flips every sign, 16-bit elements):
+// the thread's chunks are in shared memory when this returns; the caller fences and syncs.
 template <int kRowsTile, int kHeadDim, int kThreadsUsed, class SmemTensor, class Element>
 __device__ inline void load_head_rows(SmemTensor& s, const Element* base, int64_t s0, int64_t s1,
                                       int32_t first_head, int32_t heads, int32_t tokens, int tidx,
                                       bool negate = false) {
-  constexpr int kPer = 16 / sizeof(Element);
-  constexpr int kChunks = kHeadDim / kPer;
-  const int32_t rows_used = tokens * heads;
-  for (int e = tidx; e < kRowsTile * kChunks; e += kThreadsUsed) {
-    const int row = e / kChunks, c = e % kChunks;
-    uint4 val = make_uint4(0, 0, 0, 0);
-    if (row < rows_used) {
-      const int tok = row / heads, h = row - tok * heads;
-      val = *reinterpret_cast<const uint4*>(base + tok * s0 + (int64_t)(first_head + h) * s1 + c * kPer);
-      if constexpr (sizeof(Element) == 2) {
-        if (negate) val = negate8(val);
-      }
-    }
-    *reinterpret_cast<uint4*>(&s(row, c * kPer)) = val;
+  load_head_rows_async<kRowsTile, kHeadDim, kThreadsUsed>(s, base, s0, s1, first_head, heads, tokens, tidx);
+  cp_async_wait_all();
+  if constexpr (sizeof(Element) == 2) {
+    if (negate) negate_head_rows<kRowsTile, kHeadDim, kThreadsUsed>(s, tidx);
   }
 }
 

@@ -70,15 +70,18 @@ struct FwdParams : FwdArgs {
 // row's query scale, FP8 queries), its values times its v scale (OnlineSoftmax::update_scaled);
 // the bf16 instance's code is unchanged.
 //
-// The consumers' Q load, mask, tail zeroing and epilogue are written out here rather than
-// calling the helpers of device/ that bwd_q uses (load_head_rows, BlockList, row_sees,
-// zero_tail_rows, store_row): measured on the H200, taking load_head_rows alone for the Q load
-// made this mainloop 1.55x slower (paper heads, 128K, shared selections: 278 against 437
+// The consumers' mask, tail zeroing and epilogue are written out here rather than calling the
+// helpers of device/ that bwd_q uses (BlockList, row_sees, zero_tail_rows, store_row): measured
+// on the H200, taking the then load_head_rows (plain loads, one round trip a chunk) for the Q
+// load made this mainloop 1.55x slower (paper heads, 128K, shared selections: 278 against 437
 // effective TFLOP/s; dense mode 353 against 550), with the same 168 registers, no spill and
-// nearly the same PTX. Keep this kernel's SASS under watch when touching it: changes elsewhere
-// (the parameter struct, the producer) once turned the mask into branches (66 BSSY in the
-// mainloop, 1255 instructions) and cost 1.55x again; at bf16/D128/Bk128 the mainloop is 896
-// instructions with 4 BSSY (the V tail and the membership lookup) and no local memory.
+// nearly the same PTX. The Q load is now load_head_rows_async: every chunk requested at once,
+// waited for at the list barrier (the plain loop it replaces spent 14% of the consumers'
+// samples waiting on its loads: ncu, H100, 128K shared, query tiles). Keep this kernel's SASS
+// under watch when touching it: changes elsewhere (the parameter struct, the producer) once
+// turned the mask into branches (66 BSSY in the mainloop, 1255 instructions) and cost 1.55x
+// again; at bf16/D128/Bk128 the mainloop is 896 instructions with 4 BSSY (the V tail and the
+// membership lookup) and no local memory.
 // Likewise, letting each warpgroup skip the blocks none of its tokens selected (as
 // bwd_q_kernel.cuh does) made ptxas serialise the mainloop's wgmma (warning C7518: a divergent
 // path) and cost 1.6x on shared selections (paper heads, 128K: 267 against 445 TFLOP/s), more
@@ -122,23 +125,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int32_t Gi = p.heads_per_idx;
   const int32_t rows_used = p.tile_tokens * Gi;
 
-  // Q: rows (token, head) of this index head, zero for padding rows.
-  {
-    constexpr int kChunks = kHeadDim / 8;
-    for (int e = tidx; e < kBlockM * kChunks; e += Traits::kConsumerThreads) {
-      const int row = e / kChunks, c = e % kChunks;
-      const int tok = row / Gi, h = row - tok * Gi;
-      uint4 val = make_uint4(0, 0, 0, 0);
-      if (row < rows_used && tok < tile.count) {
-        const Element* src = as<Element>(p.q) + (tile.seq_start + tile.first + tok) * p.q_s0 +
-                             (int64_t)(ih * Gi + h) * p.q_s1 + c * 8;
-        val = *reinterpret_cast<const uint4*>(src);
-        if (p.negate) val = negate8(val);
-      }
-      *reinterpret_cast<uint4*>(&sQ(row, c * 8)) = val;
-    }
-    cutlass::arch::fence_view_async_shared();
-  }
+  // Q: rows (token, head) of this index head, zero for padding rows; requested now, waited for
+  // just before the mainloop.
+  load_head_rows_async<kBlockM, kHeadDim, Traits::kConsumerThreads>(
+      sQ, as<Element>(p.q) + tok0 * p.q_s0, p.q_s0, p.q_s1, ih * Gi, Gi, tile.count, tidx);
 
   typename Traits::MmaQK mma_qk;
   typename Traits::MmaPV mma_pv;
@@ -184,6 +174,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   }
 
   OnlineSoftmax<kRows> softmax(p.scale_log2);
+  cp_async_wait_all();
+  if (p.negate) negate_head_rows<kBlockM, kHeadDim, Traits::kConsumerThreads>(sQ, tidx);
+  cutlass::arch::fence_view_async_shared();
+  // The list is built and every consumer's Q chunks have landed.
   cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads + 32,
                                     static_cast<uint32_t>(Barrier::kListReady));
   const int32_t n = ss.num_blocks;
