@@ -323,7 +323,8 @@ __device__ __forceinline__ void load_head_rows_async(SmemTensor& s, const Elemen
     const int row = e / kChunks, c = e % kChunks;
     const int tok = row / heads, h = row - tok * heads;
     const bool ok = row < rows_used;
-    cp_async16(&s(row, c * kPer), ok ? base + tok * s0 + (int64_t)(first_head + h) * s1 + c * kPer : base, ok);
+    const Element* src = ok ? base + tok * s0 + (int64_t)(first_head + h) * s1 + c * kPer : base;
+    cp_async16(&s(row, c * kPer), src, ok);
   }
   cp_async_commit();
 }
@@ -345,7 +346,8 @@ template <int kRowsTile, int kHeadDim, int kThreadsUsed, class SmemTensor, class
 __device__ inline void load_head_rows(SmemTensor& s, const Element* base, int64_t s0, int64_t s1,
                                       int32_t first_head, int32_t heads, int32_t tokens, int tidx,
                                       bool negate = false) {
-  load_head_rows_async<kRowsTile, kHeadDim, kThreadsUsed>(s, base, s0, s1, first_head, heads, tokens, tidx);
+  load_head_rows_async<kRowsTile, kHeadDim, kThreadsUsed>(s, base, s0, s1, first_head, heads,
+                                                         tokens, tidx);
   cp_async_wait_all();
   if constexpr (sizeof(Element) == 2) {
     if (negate) negate_head_rows<kRowsTile, kHeadDim, kThreadsUsed>(s, tidx);

@@ -80,7 +80,7 @@ struct FwdParams : FwdArgs {
 // samples waiting on its loads: ncu, H100, 128K shared, query tiles). Keep this kernel's SASS
 // under watch when touching it: changes elsewhere (the parameter struct, the producer) once
 // turned the mask into branches (66 BSSY in the mainloop, 1255 instructions) and cost 1.55x
-// again; at bf16/D128/Bk128 the mainloop is 896 instructions with 4 BSSY (the V tail and the
+// again; at bf16/D128/Bk128 the mainloop is 890 instructions with 4 BSSY (the V tail and the
 // membership lookup) and no local memory.
 // Likewise, letting each warpgroup skip the blocks none of its tokens selected (as
 // bwd_q_kernel.cuh does) made ptxas serialise the mainloop's wgmma (warning C7518: a divergent
