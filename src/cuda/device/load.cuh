@@ -1,5 +1,5 @@
-// Loads of row tiles into shared memory: cp.async with zero fill (the KV-side kernels' entry
-// stream) and plain vector loads of a query tile's (token, head) rows.
+// Loads of row tiles into shared memory by cp.async with zero fill: the KV-side kernels' entry
+// stream and a query tile's (token, head) rows.
 #pragma once
 
 #include <cute/tensor.hpp>
