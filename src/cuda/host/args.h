@@ -73,6 +73,10 @@ struct FwdSplitArgs {
   const float* part_ml = nullptr;  // FwdKvArgs::part_ml of the pass
   uint8_t* taken = nullptr;        // [T, Hi, k]: written by pass_choice_kernel
   int32_t share_min = 0;
+  // Set at launch: where the consumer threads' slots for their next partials start in the
+  // kernel's shared memory (after the union arrays); 0 where they do not fit, and the tile then
+  // merges its partials after its mainloop only.
+  uint32_t slot_offset = 0;
 };
 
 // Attention forward (kernels/fwd_kernel.cuh); also the index branch's LSE over a selection
@@ -332,7 +336,8 @@ struct FwdKvArgs : KvSideArgs {
   int64_t q_s0 = 0, q_s1 = 0, k_s0 = 0, k_s1 = 0, v_s0 = 0, v_s1 = 0;
   const int32_t* block_idx = nullptr;  // [T, Hi, k]
   int64_t bi_s0 = 0, bi_s1 = 0;
-  void* part_o = nullptr;    // [tok_hi - tok_lo, Hq, k, D] element type: unnormalised O per slot
+  void* part_o = nullptr;    // [tok_hi - tok_lo, Hq, k, D] element type: unnormalised O per slot,
+                             // its columns in the order of device/partials.cuh
   float* part_ml = nullptr;  // [tok_hi - tok_lo, Hq, k, 2]: max (log2 units) and sum per slot (sum 0: no partial)
   void* out = nullptr;
   int64_t o_s0 = 0, o_s1 = 0;

@@ -58,10 +58,17 @@ Status launch_kernel(const char* fn, Kernel kernel, dim3 grid, int threads, size
   return e == cudaSuccess ? Status::Ok() : launch_error(fn, e);
 }
 
+// Where a query-tile kernel's union arrays end, rounded up to 16 bytes.
+template <class Traits, class Args>
+size_t union_end(const Args& a) {
+  return (Traits::kUnionOffset + a.uni.bytes() + 15) / 16 * 16;
+}
+
 // A query-tile kernel (forward, bwd_q): the K and V TMA descriptors over (tokens, dim, KV head),
 // then one CTA per (tile, head group) with the block-union arrays after SharedStorage.
+// tail: bytes after the union arrays (16-byte aligned).
 template <class Traits, class Params, class Args, class Kernel>
-Status launch_query_tile(const char* fn, Kernel kernel, const Args& a, cudaStream_t stream) {
+Status launch_query_tile(const char* fn, Kernel kernel, const Args& a, cudaStream_t stream, size_t tail = 0) {
   using namespace cute;
   using Element = typename Traits::Element;
   constexpr int kHeadDim = Traits::kHeadDim, kBlockN = Traits::kBlockN;
@@ -76,7 +83,7 @@ Status launch_query_tile(const char* fn, Kernel kernel, const Args& a, cudaStrea
   const auto box = Shape<Int<kBlockN>, Int<kHeadDim>>{};
   p.tma_k = make_tma_copy(SM90_TMA_LOAD{}, kv_tensor(a.k, a.k_s0, a.k_s1), smem_kv, box, _1{});
   p.tma_v = make_tma_copy(SM90_TMA_LOAD{}, kv_tensor(a.v, a.v_s0, a.v_s1), smem_kv, box, _1{});
-  const size_t smem = Traits::kUnionOffset + a.uni.bytes();
+  const size_t smem = tail == 0 ? Traits::kUnionOffset + a.uni.bytes() : union_end<Traits>(a) + tail;
   const dim3 grid(static_cast<unsigned>(a.num_tiles), static_cast<unsigned>(a.Hi));
   return launch_kernel(fn, kernel, grid, Traits::kThreads, smem, stream, p,
                        "argument 'block_idx': the union of a tile's selections (" +
@@ -97,12 +104,29 @@ Status launch_kv_side(const char* fn, Kernel kernel, const Args& a, cudaStream_t
 
 template <class Element, int kHeadDim, int kBlockN>
 Status launch_forward(const FwdArgs& a, cudaStream_t stream) {
-  auto launch = [&](auto scaled) {  // scaled: K and V an E4M3 cache's codes, with its page scales
+  // scaled: K and V an E4M3 cache's codes, with its page scales; split: the instance that
+  // merges the KV-block pass's partials.
+  auto launch = [&](auto scaled, auto split) {
     using Traits = kern::FwdTraits<Element, kHeadDim, kBlockN, decltype(scaled)::value>;
-    return detail::launch_query_tile<Traits, kern::FwdParams<Traits>>("forward", kern::fwd_kernel<Traits>,
-                                                                      a, stream);
+    constexpr bool kSplit = decltype(split)::value;
+    // The split: the consumer threads' slots for their next partials after the union arrays,
+    // where the GPU's shared memory holds them (else the tiles merge after their mainloop).
+    FwdArgs b = a;
+    size_t tail = 0;
+    const size_t end = detail::union_end<Traits>(a);
+    if (kSplit && end + Traits::kPartialSlotBytes <= size_t(detail::smem_limit())) {
+      b.split.slot_offset = static_cast<uint32_t>(end);
+      tail = Traits::kPartialSlotBytes;
+    }
+    return detail::launch_query_tile<Traits, kern::FwdParams<Traits>>(
+        "forward", kern::fwd_kernel<Traits, kSplit>, b, stream, tail);
   };
-  return a.kv_scale != nullptr ? launch(cute::true_type{}) : launch(cute::false_type{});
+  auto with = [&](auto scaled) {
+    if (a.split.part_o == nullptr) return launch(scaled, cute::false_type{});
+    if (a.choice != nullptr) MSA_TRY(launch(scaled, cute::false_type{}));  // kAuto: both, one returns
+    return launch(scaled, cute::true_type{});
+  };
+  return a.kv_scale != nullptr ? with(cute::true_type{}) : with(cute::false_type{});
 }
 
 template <class Element, int kHeadDim, int kBlockN>

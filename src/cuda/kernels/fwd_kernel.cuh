@@ -12,8 +12,12 @@
 // Split (Options.fwd_pass = kSplit, or kAuto's sums choosing it; device/pass_choice.cuh): the
 // tile keeps only the union's blocks that at least share_min of its tokens selected; the
 // KV-block pass (fwd_kv_kernel.cuh), run before it, wrote the partial outputs of every other
-// selected (token, block) of the pass, and the epilogue merges them with the tile's own result
-// (its own first, then the slots in block_idx column order) into out and lse.
+// selected (token, block) of the pass, and the consumers merge them into their own online
+// softmax (device/partials.cuh: each row's partials in block_idx column order), one stage of a
+// partial a row after each block's P V while the other warpgroup's products run, and the stages
+// left after the mainloop three at a time. The split is its own instance (kSplit), so that the
+// plain query tiles' and the warmup's code stays free of it; kAuto launches both, and the one
+// its sums did not choose returns at once.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -26,6 +30,7 @@
 #include "../device/kv_producer.cuh"
 #include "../device/load.cuh"
 #include "../device/mask.cuh"
+#include "../device/partials.cuh"
 #include "../device/pass_choice.cuh"
 #include "../device/softmax.cuh"
 #include "../device/tile.cuh"
@@ -52,6 +57,9 @@ struct FwdTraits : QueryTileTraits<Element_, kHeadDim_, kBlockN_> {
   using MmaPV = typename Base::MmaRowsDim;   // O += P V
   using SharedStorage = typename Base::StorageQ;
   static constexpr size_t kUnionOffset = Base::template union_offset<SharedStorage>();
+  // The split's slots of the consumer threads' next partials (two accumulator rows a thread).
+  static constexpr int kPartialSlotBytes =
+      PartialMerge<Element, kHeadDim, 2>::template kSlotBytes<Base::kConsumerThreads>;
 };
 
 template <class Traits>
@@ -62,8 +70,9 @@ struct FwdParams : FwdArgs {
 // Warp roles: the first warpgroup produces (warp 0: the block list, then TMA of K and V; the
 // other three warps leave); warpgroups 1 and 2 consume 64 rows each.
 // Pipelines: pipe_k, pipe_v (kStages each), producer -> consumers (QueryTileStream); in the
-// split's epilogue, kMergeStages cp.async stages of partial rows per warpgroup (each row's s-th
-// partial in stage s).
+// split (kSplit), each consumer thread's next partials: one stage in flight into its own slot
+// of shared memory (cp.async) over a block's products, then groups of three into registers
+// after the mainloop.
 // Work: one tile (blockIdx.x over the tile ids [tile_lo, tile_lo + num_tiles), late tiles first)
 // of one head group (blockIdx.y), for its tokens in the pass [tok_lo, tok_hi).
 // Scaled keys (a prefill over an E4M3 cache): each block's scores times its k scale (and each
@@ -81,12 +90,13 @@ struct FwdParams : FwdArgs {
 // under watch when touching it: changes elsewhere (the parameter struct, the producer) once
 // turned the mask into branches (66 BSSY in the mainloop, 1255 instructions) and cost 1.55x
 // again; at bf16/D128/Bk128 the mainloop is 890 instructions with 4 BSSY (the V tail and the
-// membership lookup) and no local memory.
+// membership lookup) and no local memory; the split's instance's is 1124, 234 of them its merge
+// of a stage, branched over where a warp has none left.
 // Likewise, letting each warpgroup skip the blocks none of its tokens selected (as
 // bwd_q_kernel.cuh does) made ptxas serialise the mainloop's wgmma (warning C7518: a divergent
 // path) and cost 1.6x on shared selections (paper heads, 128K: 267 against 445 TFLOP/s), more
 // than it saved on diverse ones.
-template <class Traits>
+template <class Traits, bool kSplit>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     fwd_kernel(const __grid_constant__ FwdParams<Traits> p) {
   grid_dependency_begin();
@@ -95,7 +105,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   using Pipeline = typename Traits::Pipeline;
 
   extern __shared__ __align__(1024) char smem_raw[];
-  const bool split = p.split.part_o != nullptr && (p.choice == nullptr || split_chosen(p.choice));
+  // kAuto launches both instances: the one its sums did not choose returns.
+  if (p.split.part_o != nullptr && p.choice != nullptr && split_chosen(p.choice) != kSplit) return;
   const QueryTile tile = query_tile(p);
   // The tile's tokens in the pass: [j_lo, j_hi) of its rows (all of them outside passes).
   const int64_t tok0 = tile.seq_start + tile.first;
@@ -114,7 +125,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   if (kv.producer) {
     cutlass::arch::warpgroup_reg_dealloc<40>();
     if (cutlass::canonical_warp_idx_sync() == 0)
-      kv.produce(p, tile, sK, sV, !p.lse_only, split ? p.split.share_min : 0);
+      kv.produce(p, tile, sK, sV, !p.lse_only, kSplit ? p.split.share_min : 0);
     return;
   }
   const UnionSmem us = kv.us(p);
@@ -174,8 +185,27 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   }
 
   OnlineSoftmax<kRows> softmax(p.scale_log2);
+  // The split: the rows' partial slots read while Q's copies fly and the softmax's max started
+  // at their largest; once Q has landed, the first stage requested into the thread's slot.
+  PartialMerge<Element, kHeadDim, kRows> partials;
+  constexpr int kSlotThreads = Traits::kConsumerThreads;
+  static_assert(decltype(partials)::template kSlotBytes<kSlotThreads> == Traits::kPartialSlotBytes);
+  if constexpr (kSplit) {
+    int32_t pair[kRows];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const int row = get<0>(cSrc(r, 0));
+      pair[r] = row_ok[r] ? static_cast<int32_t>((tok0 + row_tok[r] - p.tok_lo) * p.Hq + int64_t(ih) * Gi +
+                                                 (row - row_tok[r] * Gi))
+                          : -1;
+    }
+    partials.init(p.split.part_ml, p.top_k, pair, tidx, softmax);
+  }
   cp_async_wait_all();
   if (p.negate) negate_head_rows<kBlockM, kHeadDim, Traits::kConsumerThreads>(sQ, tidx);
+  if (kSplit && p.split.slot_offset != 0 && partials.to_come())
+    partials.template fetch_async<kSlotThreads>(smem_raw + p.split.slot_offset, tidx, p.split.part_ml,
+                                                p.split.part_o, p.top_k);
   cutlass::arch::fence_view_async_shared();
   // The list is built and every consumer's Q chunks have landed.
   cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads + 32,
@@ -272,6 +302,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       ++sv;
       OnlineSoftmax<kRows>::rescale(O, corr);
       convert_into(tSrS, rP);
+      // O is idle until the next P V: the stage in the thread's slot joins it, the next is requested.
+      if (kSplit && p.split.slot_offset != 0 && partials.pending()) {
+        char* slot = smem_raw + p.split.slot_offset;
+        partials.template merge_async<Traits::kScaledKV, kSlotThreads>(O, softmax, slot, tidx);
+        asm volatile("" ::: "memory");  // the slot's reads before its refill
+        if (partials.to_come())
+          partials.template fetch_async<kSlotThreads>(slot, tidx, p.split.part_ml, p.split.part_o, p.top_k);
+      }
     }
     kv.pipe_v.consumer_wait(sv);
     zero_v_tail(n - 1, sv.index());
@@ -280,169 +318,31 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     kv.pipe_v.consumer_release(sv);
   }
 
+  // The partials left: the stage in the thread's slot, then groups of kGroup stages, each group's
+  // loads into registers (free of S and P now) requested together.
+  bool in_slot = kSplit && p.split.slot_offset != 0 && partials.pending();
+  while (kSplit && partials.pending()) {
+    constexpr int kGroup = 3;
+    typename decltype(partials)::Stage group[kGroup];
+#pragma unroll
+    for (int i = 0; i < kGroup; ++i)
+      if (partials.to_come()) partials.fetch(group[i], p.split.part_ml, p.split.part_o, p.top_k);
+    if (in_slot) {
+      partials.template merge_async<Traits::kScaledKV, kSlotThreads>(O, softmax, smem_raw + p.split.slot_offset,
+                                                                    tidx);
+      in_slot = false;
+    }
+#pragma unroll
+    for (int i = 0; i < kGroup; ++i)
+      if (partials.merged < partials.fetched) partials.template merge<Traits::kScaledKV>(O, softmax, group[i]);
+  }
+
   if constexpr (Traits::kScaledKV) softmax.values_to_units(O);
   Tensor cO = thr_pv.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor cOrc = make_tensor(cO.data(), acc_rowcol(cO.layout()));
   // Epilogue: normalise, write out (bf16/fp16 pairs) and the natural-log LSE.
   float lse[kRows];
-  // The same test as `split` above, read again rather than kept in a register across the mainloop.
-  if (p.split.part_o != nullptr && (p.choice == nullptr || split_chosen(p.choice))) {
-    // The split: each row's own (max, sum, O) merged with the partials the KV-block
-    // pass wrote for the row's other blocks (slots with a positive sum, in column order). The
-    // partial rows come in through shared memory (Q, K and V, free once every consumer is done
-    // with them), by 16-byte cp.async, kMergeStages stages a warpgroup: stage s holds each
-    // row's s-th partial (its s-th slot with a sum), so that every stage is full but for the
-    // rows with fewer partials, and a warpgroup walks as many stages as its row with the most
-    // partials has. A row still merges its slots in column order.
-    constexpr int kRowElems = kHeadDim + 8;  // rows 16 bytes apart in the banks
-    constexpr int kStageElems = 64 * kRowElems;
-    using SmemLayoutQ = typename Traits::SmemLayoutQ;
-    using SmemLayoutKV = typename Traits::SmemLayoutKV;
-    // Q, K and V follow each other with no gap (each a multiple of its 1024-byte alignment).
-    static_assert(cosize_v<SmemLayoutQ> * sizeof(Element) % 1024 == 0 &&
-                  cosize_v<SmemLayoutKV> * sizeof(Element) % 1024 == 0);
-    constexpr int kValidElems = 1024 / sizeof(Element);  // the rows' slot masks: 128 words
-    constexpr int kRegionElems = cosize_v<SmemLayoutQ> + 2 * cosize_v<SmemLayoutKV> - kValidElems;
-    constexpr int kMergeStages = cute::min(4, kRegionElems / 2 / kStageElems);
-    static_assert(kMergeStages >= 2);
-    constexpr int kChunks = kHeadDim / 8, kLoadRows = 128 / kChunks, kLoads = 64 / kLoadRows;
-    const int lt = tidx % 128;
-    uint32_t* row_valid = reinterpret_cast<uint32_t*>(ss.q.data()) + 64 * wg;
-    Element* stages = ss.q.data() + kValidElems + wg * kMergeStages * kStageElems;
-    const float2* ml[kRows];
-    float mx[kRows], sum[kRows], own_m[kRows];
-    uint32_t valid[kRows];
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      sum[r] = quad_sum(softmax.row_sum[r]);  // every lane of the warp takes part
-      const int row = get<0>(cOrc(r, 0));
-      const int64_t t = tile.seq_start + tile.first + row_tok[r];
-      const int64_t pair = (t - p.tok_lo) * p.Hq + int64_t(ih) * Gi + (row - row_tok[r] * Gi);
-      ml[r] = reinterpret_cast<const float2*>(p.split.part_ml) + (row_ok[r] ? pair * p.top_k : 0);
-      own_m[r] = softmax.row_max[r] == -INFINITY ? -INFINITY : softmax.row_max[r] * p.scale_log2;
-      mx[r] = own_m[r];
-      valid[r] = 0u;
-    }
-    // The rows' (max, sum) slots, kMlChunk of each row requested at once (one round trip for
-    // all of them, rather than one per slot).
-    constexpr int kMlChunk = 8;
-    for (int j0 = 0; j0 < p.top_k; j0 += kMlChunk) {
-      float2 v[kRows][kMlChunk];
-#pragma unroll
-      for (int r = 0; r < kRows; ++r)
-#pragma unroll
-        for (int i = 0; i < kMlChunk; ++i)
-          v[r][i] = row_ok[r] && j0 + i < p.top_k ? ml[r][j0 + i] : make_float2(0.f, 0.f);
-#pragma unroll
-      for (int r = 0; r < kRows; ++r)
-#pragma unroll
-        for (int i = 0; i < kMlChunk; ++i)
-          if (v[r][i].y > 0.f) {
-            valid[r] |= 1u << (j0 + i);
-            mx[r] = fmaxf(mx[r], v[r][i].x);
-          }
-    }
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      const float w = own_m[r] == -INFINITY ? 0.f : fast_exp2(own_m[r] - mx[r]);
-      sum[r] *= w;
-#pragma unroll
-      for (int c = 0; c < size<1>(O); ++c) O(r, c) *= w;
-    }
-    // This thread's loads: chunk lt % kChunks of the rows lt / kChunks + kLoadRows * i.
-    const Element* src[kLoads];
-#pragma unroll
-    for (int i = 0; i < kLoads; ++i) {
-      const int row = 64 * wg + lt / kChunks + kLoadRows * i;
-      const int tok = row / Gi;
-      const int64_t pair =
-          (tile.seq_start + tile.first + tok - p.tok_lo) * p.Hq + int64_t(ih) * Gi + (row - tok * Gi);
-      src[i] = as<Element>(p.split.part_o) + (row < rows_used && tok >= j_lo && tok < j_hi ? pair : 0) *
-                                                 p.top_k * kHeadDim + (lt % kChunks) * 8;
-    }
-    // Every consumer is done with Q, K and V; then each row's slots go to shared memory.
-    cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads, static_cast<uint32_t>(Barrier::kConsumers));
-    const uint32_t wg_bar = static_cast<uint32_t>(Barrier::kVTail) + wg;
-#pragma unroll
-    for (int r = 0; r < kRows; ++r)
-      if ((tidx & 3) == 0) row_valid[get<0>(cOrc(r, 0)) - 64 * wg] = valid[r];
-    cutlass::arch::NamedBarrier::sync(128, wg_bar);
-    // The stages: as many as the warpgroup's row with the most partials has. Each loading
-    // thread keeps its rows' slots still to load; each consumer thread its rows' still to merge.
-    int num_stages = 0;
-#pragma unroll 8
-    for (int i = 0; i < 64; ++i) num_stages = max(num_stages, __popc(row_valid[i]));
-    uint32_t to_load[kLoads];
-#pragma unroll
-    for (int i = 0; i < kLoads; ++i) to_load[i] = row_valid[lt / kChunks + kLoadRows * i];
-    int issued = 0;
-    auto issue = [&]() {
-      if (issued < num_stages) {
-        Element* dst = stages + (issued % kMergeStages) * kStageElems + (lt / kChunks) * kRowElems +
-                       (lt % kChunks) * 8;
-#pragma unroll
-        for (int i = 0; i < kLoads; ++i) {
-          if (to_load[i] != 0u) {
-            const int j = __ffs(to_load[i]) - 1;
-            to_load[i] &= to_load[i] - 1u;
-            cp_async16(dst + kLoadRows * i * kRowElems, src[i] + j * kHeadDim, true);
-          }
-        }
-      }
-      ++issued;
-      cp_async_commit();  // empty past the last stage: the count of groups in flight stays fixed
-    };
-#pragma unroll
-    for (int s = 0; s < kMergeStages - 1; ++s) issue();
-    // Each row's (max, sum) of its next slot to merge, requested a stage ahead of its use.
-    uint32_t to_merge[kRows];
-    float2 v_cur[kRows];
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      to_merge[r] = valid[r];
-      v_cur[r] = valid[r] != 0u ? ml[r][__ffs(valid[r]) - 1] : make_float2(0.f, 0.f);
-    }
-    for (int s = 0; s < num_stages; ++s) {
-      float2 v_next[kRows];
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        const uint32_t rest = to_merge[r] & (to_merge[r] - 1u);  // after this stage's slot
-        v_next[r] = rest != 0u ? ml[r][__ffs(rest) - 1] : make_float2(0.f, 0.f);
-      }
-      issue();
-      cp_async_wait<kMergeStages - 1>();
-      cutlass::arch::NamedBarrier::sync(128, wg_bar);
-      const Element* stage = stages + (s % kMergeStages) * kStageElems;
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        if (to_merge[r] == 0u) continue;
-        to_merge[r] &= to_merge[r] - 1u;
-        const float2 v = v_cur[r];
-        const float wj = fast_exp2(v.x - mx[r]);
-        sum[r] += wj * v.y;
-        const Element* prow = stage + (get<0>(cOrc(r, 0)) - 64 * wg) * kRowElems;
-#pragma unroll
-        for (int c = 0; c < size<1>(O); c += 2) {
-          const cutlass::Array<Element, 2> two =
-              *reinterpret_cast<const cutlass::Array<Element, 2>*>(prow + get<1>(cOrc(r, c)));
-          O(r, c) += wj * static_cast<float>(two[0]);
-          O(r, c + 1) += wj * static_cast<float>(two[1]);
-        }
-      }
-      cutlass::arch::NamedBarrier::sync(128, wg_bar);  // the stage is refilled next
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) v_cur[r] = v_next[r];
-    }
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      const float inv = sum[r] > 0.f ? 1.f / sum[r] : 0.f;
-      lse[r] = sum[r] > 0.f ? (mx[r] + log2f(sum[r])) * 0.69314718055994531f : -INFINITY;
-#pragma unroll
-      for (int c = 0; c < size<1>(O); ++c) O(r, c) *= inv;
-    }
-  } else {
-    softmax.finalize(O, p.scale, lse);
-  }
+  softmax.finalize(O, p.scale, lse);
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     if (!row_ok[r]) continue;

@@ -21,7 +21,10 @@
 // its own named barrier), so one warpgroup's softmax and stores run while the other's GEMMs do.
 // Inside a warpgroup the entries are software-pipelined: S of entry e + 1 and its softmax run
 // while O = P V of entry e does. O leaves through a per-warpgroup staging tile in shared memory,
-// as whole 16-byte chunks of 256-byte rows. The only CTA-wide barrier follows the K and V load.
+// in the partial rows' order (device/partials.cuh: a thread's values of a row are 16-byte
+// vectors), as whole 16-byte chunks of 256-byte rows. (Stored from the accumulator straight to
+// global memory, 64 contiguous bytes a quad, the kernel took 46-47% longer on an H100 at 128K,
+// paper heads, mixed and random selections.) The only CTA-wide barrier follows the K and V load.
 //
 // A serving prefill runs the same kernel over a paged cache (FwdKvArgs::paged): its KV tiles
 // are the sequences' pages (PagedKeys::kv_tile) and its tokens the last new ones of each
@@ -41,6 +44,7 @@
 #include "../device/grid_dependency.cuh"
 #include "../device/kv_side_traits.cuh"
 #include "../device/load.cuh"
+#include "../device/partials.cuh"
 #include "../device/pass_choice.cuh"
 #include "../device/softmax.cuh"
 #include "../device/tile.cuh"
@@ -85,8 +89,8 @@ struct FwdKvTraits {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> v;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
-    // Per warpgroup: an entry's O staged as [row][head dim] (rows padded by 16 bytes: the
-    // accumulator's stores hit 32 distinct banks), copied out in whole 16-byte row chunks.
+    // Per warpgroup: an entry's O staged as [row][head dim] in the partial rows' order (rows
+    // padded by 16 bytes), copied out in whole 16-byte row chunks.
     alignas(16) Element o[kWarpGroups][kRows * kOStride];
     int64_t row_slot[kWarpGroups][kRows];  // the partial slot of each staged row (-1: none)
     EntryRecord ring[kWarpGroups][EntryStream<kStages, 128, kRecs>::kRing];
@@ -258,18 +262,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     for (int a = 0; a < kRowsThr; ++a) {
       const float lsum = quad_sum(l[a]);
       const int row = get<0>(cOrc(a, 0));
-#pragma unroll
-      for (int c = 0; c < size<1>(O); c += 2) {
-        cutlass::Array<Element, 2> pair;
-        if constexpr (Traits::kScaledKV) {
-          pair[0] = static_cast<Element>(O(a, c) * v_factor);
-          pair[1] = static_cast<Element>(O(a, c + 1) * v_factor);
-        } else {
-          pair[0] = static_cast<Element>(O(a, c));
-          pair[1] = static_cast<Element>(O(a, c + 1));
-        }
-        *reinterpret_cast<cutlass::Array<Element, 2>*>(so + row * Traits::kOStride + get<1>(cOrc(a, c))) = pair;
-      }
+      PartialRows<Element, kHeadDim>::store(so + row * Traits::kOStride, O, a, lt & 3, v_factor);
       if ((lt & 3) == 0) {
         const int32_t t = row_t[a];
         int64_t slot = -1;
@@ -333,7 +326,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   cp_async_wait_all();
 }
 
-// One (token, head) pair g of the pass: lane owns elements [8 lane, 8 lane + 8) of the head dim.
+// One (token, head) pair g of the pass: lane owns positions [8 lane, 8 lane + 8) of the partial
+// rows, the columns partial_pos(8 lane + x).
 template <class Element, int kHeadDim>
 __device__ void combine_pair(const FwdKvArgs& p, int64_t g, int lane) {
   constexpr int kMaxSlots = 32;  // can_fwd_kv: top_k <= 32
@@ -372,13 +366,13 @@ __device__ void combine_pair(const FwdKvArgs& p, int64_t g, int lane) {
     }
   }
   const float inv = sum > 0.f ? 1.f / sum : 0.f;
-  Element* dst = as<Element>(p.out) + t * p.o_s0 + int64_t(h) * p.o_s1 + lane * 8;
+  Element* dst = as<Element>(p.out) + t * p.o_s0 + int64_t(h) * p.o_s1;
 #pragma unroll
   for (int x = 0; x < 8; x += 2) {
     cutlass::Array<Element, 2> pair;
     pair[0] = static_cast<Element>(acc[x] * inv);
     pair[1] = static_cast<Element>(acc[x + 1] * inv);
-    *reinterpret_cast<cutlass::Array<Element, 2>*>(dst + x) = pair;
+    *reinterpret_cast<cutlass::Array<Element, 2>*>(dst + partial_pos(lane * 8 + x)) = pair;
   }
   if (lane == 0)
     p.lse[t * p.lse_s0 + int64_t(h) * p.lse_s1] =
