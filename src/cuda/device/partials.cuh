@@ -74,8 +74,9 @@ struct PartialRows {
 // the rows' largest partial max, so that a partial merged at the running max (w = 2^(m_j - max),
 // at most 1) is rescaled with the rest of the row by every later change of the max.
 // A stage comes into registers (fetch) or into the thread's own slot of shared memory by
-// cp.async (fetch_async, kSlotBytes a thread, no barrier: the thread reads back only its own
-// copies); the pass's arrays (FwdSplitArgs) are passed to each call rather than kept.
+// cp.async (fetch_async: 16 kVecs + 8 bytes a row, kSlotBytes for all the threads; no barrier:
+// the thread reads back only its own copies); the pass's arrays (FwdSplitArgs) are passed to
+// each call rather than kept.
 template <class Element, int kHeadDim, int kRows>
 struct PartialMerge {
   using Rows = PartialRows<Element, kHeadDim>;
