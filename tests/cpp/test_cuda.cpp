@@ -2680,8 +2680,8 @@ TEST(Cuda, KlPassOption) {
 }
 
 
-// Options.fwd_pass = kAuto launches the plain query tiles and the split and the device runs one
-// (the sums of device/pass_choice.cuh): on a selection where the tokens of a query tile agree it
+// Options.fwd_pass = kAuto launches the split's kernels and the device runs the split or the plain
+// query tiles (the sums of device/pass_choice.cuh): on a selection where the tokens of a query tile agree it
 // must give the query-tile pass's bits (there the split keeps every block with the tiles and
 // gives the same bits), on one where they share little the split's (which rounds differently
 // there, as the test checks first, so that it can tell them apart); and without room for the
@@ -2742,6 +2742,47 @@ TEST(Cuda, AutoPassRunsTheChosenPass) {
     const auto no_room = run(*sel, msa::FwdPass::kAuto, false);
     EXPECT_TRUE(no_room.first.bitwise_equal(tile.first)) << name << ": kAuto without workspace";
   }
+}
+
+// The split's query tiles fetch each row's next partial into a slot of shared memory after the
+// union arrays, where those leave room (at D = Bk = 128 about 30 KB: fwd_kernel's SharedStorage
+// and the 36 KB of slots take the rest); else they merge every partial after their mainloop.
+// The arrays are sized for min(tile tokens x k, T / Bk) blocks: with Hq = Hi (128-token tiles)
+// and k = 16, 2048 blocks (41 KB) once T passes 262144 tokens. Here 2048 sequences of one
+// block and one of 8192 tokens, whose selections (random index inputs: 15 of up to 63 earlier
+// blocks drawn per token) put most of its (token, block) pairs in the KV-block pass; out and
+// lse against the CPU backend, and the split told apart from the query tiles.
+TEST(Cuda, SplitMergesWithoutSlots) {
+  SKIP_WITHOUT_CUDA();
+  std::vector<int64_t> lens(2048, 128);
+  lens.insert(lens.begin() + 1000, 8192);
+  const Config c = shape(lens, 1, 1, 128, 1, 1, 128, 128, 16, kBf16, 47);
+  if (!kernels_built(c, true, false)) GTEST_SKIP() << "kernel variant not built into this library";
+  SmallCall s(c);
+  const int64_t T = s.p.T;
+  ASSERT_GT(T, 262144);
+  HostTensor bi = s.bi.download(nullptr);
+  auto run = [&](msa::FwdPass pass) {
+    DeviceTensor out = DeviceTensor::poisoned(kBf16, {T, c.Hq, c.D}, nullptr);
+    DeviceTensor lse = DeviceTensor::poisoned(DType::kFloat32, {T, c.Hq}, nullptr);
+    msa::ForwardParams f = s.forward();
+    f.out = out.ref();
+    f.lse = lse.ref();
+    f.opts.fwd_pass = pass;
+    const size_t need = msa::workspace_size(f);
+    DeviceTensor ws(DType::kInt32, {static_cast<int64_t>((need + 3) / 4) + 1});
+    f.launch.workspace = ws.ref().data;
+    f.launch.workspace_bytes = need;
+    require_ok(msa::forward(f));
+    return std::pair{out.download(nullptr), lse.download(nullptr)};
+  };
+  const auto tile = run(msa::FwdPass::kQueryTile);
+  const auto split = run(msa::FwdPass::kSplit);
+  ASSERT_FALSE(tile.first.bitwise_equal(split.first)) << "the split kept every block with the tiles";
+  Problem wide = widened(s.p);
+  const FwdResult ref = run_forward(wide, &bi, Mode::kSparse, false);
+  expect_forward_close(split.first, split.second, ref, c.dtype, "kSplit, partials merged after the mainloop");
+  expect_forward_close(tile.first, tile.second, ref, c.dtype, "kQueryTile");
 }
 
 // ---- serving over a paged cache (docs/contract.md §6) -------------------------------------------
