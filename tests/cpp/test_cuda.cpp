@@ -2680,6 +2680,24 @@ TEST(Cuda, KlPassOption) {
 }
 
 
+// s's forward over its block_idx by `pass` into poisoned out and lse, with a workspace of
+// workspace_size bytes where `room` (else none); returns (out, lse).
+std::pair<HostTensor, HostTensor> forward_pass(SmallCall& s, msa::FwdPass pass, bool room) {
+  const Config& c = s.c;
+  DeviceTensor out = DeviceTensor::poisoned(c.dtype, {s.p.T, c.Hq, c.D}, nullptr);
+  DeviceTensor lse = DeviceTensor::poisoned(DType::kFloat32, {s.p.T, c.Hq}, nullptr);
+  msa::ForwardParams f = s.forward();
+  f.out = out.ref();
+  f.lse = lse.ref();
+  f.opts.fwd_pass = pass;
+  const size_t need = msa::workspace_size(f);
+  DeviceTensor ws(DType::kInt32, {static_cast<int64_t>((need + 3) / 4) + 1});
+  f.launch.workspace = room ? ws.ref().data : nullptr;
+  f.launch.workspace_bytes = room ? need : 0;
+  require_ok(msa::forward(f));
+  return {out.download(nullptr), lse.download(nullptr)};
+}
+
 // Options.fwd_pass = kAuto launches the split's kernels and the device runs the split or the plain
 // query tiles (the sums of device/pass_choice.cuh): on a selection where the tokens of a query tile agree it
 // must give the query-tile pass's bits (there the split keeps every block with the tiles and
@@ -2714,19 +2732,7 @@ TEST(Cuda, AutoPassRunsTheChosenPass) {
   }
   auto run = [&](HostTensor& sel, msa::FwdPass pass, bool room) {
     s.bi = DeviceTensor::upload(sel, nullptr);
-    DeviceTensor out = DeviceTensor::poisoned(kBf16, {T, c.Hq, c.D}, nullptr);
-    DeviceTensor lse = DeviceTensor::poisoned(DType::kFloat32, {T, c.Hq}, nullptr);
-    msa::ForwardParams f = s.forward();
-    f.out = out.ref();
-    f.lse = lse.ref();
-    f.opts.fwd_pass = pass;
-    const size_t need = msa::workspace_size(f);
-    DeviceTensor ws(DType::kInt32, {static_cast<int64_t>((need + 3) / 4) + 1});
-    f.launch.workspace = ws.ref().data;
-    f.launch.workspace_bytes = room ? need : 0;
-    if (!room) f.launch.workspace = nullptr;
-    require_ok(msa::forward(f));
-    return std::pair{out.download(nullptr), lse.download(nullptr)};
+    return forward_pass(s, pass, room);
   };
   for (auto [sel, kv, name] : {std::tuple{&agree, false, "agreeing tiles"},
                                       std::tuple{&scattered, true, "scattered selections"}}) {
@@ -2762,22 +2768,8 @@ TEST(Cuda, SplitMergesWithoutSlots) {
   const int64_t T = s.p.T;
   ASSERT_GT(T, 262144);
   HostTensor bi = s.bi.download(nullptr);
-  auto run = [&](msa::FwdPass pass) {
-    DeviceTensor out = DeviceTensor::poisoned(kBf16, {T, c.Hq, c.D}, nullptr);
-    DeviceTensor lse = DeviceTensor::poisoned(DType::kFloat32, {T, c.Hq}, nullptr);
-    msa::ForwardParams f = s.forward();
-    f.out = out.ref();
-    f.lse = lse.ref();
-    f.opts.fwd_pass = pass;
-    const size_t need = msa::workspace_size(f);
-    DeviceTensor ws(DType::kInt32, {static_cast<int64_t>((need + 3) / 4) + 1});
-    f.launch.workspace = ws.ref().data;
-    f.launch.workspace_bytes = need;
-    require_ok(msa::forward(f));
-    return std::pair{out.download(nullptr), lse.download(nullptr)};
-  };
-  const auto tile = run(msa::FwdPass::kQueryTile);
-  const auto split = run(msa::FwdPass::kSplit);
+  const auto tile = forward_pass(s, msa::FwdPass::kQueryTile, true);
+  const auto split = forward_pass(s, msa::FwdPass::kSplit, true);
   ASSERT_FALSE(tile.first.bitwise_equal(split.first)) << "the split kept every block with the tiles";
   Problem wide = widened(s.p);
   const FwdResult ref = run_forward(wide, &bi, Mode::kSparse, false);
