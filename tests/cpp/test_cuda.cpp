@@ -2698,8 +2698,8 @@ std::pair<HostTensor, HostTensor> forward_pass(SmallCall& s, msa::FwdPass pass, 
   return {out.download(nullptr), lse.download(nullptr)};
 }
 
-// Options.fwd_pass = kAuto launches the split's kernels and the device runs the split or the plain
-// query tiles (the sums of device/pass_choice.cuh): on a selection where the tokens of a query tile agree it
+// Options.fwd_pass = kAuto launches the plain query tiles and the split and the device runs one
+// (the sums of device/pass_choice.cuh): on a selection where the tokens of a query tile agree it
 // must give the query-tile pass's bits (there the split keeps every block with the tiles and
 // gives the same bits), on one where they share little the split's (which rounds differently
 // there, as the test checks first, so that it can tell them apart); and without room for the

@@ -18,9 +18,8 @@
 //            block, KV head) work item the KV-block pass gets (its block's K and V loaded, its
 //            entries' last one part full: what the pairs' term misses where few tokens share
 //            a block, as in a prefill of a few thousand tokens after a 1M-token prefix);
-// every kernel of the split is launched: the KV-block pass's kernels return at once where the
-// rule picks the plain query tiles, and the query-tile kernel's CTAs run the tile it picks (no
-// host sync).
+// every kernel of both is launched, and each returns at once where the rule picks the other
+// (no host sync).
 #pragma once
 
 #include <cstdint>

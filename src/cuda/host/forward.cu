@@ -146,7 +146,7 @@ Status attention_forward(const Problem& prob, const ForwardParams& p) {
   MSA_TRY(can_forward(fn, prob, p));
   const bool kv_block = kv_block_forward(prob), split = split_forward(prob);
   Plan kvp;
-  bool automatic = false;  // kAuto: the split's kernels launched, the device picks it or the plain tiles
+  bool automatic = false;  // kAuto: the plain query tiles and the split launched, the device picks
   if (kv_block || split) {
     if (split) MSA_TRY(can_split(fn, prob));
     MSA_TRY(fwd_kv_plan(fn, prob, num_seqs(p.cu_seqlens), &kvp));

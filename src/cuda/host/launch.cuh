@@ -105,7 +105,7 @@ Status launch_kv_side(const char* fn, Kernel kernel, const Args& a, cudaStream_t
 template <class Element, int kHeadDim, int kBlockN>
 Status launch_forward(const FwdArgs& a, cudaStream_t stream) {
   // scaled: K and V an E4M3 cache's codes, with its page scales; split: the instance that
-  // merges the KV-block pass's partials (the split, and kAuto, whose CTAs read its choice).
+  // merges the KV-block pass's partials.
   auto launch = [&](auto scaled, auto split) {
     using Traits = kern::FwdTraits<Element, kHeadDim, kBlockN, decltype(scaled)::value>;
     constexpr bool kSplit = decltype(split)::value;
@@ -123,6 +123,7 @@ Status launch_forward(const FwdArgs& a, cudaStream_t stream) {
   };
   auto with = [&](auto scaled) {
     if (a.split.part_o == nullptr) return launch(scaled, cute::false_type{});
+    if (a.choice != nullptr) MSA_TRY(launch(scaled, cute::false_type{}));  // kAuto: both, one returns
     return launch(scaled, cute::true_type{});
   };
   return a.kv_scale != nullptr ? with(cute::true_type{}) : with(cute::false_type{});

@@ -96,16 +96,17 @@ struct FwdParams : FwdArgs {
 // bwd_q_kernel.cuh does) made ptxas serialise the mainloop's wgmma (warning C7518: a divergent
 // path) and cost 1.6x on shared selections (paper heads, 128K: 267 against 445 TFLOP/s), more
 // than it saved on diverse ones.
-//
-// One tile: the plain query tile (kSplit false) or the split's, which merges the KV-block pass's
-// partials.
 template <class Traits, bool kSplit>
-__device__ __forceinline__ void fwd_tile(const FwdParams<Traits>& p) {
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    fwd_kernel(const __grid_constant__ FwdParams<Traits> p) {
+  grid_dependency_begin();
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kHeadDim = Traits::kHeadDim;
   using Pipeline = typename Traits::Pipeline;
 
   extern __shared__ __align__(1024) char smem_raw[];
+  // kAuto launches both instances: the one its sums did not choose returns.
+  if (p.split.part_o != nullptr && p.choice != nullptr && split_chosen(p.choice) != kSplit) return;
   const QueryTile tile = query_tile(p);
   // The tile's tokens in the pass: [j_lo, j_hi) of its rows (all of them outside passes).
   const int64_t tok0 = tile.seq_start + tile.first;
@@ -358,25 +359,6 @@ __device__ __forceinline__ void fwd_tile(const FwdParams<Traits>& p) {
       pair[1] = static_cast<Element>(O(r, c + 1));
       *reinterpret_cast<cutlass::Array<Element, 2>*>(dst + get<1>(cOrc(r, c))) = pair;
     }
-  }
-}
-
-// kMerge false: the plain query tiles (Options.fwd_pass = kQueryTile, the warmup, the LSE-only
-// mode). kMerge true: the split, and kAuto, whose CTAs each run the tile its sums chose (one
-// launch: a second instance launched beside it, returning at once where not chosen, cost its
-// CTAs' starts, about 0.5 ms at 128K tokens with the paper's heads). The two tiles are separate
-// code after one branch, so each keeps its own mainloop.
-template <class Traits, bool kMerge>
-__global__ void __launch_bounds__(Traits::kThreads, 1)
-    fwd_kernel(const __grid_constant__ FwdParams<Traits> p) {
-  grid_dependency_begin();
-  if constexpr (kMerge) {
-    if (p.choice == nullptr || split_chosen(p.choice))
-      fwd_tile<Traits, true>(p);
-    else
-      fwd_tile<Traits, false>(p);
-  } else {
-    fwd_tile<Traits, false>(p);
   }
 }
 
