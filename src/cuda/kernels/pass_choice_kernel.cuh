@@ -133,7 +133,10 @@ __global__ void pass_choice_kernel(const __grid_constant__ FwdArgs p, int32_t bk
             split += c * kKvCostNum;
             const int64_t item = (x0 + 4 * x + j) * p.Hkv + r;
             const uint32_t bit = 1u << (item & 31);
-            if ((atomicOr(seen + (item >> 5), bit) & bit) == 0u) split += kKvItemCost;
+            // An earlier tile has mostly sent the item a pair already: a read from L2 first,
+            // the atomic (whose answer counts the item once) only where the bit reads clear.
+            if ((__ldcg(seen + (item >> 5)) & bit) == 0u && (atomicOr(seen + (item >> 5), bit) & bit) == 0u)
+              split += kKvItemCost;
           }
         }
       }
