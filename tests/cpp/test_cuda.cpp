@@ -2681,8 +2681,9 @@ TEST(Cuda, KlPassOption) {
 
 
 // s's forward over its block_idx by `pass` into poisoned out and lse, with a workspace of
-// workspace_size bytes where `room` (else none); returns (out, lse).
-std::pair<HostTensor, HostTensor> forward_pass(SmallCall& s, msa::FwdPass pass, bool room) {
+// workspace_size bytes full of 0xFF (NaN floats) where `room` (else none), the value checks on
+// or off; returns (out, lse).
+std::pair<HostTensor, HostTensor> forward_pass(SmallCall& s, msa::FwdPass pass, bool room, bool check_values = true) {
   const Config& c = s.c;
   DeviceTensor out = DeviceTensor::poisoned(c.dtype, {s.p.T, c.Hq, c.D}, nullptr);
   DeviceTensor lse = DeviceTensor::poisoned(DType::kFloat32, {s.p.T, c.Hq}, nullptr);
@@ -2690,8 +2691,9 @@ std::pair<HostTensor, HostTensor> forward_pass(SmallCall& s, msa::FwdPass pass, 
   f.out = out.ref();
   f.lse = lse.ref();
   f.opts.fwd_pass = pass;
+  f.launch.check_values = check_values;
   const size_t need = msa::workspace_size(f);
-  DeviceTensor ws(DType::kInt32, {static_cast<int64_t>((need + 3) / 4) + 1});
+  DeviceTensor ws = DeviceTensor::poisoned(DType::kFloat32, {static_cast<int64_t>((need + 3) / 4) + 1}, nullptr);
   f.launch.workspace = room ? ws.ref().data : nullptr;
   f.launch.workspace_bytes = room ? need : 0;
   require_ok(msa::forward(f));
@@ -2775,6 +2777,52 @@ TEST(Cuda, SplitMergesWithoutSlots) {
   const FwdResult ref = run_forward(wide, &bi, Mode::kSparse, false);
   expect_forward_close(split.first, split.second, ref, c.dtype, "kSplit, partials merged after the mainloop");
   expect_forward_close(tile.first, tile.second, ref, c.dtype, "kQueryTile");
+}
+
+// With value checks off a row listing a block twice is the caller's to avoid (contract §3), but
+// every forward pass gives the bits of the row without the repeat: the query tiles' union counts
+// the block once, the reverse index keeps one record per (token, block), and the split's tiles
+// merge only the partials pass_choice_kernel leaves unmarked (one per block of a row; the
+// workspace is poisoned, so a repeat's slot merged as a partial would show). The last column of
+// every row set to -1, against it set to a copy of another of the row's blocks drawn at random
+// (the random index inputs' picks: mostly blocks few of a tile's 32 tokens share, so the split's
+// KV-block pass computes them).
+TEST(Cuda, RepeatedBlockCountsOnceInTheForward) {
+  SKIP_WITHOUT_CUDA();
+  const Config c = shape({2000, 700, 1}, 8, 2, 128, 2, 1, 128, 128, 8, kBf16, 51);
+  if (!kernels_built(c, true, false)) GTEST_SKIP() << "kernel variant not built into this library";
+  SmallCall s(c);
+  const int64_t T = s.p.T;
+  HostTensor bi = s.bi.download(nullptr), rep = bi;
+  std::mt19937_64 rng(13);
+  int64_t repeats = 0;
+  for (int64_t row = 0; row < T * c.Hi; ++row) {
+    const int64_t first = row * c.k, last = first + c.k - 1;
+    bi.set(last, -1);
+    std::vector<int64_t> others;  // the row's other columns that name a block
+    for (int64_t j = first; j < last; ++j)
+      if (bi.get(j) >= 0) others.push_back(j);
+    rep.set(last, others.empty() ? -1 : bi.get(others[rng() % others.size()]));
+    repeats += !others.empty();
+  }
+  ASSERT_GT(repeats, T);
+  auto run = [&](HostTensor& sel, msa::FwdPass pass) {
+    s.bi = DeviceTensor::upload(sel, nullptr);
+    return forward_pass(s, pass, true, false);
+  };
+  const auto tile = run(bi, msa::FwdPass::kQueryTile);
+  for (auto [pass, name] : {std::pair{msa::FwdPass::kQueryTile, "kQueryTile"},
+                            std::pair{msa::FwdPass::kKvBlock, "kKvBlock"}, std::pair{msa::FwdPass::kSplit, "kSplit"}}) {
+    const auto want = run(bi, pass), got = run(rep, pass);
+    if (pass == msa::FwdPass::kSplit) {
+      ASSERT_FALSE(want.first.bitwise_equal(tile.first)) << "the split kept every block with the tiles";
+      Problem wide = widened(s.p);
+      const FwdResult ref = run_forward(wide, &bi, Mode::kSparse, false);
+      expect_forward_close(want.first, want.second, ref, c.dtype, "kSplit without repeats");
+    }
+    EXPECT_TRUE(got.first.bitwise_equal(want.first)) << name << ": out with a block repeated";
+    EXPECT_TRUE(got.second.bitwise_equal(want.second)) << name << ": lse with a block repeated";
+  }
 }
 
 // ---- serving over a paged cache (docs/contract.md §6) -------------------------------------------

@@ -69,7 +69,7 @@ struct PartialRows {
 
 // A query tile's merge of the partials its rows' other blocks left (the split): each thread
 // merges those of its kRows accumulator rows into the tile's own online softmax, a stage at a
-// time: stage s holds each row's s-th partial (its slots with a sum, in column order), and a
+// time: stage s holds each row's s-th partial (its unmarked slots, in column order), and a
 // warp runs as many stages as its row with the most partials has. The softmax's max starts at
 // the rows' largest partial max, so that a partial merged at the running max (w = 2^(m_j - max),
 // at most 1) is rescaled with the rest of the row by every later change of the max.
@@ -96,35 +96,35 @@ struct PartialMerge {
   int stages = 0;  // warp-uniform
   int fetched = 0, merged = 0;
 
-  // Reads every slot's (max, sum) of the thread's rows and sets the softmax's starting max.
-  __device__ void init(const float* part_ml, int top_k, const int32_t (&pair_)[kRows], int lane,
-                       OnlineSoftmax<kRows>& sm) {
+  // The thread's rows' slots that hold a partial, from their marks (FwdSplitArgs::taken, k bytes
+  // a row: 0 where the KV-block pass wrote the slot; null: a row outside the pass), then those
+  // slots' maxima: the softmax's max starts at their largest. The marks and the partials' (max,
+  // sum) of a slot no entry wrote are never cleared, so only the unmarked slots are read.
+  __device__ void init(const float* part_ml, const uint8_t* const (&marks)[kRows], int top_k,
+                       const int32_t (&pair_)[kRows], int lane, OnlineSoftmax<kRows>& sm) {
     q = lane & 3;
-    constexpr int kChunk = 8;  // slots requested at once
-    float m0[kRows];
-    int most = 0;
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       pair[r] = pair_[r];
-      to_fetch[r] = 0u;
-      m0[r] = -INFINITY;
+      to_fetch[r] = marks[r] != nullptr ? unmarked(marks[r], top_k) : 0u;
     }
+    constexpr int kChunk = 8;  // slots requested at once
+    float m0[kRows];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) m0[r] = -INFINITY;
     for (int j0 = 0; j0 < top_k; j0 += kChunk) {
-      float2 v[kRows][kChunk];
+      float v[kRows][kChunk];
 #pragma unroll
       for (int r = 0; r < kRows; ++r)
 #pragma unroll
         for (int i = 0; i < kChunk; ++i)
-          v[r][i] = pair[r] >= 0 && j0 + i < top_k ? ml(part_ml, top_k, r)[j0 + i] : make_float2(0.f, 0.f);
+          v[r][i] = j0 + i < top_k && ((to_fetch[r] >> (j0 + i)) & 1u) ? ml(part_ml, top_k, r)[j0 + i].x : -INFINITY;
 #pragma unroll
       for (int r = 0; r < kRows; ++r)
 #pragma unroll
-        for (int i = 0; i < kChunk; ++i)
-          if (v[r][i].y > 0.f) {
-            to_fetch[r] |= 1u << (j0 + i);
-            m0[r] = fmaxf(m0[r], v[r][i].x);
-          }
+        for (int i = 0; i < kChunk; ++i) m0[r] = fmaxf(m0[r], v[r][i]);
     }
+    int most = 0;
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       if (m0[r] != -INFINITY) sm.row_max[r] = __fdividef(m0[r], sm.scale_log2);
@@ -193,6 +193,29 @@ struct PartialMerge {
   }
   __device__ const Element* po(const void* part_o, int top_k, int r) const {
     return static_cast<const Element*>(part_o) + int64_t(max(pair[r], 0)) * top_k * kHeadDim;
+  }
+  // The slots of a row of k <= 32 marks whose mark is 0, as bits (all loads issued at once;
+  // whole words where k is a multiple of 4, as the row's start then is).
+  __device__ static uint32_t unmarked(const uint8_t* row, int top_k) {
+    uint32_t bits = 0u;
+    if (top_k % 4 == 0) {
+      uint32_t w[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) w[i] = 4 * i < top_k ? reinterpret_cast<const uint32_t*>(row)[i] : ~0u;
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int x = 0; x < 4; ++x)
+          if (((w[i] >> (8 * x)) & 0xffu) == 0u) bits |= 1u << (4 * i + x);
+    } else {
+      uint8_t b[32];
+#pragma unroll
+      for (int j = 0; j < 32; ++j) b[j] = j < top_k ? row[j] : uint8_t{1};
+#pragma unroll
+      for (int j = 0; j < 32; ++j)
+        if (b[j] == 0) bits |= 1u << j;
+    }
+    return bits;
   }
   // Row r's next slot to fetch (-1: none left).
   __device__ int next(int r) {

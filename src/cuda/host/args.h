@@ -65,13 +65,15 @@ struct QueryTileArgs : SeqArgs {
 };
 
 // The split forward (Options.fwd_pass = kSplit, device/pass_choice.cuh): a query tile keeps the
-// blocks at least share_min of its tokens selected; pass_choice_kernel marks those entries in
-// `taken` (all T tokens; the KV-block pass skips them), and the tile's epilogue merges the
-// partials the KV-block pass wrote for the pass's rows. part_o null: not split.
+// blocks at least share_min of its tokens selected; pass_choice_kernel marks in `taken` (all T
+// tokens) every entry the KV-block pass does not compute (those blocks, invalid entries, a
+// block's later columns in a row), and the tile merges the partials of the rows' unmarked
+// entries, which the KV-block pass wrote (none of the (max, sum) slots is cleared before it).
+// part_o null: not split.
 struct FwdSplitArgs {
   const void* part_o = nullptr;    // FwdKvArgs::part_o of the pass
   const float* part_ml = nullptr;  // FwdKvArgs::part_ml of the pass
-  uint8_t* taken = nullptr;        // [T, Hi, k]: written by pass_choice_kernel
+  uint8_t* taken = nullptr;        // [T, Hi, k]: written by pass_choice_kernel (0: a partial)
   int32_t share_min = 0;
   // Set at launch: where the consumer threads' slots for their next partials start in the
   // kernel's shared memory (after the union arrays); 0 where they do not fit, and the tile then
@@ -338,7 +340,9 @@ struct FwdKvArgs : KvSideArgs {
   int64_t bi_s0 = 0, bi_s1 = 0;
   void* part_o = nullptr;    // [tok_hi - tok_lo, Hq, k, D] element type: unnormalised O per slot,
                              // its columns in the order of device/partials.cuh
-  float* part_ml = nullptr;  // [tok_hi - tok_lo, Hq, k, 2]: max (log2 units) and sum per slot (sum 0: no partial)
+  // [tok_hi - tok_lo, Hq, k, 2]: max (log2 units) and sum per slot; without `taken` sum 0 where
+  // there is no partial (fwd_zero_kernel clears them), with it only the unmarked slots are written
+  float* part_ml = nullptr;
   void* out = nullptr;
   int64_t o_s0 = 0, o_s1 = 0;
   float* lse = nullptr;
@@ -348,8 +352,9 @@ struct FwdKvArgs : KvSideArgs {
   float scale_log2 = 0.f;  // signed
   // kAuto: pass_choice_kernel's sums; the KV-block kernels do nothing unless they choose the split.
   const unsigned long long* choice = nullptr;
-  // The split: the query tiles take the entries marked here ([tok_hi - tok_lo, Hi, k]; the
-  // reverse index skips them) and merge the partials themselves (no combine kernel).
+  // The split: the entries marked here ([tok_hi - tok_lo, Hi, k]: the query tiles' and those
+  // with no partial) are skipped by the reverse index, and the query tiles merge the partials of
+  // the others themselves (no combine kernel).
   const uint8_t* taken = nullptr;
   const float2* kv_scale = nullptr;  // FwdArgs::kv_scale
   const float* q_factor = nullptr;   // FwdArgs::q_factor

@@ -225,12 +225,13 @@ template <class Element, int kHeadDim, int kBlockN>
 Status launch_fwd_kv(const FwdKvArgs& a, cudaStream_t stream) {
   const int64_t pairs = (a.tok_hi - a.tok_lo) * a.Hq;
   if (pairs == 0) return Status::Ok();
-  // The zeroing and the combine: grid-stride loops over a bounded grid (they return at once
-  // where kAuto chose the query tiles).
+  // The zeroing and the combine of the pass alone (the split's query tiles find the written
+  // slots from `taken` and merge them): grid-stride loops over a bounded grid.
   const auto grid = [](int64_t threads) {
     return static_cast<unsigned>(std::min<int64_t>((threads + 255) / 256, int64_t(num_sms()) * 128));
   };
-  launch_grid(kern::fwd_zero_kernel<Element>, grid(pairs * a.top_k / 2 + 1), 256, 0, stream, a);
+  if (a.taken == nullptr)
+    launch_grid(kern::fwd_zero_kernel<Element>, grid(pairs * a.top_k / 2 + 1), 256, 0, stream, a);
   // scaled: K and V an E4M3 cache's codes, with its page scales; recs: records an entry (two at
   // Gi = 2, FwdKvTraits::kRecs)
   auto launch = [&](auto scaled, auto recs) {

@@ -28,9 +28,9 @@ using CountingIt = thrust::counting_iterator<int32_t>;
 
 // The rows of tokens [t_lo, t_hi) (at most the plan's tokens). choice: kAuto's sums (none: no
 // entries where they choose the plain query-tile forward). taken: [t_hi - t_lo, Hi, k], the
-// entries the split forward's query tiles computed (skipped); null: none. paged: the keys' layout
-// (KV tiles by PagedKeys::tile_of; the plan made for them): the tokens' own, keys apart, or a
-// prefill's paged cache.
+// entries the split forward's KV-block pass does not compute (skipped); null: none. paged: the
+// keys' layout (KV tiles by PagedKeys::tile_of; the plan made for them): the tokens' own, keys
+// apart, or a prefill's paged cache.
 Status build_entries(const char* fn, const Plan& pl, const Problem& prob, const TensorRef& block_idx,
                      const int32_t* cu, int32_t nseq, int64_t t_lo, int64_t t_hi, void* ws,
                      cudaStream_t stream, kern::EntryListParams* out,

@@ -185,21 +185,24 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   }
 
   OnlineSoftmax<kRows> softmax(p.scale_log2);
-  // The split: the rows' partial slots read while Q's copies fly and the softmax's max started
-  // at their largest; once Q has landed, the first stage requested into the thread's slot.
+  // The split: the rows' marks and their partials' maxima read while Q's copies fly and the
+  // softmax's max started at the largest; once Q has landed, the first stage requested into the
+  // thread's slot.
   PartialMerge<Element, kHeadDim, kRows> partials;
   constexpr int kSlotThreads = Traits::kConsumerThreads;
   static_assert(decltype(partials)::template kSlotBytes<kSlotThreads> == Traits::kPartialSlotBytes);
   if constexpr (kSplit) {
     int32_t pair[kRows];
+    const uint8_t* marks[kRows];
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       const int row = get<0>(cSrc(r, 0));
       pair[r] = row_ok[r] ? static_cast<int32_t>((tok0 + row_tok[r] - p.tok_lo) * p.Hq + int64_t(ih) * Gi +
                                                  (row - row_tok[r] * Gi))
                           : -1;
+      marks[r] = row_ok[r] ? p.split.taken + ((tok0 + row_tok[r]) * p.Hi + ih) * p.top_k : nullptr;
     }
-    partials.init(p.split.part_ml, p.top_k, pair, tidx, softmax);
+    partials.init(p.split.part_ml, marks, p.top_k, pair, tidx, softmax);
   }
   cp_async_wait_all();
   if (p.negate) negate_head_rows<kBlockM, kHeadDim, Traits::kConsumerThreads>(sQ, tidx);

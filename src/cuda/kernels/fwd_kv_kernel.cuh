@@ -30,7 +30,9 @@
 // are the sequences' pages (PagedKeys::kv_tile) and its tokens the last new ones of each
 // sequence.
 //
-// fwd_zero_kernel clears the pass's (max, sum) slots first: a slot no entry writes keeps sum 0.
+// Alone (Options.fwd_pass = kKvBlock), fwd_zero_kernel clears the pass's (max, sum) slots first:
+// a slot no entry writes keeps sum 0. Under the split the query tiles know the written slots from
+// FwdSplitArgs::taken instead, and nothing is cleared.
 //
 // fwd_combine_kernel: D / 8 threads per (token, head): the partials of the token's slots that
 // hold one, in slot order (deterministic), out = sum w_j O_j / sum w_j l_j with
@@ -381,14 +383,14 @@ __device__ void combine_pair(const FwdKvArgs& p, int64_t g, int lane) {
 
 // The combine of the partials of (token, head) pairs of the pass [tok_lo, tok_hi): kLanes
 // threads per pair, each owning 8 elements of the head dim (16-byte loads), 8 slots' loads issued
-// before any is used; a grid-stride loop over the pairs. A slot holds a partial when its sum is
-// positive: fwd_zero_kernel zeroes the sums before the pass, and the KV pass writes one partial per distinct selected block of a token
-// (the reverse index keeps one record per block and token), whose sum is at least 1.
+// before any is used; a grid-stride loop over the pairs (the pass alone: kAuto takes the split,
+// whose query tiles merge). A slot holds a partial when its sum is positive: fwd_zero_kernel
+// zeroes the sums before the pass, and the KV pass writes one partial per distinct selected block
+// of a token (the reverse index keeps one record per block and token), whose sum is at least 1.
 template <class Element, int kHeadDim>
 __global__ void fwd_combine_kernel(const __grid_constant__ FwdKvArgs p) {
   grid_dependency_begin();
   constexpr int kLanes = kHeadDim / 8;
-  if (p.choice != nullptr && !split_chosen(p.choice)) return;
   const int lane = threadIdx.x % kLanes;
   const int64_t pairs = (p.tok_hi - p.tok_lo) * p.Hq;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x / kLanes;
@@ -397,12 +399,11 @@ __global__ void fwd_combine_kernel(const __grid_constant__ FwdKvArgs p) {
     combine_pair<Element, kHeadDim>(p, g, lane);
 }
 
-// The KV-block pass's (max, sum) slots zeroed before it runs (a slot it does not write then
-// reads as holding no partial); nothing where kAuto chose the query tiles.
+// The KV-block pass's (max, sum) slots zeroed before it runs alone (a slot it does not write then
+// reads as holding no partial to fwd_combine_kernel).
 template <class Element>
 __global__ void fwd_zero_kernel(const __grid_constant__ FwdKvArgs p) {
   grid_dependency_begin();
-  if (p.choice != nullptr && !split_chosen(p.choice)) return;
   const int64_t n = (p.tok_hi - p.tok_lo) * p.Hq * p.top_k / 2;  // float4: two slots
   float4* dst = reinterpret_cast<float4*>(p.part_ml);
   for (int64_t x = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; x < n;

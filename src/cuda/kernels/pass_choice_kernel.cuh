@@ -22,12 +22,14 @@ constexpr int kChoiceLoads = kChoiceStage / 32;
 // One warp per (tile, index head) of `p` (the query-tile forward's arguments, split set): it
 // counts the tokens selecting each block (a block repeated in a row counts once) in one byte per
 // block of the sequence (8 * bitmap_words words of shared memory per warp, then kChoiceStage
-// words for its rows), writes p.split.taken[t, ih, slot] = (the slot's block has at least
-// share_min tokens) for the tile's tokens, and adds kAuto's sums (device/pass_choice.cuh); the
-// block's warps are summed before two atomic adds. `sums` is zero before the launch, as is
-// `seen`, a bit per KV-side work item (KV tile x, KV head r: bit x * Hkv + r) set by the first
-// tile that sends it a pair. The rows are read in chunks of whole rows staged in shared memory,
-// each chunk's loads issued together (one memory latency a chunk, not one per entry).
+// words for its rows), writes p.split.taken[t, ih, slot] for the tile's tokens (0 where the
+// KV-block pass computes the slot: its block is valid, not in an earlier column of the row, and
+// has fewer than share_min tokens; 1 where the tile keeps it or no block is computed), and adds
+// kAuto's sums (device/pass_choice.cuh); the block's warps are summed before two atomic adds.
+// `sums` is zero before the launch, as is `seen`, a bit per KV-side work item (KV tile x, KV
+// head r: bit x * Hkv + r) set by the first tile that sends it a pair. The rows are read in
+// chunks of whole rows staged in shared memory, each chunk's loads issued together (one memory
+// latency a chunk, not one per entry).
 __global__ void pass_choice_kernel(const __grid_constant__ FwdArgs p, int32_t bk,
                                    unsigned long long* sums, uint32_t* seen) {
   grid_dependency_begin();
@@ -109,9 +111,11 @@ __global__ void pass_choice_kernel(const __grid_constant__ FwdArgs p, int32_t bk
           if (total > chunk) stage(e0);  // one chunk: still staged
           Pos at = first_pos(e0 + lane);
           for (int32_t e = e0 + lane; e < min(total, e0 + chunk); e += 32, step(at)) {
-            const int32_t b = block_of(e0, e, at, false);
-            const bool kept = b >= 0 && ((cw[b >> 2] >> (8 * (b & 3))) & 0xffu) >= keep;
-            p.split.taken[((tok0 + at.tok) * p.Hi + ih) * k + at.s] = kept;
+            // 0 exactly where the KV-block pass writes a partial: a valid block's first
+            // column, the block not kept
+            const int32_t b = block_of(e0, e, at, true);
+            const bool no_partial = b < 0 || ((cw[b >> 2] >> (8 * (b & 3))) & 0xffu) >= keep;
+            p.split.taken[((tok0 + at.tok) * p.Hi + ih) * k + at.s] = no_partial;
           }
         }
       }
