@@ -90,7 +90,10 @@ struct PartialMerge {
   template <int kThreads>
   static constexpr int kSlotBytes = kThreads * kRows * (16 * kVecs + 8);
 
-  int32_t pair[kRows];  // the row's (token - tok_lo) * Hq + head in the pass; -1: outside it
+  // The row's slot of column 0, ((token - tok_lo) k) Hq + head in the pass (-1: outside it); its
+  // column j's is `step` (Hq) slots further.
+  int32_t first[kRows];
+  int32_t step = 0;
   uint32_t to_fetch[kRows];
   int q = 0;       // the thread's quad lane
   int stages = 0;  // warp-uniform
@@ -100,12 +103,13 @@ struct PartialMerge {
   // a row: 0 where the KV-block pass wrote the slot; null: a row outside the pass), then those
   // slots' maxima: the softmax's max starts at their largest. The marks and the partials' (max,
   // sum) of a slot no entry wrote are never cleared, so only the unmarked slots are read.
-  __device__ void init(const float* part_ml, const uint8_t* const (&marks)[kRows], int top_k,
-                       const int32_t (&pair_)[kRows], int lane, OnlineSoftmax<kRows>& sm) {
+  __device__ void init(const float* part_ml, const uint8_t* const (&marks)[kRows], int top_k, int hq,
+                       const int32_t (&first_)[kRows], int lane, OnlineSoftmax<kRows>& sm) {
     q = lane & 3;
+    step = hq;
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
-      pair[r] = pair_[r];
+      first[r] = first_[r];
       to_fetch[r] = marks[r] != nullptr ? unmarked(marks[r], top_k) : 0u;
     }
     constexpr int kChunk = 8;  // slots requested at once
@@ -118,7 +122,7 @@ struct PartialMerge {
       for (int r = 0; r < kRows; ++r)
 #pragma unroll
         for (int i = 0; i < kChunk; ++i)
-          v[r][i] = j0 + i < top_k && ((to_fetch[r] >> (j0 + i)) & 1u) ? ml(part_ml, top_k, r)[j0 + i].x : -INFINITY;
+          v[r][i] = j0 + i < top_k && ((to_fetch[r] >> (j0 + i)) & 1u) ? ml(part_ml, r, j0 + i)->x : -INFINITY;
 #pragma unroll
       for (int r = 0; r < kRows; ++r)
 #pragma unroll
@@ -137,26 +141,26 @@ struct PartialMerge {
   __device__ bool to_come() const { return fetched < stages; }
 
   // The next stage's loads, into registers.
-  __device__ void fetch(Stage& s, const float* part_ml, const void* part_o, int top_k) {
+  __device__ void fetch(Stage& s, const float* part_ml, const void* part_o) {
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       const int j = next(r);
-      s.ml[r] = j >= 0 ? ml(part_ml, top_k, r)[j] : make_float2(0.f, 0.f);
-      Rows::load(s.o[r], j >= 0 ? po(part_o, top_k, r) + j * kHeadDim : nullptr, q);
+      s.ml[r] = j >= 0 ? *ml(part_ml, r, j) : make_float2(0.f, 0.f);
+      Rows::load(s.o[r], j >= 0 ? po(part_o, r, j) : nullptr, q);
     }
     ++fetched;
   }
   // The next stage's copies into the thread's slot (zeros where a row has none), committed.
   template <int kThreads>
-  __device__ void fetch_async(char* slot, int lane, const float* part_ml, const void* part_o, int top_k) {
+  __device__ void fetch_async(char* slot, int lane, const float* part_ml, const void* part_o) {
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       const int j = next(r);
-      const Element* src = po(part_o, top_k, r) + max(j, 0) * kHeadDim;
+      const Element* src = po(part_o, r, max(j, 0));
 #pragma unroll
       for (int k = 0; k < kVecs; ++k)
         cp_async16(slot + 16 * ((r * kVecs + k) * kThreads + lane), src + 32 * k + 8 * q, j >= 0);
-      cp_async8(slot + 16 * kRows * kVecs * kThreads + 8 * (r * kThreads + lane), ml(part_ml, top_k, r) + max(j, 0),
+      cp_async8(slot + 16 * kRows * kVecs * kThreads + 8 * (r * kThreads + lane), ml(part_ml, r, max(j, 0)),
                 j >= 0);
     }
     cp_async_commit();
@@ -188,11 +192,13 @@ struct PartialMerge {
   }
 
  private:
-  __device__ const float2* ml(const float* part_ml, int top_k, int r) const {
-    return reinterpret_cast<const float2*>(part_ml) + int64_t(max(pair[r], 0)) * top_k;
+  // Row r's column j: its (max, sum) and its partial row.
+  __device__ int64_t slot_of(int r, int j) const { return int64_t(max(first[r], 0)) + int64_t(j) * step; }
+  __device__ const float2* ml(const float* part_ml, int r, int j) const {
+    return reinterpret_cast<const float2*>(part_ml) + slot_of(r, j);
   }
-  __device__ const Element* po(const void* part_o, int top_k, int r) const {
-    return static_cast<const Element*>(part_o) + int64_t(max(pair[r], 0)) * top_k * kHeadDim;
+  __device__ const Element* po(const void* part_o, int r, int j) const {
+    return static_cast<const Element*>(part_o) + slot_of(r, j) * kHeadDim;
   }
   // The slots of a row of k <= 32 marks whose mark is 0, as bits (all loads issued at once;
   // whole words where k is a multiple of 4, as the row's start then is).

@@ -338,10 +338,13 @@ struct FwdKvArgs : KvSideArgs {
   int64_t q_s0 = 0, q_s1 = 0, k_s0 = 0, k_s1 = 0, v_s0 = 0, v_s1 = 0;
   const int32_t* block_idx = nullptr;  // [T, Hi, k]
   int64_t bi_s0 = 0, bi_s1 = 0;
-  void* part_o = nullptr;    // [tok_hi - tok_lo, Hq, k, D] element type: unnormalised O per slot,
-                             // its columns in the order of device/partials.cuh
-  // [tok_hi - tok_lo, Hq, k, 2]: max (log2 units) and sum per slot; without `taken` sum 0 where
-  // there is no partial (fwd_zero_kernel clears them), with it only the unmarked slots are written
+  // The partial slots, (token, block_idx column, head) in that order, so that the heads of a
+  // token's column (an entry's rows, a warp's rows in the tiles' merge) lie together:
+  // part_o [tok_hi - tok_lo, k, Hq, D] element type, unnormalised O, its columns in the order of
+  // device/partials.cuh; part_ml [tok_hi - tok_lo, k, Hq, 2], max (log2 units) and sum. Without
+  // `taken` the sum is 0 where there is no partial (fwd_zero_kernel clears them), with it only
+  // the unmarked slots are written.
+  void* part_o = nullptr;
   float* part_ml = nullptr;
   void* out = nullptr;
   int64_t o_s0 = 0, o_s1 = 0;

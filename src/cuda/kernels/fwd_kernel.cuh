@@ -192,23 +192,23 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   constexpr int kSlotThreads = Traits::kConsumerThreads;
   static_assert(decltype(partials)::template kSlotBytes<kSlotThreads> == Traits::kPartialSlotBytes);
   if constexpr (kSplit) {
-    int32_t pair[kRows];
+    int32_t first[kRows];  // the row's partial slot of column 0 (FwdKvArgs::part_o's layout)
     const uint8_t* marks[kRows];
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       const int row = get<0>(cSrc(r, 0));
-      pair[r] = row_ok[r] ? static_cast<int32_t>((tok0 + row_tok[r] - p.tok_lo) * p.Hq + int64_t(ih) * Gi +
-                                                 (row - row_tok[r] * Gi))
-                          : -1;
+      first[r] = row_ok[r] ? static_cast<int32_t>((tok0 + row_tok[r] - p.tok_lo) * p.top_k * p.Hq +
+                                                  int64_t(ih) * Gi + (row - row_tok[r] * Gi))
+                           : -1;
       marks[r] = row_ok[r] ? p.split.taken + ((tok0 + row_tok[r]) * p.Hi + ih) * p.top_k : nullptr;
     }
-    partials.init(p.split.part_ml, marks, p.top_k, pair, tidx, softmax);
+    partials.init(p.split.part_ml, marks, p.top_k, p.Hq, first, tidx, softmax);
   }
   cp_async_wait_all();
   if (p.negate) negate_head_rows<kBlockM, kHeadDim, Traits::kConsumerThreads>(sQ, tidx);
   if (kSplit && p.split.slot_offset != 0 && partials.to_come())
     partials.template fetch_async<kSlotThreads>(smem_raw + p.split.slot_offset, tidx, p.split.part_ml,
-                                                p.split.part_o, p.top_k);
+                                                p.split.part_o);
   cutlass::arch::fence_view_async_shared();
   // The list is built and every consumer's Q chunks have landed.
   cutlass::arch::NamedBarrier::sync(Traits::kConsumerThreads + 32,
@@ -311,7 +311,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         partials.template merge_async<Traits::kScaledKV, kSlotThreads>(O, softmax, slot, tidx);
         asm volatile("" ::: "memory");  // the slot's reads before its refill
         if (partials.to_come())
-          partials.template fetch_async<kSlotThreads>(slot, tidx, p.split.part_ml, p.split.part_o, p.top_k);
+          partials.template fetch_async<kSlotThreads>(slot, tidx, p.split.part_ml, p.split.part_o);
       }
     }
     kv.pipe_v.consumer_wait(sv);
@@ -329,7 +329,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     typename decltype(partials)::Stage group[kGroup];
 #pragma unroll
     for (int i = 0; i < kGroup; ++i)
-      if (partials.to_come()) partials.fetch(group[i], p.split.part_ml, p.split.part_o, p.top_k);
+      if (partials.to_come()) partials.fetch(group[i], p.split.part_ml, p.split.part_o);
     if (in_slot) {
       partials.template merge_async<Traits::kScaledKV, kSlotThreads>(O, softmax, smem_raw + p.split.slot_offset,
                                                                     tidx);

@@ -13,8 +13,9 @@
 //   S = Q K^T                       (SS wgmma, 64 rows x kBlockN keys),
 //   the row max over the keys the row's token sees, P = exp2(S scale_log2 - max), row sums,
 //   O = P V                         (RS wgmma, P from registers),
-// and writes O (unnormalised, element type) and (max, sum) to the partial slot of (token, head,
-// column of the block in the token's block_idx row).
+// and writes O (unnormalised, element type) and (max, sum) to the partial slot of (token, column
+// of the block in the token's block_idx row, head): the slots of a token's column are its heads
+// in a row (FwdKvArgs::part_o), so an entry's rows go out as whole 4 KB runs at Gi = 16.
 //
 // Warp roles: two warpgroups, both consumers; each owns half of the chunk's entries and its own
 // entry stream (kStages shared-memory stages of Q, cp.async issued by its own threads, synced on
@@ -269,7 +270,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         const int32_t t = row_t[a];
         int64_t slot = -1;
         if (t < en.count) {
-          slot = (int64_t(en.tok[t] - p.tok_lo) * p.Hq + head0 + row_h[a]) * p.top_k + en.slot[t];
+          slot = (int64_t(en.tok[t] - p.tok_lo) * p.top_k + en.slot[t]) * p.Hq + head0 + row_h[a];
           *reinterpret_cast<float2*>(p.part_ml + 2 * slot) = make_float2(m[a], lsum);
         }
         row_slot[row] = slot;
@@ -335,11 +336,13 @@ __device__ void combine_pair(const FwdKvArgs& p, int64_t g, int lane) {
   constexpr int kMaxSlots = 32;  // can_fwd_kv: top_k <= 32
   const int64_t t = p.tok_lo + g / p.Hq;
   const int32_t h = static_cast<int32_t>(g % p.Hq);
-  const float2* ml = reinterpret_cast<const float2*>(p.part_ml) + g * p.top_k;
+  // The pair's column j: slot ((t - tok_lo) k + j) Hq + h.
+  const int64_t first = (t - p.tok_lo) * p.top_k * p.Hq + h;
+  const auto ml = [&](int j) { return reinterpret_cast<const float2*>(p.part_ml)[first + int64_t(j) * p.Hq]; };
   uint32_t valid = 0;
   float mx = -INFINITY;
   for (int j = 0; j < p.top_k; ++j) {
-    const float2 v = ml[j];
+    const float2 v = ml(j);
     if (v.y > 0.f) {
       valid |= 1u << j;
       mx = fmaxf(mx, v.x);
@@ -349,17 +352,18 @@ __device__ void combine_pair(const FwdKvArgs& p, int64_t g, int lane) {
 #pragma unroll
   for (int x = 0; x < 8; ++x) acc[x] = 0.f;
   float sum = 0.f;
-  const Element* po = as<Element>(p.part_o) + g * p.top_k * kHeadDim + lane * 8;
+  const Element* po = as<Element>(p.part_o) + first * kHeadDim + lane * 8;
 #pragma unroll 1
   for (int j0 = 0; j0 < kMaxSlots && (valid >> j0) != 0u; j0 += 8) {
     uint4 val[8];
 #pragma unroll
     for (int u = 0; u < 8; ++u)
-      if ((valid >> (j0 + u)) & 1u) val[u] = *reinterpret_cast<const uint4*>(po + int64_t(j0 + u) * kHeadDim);
+      if ((valid >> (j0 + u)) & 1u)
+        val[u] = *reinterpret_cast<const uint4*>(po + int64_t(j0 + u) * p.Hq * kHeadDim);
 #pragma unroll
     for (int u = 0; u < 8; ++u) {
       if (!((valid >> (j0 + u)) & 1u)) continue;
-      const float2 v = ml[j0 + u];
+      const float2 v = ml(j0 + u);
       const float wj = fast_exp2(v.x - mx);
       sum += wj * v.y;
       const Element* e = reinterpret_cast<const Element*>(&val[u]);
