@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <string>
 
 #include "common.h"
@@ -806,6 +807,10 @@ Status fwd_kv_plan(const char* fn, const Problem& prob, int32_t nseq, Plan* pl, 
     const int64_t per_token = int64_t(prob.Hq) * prob.k * (2 * int64_t(prob.D) + 8);
     tokens = std::max<int64_t>(1, (int64_t(8) << 30) / std::max<int64_t>(per_token, 1));
   }
+  // A pass's partial slots are numbered in 32 bits (fwd_kernel's merge: the row's slot of
+  // column 0); a workspace that large (over 2^31 slots of 2 D + 8 bytes) would not fit a GPU anyway.
+  const int64_t slots_per_token = std::max<int64_t>(1, int64_t(prob.Hq) * prob.k);
+  tokens = std::min<int64_t>(tokens, std::numeric_limits<int32_t>::max() / slots_per_token);
   tokens = std::max<int64_t>(1, std::min<int64_t>(tokens, prob.T));
   return make_plan(fn, prob, nseq, /*sparse=*/true, /*main=*/false, /*kl=*/false, /*grad=*/false, pl,
                    tokens, 0, paged_kv_tiles);
