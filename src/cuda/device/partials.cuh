@@ -25,6 +25,14 @@ __host__ __device__ constexpr int partial_pos(int col) {
   return (col & ~31) | ((col & 6) << 2) | ((col >> 2) & 6) | (col & 1);
 }
 
+// The slot of (token, block_idx column, head) in a pass of tokens from tok_lo
+// (FwdKvArgs::part_o, part_ml): a token's slots are its columns in order, each column its Hq heads
+// in a row, so that column j + 1 of a (token, head) is hq slots further.
+__host__ __device__ constexpr int64_t partial_slot(int64_t token, int64_t tok_lo, int top_k, int column,
+                                                   int hq, int head) {
+  return ((token - tok_lo) * top_k + column) * hq + head;
+}
+
 template <class Element, int kHeadDim>
 struct PartialRows {
   static_assert(kHeadDim % 32 == 0);

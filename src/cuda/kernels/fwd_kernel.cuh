@@ -197,8 +197,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       const int row = get<0>(cSrc(r, 0));
-      first[r] = row_ok[r] ? static_cast<int32_t>((tok0 + row_tok[r] - p.tok_lo) * p.top_k * p.Hq +
-                                                  int64_t(ih) * Gi + (row - row_tok[r] * Gi))
+      first[r] = row_ok[r] ? static_cast<int32_t>(partial_slot(tok0 + row_tok[r], p.tok_lo, p.top_k, 0, p.Hq,
+                                                               ih * Gi + (row - row_tok[r] * Gi)))
                            : -1;
       marks[r] = row_ok[r] ? p.split.taken + ((tok0 + row_tok[r]) * p.Hi + ih) * p.top_k : nullptr;
     }

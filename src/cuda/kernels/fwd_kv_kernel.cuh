@@ -270,7 +270,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         const int32_t t = row_t[a];
         int64_t slot = -1;
         if (t < en.count) {
-          slot = (int64_t(en.tok[t] - p.tok_lo) * p.top_k + en.slot[t]) * p.Hq + head0 + row_h[a];
+          slot = partial_slot(en.tok[t], p.tok_lo, p.top_k, en.slot[t], p.Hq, head0 + row_h[a]);
           *reinterpret_cast<float2*>(p.part_ml + 2 * slot) = make_float2(m[a], lsum);
         }
         row_slot[row] = slot;
@@ -336,8 +336,8 @@ __device__ void combine_pair(const FwdKvArgs& p, int64_t g, int lane) {
   constexpr int kMaxSlots = 32;  // can_fwd_kv: top_k <= 32
   const int64_t t = p.tok_lo + g / p.Hq;
   const int32_t h = static_cast<int32_t>(g % p.Hq);
-  // The pair's column j: slot ((t - tok_lo) k + j) Hq + h.
-  const int64_t first = (t - p.tok_lo) * p.top_k * p.Hq + h;
+  // The pair's column j: `first` + j Hq.
+  const int64_t first = partial_slot(t, p.tok_lo, p.top_k, 0, p.Hq, h);
   const auto ml = [&](int j) { return reinterpret_cast<const float2*>(p.part_ml)[first + int64_t(j) * p.Hq]; };
   uint32_t valid = 0;
   float mx = -INFINITY;
