@@ -67,15 +67,40 @@ import msa
 from msa.nn import MSAAttention
 
 Tensor = torch.Tensor
-FILLER0 = 4  # token ids: 0 pad, 1 KEY, 2 QUERY, 3 ANSWER-slot; fillers, keys and values after
+FILLER0 = 4  # token ids: 0 BOS, 1 KEY, 2 QUERY, 3 ANSWER-slot; fillers, keys and values after
+BOS = 0
 
 
-def needle_batch(B: int, L: int, vocab: int, queries: int, gen: torch.Generator, device):
-    """The needle task: filler tokens from the bottom half of the vocabulary, one value token
-    from the top half at a random position before the last `queries` tokens, which are all ANS:
-    the model must answer that value at each of them. Returns what batch() does."""
+def filler(B: int, L: int, vocab: int, kind: str, gen: torch.Generator) -> Tensor:
+    """Filler token ids [B, L] from the bottom half of the vocabulary. "random": independent
+    uniform tokens (nothing to predict, so nothing for the attention of a filler row to learn);
+    "words": runs of 16-64 tokens, each a random word of 2-8 distinct tokens repeated, so that
+    after a run's first word every token is the one a word length back: predicting it needs the
+    last few tokens (a previous-token and an induction head), the local attention of text."""
     half = FILLER0 + (vocab - FILLER0) // 2
-    x = torch.randint(FILLER0, half, (B, L), generator=gen)
+    if kind == "random":
+        return torch.randint(FILLER0, half, (B, L), generator=gen)
+    n = half - FILLER0
+    lo_run, hi_run, lo_len, hi_len = 16, 64, 2, min(8, n)
+    runs = L // lo_run + 1
+    length = torch.randint(lo_run, hi_run + 1, (B, runs), generator=gen)
+    start = length.cumsum(1) - length                                     # [B, runs]
+    pos = torch.arange(L).expand(B, L).contiguous()
+    run = torch.searchsorted(start, pos, right=True) - 1                  # [B, L]
+    offset = pos - start.gather(1, run)
+    period = torch.randint(lo_len, hi_len + 1, (B, runs), generator=gen).gather(1, run)
+    words = torch.rand(B, runs, n, generator=gen).argsort(-1)[..., :hi_len] + FILLER0
+    return words.gather(1, run[..., None].expand(B, L, hi_len)).gather(
+        2, (offset % period)[..., None]).squeeze(-1)
+
+
+def needle_batch(B: int, L: int, vocab: int, queries: int, gen: torch.Generator, device,
+                 filler_kind: str = "random"):
+    """The needle task: filler tokens from the bottom half of the vocabulary (filler()), one
+    value token from the top half at a random position before the last `queries` tokens, which
+    are all ANS: the model must answer that value at each of them. Returns what batch() does."""
+    half = FILLER0 + (vocab - FILLER0) // 2
+    x = filler(B, L, vocab, filler_kind, gen)
     vals = torch.randint(half, vocab, (B, 1), generator=gen)
     pos = torch.randint(0, L - queries, (B, 1), generator=gen)
     x.scatter_(1, pos, vals)
@@ -86,19 +111,29 @@ def needle_batch(B: int, L: int, vocab: int, queries: int, gen: torch.Generator,
 
 
 def make_batch(args, B: int, L: int, gen: torch.Generator, device):
+    """A batch of the task; with --bos, its sequences are a BOS token and L - 1 tokens of it."""
+    n = L - 1 if args.bos else L
     if args.task == "needle":
-        return needle_batch(B, L, args.vocab, args.queries, gen, device)
-    return batch(B, L, args.vocab, args.pairs, args.queries, gen, device)
+        x, target, ans_pos, value_pos = needle_batch(B, n, args.vocab, args.queries, gen, device,
+                                                     args.filler)
+    else:
+        x, target, ans_pos, value_pos = batch(B, n, args.vocab, args.pairs, args.queries, gen,
+                                              device, args.filler)
+    if not args.bos:
+        return x, target, ans_pos, value_pos
+    x = torch.cat([torch.full((B, 1), BOS, dtype=x.dtype, device=x.device), x], 1)
+    return x, target, ans_pos + 1, value_pos + 1
 
 
-def batch(B: int, L: int, vocab: int, pairs: int, queries: int, gen: torch.Generator, device):
+def batch(B: int, L: int, vocab: int, pairs: int, queries: int, gen: torch.Generator, device,
+          filler_kind: str = "random"):
     """Token ids [B, L]; the answers [B, queries]; the positions of the ANS tokens [queries]
     (the same in every sequence) and of the answers' value tokens [B, queries]. Keys (distinct
     within a sequence) and values come from the top half of the vocabulary, fillers from the
-    bottom half."""
+    bottom half (filler())."""
     half = FILLER0 + (vocab - FILLER0) // 2
     assert pairs <= vocab - half and queries <= pairs
-    x = torch.randint(FILLER0, half, (B, L), generator=gen)
+    x = filler(B, L, vocab, filler_kind, gen)
     keys = torch.stack([torch.randperm(vocab - half, generator=gen)[:pairs] for _ in range(B)]) + half
     vals = torch.randint(half, vocab, (B, pairs), generator=gen)
     slots = (L - 3 * queries) // 3
@@ -159,8 +194,9 @@ class Model(nn.Module):
         y = attn.o_proj(o.transpose(1, 2).reshape(B * L, -1))
         return y.view(B, L, -1), h.new_zeros((), dtype=torch.float32)
 
-    def forward(self, x: Tensor, ans_pos: Tensor):
-        """Logits at the answer positions [B, len(ans_pos), vocab] and the layers' KL sum."""
+    def forward(self, x: Tensor, ans_pos: Tensor, lm: bool = False):
+        """Logits at the answer positions [B, len(ans_pos), vocab] and the layers' KL sum; with
+        `lm`, also the next-token loss over the filler (lm_loss())."""
         B, L = x.shape
         h = self.emb(x)
         aux = h.new_zeros((), dtype=torch.float32)
@@ -169,7 +205,21 @@ class Model(nn.Module):
             h = h + a
             h = h + b.mlp(b.n2(h))
             aux = aux + kl
-        return self.head(self.norm(h[:, ans_pos])), aux
+        h = self.norm(h)
+        logits = self.head(h[:, ans_pos])
+        if not lm:
+            return logits, aux
+        return logits, aux, lm_loss(self.head(h[:, :-1]), x)
+
+
+def lm_loss(logits: Tensor, x: Tensor) -> Tensor:
+    """Next-token cross entropy of logits [B, L - 1, vocab] over the positions whose next token
+    is filler and follows filler (not the needle, keys, values or the answer slots)."""
+    half = FILLER0 + (logits.shape[-1] - FILLER0) // 2
+    is_filler = (x >= FILLER0) & (x < half)
+    keep = (is_filler[:, 1:] & is_filler[:, :-1]).flatten()
+    ce = F.cross_entropy(logits.flatten(0, 1).float(), x[:, 1:].flatten(), reduction="none")
+    return (ce * keep).sum() / keep.sum().clamp(min=1)
 
 
 def selection_recall(pi: Tensor, sel: Tensor, rows: Tensor, block: int):
@@ -209,7 +259,8 @@ def recall(model: Model, x: Tensor, ans_pos: Tensor, value_pos: Tensor, max_rows
     blocks: what a perfect index would hold), "score" and "block" (the paper's score and block
     recall against that top-k), "chance" (the same mass for a uniform teacher: the selected
     share of each row's causal keys), and "answer" (the share of (layer, answer) where the ANS
-    token's selection holds the block of the answer's value). The means are over query rows:
+    token's selection holds the block of the answer's value); also each layer's mass, oracle,
+    score and chance (key "mass_l0", ...). The means are over query rows:
     every row when L <= max_rows, else an evenly strided sample of max_rows rows (an unbiased
     estimate); the dense teacher of those rows is computed `chunk` rows at a time."""
     x, value_pos = x[:2], value_pos[:2]
@@ -250,7 +301,10 @@ def recall(model: Model, x: Tensor, ans_pos: Tensor, value_pos: Tensor, max_rows
         a_out, _ = a(hn.view(B, L, -1))
         h = h + a_out
         h = h + b.mlp(b.n2(h))
-    return {key: sum(v) / len(v) for key, v in out.items()}
+    res = {key: sum(v) / len(v) for key, v in out.items()}
+    for key in ("mass", "oracle", "score", "chance"):  # and each layer's (recall_mass_l0, ...)
+        res.update({f"{key}_l{n}": v for n, v in enumerate(out[key])})
+    return res
 
 
 def evaluate(model: Model, data, kind: str, mode: str):
@@ -259,10 +313,11 @@ def evaluate(model: Model, data, kind: str, mode: str):
     for b in model.blocks:
         b.attn.kl_value = True
     with torch.no_grad():
-        logits, aux = model(x, ans_pos)
+        logits, aux, lm = model(x, ans_pos, lm=True)
     for b in model.blocks:
         b.attn.kl_value = False
     row = dict(loss=float(F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())),
+               lm_loss=float(lm),
                acc=float((logits.argmax(-1) == target).float().mean()),
                kl=float(aux) / (len(model.blocks) * model.blocks[0].attn.kl_weight or 1.0))
     if kind == "msa":
@@ -356,7 +411,12 @@ def run(args) -> Dict:
             for g in opt.param_groups:
                 g["lr"] = lr_at(args, step, L) * g["lr_mult"]
             with amp():
-                logits, aux = train_fwd(x, ans_pos)
+                if args.lm_weight > 0:
+                    logits, aux, lm = train_fwd(x, ans_pos, lm=True)
+                    aux = aux + args.lm_weight * lm
+                else:
+                    logits, aux = train_fwd(x, ans_pos)
+                    lm = torch.zeros(())
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
             opt.zero_grad(set_to_none=True)
             (loss + aux).backward()
@@ -370,7 +430,8 @@ def run(args) -> Dict:
                 recent = sorted(t for t, n in times[-args.eval_every:] if n == L)
                 mode = model.blocks[0].attn.mode  # evaluated as trained at this step
                 row = dict(model=name, step=step, mode="dense" if name == "dense" else mode,
-                           train_loss=float(loss.detach()), train_len=L, batch=batch_at(args, L),
+                           train_loss=float(loss.detach()), train_lm=float(lm.detach()),
+                           train_len=L, batch=batch_at(args, L),
                            step_ms=1e3 * recent[len(recent) // 2])
                 with amp():
                     row.update(evaluate(model, evals, "dense" if name == "dense" else "msa", mode))
@@ -465,6 +526,15 @@ def main(argv=None) -> int:
                    help="needle: one value token somewhere, answered at each of the last "
                         "--queries tokens; mqar: "
                         "multi-query associative recall over (KEY k v) pairs")
+    p.add_argument("--filler", choices=["random", "words"], default="random",
+                   help="random: independent filler tokens; words: repeated short words, "
+                        "whose next token a model predicts from the last few (with --lm-weight)")
+    p.add_argument("--lm-weight", type=float, default=0.0,
+                   help="weight of a next-token loss over the filler added to the answer loss "
+                        "(0: the answer loss alone, and the filler rows' attention is untrained)")
+    p.add_argument("--bos", action="store_true",
+                   help="start every sequence with a BOS token (a place for heads with nothing "
+                        "to attend to: the attention sink of trained language models)")
     p.add_argument("--pairs", type=int, default=64)
     p.add_argument("--queries", type=int, default=8)
     p.add_argument("--d-model", type=int, default=64)

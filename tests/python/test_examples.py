@@ -173,3 +173,60 @@ def test_train_retrieval_select_scores(monkeypatch):
     out = _eval_rows(_script(), ["--tiny", "--models", "sparse", "--select-scores", "fp8"])
     assert seen and set(seen) == {"fp8"}
     assert out[-1]["loss"] < out[0]["loss"]
+
+
+def test_train_retrieval_words_filler():
+    """--filler words: filler ids in the bottom half, made of runs of a short word of distinct
+    tokens repeated, so that most tokens equal the one a word length (2-8) back and almost none
+    the one just before; random filler has neither property."""
+    mod = _script()
+    gen = torch.Generator().manual_seed(0)
+    half = mod.FILLER0 + (64 - mod.FILLER0) // 2
+
+    def shares(x):
+        back = torch.stack([x[:, 8:] == x[:, 8 - d: x.shape[1] - d] for d in range(2, 9)]).any(0)
+        return back.float().mean().item(), (x[:, 1:] == x[:, :-1]).float().mean().item()
+
+    words = mod.filler(4, 4000, 64, "words", gen)
+    assert words.shape == (4, 4000) and int(words.min()) >= mod.FILLER0 and int(words.max()) < half
+    periodic, repeat = shares(words)
+    assert periodic > 0.8 and repeat < 0.05, (periodic, repeat)
+    periodic, repeat = shares(mod.filler(4, 4000, 64, "random", gen))
+    assert periodic < 0.35 and repeat > 0.01, (periodic, repeat)
+
+
+def test_train_retrieval_lm_loss_and_bos():
+    """lm_loss counts only filler-after-filler targets: perfect logits there give 0 whatever the
+    other positions' logits are, uniform logits give ln(vocab); --bos puts BOS at position 0 and
+    shifts the answer and value positions with the sequence."""
+    mod = _script()
+    args = type("A", (), dict(task="needle", vocab=64, queries=3, filler="words", bos=True))()
+    x, target, ans_pos, value_pos = mod.make_batch(args, 2, 300, torch.Generator().manual_seed(1),
+                                                   torch.device("cpu"))
+    assert x.shape == (2, 300) and bool((x[:, 0] == mod.BOS).all())
+    assert bool((x[:, ans_pos] == 3).all()) and int(ans_pos[-1]) == 299
+    assert bool((x.gather(1, value_pos) == target).all())
+    logits = torch.full((2, 299, 64), -30.0)
+    logits.scatter_(2, x[:, 1:, None], 30.0)  # right everywhere ...
+    half = mod.FILLER0 + 30
+    counted = ((x[:, 1:] >= mod.FILLER0) & (x[:, 1:] < half) & (x[:, :-1] >= mod.FILLER0)
+               & (x[:, :-1] < half))
+    logits[~counted] = torch.randn(int((~counted).sum()), 64) * 30  # ... but where not counted
+    assert mod.lm_loss(logits, x).item() < 1e-6
+    assert math.isclose(mod.lm_loss(torch.zeros(2, 299, 64), x).item(), math.log(64), rel_tol=1e-6)
+    logits[0, 5] = 0.0  # a counted position (filler follows filler there) now uniform
+    assert bool(counted[0, 5])
+    assert math.isclose(mod.lm_loss(logits, x).item(), math.log(64) / int(counted.sum()), rel_tol=1e-5)
+
+
+def test_train_retrieval_words_lm_tiny():
+    """The tiny run with the next-token loss over word filler and a BOS token: both losses are
+    reported and finite, each layer's recall is reported and its means are the layers' means."""
+    rows = _eval_rows(_script(), ["--tiny", "--models", "warmup", "--filler", "words",
+                                  "--lm-weight", "1", "--bos"])
+    for r in rows:
+        assert math.isfinite(r["lm_loss"]) and math.isfinite(r["train_lm"]) and r["train_lm"] > 0
+        for key in ("mass", "oracle", "score", "chance"):
+            per = [r[f"recall_{key}_l0"], r[f"recall_{key}_l1"]]
+            assert math.isclose(r[f"recall_{key}"], sum(per) / 2, rel_tol=1e-6), key
+    assert rows[-1]["lm_loss"] < rows[0]["lm_loss"]
