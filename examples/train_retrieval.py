@@ -12,6 +12,9 @@ vocabulary, one value token from the top half at a random place, and the last --
 all ANS: at each of them the model must answer the value, which sits up to a whole sequence
 earlier, so attention must reach far back and a good index branch must select the needle's
 block. --task mqar is multi-query associative recall (KEY k v pairs, QUERY k ANS at the end).
+The filler is random and carries no loss by default, so a filler row's attention learns nothing;
+--filler words with --lm-weight makes it repeated short words and adds a next-token loss over
+them (local attention, as in text), and --bos starts every sequence with a BOS token.
 Training starts on short sequences (--curriculum) and ends at --seq-len; every evaluation is at
 --seq-len. Weights are float32; on the GPU the model runs under bf16 autocast.
 
@@ -21,6 +24,8 @@ of the dense teacher's attention mass that the selected blocks hold (recall_mass
 own top-k blocks hold (recall_oracle, what a perfect index would reach), the paper's score and
 block recall against that top-k (recall_score, recall_block), and how often the block holding the
 answer's value is selected for the ANS tokens (recall_answer: any index head, mean over layers);
+each layer's mass, oracle, score and chance (recall_mass_l0, ...); the next-token loss of the
+filler (lm_loss, with the training's train_lm);
 the step time of each model. At the end, the trained warmup model's block_idx of its layers at
 the training length is saved (PREFIX_block_idx.pt) for the kernel benchmarks.
 
