@@ -585,6 +585,8 @@ def main(argv=None) -> int:
         args.steps, args.warmup_steps, args.eval_every = 36, 24, 12
         args.curriculum = [(48, 6)]
         args.lr_warmup = 4
+    if args.filler == "words" and (args.vocab - FILLER0) // 2 < 2:
+        p.error(f"--vocab {args.vocab}: --filler words needs at least 8 (two filler tokens for a word)")
     result = run(args)
     if args.out:
         write_report(args.out, result)

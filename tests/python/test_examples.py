@@ -194,6 +194,14 @@ def test_train_retrieval_words_filler():
     periodic, repeat = shares(mod.filler(4, 4000, 64, "random", gen))
     assert periodic < 0.35 and repeat > 0.01, (periodic, repeat)
 
+def test_train_retrieval_words_filler_needs_a_vocabulary(capsys):
+    """--filler words with too small a vocabulary for a word of two distinct tokens: a usage
+    error naming --vocab, before anything is built."""
+    import pytest
+    with pytest.raises(SystemExit):
+        _script().main(["--device", "cpu", "--filler", "words", "--vocab", "7"])
+    assert "--vocab 7" in capsys.readouterr().err
+
 
 def test_train_retrieval_lm_loss_and_bos():
     """lm_loss counts only filler-after-filler targets: perfect logits there give 0 whatever the
