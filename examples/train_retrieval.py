@@ -15,6 +15,8 @@ block. --task mqar is multi-query associative recall (KEY k v pairs, QUERY k ANS
 The filler is random and carries no loss by default, so a filler row's attention learns nothing;
 --filler words with --lm-weight makes it repeated short words and adds a next-token loss over
 them (local attention, as in text), and --bos starts every sequence with a BOS token.
+--dense-layers N keeps the first N layers dense in the MSA models, as MiniMax's production
+models keep their first layers dense; the KL and the recall then cover the other layers.
 Training starts on short sequences (--curriculum) and ends at --seq-len; every evaluation is at
 --seq-len. Weights are float32; on the GPU the model runs under bf16 autocast.
 
@@ -167,12 +169,16 @@ class Block(nn.Module):
 
 class Model(nn.Module):
     """Embedding, layers of (attention, MLP) with pre-norm residuals, an output head. `kind`:
-    "dense" runs SDPA on the attention layer's own q, k, v projections; "msa" runs the layer."""
+    "dense" runs SDPA on the attention layer's own q, k, v projections; "msa" runs the layer.
+    The first `dense_layers` layers run SDPA in every kind (MiniMax's production models keep
+    their first layers dense, paper.md: `sparse_attention_freq`); their index projections are
+    unused."""
 
     def __init__(self, vocab: int, d: int, layers: int, heads: int, kv_heads: int, block: int,
                  top_k: int, kl_weight: float, head_dim=None, idx_heads=None,
-                 select_scores: str = "input"):
+                 select_scores: str = "input", dense_layers: int = 0):
         super().__init__()
+        self.dense_layers = dense_layers
         self.emb = nn.Embedding(vocab, d)
         self.blocks = nn.ModuleList(
             Block(d, MSAAttention(d, heads, kv_heads, head_dim=head_dim, n_idx_heads=idx_heads,
@@ -183,13 +189,18 @@ class Model(nn.Module):
         self.head = nn.Linear(d, vocab)
         self.kind = "msa"
 
+    def msa_layers(self) -> List[int]:
+        """The layers that run MSA when kind is "msa"."""
+        return list(range(self.dense_layers, len(self.blocks)))
+
     def set_mode(self, kind: str, mode: str = "sparse"):
         self.kind = kind
         for b in self.blocks:
             b.attn.set_mode(mode)
 
-    def attend(self, attn: MSAAttention, h: Tensor, B: int, L: int):
-        if self.kind == "msa":
+    def attend(self, attn: MSAAttention, h: Tensor, B: int, L: int, n: int):
+        """Layer n's attention of h [B * L, d]: (output [B, L, d], KL term)."""
+        if self.kind == "msa" and n >= self.dense_layers:
             return attn(h.view(B, L, -1))
         q, k, v, _, _ = attn.project(h, torch.arange(B + 1, device=h.device, dtype=torch.int32) * L,
                                      index=False)
@@ -205,8 +216,8 @@ class Model(nn.Module):
         B, L = x.shape
         h = self.emb(x)
         aux = h.new_zeros((), dtype=torch.float32)
-        for b in self.blocks:
-            a, kl = self.attend(b.attn, b.n1(h).reshape(B * L, -1), B, L)
+        for n, b in enumerate(self.blocks):
+            a, kl = self.attend(b.attn, b.n1(h).reshape(B * L, -1), B, L, n)
             h = h + a
             h = h + b.mlp(b.n2(h))
             aux = aux + kl
@@ -258,7 +269,7 @@ def selection_recall(pi: Tensor, sel: Tensor, rows: Tensor, block: int):
 @torch.no_grad()
 def recall(model: Model, x: Tensor, ans_pos: Tensor, value_pos: Tensor, max_rows: int = 8192,
            chunk: int = 1024):
-    """How well the MSA layers' selections cover their dense teachers on (at most two of)
+    """How well the MSA layers' selections (not --dense-layers') cover their dense teachers on (at most two of)
     sequences x [B, L]: the means over layers of selection_recall's "mass" (the dense teacher's
     attention mass in the selected blocks), "oracle" (the mass in the teacher's own top-k
     blocks: what a perfect index would hold), "score" and "block" (the paper's score and block
@@ -274,9 +285,14 @@ def recall(model: Model, x: Tensor, ans_pos: Tensor, value_pos: Tensor, max_rows
     out: Dict[str, List[float]] = {}
     cu = torch.arange(B + 1, device=x.device, dtype=torch.int32) * L
     rows = torch.arange(0, L, max(1, L // max_rows), device=x.device)
-    for b in model.blocks:
+    layers = model.msa_layers()
+    for n, b in enumerate(model.blocks):
         a = b.attn
         hn = b.n1(h).reshape(B * L, -1)
+        if n not in layers:  # a dense layer: no index branch to measure
+            h = h + model.attend(a, hn, B, L, n)[0]
+            h = h + b.mlp(b.n2(h))
+            continue
         q, k, _, qi, ki = a.project(hn, cu)
         bi = msa.select_blocks(qi, ki, a.top_k, a.block_size, cu_seqlens=cu,
                                sink_blocks=a.sink_blocks, local_blocks=a.local_blocks)
@@ -308,7 +324,7 @@ def recall(model: Model, x: Tensor, ans_pos: Tensor, value_pos: Tensor, max_rows
         h = h + b.mlp(b.n2(h))
     res = {key: sum(v) / len(v) for key, v in out.items()}
     for key in ("mass", "oracle", "score", "chance"):  # and each layer's (recall_mass_l0, ...)
-        res.update({f"{key}_l{n}": v for n, v in enumerate(out[key])})
+        res.update({f"{key}_l{n}": v for n, v in zip(layers, out[key])})
     return res
 
 
@@ -324,7 +340,7 @@ def evaluate(model: Model, data, kind: str, mode: str):
     row = dict(loss=float(F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())),
                lm_loss=float(lm),
                acc=float((logits.argmax(-1) == target).float().mean()),
-               kl=float(aux) / (len(model.blocks) * model.blocks[0].attn.kl_weight or 1.0))
+               kl=float(aux) / (len(model.msa_layers()) * model.blocks[-1].attn.kl_weight or 1.0))
     if kind == "msa":
         row.update({"recall_" + key: v for key, v in recall(model, x, ans_pos, value_pos).items()})
     return row
@@ -379,7 +395,8 @@ def run(args) -> Dict:
     # and the attention run in bf16 under autocast.
     base = Model(args.vocab, args.d_model, args.layers, args.heads, args.kv_heads,
                  args.block_size, args.top_k, args.kl_weight, args.head_dim or None,
-                 args.idx_heads or None, args.select_scores).to(device=device)
+                 args.idx_heads or None, args.select_scores,
+                 args.dense_layers).to(device=device)
     amp = ((lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda"
            else contextlib.nullcontext)
     init = {k: v.clone() for k, v in base.state_dict().items()}
@@ -433,7 +450,7 @@ def run(args) -> Dict:
             if step % args.eval_every == 0 or step == args.steps:
                 # the median step of the window at this step's length (a stage may start inside it)
                 recent = sorted(t for t, n in times[-args.eval_every:] if n == L)
-                mode = model.blocks[0].attn.mode  # evaluated as trained at this step
+                mode = model.blocks[-1].attn.mode  # evaluated as trained at this step
                 row = dict(model=name, step=step, mode="dense" if name == "dense" else mode,
                            train_loss=float(loss.detach()), train_lm=float(lm.detach()),
                            train_len=L, batch=batch_at(args, L),
@@ -454,7 +471,7 @@ def run(args) -> Dict:
 
 @torch.no_grad()
 def save_selection(model: Model, x: Tensor, path: str):
-    """block_idx [T, Hi, k] of each layer on the first evaluation sequence."""
+    """block_idx [T, Hi, k] of each MSA layer on the first evaluation sequence."""
     x = x[:1]
     B, L = x.shape
     cu = torch.tensor([0, L], device=x.device, dtype=torch.int32)
@@ -463,11 +480,12 @@ def save_selection(model: Model, x: Tensor, path: str):
     for n, b in enumerate(model.blocks):
         a = b.attn
         hn = b.n1(h).reshape(L, -1)
-        _, _, _, qi, ki = a.project(hn, cu)
-        out[f"layer{n}"] = msa.select_blocks(qi, ki, a.top_k, a.block_size, cu_seqlens=cu,
-                                             sink_blocks=a.sink_blocks,
-                                             local_blocks=a.local_blocks).cpu()
-        h = h + a(hn.view(1, L, -1))[0]
+        if n in model.msa_layers():
+            _, _, _, qi, ki = a.project(hn, cu)
+            out[f"layer{n}"] = msa.select_blocks(qi, ki, a.top_k, a.block_size, cu_seqlens=cu,
+                                                 sink_blocks=a.sink_blocks,
+                                                 local_blocks=a.local_blocks).cpu()
+        h = h + model.attend(a, hn, 1, L, n)[0]
         h = h + b.mlp(b.n2(h))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     torch.save(dict(block_idx=out, block_size=model.blocks[0].attn.block_size), path)
@@ -544,6 +562,10 @@ def main(argv=None) -> int:
     p.add_argument("--queries", type=int, default=8)
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--dense-layers", type=int, default=0,
+                   help="the first N layers run dense attention (SDPA) in every model, as "
+                        "MiniMax's production models keep their first layers dense; the index "
+                        "recall and the KL cover the other layers")
     p.add_argument("--heads", type=int, default=1)
     p.add_argument("--kv-heads", type=int, default=1)
     p.add_argument("--head-dim", type=int, default=0,
@@ -585,6 +607,9 @@ def main(argv=None) -> int:
         args.steps, args.warmup_steps, args.eval_every = 36, 24, 12
         args.curriculum = [(48, 6)]
         args.lr_warmup = 4
+    if not 0 <= args.dense_layers < args.layers:
+        p.error(f"--dense-layers {args.dense_layers}: must be in [0, --layers = {args.layers}) "
+                "(at least one MSA layer)")
     if args.filler == "words" and (args.vocab - FILLER0) // 2 < 2:
         p.error(f"--vocab {args.vocab}: --filler words needs at least 8 (two filler tokens for a word)")
     result = run(args)

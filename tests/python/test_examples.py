@@ -238,3 +238,39 @@ def test_train_retrieval_words_lm_tiny():
             per = [r[f"recall_{key}_l0"], r[f"recall_{key}_l1"]]
             assert math.isclose(r[f"recall_{key}"], sum(per) / 2, rel_tol=1e-6), key
     assert rows[-1]["lm_loss"] < rows[0]["lm_loss"]
+
+
+def test_train_retrieval_dense_layers(tmp_path, capsys):
+    """--dense-layers 1: layer 0 runs SDPA in the MSA models too (no KL term from it, the same
+    output as the dense model's layer 0), recall and saved selections cover layer 1 alone, the
+    dense model trains exactly as without the option; all layers dense is a usage error."""
+    import pytest
+    mod = _script()
+    torch.manual_seed(0)
+    model = mod.Model(64, 32, 2, 4, 2, 8, 4, 0.1, dense_layers=1)
+    assert model.msa_layers() == [1]
+    h = torch.randn(2 * 40, 32)
+    model.set_mode("msa", "warmup")
+    for b in model.blocks:
+        b.attn.kl_value = True  # the KL's value, not only its gradient
+    y0, kl0 = model.attend(model.blocks[0].attn, h, 2, 40, 0)
+    y1, kl1 = model.attend(model.blocks[1].attn, h, 2, 40, 1)
+    model.set_mode("dense")
+    d0, _ = model.attend(model.blocks[0].attn, h, 2, 40, 0)
+    assert torch.equal(y0, d0) and float(kl0) == 0.0 and float(kl1) > 0.0
+
+    prefix = str(tmp_path / "dl")
+    rows = _eval_rows(mod, ["--tiny", "--models", "dense,warmup", "--dense-layers", "1",
+                            "--out", prefix])
+    plain = _eval_rows(_script(), ["--tiny", "--models", "dense"])
+    dense = [r for r in rows if r["model"] == "dense"]
+    assert [(r["loss"], r["acc"]) for r in dense] == [(r["loss"], r["acc"]) for r in plain]
+    for r in rows:
+        if r["model"] == "warmup":
+            assert "recall_mass_l1" in r and "recall_mass_l0" not in r
+            assert r["recall_mass"] == r["recall_mass_l1"] and r["kl"] > 0.0
+    sel = torch.load(prefix + "_block_idx.pt")
+    assert set(sel["block_idx"]) == {"layer1"}
+    with pytest.raises(SystemExit):
+        mod.main(["--tiny", "--dense-layers", "2"])
+    assert "--dense-layers 2" in capsys.readouterr().err
