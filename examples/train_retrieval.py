@@ -269,16 +269,16 @@ def selection_recall(pi: Tensor, sel: Tensor, rows: Tensor, block: int):
 @torch.no_grad()
 def recall(model: Model, x: Tensor, ans_pos: Tensor, value_pos: Tensor, max_rows: int = 8192,
            chunk: int = 1024):
-    """How well the MSA layers' selections (not --dense-layers') cover their dense teachers on (at most two of)
-    sequences x [B, L]: the means over layers of selection_recall's "mass" (the dense teacher's
-    attention mass in the selected blocks), "oracle" (the mass in the teacher's own top-k
-    blocks: what a perfect index would hold), "score" and "block" (the paper's score and block
-    recall against that top-k), "chance" (the same mass for a uniform teacher: the selected
-    share of each row's causal keys), and "answer" (the share of (layer, answer) where the ANS
-    token's selection holds the block of the answer's value); also each layer's mass, oracle,
-    score and chance (key "mass_l0", ...). The means are over query rows:
-    every row when L <= max_rows, else an evenly strided sample of max_rows rows (an unbiased
-    estimate); the dense teacher of those rows is computed `chunk` rows at a time."""
+    """How well the MSA layers' selections (--dense-layers' layers have none) cover their dense
+    teachers on (at most two of) sequences x [B, L]: the means over layers of selection_recall's
+    "mass" (the dense teacher's attention mass in the selected blocks), "oracle" (the mass in the
+    teacher's own top-k blocks: what a perfect index would hold), "score" and "block" (the paper's
+    score and block recall against that top-k), "chance" (the same mass for a uniform teacher: the
+    selected share of each row's causal keys), and "answer" (the share of (layer, answer) where the
+    ANS token's selection holds the block of the answer's value); also each layer's mass, oracle,
+    score and chance (key "mass_l0", ...). The means are over query rows: every row when L <=
+    max_rows, else an evenly strided sample of max_rows rows (an unbiased estimate); the dense
+    teacher of those rows is computed `chunk` rows at a time."""
     x, value_pos = x[:2], value_pos[:2]
     B, L = x.shape
     h = model.emb(x)
@@ -289,7 +289,7 @@ def recall(model: Model, x: Tensor, ans_pos: Tensor, value_pos: Tensor, max_rows
     for n, b in enumerate(model.blocks):
         a = b.attn
         hn = b.n1(h).reshape(B * L, -1)
-        if n not in layers:  # a dense layer: no index branch to measure
+        if n < model.dense_layers:  # a dense layer: no index branch to measure
             h = h + model.attend(a, hn, B, L, n)[0]
             h = h + b.mlp(b.n2(h))
             continue
@@ -480,7 +480,7 @@ def save_selection(model: Model, x: Tensor, path: str):
     for n, b in enumerate(model.blocks):
         a = b.attn
         hn = b.n1(h).reshape(L, -1)
-        if n in model.msa_layers():
+        if n >= model.dense_layers:
             _, _, _, qi, ki = a.project(hn, cu)
             out[f"layer{n}"] = msa.select_blocks(qi, ki, a.top_k, a.block_size, cu_seqlens=cu,
                                                  sink_blocks=a.sink_blocks,
@@ -611,7 +611,8 @@ def main(argv=None) -> int:
         p.error(f"--dense-layers {args.dense_layers}: must be in [0, --layers = {args.layers}) "
                 "(at least one MSA layer)")
     if args.filler == "words" and (args.vocab - FILLER0) // 2 < 2:
-        p.error(f"--vocab {args.vocab}: --filler words needs at least 8 (two filler tokens for a word)")
+        p.error(f"--vocab {args.vocab}: --filler words needs at least 8 "
+                "(two filler tokens for a word)")
     result = run(args)
     if args.out:
         write_report(args.out, result)

@@ -254,7 +254,7 @@ def test_train_retrieval_dense_layers(tmp_path, capsys):
     for b in model.blocks:
         b.attn.kl_value = True  # the KL's value, not only its gradient
     y0, kl0 = model.attend(model.blocks[0].attn, h, 2, 40, 0)
-    y1, kl1 = model.attend(model.blocks[1].attn, h, 2, 40, 1)
+    _, kl1 = model.attend(model.blocks[1].attn, h, 2, 40, 1)
     model.set_mode("dense")
     d0, _ = model.attend(model.blocks[0].attn, h, 2, 40, 0)
     assert torch.equal(y0, d0) and float(kl0.detach()) == 0.0 and float(kl1.detach()) > 0.0
