@@ -25,7 +25,9 @@ the KL of each MSA layer; the index recall (means over layers, tokens and index 
 of the dense teacher's attention mass that the selected blocks hold (recall_mass), the share its
 own top-k blocks hold (recall_oracle, what a perfect index would reach), the paper's score and
 block recall against that top-k (recall_score, recall_block), and how often the block holding the
-answer's value is selected for the ANS tokens (recall_answer: any index head, mean over layers);
+answer's value is selected for the ANS tokens (recall_answer: any index head, mean over layers),
+and the mass and oracle over the ANS rows alone (recall_ans_mass, recall_ans_oracle: the rows that
+carry the task's loss, where a filler row's untrained attention does not dilute them);
 each layer's mass, oracle, score and chance (recall_mass_l0, ...); the next-token loss of the
 filler (lm_loss, with the training's train_lm);
 the step time of each model. At the end, the trained warmup model's block_idx of its layers at
@@ -274,11 +276,12 @@ def recall(model: Model, x: Tensor, ans_pos: Tensor, value_pos: Tensor, max_rows
     "mass" (the dense teacher's attention mass in the selected blocks), "oracle" (the mass in the
     teacher's own top-k blocks: what a perfect index would hold), "score" and "block" (the paper's
     score and block recall against that top-k), "chance" (the same mass for a uniform teacher: the
-    selected share of each row's causal keys), and "answer" (the share of (layer, answer) where the
-    ANS token's selection holds the block of the answer's value); also each layer's mass, oracle,
-    score and chance (key "mass_l0", ...). The means are over query rows: every row when L <=
-    max_rows, else an evenly strided sample of max_rows rows (an unbiased estimate); the dense
-    teacher of those rows is computed `chunk` rows at a time."""
+    selected share of each row's causal keys), "answer" (the share of (layer, answer) where the
+    ANS token's selection holds the block of the answer's value), and "ans_mass", "ans_oracle"
+    (mass and oracle over the ANS rows alone, the rows that carry the task's loss); also each
+    layer's mass, oracle, score and chance (key "mass_l0", ...). The means are over query rows:
+    every row when L <= max_rows, else an evenly strided sample of max_rows rows (an unbiased
+    estimate); the dense teacher of those rows is computed `chunk` rows at a time."""
     x, value_pos = x[:2], value_pos[:2]
     B, L = x.shape
     h = model.emb(x)
@@ -301,21 +304,30 @@ def recall(model: Model, x: Tensor, ans_pos: Tensor, value_pos: Tensor, max_rows
         kf = k.view(B, L, a.n_kv_heads, -1).transpose(1, 2).float().repeat_interleave(G, 1)
         sel = bi.view(B, L, a.n_idx_heads, -1).long().permute(0, 2, 1, 3)  # [B, Hi, L, k]
         nblk = -(-L // a.block_size)
-        sums = dict(mass=0.0, oracle=0.0, score=0.0, block=0.0, chance=0.0, rows=0)
-        for r0 in range(0, rows.numel(), chunk):
-            rr = rows[r0: r0 + chunk]
-            s = qf[:, :, rr] @ kf.transpose(-1, -2) / math.sqrt(a.head_dim)  # [B, H, R, L]
-            s = s.masked_fill(torch.arange(L, device=x.device)[None, :] > rr[:, None], -math.inf)
-            pi = s.softmax(-1).view(B, a.n_idx_heads, Gi, rr.numel(), L).mean(2)
-            del s
-            pi = F.pad(pi, (0, nblk * a.block_size - L)).view(B, a.n_idx_heads, rr.numel(), nblk,
-                                                              -1).sum(-1)
-            for key, v in selection_recall(pi, sel[:, :, rr], rr, a.block_size).items():
-                sums[key] += v
-            del pi
-        n = sums.pop("rows")
-        for key, v in sums.items():
-            out.setdefault(key, []).append(v / n)
+
+        def cover(rows: Tensor) -> Dict[str, float]:
+            """selection_recall's means over `rows`, the teacher computed `chunk` rows at a time."""
+            sums = dict(mass=0.0, oracle=0.0, score=0.0, block=0.0, chance=0.0, rows=0)
+            for r0 in range(0, rows.numel(), chunk):
+                rr = rows[r0: r0 + chunk]
+                s = qf[:, :, rr] @ kf.transpose(-1, -2) / math.sqrt(a.head_dim)  # [B, H, R, L]
+                s = s.masked_fill(torch.arange(L, device=x.device)[None, :] > rr[:, None],
+                                  -math.inf)
+                pi = s.softmax(-1).view(B, a.n_idx_heads, Gi, rr.numel(), L).mean(2)
+                del s
+                pi = F.pad(pi, (0, nblk * a.block_size - L)).view(
+                    B, a.n_idx_heads, rr.numel(), nblk, -1).sum(-1)
+                for key, v in selection_recall(pi, sel[:, :, rr], rr, a.block_size).items():
+                    sums[key] += v
+                del pi
+            n = sums.pop("rows")
+            return {key: v / n for key, v in sums.items()}
+
+        for key, v in cover(rows).items():
+            out.setdefault(key, []).append(v)
+        for key, v in cover(ans_pos).items():  # the rows that answer: the task's loss is there
+            if key in ("mass", "oracle"):
+                out.setdefault("ans_" + key, []).append(v)
         qsel = sel[:, :, ans_pos, :]  # the answering tokens' selections [B, Hi, queries, k]
         vb = (value_pos // a.block_size)[:, None, :, None]
         out.setdefault("answer", []).append(float((qsel == vb).any(3).any(1).float().mean()))

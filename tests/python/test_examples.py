@@ -54,6 +54,8 @@ def test_train_retrieval_tiny(tmp_path):
             assert 0.0 <= float(r["recall_score"]) <= 1.0 + 1e-6
             assert 0.0 <= float(r["recall_block"]) <= 1.0 + 1e-6
             assert 0.0 <= float(r["recall_answer"]) <= 1.0
+            assert 0.0 < float(r["recall_ans_mass"]) <= float(r["recall_ans_oracle"]) + 1e-6 \
+                <= 1.0 + 2e-6
             assert float(r["kl"]) > 0.0
     # the warmup model trains dense first, then sparse
     modes = [r["mode"] for r in rows if r["model"] == "warmup"]
