@@ -14,11 +14,19 @@
 //
 // Work: a step is up to R = 32 / m consecutive records of the chunk (p.step_records; 1 where the
 // index key head may change inside a work item), whose tokens fill the 32 index columns of the
-// MMAs: column c = j * m + t is token t of the step's record j. Warp roles: none; the kBlockN / 64
-// warpgroups (64 keys each) load and compute together. Pipeline: kStages stages of a step's
-// q_idx rows, LSE_idx and teacher rows by cp.async, kStages - 1 steps in flight, the steps'
-// records one step further ahead through a ring (as EntryStream, device/entry_list.cuh); one CTA
-// barrier per step (and one around the dS tile that dq_idx reads).
+// MMAs: column c = j * m + t is token t of the step's record j.
+// Warp roles: kBlockN / 64 consumer warpgroups (64 keys each: the products, dS, dk_idx in
+// registers) and a producer warpgroup (few registers) that loads every step's records and rows
+// and adds each step's dq_idx products to the sums, so that neither the loads' addressing nor the
+// atomics sit on the consumers' path (1-3% faster than every thread loading, computing and adding,
+// on an H100). The pass is bound by its DRAM traffic: a (token, index head, block)'s dq_idx row
+// (1 KB of 64-bit sums) is seldom in L2 when its atomics arrive, so the sums' read-modify-write is
+// 72% of the bytes (ncu, the retrieval model's heads at 16 x 32K; docs/perf.md, 2026-12-07).
+// Pipelines: full[stage] / empty[stage], kStages stages of a step's q_idx rows, LSE_idx and
+// teacher rows (the producer's cp.async, kStages - 1 steps ahead; the steps' records kStages - 1
+// steps further ahead through a ring); the dS^T tile of a step, two buffers, one consumer barrier a
+// step; dq_full[b] / dq_empty[b], two buffers of a step's dq_idx products in shared memory, handed
+// to the producer, which adds step s's while the consumers compute the steps after it.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -43,19 +51,29 @@ struct KlGradTraits : KvSideTraits<Element_, kDim_, kBlockN_, 4, kKlGradTokens> 
   using Base = KvSideTraits<Element_, kDim_, kBlockN_, 4, kKlGradTokens>;
   using Element = Element_;
   static constexpr int kDim = kDim_, kBlockN = kBlockN_;
-  static constexpr int kTok = Base::kTok, kStages = Base::kStages, kThreads = Base::kThreads;
+  static constexpr int kTok = Base::kTok, kStages = Base::kStages, kWarpGroups = Base::kWarpGroups;
+  static constexpr int kConsumerThreads = Base::kThreads;
+  static constexpr int kThreads = kConsumerThreads + 128;  // and the producer warpgroup
+  // Registers after setmaxnreg with two consumer warpgroups (as bwd_kv_kernel.cuh): a 384-thread
+  // CTA holds 168 x 384, and 56 x 128 + 224 x 256 is exactly that (with 40 the producer's loop
+  // spilled 8 bytes; the consumers need no more than 224).
+  static constexpr int kProducerRegs = 56, kConsumerRegs = 224;
+  static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
+  static_assert(kWarpGroups == 1 ||
+                    kProducerRegs * 128 + kConsumerRegs * kConsumerThreads <= kLaunchRegs * kThreads,
+                "setmaxnreg asks for more registers than the CTA holds");
   static constexpr int kLead = kStages - 1;   // steps in flight ahead of the one computed
   static constexpr int kRing = 2 * kStages;   // steps whose records are in shared memory
   static constexpr int kMaxRecords = kTok;    // records of a step (m = 1)
-  // CTAs per SM the registers are sized for: one. With 16 columns a step two (128 registers a
-  // thread, about 116 bytes spilled) ran 1.13x faster than one at 128K, paper heads; 32 columns
-  // a step at one CTA per SM (no spill; the stages need 161 KB) run 8-9% faster still than that
-  // (flash-msa's heads at 16K 1.28 -> 1.18 ms, paper heads at 128K 10.6 -> 9.7 ms).
+  static constexpr int kDqStride = kDim + 4;  // floats a column of a staged dq_idx tile (no bank conflicts)
+  // One CTA per SM. (With every thread loading and adding, 16 columns a step at two CTAs per SM
+  // ran 1.13x faster than at one, and 32 columns a step at one CTA per SM 8-9% faster still.)
   static constexpr int kMinBlocks = 1;
   using typename Base::SmemLayoutK;
   using typename Base::SmemLayoutQi;
   using typename Base::SmemLayoutQit;
-  using SmemLayoutDS = typename Base::SmemLayoutDS1;
+  // dS^T of two steps: step s's dq_idx product reads buffer s % 2 while step s + 1's is written.
+  using SmemLayoutDS = decltype(tile_to_shape(typename Base::SmemAtomDS{}, Shape<Int<kTok>, Int<kBlockN>, _2>{}));
 
   struct SharedStorage {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> k_idx;
@@ -63,7 +81,9 @@ struct KlGradTraits : KvSideTraits<Element_, kDim_, kBlockN_, 4, kKlGradTokens> 
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutDS>> ds;
     alignas(16) float pi[kStages][kTok * kBlockN];  // a step's teacher: [record][key][m]
     float lidx[kStages][kTok];                      // LSE_idx per column
+    alignas(16) float dq[2][kTok * kDqStride];      // a step's dq_idx^T products: [column][dim]
     EntryRecord ring[kRing][kMaxRecords];
+    uint64_t full[kStages], empty[kStages], dq_full[2], dq_empty[2];
   };
 };
 
@@ -75,9 +95,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     kl_grad_kernel(const __grid_constant__ KlGradParams<Traits> p) {
   grid_dependency_begin();
   using Element = typename Traits::Element;
+  using Bar = cutlass::arch::ClusterBarrier;
   constexpr int kBlockN = Traits::kBlockN, kDim = Traits::kDim, kTok = Traits::kTok;
-  constexpr int kThreads = Traits::kThreads, kStages = Traits::kStages, kLead = Traits::kLead;
-  constexpr int kRing = Traits::kRing;
+  constexpr int kConsumerThreads = Traits::kConsumerThreads, kStages = Traits::kStages;
+  constexpr int kLead = Traits::kLead, kRing = Traits::kRing, kDqStride = Traits::kDqStride;
   using SharedStorage = typename Traits::SharedStorage;
 
   extern __shared__ __align__(1024) char smem_raw[];
@@ -93,54 +114,125 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
   const int32_t m = p.group_tokens, R = p.step_records, ipk = p.idx_per_kv;
   const int m_shift = __ffs(m) - 1;  // m is a power of two (kTeacher: Gi is)
   const int64_t steps = (e_end - e_begin + R - 1) / R;
+  if (steps <= 0) return;
   // The teacher index of the item's first record in this pass's buffer.
   const float* pi_item = p.teacher + (list.lo - p.pass_first) * kBlockN * m;
 
-  Tensor sKi = make_tensor(make_smem_ptr(ss.k_idx.data()), typename Traits::SmemLayoutK{});
-  Tensor sKit = make_tensor(make_smem_ptr(ss.k_idx.data()), typename Traits::SmemLayoutKt{});
-  Tensor sQi = make_tensor(make_smem_ptr(ss.q_idx.data()), typename Traits::SmemLayoutQi{});
-  Tensor sDS = make_tensor(make_smem_ptr(ss.ds.data()), typename Traits::SmemLayoutDS{});
-
   auto first_record = [&](int64_t s) { return e_begin + s * R; };
   auto records_of = [&](int64_t s) { return static_cast<int>(min<int64_t>(R, e_end - first_record(s))); };
-  // The records of step s into its ring slot (16-byte cp.async copies; the caller commits).
-  auto issue_records = [&](int64_t s) {
-    if (s >= steps) return;
-    const char* src = reinterpret_cast<const char*>(p.list.records + list.lo + first_record(s));
-    char* dst = reinterpret_cast<char*>(ss.ring[s % kRing]);
-    for (int c = tid; c < records_of(s) * kEntryChunks; c += kThreads) cp_async16(dst + 16 * c, src + 16 * c, true);
-  };
-  // The rows of step s into its stage (its records have landed): q_idx and LSE_idx per column,
-  // and the records' teacher rows, which lie one after another.
-  auto issue_rows = [&](int64_t s) {
-    if (s >= steps) return;
-    const int st = static_cast<int>(s % kStages);
-    const int n = records_of(s);
-    const EntryRecord* recs = ss.ring[s % kRing];
-    auto column = [&](int c, int64_t* tok, int32_t* head) {
-      const int j = c >> m_shift, t = c & (m - 1);
-      if (j >= n || t >= recs[j].count) return false;
-      *tok = recs[j].tok[t];
-      *head = r * ipk + recs[j].seg - list.seg0;
-      return true;
-    };
-    load_rows_async<kTok, kDim>(
-        sQi(_, _, st),
-        [&](int c) -> const Element* {
-          int64_t tok;
-          int32_t i;
-          return column(c, &tok, &i) ? as<Element>(p.q_idx) + tok * p.qi_s0 + i * p.qi_s1 : nullptr;
-        },
-        tid, kThreads);
-    if (tid < kTok) {
-      int64_t tok = 0;
-      int32_t i = 0;
-      const bool ok = column(tid, &tok, &i);
-      cp_async4(&ss.lidx[st][tid], p.lse_idx + tok * p.Hi + i, ok);
+
+  if (tid == 0) {
+    for (int st = 0; st < kStages; ++st) {
+      Bar::init(&ss.full[st], 128);
+      Bar::init(&ss.empty[st], kConsumerThreads);
     }
-    const float* src = pi_item + first_record(s) * kBlockN * m;
-    for (int c = tid; c < n * kBlockN * m / 4; c += kThreads) cp_async16(&ss.pi[st][4 * c], src + 4 * c, true);
+    for (int b = 0; b < 2; ++b) {
+      Bar::init(&ss.dq_full[b], kConsumerThreads);
+      Bar::init(&ss.dq_empty[b], 128);
+    }
+  }
+  cutlass::arch::fence_barrier_init();
+  __syncthreads();
+
+  Tensor sQi = make_tensor(make_smem_ptr(ss.q_idx.data()), typename Traits::SmemLayoutQi{});
+
+  // ---- Producer warpgroup: every step's records and rows; then each step's dq_idx sums. -------
+  if (tid >= kConsumerThreads) {
+    if constexpr (Traits::kWarpGroups > 1) cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
+    const int pt = tid - kConsumerThreads;
+    // The records of step s into its ring slot (16-byte cp.async copies; the caller commits).
+    auto issue_records = [&](int64_t s) {
+      if (s >= steps) return;
+      const char* src = reinterpret_cast<const char*>(p.list.records + list.lo + first_record(s));
+      char* dst = reinterpret_cast<char*>(ss.ring[s % kRing]);
+      for (int c = pt; c < records_of(s) * kEntryChunks; c += 128) cp_async16(dst + 16 * c, src + 16 * c, true);
+    };
+    // The rows of step s into its stage (its records have landed): q_idx and LSE_idx per column,
+    // and the records' teacher rows, which lie one after another.
+    auto issue_rows = [&](int64_t s) {
+      const int st = static_cast<int>(s % kStages);
+      const int n = records_of(s);
+      const EntryRecord* recs = ss.ring[s % kRing];
+      auto column = [&](int c, int64_t* tok, int32_t* head) {
+        const int j = c >> m_shift, t = c & (m - 1);
+        if (j >= n || t >= recs[j].count) return false;
+        *tok = recs[j].tok[t];
+        *head = r * ipk + recs[j].seg - list.seg0;
+        return true;
+      };
+      load_rows_async<kTok, kDim>(
+          sQi(_, _, st),
+          [&](int c) -> const Element* {
+            int64_t tok;
+            int32_t i;
+            return column(c, &tok, &i) ? as<Element>(p.q_idx) + tok * p.qi_s0 + i * p.qi_s1 : nullptr;
+          },
+          pt, 128);
+      if (pt < kTok) {
+        int64_t tok = 0;
+        int32_t i = 0;
+        const bool ok = column(pt, &tok, &i);
+        cp_async4(&ss.lidx[st][pt], p.lse_idx + tok * p.Hi + i, ok);
+      }
+      const float* src = pi_item + first_record(s) * kBlockN * m;
+      for (int c = pt; c < n * kBlockN * m / 4; c += 128) cp_async16(&ss.pi[st][4 * c], src + 4 * c, true);
+    };
+    // Step a's dq_idx products (staged by the consumers) to the token rows' fixed-point sums: a
+    // warp a column, its lanes the column's dims (256 contiguous bytes a warp-wide atomic).
+    const int warp = pt / 32, lane = pt % 32;
+    auto add_dq = [&](int64_t a) {
+      const int b = static_cast<int>(a & 1);
+      Bar::wait(&ss.dq_full[b], static_cast<uint32_t>((a >> 1) & 1));
+      const EntryRecord* recs = ss.ring[a % kRing];
+      const int n = records_of(a);
+      const float* src = ss.dq[b];
+#pragma unroll 1
+      for (int c = warp; c < kTok; c += 4) {
+        const int j = c >> m_shift, t = c & (m - 1);
+        if (j < n && t < recs[j].count) {
+          const int32_t i = r * ipk + recs[j].seg - list.seg0;
+          unsigned long long* dst = p.dq_idx + (int64_t(recs[j].tok[t]) * p.Hi + i) * kDim;
+#pragma unroll
+          for (int d = lane; d < kDim; d += 32) add_fixed(dst + d, src[c * kDqStride + d]);
+        }
+      }
+      Bar::arrive(&ss.dq_empty[b]);
+    };
+
+    // The records of the first kLead steps, landed for every producer thread.
+    for (int64_t s = 0; s < kLead; ++s) issue_records(s);
+    cp_async_commit();
+    cp_async_wait_all();
+    cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(Barrier::kProducer));
+#pragma unroll 1
+    for (int64_t s = 0; s < steps; ++s) {
+      const int st = static_cast<int>(s % kStages);
+      if (s >= kStages) Bar::wait(&ss.empty[st], static_cast<uint32_t>((s / kStages - 1) & 1));
+      if (s >= kLead) {
+        // Step s's records (the group of step s - kLead) have landed, for every producer thread.
+        cp_async_wait<kLead - 1>();
+        cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(Barrier::kProducer));
+      }
+      issue_rows(s);
+      issue_records(s + kLead);
+      cp_async_commit();
+      cutlass::arch::cpasync_barrier_arrive_noinc(&ss.full[st]);
+      // The consumers finish step s - kLead while the loads of the steps after it fly.
+      if (s >= kLead) add_dq(s - kLead);
+    }
+    for (int64_t a = max<int64_t>(0, steps - kLead); a < steps; ++a) add_dq(a);
+    cp_async_wait_all();
+    return;
+  }
+
+  // ---- Consumer warpgroups. -------------------------------------------------------------------
+  if constexpr (Traits::kWarpGroups > 1) cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
+  auto sync_consumers = [] {
+    cutlass::arch::NamedBarrier::sync(kConsumerThreads, static_cast<uint32_t>(Barrier::kConsumers));
   };
+  Tensor sKi = make_tensor(make_smem_ptr(ss.k_idx.data()), typename Traits::SmemLayoutK{});
+  Tensor sKit = make_tensor(make_smem_ptr(ss.k_idx.data()), typename Traits::SmemLayoutKt{});
+  Tensor sDS = make_tensor(make_smem_ptr(ss.ds.data()), typename Traits::SmemLayoutDS{});
 
   typename Traits::MmaSi mma_si;
   typename Traits::MmaDK mma_dk;
@@ -155,7 +247,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     return make_tensor(make_smem_ptr(ss.q_idx.data() + st * kTok * kDim), take<0, 2>(layout));
   };
   Tensor tDQrKit = thr_dq.partition_fragment_A(sKit);
-  Tensor tDQrDS = thr_dq.partition_fragment_B(sDS);
+  Tensor tDQrDS = thr_dq.partition_fragment_B(sDS);  // (..., buffer)
   Tensor tSrSi = partition_fragment_C(mma_si, Shape<Int<kBlockN>, Int<kTok>>{});
   Tensor tDKrDK = partition_fragment_C(mma_dk, Shape<Int<kBlockN>, Int<kDim>>{});
   Tensor tDQrDQ = partition_fragment_C(mma_dq, Shape<Int<kDim>, Int<kTok>>{});
@@ -183,31 +275,12 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     clear(tDKrDK);
   };
 
-  // The records of the first kLead steps, then their rows (each step one commit group, with the
-  // records of the step kLead after it).
-  for (int64_t s = 0; s < kLead; ++s) issue_records(s);
-  cp_async_commit();
-  cp_async_wait_all();
-  cutlass::arch::fence_view_async_shared();
-  __syncthreads();
-  for (int64_t s = 0; s < kLead; ++s) {
-    issue_rows(s);
-    issue_records(s + kLead);
-    cp_async_commit();
-  }
-
   int32_t ik_seg = -1, ik = -1;  // the segment of the last step and its index key head
+#pragma unroll 1
   for (int64_t s = 0; s < steps; ++s) {
-    // Step s's rows and the records of step s + kLead have landed; every thread is done with
-    // step s - 1, whose stage the next issue refills.
-    cp_async_wait<kStages - 2>();
-    cutlass::arch::fence_view_async_shared();
-    __syncthreads();
-    issue_rows(s + kLead);
-    issue_records(s + 2 * kLead);
-    cp_async_commit();
-
     const int st = static_cast<int>(s % kStages);
+    const int buf = static_cast<int>(s & 1);
+    Bar::wait(&ss.full[st], static_cast<uint32_t>((s / kStages) & 1));
     const EntryRecord* recs = ss.ring[s % kRing];
     const int n = records_of(s);
     // Every record of a step has the same index key head (step_records is 1 otherwise); it is
@@ -216,12 +289,16 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       ik_seg = recs[0].seg;
       ik = (r * ipk + ik_seg - list.seg0) / p.idx_per_key;
     }
-    if (ik != loaded_ik) {  // the same for every thread: (re)load the block's index keys
+    if (ik != loaded_ik) {  // the same for every consumer: (re)load the block's index keys
+      sync_consumers();     // every product that reads the keys is done
       flush_dk();
       loaded_ik = ik;
-      load_block_rows_now<kBlockN, kDim>(
-          sKi, as<Element>(p.k_idx) + key_row * p.ki_s0 + ik * p.ki_s1, p.ki_s0, tile.count, tid,
-          kThreads);
+      load_block_rows_async<kBlockN, kDim>(sKi, as<Element>(p.k_idx) + key_row * p.ki_s0 + ik * p.ki_s1, p.ki_s0,
+                                           tile.count, tid, kConsumerThreads);
+      cp_async_commit();
+      cp_async_wait_all();
+      cutlass::arch::fence_view_async_shared();
+      sync_consumers();
     }
 
     clear(tSrSi);
@@ -267,35 +344,30 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
     convert_into(tSrSi, rDS);
     wg_gemm<false, true>(mma_dk, tDKrDS, thr_dk.partition_fragment_B(stage_q_idx(st, typename Traits::SmemLayoutQit{})), tDKrDK);
     // dS^T (tokens, keys) to shared memory for dq_idx^T = k_idx^T dS^T over all the block's keys.
+    // (Two buffers: every consumer is past step s - 1's barrier, so done with step s - 2's.)
 #pragma unroll
     for (int a = 0; a < kRows; ++a) {
       const int row = get<0>(cSirc(a, 0));
 #pragma unroll
-      for (int c = 0; c < kCols; ++c) sDS(get<1>(cSirc(a, c)), row) = static_cast<Element>(Si(a, c));
+      for (int c = 0; c < kCols; ++c) sDS(get<1>(cSirc(a, c)), row, buf) = static_cast<Element>(Si(a, c));
     }
     cutlass::arch::fence_view_async_shared();
-    __syncthreads();
+    sync_consumers();
+    if (dq_thread) wg_gemm<true>(mma_dq, tDQrKit, tDQrDS(_, _, _, buf), tDQrDQ);
+    warpgroup_wait<0>();  // dk_idx(s), dq_idx(s)
+    Bar::arrive(&ss.empty[st]);  // the stage's rows are read
+    // dq_idx^T to the producer's sums, through buffer s % 2 (free once step s - 2's are added).
+    if (s >= 2) Bar::wait(&ss.dq_empty[buf], static_cast<uint32_t>(((s >> 1) - 1) & 1));
     if (dq_thread) {
-      clear(tDQrDQ);
-      wg_gemm<true>(mma_dq, tDQrKit, tDQrDS, tDQrDQ);
-      warpgroup_wait<0>();
-      // Columns outer: a column's token row of the sums is found once for its D rows.
       Tensor DQ = make_tensor(tDQrDQ.data(), acc_rowcol(tDQrDQ.layout()));
+      float* dst = ss.dq[buf];
 #pragma unroll
-      for (int c = 0; c < size<1>(DQ); ++c) {
-        const int col = get<1>(cDQrc(0, c));
-        const int j = col >> m_shift, t = col & (m - 1);
-        if (j < n && t < recs[j].count) {
-          const int32_t i = r * ipk + recs[j].seg - list.seg0;
-          unsigned long long* dst = p.dq_idx + (int64_t(recs[j].tok[t]) * p.Hi + i) * kDim;
+      for (int a = 0; a < size<0>(DQ); ++a)
 #pragma unroll
-          for (int a = 0; a < size<0>(DQ); ++a) add_fixed(dst + get<0>(cDQrc(a, 0)), DQ(a, c));
-        }
-      }
+        for (int c = 0; c < size<1>(DQ); ++c) dst[get<1>(cDQrc(a, c)) * kDqStride + get<0>(cDQrc(a, c))] = DQ(a, c);
     }
-    warpgroup_wait<0>();
+    Bar::arrive(&ss.dq_full[buf]);
   }
-  cp_async_wait_all();
   flush_dk();
 }
 
