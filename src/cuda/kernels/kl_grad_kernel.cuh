@@ -19,9 +19,10 @@
 // registers) and a producer warpgroup (few registers) that loads every step's records and rows
 // and adds each step's dq_idx products to the sums, so that neither the loads' addressing nor the
 // atomics sit on the consumers' path (1-3% faster than every thread loading, computing and adding,
-// on an H100). The pass is bound by its DRAM traffic: a (token, index head, block)'s dq_idx row
-// (1 KB of 64-bit sums) is seldom in L2 when its atomics arrive, so the sums' read-modify-write is
-// 72% of the bytes (ncu, the retrieval model's heads at 16 x 32K; docs/perf.md, 2026-12-07).
+// on an H100). The pass moves its bytes at about 80% of the copy bandwidth, and 72% of them are
+// the dq_idx sums' read-modify-write: a (token, index head, block)'s row (1 KB of 64-bit sums) is
+// seldom in L2 when its atomics arrive (ncu, the retrieval model's heads at 16 x 32K;
+// docs/perf.md, 2026-12-07, also for why smaller passes do not help).
 // Pipelines: full[stage] / empty[stage], kStages stages of a step's q_idx rows, LSE_idx and
 // teacher rows (the producer's cp.async, kStages - 1 steps ahead; the steps' records kStages - 1
 // steps further ahead through a ring); the dS^T tile of a step, two buffers, one consumer barrier a
