@@ -93,6 +93,14 @@ struct Options {
   // kl_pass = kTeacher: workspace bytes for the teacher of one pass (0: 6 GiB); the KV side of
   // the backward runs in as many passes over its work as the selection's entries need.
   int64_t kl_teacher_bytes = 0;
+  // kl_pass = kTeacher: workspace bytes for dq_idx's products of one pass of tokens, a row of Di
+  // floats per selected (token, index head, block), added in column order after the pass.
+  // Where a pass's rows need more, the CUDA backend adds dq_idx to 64-bit fixed-point sums per
+  // token instead (the same values to rounding): a read-modify-write of the token's sums per
+  // selected block, which costs more than the rows once the sums (8 T Hi Di bytes) are well
+  // past the L2 cache. 0: the backend's choice (CUDA: rows up to 8 GiB where the sums would be
+  // over 4 times the L2 cache, else the sums).
+  int64_t kl_dq_rows_bytes = 0;
   SelectScores select_scores = SelectScores::kInput;
   // kFp8: FP8-scored candidates beyond a row's free slots that the inputs' own scores rank again
   // (0: the FP8 scores decide alone); 0 ... 64, ignored with kInput.

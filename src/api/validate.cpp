@@ -398,6 +398,8 @@ Status option_ranges(const Check& c, const Options& o) {
                    "must be non-negative, got " + std::to_string(o.fwd_chunk_tokens)));
   MSA_TRY(c.option("kl_teacher_bytes", o.kl_teacher_bytes >= 0,
                    "must be non-negative, got " + std::to_string(o.kl_teacher_bytes)));
+  MSA_TRY(c.option("kl_dq_rows_bytes", o.kl_dq_rows_bytes >= 0,
+                   "must be non-negative, got " + std::to_string(o.kl_dq_rows_bytes)));
   MSA_TRY(c.option("select_scores",
                    o.select_scores == SelectScores::kInput || o.select_scores == SelectScores::kFp8,
                    "must be kInput or kFp8, got " + std::to_string(static_cast<int32_t>(o.select_scores))));

@@ -610,6 +610,7 @@ struct BwdRun {
   int64_t teacher_bytes = 0;  // Options.kl_teacher_bytes
   msa::DqPass dq_pass = msa::DqPass::kAuto;
   int32_t bwd_chunk = 0;  // Options.bwd_chunk_tokens
+  int64_t dq_rows_bytes = 0;  // Options.kl_dq_rows_bytes
 };
 
 // backward on the GPU into poisoned gradients (dk, dv, dk_idx: Tk rows) over a poisoned
@@ -659,6 +660,7 @@ GpuGrads gpu_backward_call(const DeviceCall& in, const Config& c, msa::Options o
   bp.opts.kl_teacher_bytes = run.teacher_bytes;
   bp.opts.dq_pass = run.dq_pass;
   bp.opts.bwd_chunk_tokens = run.bwd_chunk;
+  bp.opts.kl_dq_rows_bytes = run.dq_rows_bytes;
   bp.launch.stream = s;
   const size_t ws_bytes = msa::workspace_size(bp);
   DeviceTensor ws = DeviceTensor::poisoned(DType::kInt32, {static_cast<int64_t>((ws_bytes + 3) / 4)}, s);
@@ -749,10 +751,11 @@ class CudaVsCpu : public ::testing::TestWithParam<CudaCase> {
   GpuGrads gpu_backward(Mode mode, HostTensor* bi, const BwdCase& b, bool kl, float kl_weight, float kl_grad,
                         bool deterministic = false, msa::Status* status = nullptr,
                         msa::KlPass pass = msa::KlPass::kAuto, int64_t teacher_bytes = 0,
-                        msa::DqPass dq_pass = msa::DqPass::kAuto, int32_t bwd_chunk = 0) {
+                        msa::DqPass dq_pass = msa::DqPass::kAuto, int32_t bwd_chunk = 0,
+                        int64_t dq_rows_bytes = 0) {
     DeviceCall in{dev_->q.ref(), dev_->k.ref(), dev_->v.ref(), dev_->q_idx.ref(), dev_->k_idx.ref(), {}, {}, p().T, p().T};
     if (!GetParam().no_cu_seqlens) in.cu = dev_->cu.ref();
-    const BwdRun run{deterministic, pass, teacher_bytes, dq_pass, bwd_chunk};
+    const BwdRun run{deterministic, pass, teacher_bytes, dq_pass, bwd_chunk, dq_rows_bytes};
     return gpu_backward_call(in, cfg(), p().options(mode), mode, bi, b, kl, kl_weight, kl_grad, run, s(), status);
   }
 
@@ -998,6 +1001,20 @@ TEST_P(CudaVsCpu, BackwardGivenBlockIdx) {
       // bits of one pass: each CTA's work is the same, and the sums are integers.
       const GpuGrads t = gpu_backward(Mode::kSparse, &bi, b, true, 0.5f, 1.5f, false, nullptr, msa::KlPass::kTeacher, 1);
       expect_same_grads(g, t, true, what(""), "kTeacher in many passes differs from one pass");
+      // dq_idx by per-block rows (Options.kl_dq_rows_bytes; at these sizes the sums are the
+      // default): the main branch's bits, dk_idx's bits (the same integer sums), dq_idx against
+      // the reference, and the same bits in one pass and in many (rows added in column order).
+      GpuGrads rows[2];
+      for (const int64_t teacher_bytes : {int64_t(0), int64_t(1)}) {
+        GpuGrads& u = rows[teacher_bytes];
+        u = gpu_backward(Mode::kSparse, &bi, b, true, 0.5f, 1.5f, false, nullptr, msa::KlPass::kTeacher,
+                         teacher_bytes, msa::DqPass::kAuto, 0, int64_t(1) << 40);
+        const std::string why = "dq_idx by per-block rows, teacher bytes " + std::to_string(teacher_bytes);
+        expect_same_grads(g, u, false, what(""), why);
+        EXPECT_EQ(differing(g.dk_idx, u.dk_idx), 0) << "dk_idx " << what("") << ": " << why;
+        expect_grad_close(u.dq_idx, ref.dq_idx, dt, what("backward dq_idx, " + why), kl_grad_tolerance(dt));
+      }
+      expect_same_grads(rows[0], rows[1], true, what(""), "dq_idx by rows in many passes differs from one pass");
     }
   } else {
     msa::Status st;
@@ -1610,10 +1627,10 @@ class CudaKeysApart : public ::testing::TestWithParam<ApartCase> {
   GpuGrads gpu_backward(Mode mode, HostTensor* bi, const BwdCase& b, bool kl, float kl_weight, float kl_grad,
                         msa::DqPass dq_pass = msa::DqPass::kAuto, msa::KlPass kl_pass = msa::KlPass::kAuto,
                         int32_t bwd_chunk = 0, int64_t teacher_bytes = 0, bool deterministic = false,
-                        msa::Status* status = nullptr) {
+                        msa::Status* status = nullptr, int64_t dq_rows_bytes = 0) {
     DeviceCall in{q_.ref(), k_.ref(), v_.ref(), q_idx_.ref(), k_idx_.ref(), {}, {}, T(), Tk()};
     offsets(&in.cu, &in.cu_k);
-    const BwdRun run{deterministic, kl_pass, teacher_bytes, dq_pass, bwd_chunk};
+    const BwdRun run{deterministic, kl_pass, teacher_bytes, dq_pass, bwd_chunk, dq_rows_bytes};
     return gpu_backward_call(in, cfg(), p().options(mode), mode, bi, b, kl, kl_weight, kl_grad, run, s(), status);
   }
 
@@ -1778,8 +1795,9 @@ TEST_P(CudaKeysApart, DenseForward) {
 
 // The sparse backward over keys apart (gamma = 0.5 T * 1.5) against the CPU backend on the same out,
 // lse and dout, by each dq_pass and kl_pass the CUDA backend runs: the defaults; query-tile dq
-// with the KL gradient by kAuto, kSeparate, kFused and kTeacher (also in passes of one chunk);
-// dq from dS (kFromDs, with kAuto and kTeacher, in one pass and in passes of 97 tokens). Where
+// with the KL gradient by kAuto, kSeparate, kFused and kTeacher (also in passes of one chunk, and
+// with dq_idx by per-block rows instead of fixed-point sums); dq from dS (kFromDs, with kAuto and
+// kTeacher, in one pass and in passes of 97 tokens, with dq_idx's sums or its rows). Where
 // Hq / Hi is not a power of two, kFused and kTeacher are refused naming 'kl_pass' and kFromDs
 // naming 'dq_pass'. Deterministic calls give the same bits twice.
 TEST_P(CudaKeysApart, SparseBackwardEachPass) {
@@ -1802,6 +1820,7 @@ TEST_P(CudaKeysApart, SparseBackwardEachPass) {
     int64_t teacher_bytes;
     const char* name;
     bool runs;
+    int64_t dq_rows_bytes = 0;
   };
   const Run runs[] = {
       {DqPass::kAuto, KlPass::kAuto, 0, 0, "dq kAuto, kl kAuto:", true},
@@ -1810,13 +1829,18 @@ TEST_P(CudaKeysApart, SparseBackwardEachPass) {
       {DqPass::kQueryTile, KlPass::kFused, 0, 0, "dq kQueryTile, kl kFused:", kl && pow2},
       {DqPass::kQueryTile, KlPass::kTeacher, 0, 0, "dq kQueryTile, kl kTeacher:", kl && pow2},
       {DqPass::kQueryTile, KlPass::kTeacher, 0, 1, "dq kQueryTile, kl kTeacher in passes of one chunk:", kl && pow2},
+      {DqPass::kQueryTile, KlPass::kTeacher, 0, 1, "dq kQueryTile, kl kTeacher in passes of one chunk, dq_idx rows:",
+       kl && pow2, int64_t(1) << 40},
       {DqPass::kFromDs, KlPass::kAuto, 0, 0, "dq kFromDs, kl kAuto:", from_ds},
       {DqPass::kFromDs, KlPass::kTeacher, 0, 0, "dq kFromDs, kl kTeacher:", from_ds && kl},
       {DqPass::kFromDs, KlPass::kAuto, 97, 0, "dq kFromDs in passes of 97 tokens:", from_ds},
+      {DqPass::kFromDs, KlPass::kAuto, 97, 0, "dq kFromDs in passes of 97 tokens, dq_idx rows:", from_ds && kl,
+       int64_t(1) << 40},
   };
   for (const Run& r : runs) {
     if (!r.runs) continue;
-    const GpuGrads g = gpu_backward(Mode::kSparse, &bi, b, kl, klw, 1.5f, r.dq, r.klp, r.chunk, r.teacher_bytes);
+    const GpuGrads g = gpu_backward(Mode::kSparse, &bi, b, kl, klw, 1.5f, r.dq, r.klp, r.chunk, r.teacher_bytes,
+                                    false, nullptr, r.dq_rows_bytes);
     expect_grads(g, ref, kl, r.name);
   }
   if (!pow2 && kl) {

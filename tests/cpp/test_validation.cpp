@@ -366,6 +366,9 @@ TEST(Validation, OptionRangesAlwaysChecked) {
   b.opts.kl_teacher_bytes = -1;
   expect_invalid(msa::backward(b), "kl_teacher_bytes", "kl_teacher_bytes -1");
   b = v.backward();
+  b.opts.kl_dq_rows_bytes = -1;
+  expect_invalid(msa::backward(b), "kl_dq_rows_bytes", "kl_dq_rows_bytes -1");
+  b = v.backward();
   b.opts.dq_pass = static_cast<msa::DqPass>(3);
   expect_invalid(msa::backward(b), "dq_pass", "dq_pass 3");
   b = v.backward();

@@ -274,6 +274,11 @@ struct KvSideArgs : SeqArgs {
   int64_t qi_s0 = 0, qi_s1 = 0, ki_s0 = 0, ki_s1 = 0;
   const float* lse_idx = nullptr;  // [T, Hi] contiguous
   unsigned long long* dq_idx = nullptr;  // [T, Hi, Di] fixed point (2^-32 units)
+  // kl_grad_kernel with dq_part set: each selected (token t, index head i, block_idx column c)'s
+  // dq_idx product, unscaled, to its own row dq_part[((t - part_tok_lo) * Hi + i) * top_k + c]
+  // of Di floats (the tokens of one pass), instead of adding it to dq_idx.
+  float* dq_part = nullptr;
+  int64_t part_tok_lo = 0;
   unsigned long long* dk_idx = nullptr;  // [key rows, Hik, Di] fixed point
   int32_t Hik = 1, idx_per_key = 1;
   float scale_idx = 0.f;  // signed

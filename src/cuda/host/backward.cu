@@ -10,15 +10,18 @@
 //                                                            (bwd_kv_kernel, KV side)
 //              (sparse mode: LSE_idx by the LSE pass;        (kl_lse_kernel, lse_combine_kernel)
 //               bwd_kv_kernel writes the teacher,            (bwd_kv_kernel, kl_grad_kernel,
-//               a pass of its own takes the sums;             in passes over the records)
+//               a pass of its own takes the sums, dq_idx      in passes over the records)
+//               as a row per selected block, added in
+//               column order                                 (dq_idx_combine_kernel)
 //               Hq / Hi not a power of two: a separate pass  (kl_kernel))
 //              scale by gamma * scale_idx / (N Hi), convert  (finalize_grad_kernel)
 // sparse mode with dq from dS (Options.dq_pass; backward_from_ds), in passes of tokens:
 //            Delta, then per pass: the reverse index of its rows; LSE_idx of its rows (KL);
 //            dk, dv (fp32 sums across passes), the teacher and the pass's dS tiles
 //                                                            (bwd_kv_kernel)
-//            the KL gradient's sums                          (kl_grad_kernel)
+//            the KL gradient's sums and dq_idx's rows        (kl_grad_kernel)
 //            dq = scale * dS K                               (bwd_dq_kernel, query side)
+//            dq_idx of the pass's tokens                     (dq_idx_combine_kernel)
 //            then dk, dv from the sums (several passes)      (finalize_dkv_kernel)
 // kl value:  reverse index, LSE_idx, kl_kernel's per-row terms, then finalize_kl_kernel.
 //
@@ -149,6 +152,58 @@ __global__ void finalize_dkv_kernel(const float* dk_sum, const float* dv_sum, in
   }
 }
 
+// dq_idx of the tokens [t0, t0 + rows / H) from their rows of products (kl_grad_kernel's
+// KvSideArgs::dq_part, [rows, k, D] fp32): out[t, h, :] = coef * the sum, in column order, of the
+// row's products, coef = base * (kl_grad ? kl_grad[0] : 1) as finalize_grad_kernel's, without
+// its fixed-point unit. A column counts where the LSE pass wrote its partial
+// (lse_part [T, H, k]: sum not 0, NaN included): the two passes take the same records, and a
+// column no record holds (no block, a block repeated in the row, past the causal limit) was
+// never written. A warp a row; lane j takes dims 4j .. 4j + 3 (D = 64 or 128).
+template <class Element>
+__global__ void dq_idx_combine_kernel(const float* part, const float2* lse_part, int64_t t0, int64_t rows,
+                                      int32_t H, int32_t k, int32_t D, Element* out, int64_t s0, int64_t s1,
+                                      bool vec, const float* kl_grad, double base) {
+  grid_dependency_begin();
+  const double coef = base * (kl_grad != nullptr ? static_cast<double>(kl_grad[0]) : 1.0);
+  const int lane = threadIdx.x & 31, d = 4 * lane;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
+  for (int64_t row = warp; row < rows; row += warps) {  // warp-uniform
+    const float2* marks = lse_part + (t0 * H + row) * k;
+    const float* src = part + row * k * D + d;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int32_t c0 = 0; c0 < k; c0 += 32) {
+      uint32_t cols = __ballot_sync(0xffffffffu, c0 + lane < k && marks[c0 + lane].y != 0.f);
+      while (cols != 0u) {
+        const int32_t c = c0 + __ffs(cols) - 1;
+        cols &= cols - 1;
+        if (d < D) {
+          const float4 v = *reinterpret_cast<const float4*>(src + int64_t(c) * D);
+          acc.x += v.x;
+          acc.y += v.y;
+          acc.z += v.z;
+          acc.w += v.w;
+        }
+      }
+    }
+    if (d >= D) continue;
+    const int64_t t = t0 + row / H;
+    const int32_t h = static_cast<int32_t>(row % H);
+    cutlass::Array<Element, 4> o;
+    o[0] = static_cast<Element>(static_cast<float>(static_cast<double>(acc.x) * coef));
+    o[1] = static_cast<Element>(static_cast<float>(static_cast<double>(acc.y) * coef));
+    o[2] = static_cast<Element>(static_cast<float>(static_cast<double>(acc.z) * coef));
+    o[3] = static_cast<Element>(static_cast<float>(static_cast<double>(acc.w) * coef));
+    Element* dst = out + t * s0 + h * s1 + d;
+    if (vec) {
+      *reinterpret_cast<cutlass::Array<Element, 4>*>(dst) = o;
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) dst[i] = o[i];
+    }
+  }
+}
+
 // LSE_idx[row] (natural log) from kl_lse_kernel's per-slot (max in log2 units, sum) partials
 // (sum 0: no partial there). `lanes` (16 or 32, >= min(k, 32)) lanes per row, 32 / lanes rows a
 // warp: lane j of a row takes slots j, j + lanes, ...; the max and the sum are then butterfly
@@ -242,10 +297,12 @@ Status zero_key_grads(const char* fn, const Problem& prob, const BackwardParams&
 // Zeroes the fixed-point sums of the KL gradient (grad) or of the KL terms.
 Status zero_kl_sums(const char* fn, const Plan& pl, const Problem& prob, void* ws,
                     cudaStream_t stream) {
-  const size_t acc_bytes =
-      pl.grad ? 8 * size_t(prob.T) * prob.Hi * prob.Di : 8 * size_t(prob.T) * prob.Hi;
-  cudaError_t e = cudaMemsetAsync(pl.grad ? at<void>(ws, pl.dq_acc) : at<void>(ws, pl.kl_acc), 0,
-                                  acc_bytes, stream);
+  // (dq_idx by rows of products, pl.dq_rows: no sums to zero.)
+  const size_t acc_bytes = !pl.grad ? 8 * size_t(prob.T) * prob.Hi
+                           : pl.dq_rows ? 0 : 8 * size_t(prob.T) * prob.Hi * prob.Di;
+  cudaError_t e = acc_bytes == 0 ? cudaSuccess
+                                 : cudaMemsetAsync(pl.grad ? at<void>(ws, pl.dq_acc) : at<void>(ws, pl.kl_acc), 0,
+                                                   acc_bytes, stream);
   if (e == cudaSuccess && pl.grad)
     e = cudaMemsetAsync(at<void>(ws, pl.dk_acc), 0, 8 * size_t(prob.Tk) * prob.Hik * prob.Di, stream);
   return e == cudaSuccess ? Status::Ok() : cuda_error(fn, e);
@@ -308,7 +365,7 @@ Status finalize_kl_grad(const Problem& prob, const BackwardParams& p, const Plan
   const bool bf16 = p.q_idx.dtype == DType::kBFloat16;
   for (int which = 0; which < 2; ++which) {
     const TensorRef& out = which == 0 ? p.dq_idx : p.dk_idx;
-    if (!out.defined()) continue;
+    if (!out.defined() || (which == 0 && pl.dq_rows)) continue;  // rows: combine_dq_idx, per pass
     const auto* acc = at<unsigned long long>(ws, which == 0 ? pl.dq_acc : pl.dk_acc);
     const int32_t H = which == 0 ? prob.Hi : prob.Hik;
     const int64_t rows = which == 0 ? prob.T : prob.Tk;  // dk_idx: the key rows
@@ -318,12 +375,39 @@ Status finalize_kl_grad(const Problem& prob, const BackwardParams& p, const Plan
   return Status::Ok();
 }
 
+// dq_idx of the tokens [t0, t1) from the rows of products of their pass (pl.dq_rows; the pass's
+// kl_grad launches done): dq_idx_combine_kernel.
+Status combine_dq_idx(const Problem& prob, const BackwardParams& p, const Plan& pl, void* ws, int64_t t0,
+                      int64_t t1, cudaStream_t stream) {
+  const TensorRef& out = p.dq_idx;
+  const int64_t rows = (t1 - t0) * prob.Hi;
+  if (!pl.dq_rows || !out.defined() || rows == 0) return Status::Ok();
+  const float* kl_grad = p.kl_grad.defined() ? static_cast<const float*>(p.kl_grad.data) : nullptr;
+  const double base = static_cast<double>(p.kl_weight) * prob.opts.scale_idx /
+                      (static_cast<double>(prob.T) * prob.Hi);
+  const int blocks = static_cast<int>(std::min<int64_t>((rows * 32 + 255) / 256, num_sms() * 32));
+  const bool vec =
+      reinterpret_cast<uintptr_t>(out.data) % 8 == 0 && out.stride[0] % 4 == 0 && out.stride[1] % 4 == 0;
+  const float* part = at<float>(ws, pl.dq_part);
+  const float2* marks = at<float2>(ws, pl.lse_part);
+  if (p.q_idx.dtype == DType::kBFloat16)
+    launch_grid(dq_idx_combine_kernel<cutlass::bfloat16_t>, blocks, 256, 0, stream, part, marks, t0, rows,
+                prob.Hi, prob.k, prob.Di, static_cast<cutlass::bfloat16_t*>(out.data), out.stride[0],
+                out.stride[1], vec, kl_grad, base);
+  else
+    launch_grid(dq_idx_combine_kernel<cutlass::half_t>, blocks, 256, 0, stream, part, marks, t0, rows, prob.Hi,
+                prob.k, prob.Di, static_cast<cutlass::half_t*>(out.data), out.stride[0], out.stride[1], vec,
+                kl_grad, base);
+  return Status::Ok();
+}
+
 // The teacher route's gradient pass (kl_grad_kernel) over bwd_kv's lists, whose pointers the
 // caller sets per reverse index; bwd_kv writes the teacher it reads.
 KlArgs teacher_args(const Problem& prob, const KlInputs& in, const Plan& pl, void* ws, BwdKvArgs* kv) {
   KlArgs g = kl_args(prob, in);
   g.lse_idx = at<float>(ws, pl.lse_idx);
-  g.dq_idx = at<unsigned long long>(ws, pl.dq_acc);
+  if (pl.dq_rows) g.dq_part = at<float>(ws, pl.dq_part);
+  else g.dq_idx = at<unsigned long long>(ws, pl.dq_acc);
   g.dk_idx = at<unsigned long long>(ws, pl.dk_acc);
   kv->teacher = g.teacher = at<float>(ws, pl.teacher_buf);
   g.step_records = pl.step_records;
@@ -433,7 +517,7 @@ Status backward_from_ds(const Problem& prob, const BackwardParams& p, const Plan
     MSA_TRY(build_work(fn, pl, pl.kv, prob, kv.list, kv.cu_seqlens, kv.nseq, ws, stream, &kv.work, &kv.grid,
                        kv.paged));
     if (pl.teacher) MSA_TRY(teacher_lists(fn, pl, prob, kv, ws, stream, &g));
-    kv.ds_tok_lo = c0;
+    kv.ds_tok_lo = g.part_tok_lo = c0;
     set_tile_pass(&dq, c0, c1);
     MSA_TRY(dispatch(fn, "q", p.q.dtype, prob.D, prob.opts.block_size, [&](auto v) {
       using V = decltype(v);
@@ -441,6 +525,7 @@ Status backward_from_ds(const Problem& prob, const BackwardParams& p, const Plan
       MSA_TRY(kv_side<V>(pl, kv, g, stream));
       return launch_bwd_dq<typename V::Element, V::kDim, V::kBlockN>(dq, stream);
     }));
+    if (pl.teacher) MSA_TRY(combine_dq_idx(prob, p, pl, ws, c0, c1, stream));
   }
   if (pl.bwd_passes > 1) {
     if (p.q.dtype == DType::kBFloat16) finalize_dkv<cutlass::bfloat16_t>(prob, p, kv, stream);
@@ -507,6 +592,7 @@ Status attention_backward(const Problem& prob, const BackwardParams& p) {
     MSA_TRY((launch_bwd_q<typename V::Element, V::kDim, V::kBlockN>(q, stream)));
     return kv_side<V>(pl, kv, g, stream);
   }));
+  if (pl.teacher) MSA_TRY(combine_dq_idx(prob, p, pl, ws, 0, prob.T, stream));
 
   if (pl.kl && !fused && !pl.teacher) {
     KlArgs a = kl_args(prob, kl_in);

@@ -80,6 +80,17 @@ inline Status cuda_error(const char* fn, cudaError_t e) {
 }
 
 // Multiprocessors of the current device.
+// The current device's L2 cache in bytes (0 where it cannot be read).
+inline int64_t l2_bytes() {
+  int dev = 0, n = 0;
+  cudaGetDevice(&dev);
+  if (cudaDeviceGetAttribute(&n, cudaDevAttrL2CacheSize, dev) != cudaSuccess || n < 0) {
+    cudaGetLastError();
+    n = 0;
+  }
+  return n;
+}
+
 inline int num_sms() {
   int dev = 0, n = 0;
   cudaGetDevice(&dev);

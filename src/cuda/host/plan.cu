@@ -746,6 +746,24 @@ Status make_plan(const char* fn, const Problem& prob, int32_t nseq, bool sparse,
     p.passes = static_cast<int32_t>((entries + p.pass_records - 1) / p.pass_records);
     p.teacher_buf = take(static_cast<size_t>(rec_bytes) * size_t(p.pass_records + p.kv.chunk));
     p.lse_part = take(8 * size_t(prob.T) * prob.Hi * size_t(prob.k));
+    // dq_idx's products: a row per selected (token, index head, block) of one pass of tokens,
+    // written once and added in column order after the pass, where they fit kl_dq_rows_bytes;
+    // else fixed-point sums per token, a read-modify-write of the token's 8 Di bytes per block.
+    // kl_dq_rows_bytes = 0: rows within 8 GiB (the dS tiles' budget: a pass of dS tiles at
+    // Gi >= 2 and Di <= Bk has rows of at most that) where the sums of all T tokens would be over
+    // kRowsOverL2 times the L2 cache: where the sums stay in L2 longer, their additions cost less
+    // than writing and reading back the rows (measured on an H100, 50 MB of L2, docs/perf.md
+    // 2026-12-07: sums of 64 MB, flash-msa's heads at 16K, a 5.18 ms step with the sums against
+    // 5.23 with the rows; 537 MB, the paper's heads at 128K, 135.0 against 133.7 ms; 2.1 GB,
+    // the retrieval model's heads at 16 x 32K, 139.8 against 132.3 ms).
+    constexpr double kRowsOverL2 = 4.0;
+    const int64_t row_tokens = bwd_tokens > 0 ? bwd_tokens : prob.T;
+    const double row_bytes = 4.0 * double(row_tokens) * prob.Hi * double(prob.k) * prob.Di;
+    const double sum_bytes = 8.0 * double(prob.T) * prob.Hi * prob.Di;
+    p.dq_rows = prob.opts.kl_dq_rows_bytes > 0
+                    ? row_bytes <= double(prob.opts.kl_dq_rows_bytes)
+                    : row_bytes <= double(int64_t(8) << 30) && sum_bytes > kRowsOverL2 * double(l2_bytes());
+    if (p.dq_rows) p.dq_part = take(static_cast<size_t>(row_bytes));
     // The gradient pass's own chunks (kl_work): bwd_kv's halved while they would be fewer than
     // one per SM, down to 32 entries, so that a short sequence's few long lists do not leave
     // most SMs idle, while each chunk's prologue (its block's index keys, the first stages) is
@@ -789,7 +807,7 @@ Status make_plan(const char* fn, const Problem& prob, int32_t nseq, bool sparse,
   if (kl) {
     p.lse_idx = take(sizeof(float) * size_t(prob.T) * prob.Hi);
     if (grad) {
-      p.dq_acc = take(8 * size_t(prob.T) * prob.Hi * prob.Di);
+      if (!p.dq_rows) p.dq_acc = take(8 * size_t(prob.T) * prob.Hi * prob.Di);
       p.dk_acc = take(8 * size_t(prob.Tk) * prob.Hik * prob.Di);
     } else {
       p.kl_acc = take(8 * size_t(prob.T) * prob.Hi);

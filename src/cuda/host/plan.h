@@ -131,6 +131,10 @@ struct Plan {
   int64_t pass_records = 0;
   size_t teacher_buf = 0;
   size_t lse_part = 0;  // ... and LSE_idx's partials, [T, Hi, k] float2
+  // ... and dq_idx's rows of one pass of tokens (KvSideArgs::dq_part: [tokens, Hi, k, Di] fp32),
+  // where they fit their budget (dq_rows); else dq_idx takes the fixed-point sums (dq_acc).
+  bool dq_rows = false;
+  size_t dq_part = 0;
   int64_t fwd_tokens = 0;            // the KV-block forward: tokens per pass
   size_t part_o = 0, part_ml = 0;    // ... and its partial outputs of one pass
   size_t choice = 0;                 // ... and kAuto's two sums (pass_choice_kernel)

@@ -6,10 +6,13 @@
 //   dS(t, j) = sigma - pi (pi: the entry's teacher; gamma / (N Hi) is applied when the sums are
 //              finalised),
 //   dk_idx[j] += dS^T q_idx (RS wgmma, the block's keys as rows, in registers for the chunk),
-//   dq_idx[t] += k_idx^T dS (SS wgmma over the block's keys) to the token's row.
-// Sums that cross CTAs (dq_idx; dk_idx over the KV heads sharing an index key head and over a
-// block's chunks) are 64-bit fixed point (2^-32 units) added with integer atomics, so every run
-// gives the same bits.
+//   dq_idx[t] += k_idx^T dS (SS wgmma over the block's keys), the token's product for this block.
+// The products of dq_idx go to a row per (token, index head, block_idx column) of the workspace
+// (KvSideArgs::dq_part), which the backward's combine adds in column order once the pass is done
+// (backward.cu), where the plan takes the rows (the sums would outgrow L2; plan.cu), else to the
+// token's fixed-point sums. Sums that cross CTAs (dk_idx over the KV heads sharing an index key head and over
+// a block's chunks; dq_idx without its rows) are 64-bit fixed point (2^-32 units) added with
+// integer atomics, so every run gives the same bits.
 // LSE_idx comes from the pass before (kl_lse_kernel.cuh).
 //
 // Work: a step is up to R = 32 / m consecutive records of the chunk (p.step_records; 1 where the
@@ -17,12 +20,13 @@
 // MMAs: column c = j * m + t is token t of the step's record j.
 // Warp roles: kBlockN / 64 consumer warpgroups (64 keys each: the products, dS, dk_idx in
 // registers) and a producer warpgroup (few registers) that loads every step's records and rows
-// and adds each step's dq_idx products to the sums, so that neither the loads' addressing nor the
-// atomics sit on the consumers' path (1-3% faster than every thread loading, computing and adding,
-// on an H100). The pass moves its bytes at about 80% of the copy bandwidth, and 72% of them are
-// the dq_idx sums' read-modify-write: a (token, index head, block)'s row (1 KB of 64-bit sums) is
-// seldom in L2 when its atomics arrive (ncu, the retrieval model's heads at 16 x 32K;
-// docs/perf.md, 2026-12-07, also for why smaller passes do not help).
+// and stores each step's dq_idx products, so that neither the loads' addressing nor the stores
+// sit on the consumers' path (1-3% faster than every thread loading, computing and adding, on an
+// H100). The pass is bound by its bytes: per selected (token, index head, block) the teacher row
+// (4 Bk bytes), the q_idx row and the dq_idx product: 4 Di bytes written once as a row, or with
+// the sums a read-modify-write of the token's 8 Di bytes of sums, seldom in L2 when its atomics
+// arrive once the sums are well past its size (72% of the pass's bytes, ncu at the retrieval
+// model's heads, 16 x 32K: the rows make the pass 30% faster there; docs/perf.md, 2026-12-07).
 // Pipelines: full[stage] / empty[stage], kStages stages of a step's q_idx rows, LSE_idx and
 // teacher rows (the producer's cp.async, kStages - 1 steps ahead; the steps' records kStages - 1
 // steps further ahead through a ring); the dS^T tile of a step, two buffers, one consumer barrier a
@@ -178,8 +182,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
       const float* src = pi_item + first_record(s) * kBlockN * m;
       for (int c = pt; c < n * kBlockN * m / 4; c += 128) cp_async16(&ss.pi[st][4 * c], src + 4 * c, true);
     };
-    // Step a's dq_idx products (staged by the consumers) to the token rows' fixed-point sums: a
-    // warp a column, its lanes the column's dims (256 contiguous bytes a warp-wide atomic).
+    // Step a's dq_idx products (staged by the consumers), a warp a column: with p.dq_part to the
+    // column's own row (its lanes 16 bytes each of the row's contiguous Di floats), else added to
+    // the token row's fixed-point sums (its lanes the column's dims, 256 contiguous bytes a
+    // warp-wide atomic).
     const int warp = pt / 32, lane = pt % 32;
     auto add_dq = [&](int64_t a) {
       const int b = static_cast<int>(a & 1);
@@ -192,9 +198,17 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
         const int j = c >> m_shift, t = c & (m - 1);
         if (j < n && t < recs[j].count) {
           const int32_t i = r * ipk + recs[j].seg - list.seg0;
-          unsigned long long* dst = p.dq_idx + (int64_t(recs[j].tok[t]) * p.Hi + i) * kDim;
+          const int64_t tok = recs[j].tok[t];
+          if (p.dq_part != nullptr) {
+            float* dst = p.dq_part + (((tok - p.part_tok_lo) * p.Hi + i) * p.top_k + recs[j].slot[t]) * kDim;
 #pragma unroll
-          for (int d = lane; d < kDim; d += 32) add_fixed(dst + d, src[c * kDqStride + d]);
+            for (int d = 4 * lane; d < kDim; d += 128)
+              *reinterpret_cast<float4*>(dst + d) = *reinterpret_cast<const float4*>(src + c * kDqStride + d);
+          } else {
+            unsigned long long* dst = p.dq_idx + (tok * p.Hi + i) * kDim;
+#pragma unroll
+            for (int d = lane; d < kDim; d += 32) add_fixed(dst + d, src[c * kDqStride + d]);
+          }
         }
       }
       Bar::arrive(&ss.dq_empty[b]);
