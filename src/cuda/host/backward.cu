@@ -356,12 +356,20 @@ Status finalize_grad(const unsigned long long* acc, int64_t T, int32_t H, int32_
   return Status::Ok();
 }
 
+// The KL gradient's scale: base = kl_weight * scale_idx / (N Hi) on the host, times kl_grad[0]
+// on the device where kl_grad is given (null: 1).
+const float* kl_grad_scale(const BackwardParams& p) {
+  return p.kl_grad.defined() ? static_cast<const float*>(p.kl_grad.data) : nullptr;
+}
+double kl_base(const Problem& prob, const BackwardParams& p) {
+  return static_cast<double>(p.kl_weight) * prob.opts.scale_idx / (static_cast<double>(prob.T) * prob.Hi);
+}
+
 // The KL gradient's sums scaled into dq_idx and dk_idx (finalize_grad_kernel).
 Status finalize_kl_grad(const Problem& prob, const BackwardParams& p, const Plan& pl, void* ws,
                         cudaStream_t stream) {
-  const float* kl_grad = p.kl_grad.defined() ? static_cast<const float*>(p.kl_grad.data) : nullptr;
-  const double base = static_cast<double>(p.kl_weight) * prob.opts.scale_idx /
-                      (static_cast<double>(prob.T) * prob.Hi);
+  const float* kl_grad = kl_grad_scale(p);
+  const double base = kl_base(prob, p);
   const bool bf16 = p.q_idx.dtype == DType::kBFloat16;
   for (int which = 0; which < 2; ++which) {
     const TensorRef& out = which == 0 ? p.dq_idx : p.dk_idx;
@@ -382,9 +390,8 @@ Status combine_dq_idx(const Problem& prob, const BackwardParams& p, const Plan& 
   const TensorRef& out = p.dq_idx;
   const int64_t rows = (t1 - t0) * prob.Hi;
   if (!pl.dq_rows || !out.defined() || rows == 0) return Status::Ok();
-  const float* kl_grad = p.kl_grad.defined() ? static_cast<const float*>(p.kl_grad.data) : nullptr;
-  const double base = static_cast<double>(p.kl_weight) * prob.opts.scale_idx /
-                      (static_cast<double>(prob.T) * prob.Hi);
+  const float* kl_grad = kl_grad_scale(p);
+  const double base = kl_base(prob, p);
   const int blocks = static_cast<int>(std::min<int64_t>((rows * 32 + 255) / 256, num_sms() * 32));
   const bool vec =
       reinterpret_cast<uintptr_t>(out.data) % 8 == 0 && out.stride[0] % 4 == 0 && out.stride[1] % 4 == 0;

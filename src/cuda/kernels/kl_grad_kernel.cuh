@@ -10,9 +10,9 @@
 // The products of dq_idx go to a row per (token, index head, block_idx column) of the workspace
 // (KvSideArgs::dq_part), which the backward's combine adds in column order once the pass is done
 // (backward.cu), where the plan takes the rows (the sums would outgrow L2; plan.cu), else to the
-// token's fixed-point sums. Sums that cross CTAs (dk_idx over the KV heads sharing an index key head and over
-// a block's chunks; dq_idx without its rows) are 64-bit fixed point (2^-32 units) added with
-// integer atomics, so every run gives the same bits.
+// token's fixed-point sums. Sums that cross CTAs (dk_idx over the KV heads sharing an index key
+// head and over a block's chunks; dq_idx without its rows) are 64-bit fixed point (2^-32 units)
+// added with integer atomics, so every run gives the same bits.
 // LSE_idx comes from the pass before (kl_lse_kernel.cuh).
 //
 // Work: a step is up to R = 32 / m consecutive records of the chunk (p.step_records; 1 where the
@@ -31,7 +31,7 @@
 // teacher rows (the producer's cp.async, kStages - 1 steps ahead; the steps' records kStages - 1
 // steps further ahead through a ring); the dS^T tile of a step, two buffers, one consumer barrier a
 // step; dq_full[b] / dq_empty[b], two buffers of a step's dq_idx products in shared memory, handed
-// to the producer, which adds step s's while the consumers compute the steps after it.
+// to the producer, which stores (or adds) step s's while the consumers compute the steps after it.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -141,7 +141,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocks)
 
   Tensor sQi = make_tensor(make_smem_ptr(ss.q_idx.data()), typename Traits::SmemLayoutQi{});
 
-  // ---- Producer warpgroup: every step's records and rows; then each step's dq_idx sums. -------
+  // ---- Producer warpgroup: every step's records and rows; then each step's dq_idx products. ---
   if (tid >= kConsumerThreads) {
     if constexpr (Traits::kWarpGroups > 1) cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
     const int pt = tid - kConsumerThreads;
