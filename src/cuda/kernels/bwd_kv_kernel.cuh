@@ -39,8 +39,10 @@
 //
 // dq from dS (Options.dq_pass = kFromDs, args ds set; kNone and kTeacher): each entry's dS, the
 // values dK's product reads, also goes to the (token, index head, slot) tiles of the pass's tokens
-// for bwd_dq_kernel.cuh, staged in shared memory and written by bulk copies. Passes of tokens (args
-// dk_acc set): dK and dV are added to fp32 sums instead of written.
+// for bwd_dq_kernel.cuh, staged in shared memory (at Gi = 2, 4 and 16 by stmatrix into a
+// swizzled tile, then written by 16-byte stores under the dV and dK products; at other Gi
+// written by bulk copies). Passes of tokens (args dk_acc set): dK and dV are added to fp32
+// sums instead of written.
 //
 // With kTeacher (Options.kl_pass = kTeacher, sparse mode) the pass computes only the teacher of
 // the KL branch: pi of each entry (the butterfly sums above) goes from the warp's rows of the
@@ -50,6 +52,7 @@
 #pragma once
 
 #include <cute/tensor.hpp>
+#include <cute/arch/copy_sm90.hpp>
 #include <cutlass/gemm/collective/builders/sm90_common.inl>
 
 #include "../device/entry_list.cuh"
@@ -179,6 +182,60 @@ struct BwdKVTraits : KvSideTraits<Element_, kHeadDim_, kBlockN_, kMode_ == KvKl:
 
 template <class Traits>
 struct BwdKVParams : BwdKvArgs {};
+
+// A consumer warpgroup's staging tile of an entry's dS (dq from dS), where Gi is a constant the
+// tile's rows suit: 64 columns (token, head) x the warpgroup's 64 keys, 8 KB, in the order of
+// the tokens' tiles (BwdKvArgs::ds: [token][head][key] at Gi = 2 and 4, [token][key][head] at
+// Gi = 16), as 64 rows of 128 bytes, each in 16-byte chunks. Chunk c of row `line` lies at
+// chunk c ^ (line & kSwizzle), so that both sides are free of bank conflicts:
+//   write  the thread's dS^T registers (u[2 j + a]: columns 8 j + 2 q, + 1 of key row
+//          16 warp + lane / 4 + 8 a, q = lane % 4) by stmatrix, an 8 x 8 piece (8 keys x 8
+//          columns) a matrix: transposed at Gi = 2 and 4 (a row is a column's 8 keys), plain at
+//          Gi = 16 (a row is a key's 8 heads); a piece's 8 rows fall in 8 distinct chunks;
+//   read   16-byte chunk U = ltid + 128 i (i < 4) of the tile in order: token U / (8 Gi), at
+//          element (U % (8 Gi)) * 8 of the token's tile (its warpgroup's half); a warp reads
+//          four whole rows, 512 contiguous bytes of one or two tokens' tiles.
+// (The 2-byte and 4-byte stores of the tile in plain order conflicted 2-way, and the
+// conflict-free order tried on 2026-12-04 made bwd_dq's reads slower: docs/perf.md.)
+template <int kGi>
+struct DsStage {
+  static constexpr bool kSupported = kGi == 2 || kGi == 4 || kGi == 16;
+  static constexpr bool kTrans = kGi <= 4;
+  static constexpr int kGiShift = log2_pow2(kGi);
+  static constexpr int kSwizzle = kTrans ? 7 : 1;  // 8 rows of a piece: 8 lines, or 2 of 4 keys each
+
+  __device__ __forceinline__ static int chunk_offset(int line, int c) { return line * 128 + ((c ^ (line & kSwizzle)) << 4); }
+
+  __device__ __forceinline__ static void write(char* stage, const uint32_t* u, int ltid) {
+    const int lane = ltid & 31, warp = ltid >> 5, x = lane >> 3, r8 = lane & 7;
+    // Lane l gives the address of row l % 8 of piece x = l / 8 of step s's four: columns
+    // 8 (2 s + x / 2) + [0, 8) at keys 16 warp + 8 (x % 2) + [0, 8), register u[4 s + x].
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      if constexpr (kTrans) {
+        // The row of column col: its keys 8 (2 warp + x % 2) + [0, 8), chunk 2 warp + x % 2.
+        const int col = 8 * (2 * s + (x >> 1)) + r8;
+        auto& dst = *reinterpret_cast<cute::uint128_t*>(stage + chunk_offset(col, 2 * warp + (x & 1)));
+        cute::SM90_U16x8_STSM_T::copy(u[4 * s], u[4 * s + 1], u[4 * s + 2], u[4 * s + 3], dst);
+      } else {
+        // Gi = 16: the row of key k, token s, heads 8 (x / 2) + [0, 8): line 16 s + k / 4,
+        // chunk 2 (k % 4) + x / 2.
+        const int key = 16 * warp + 8 * (x & 1) + r8;
+        auto& dst = *reinterpret_cast<cute::uint128_t*>(stage + chunk_offset(16 * s + (key >> 2), 2 * (key & 3) + (x >> 1)));
+        cute::SM90_U32x4_STSM_N::copy(u[4 * s], u[4 * s + 1], u[4 * s + 2], u[4 * s + 3], dst);
+      }
+    }
+  }
+
+  // Chunk i of the thread's four: its token in the entry step, its element in the token's tile
+  // half, and its 16 bytes.
+  __device__ __forceinline__ static int token(int ltid, int i) { return (ltid + 128 * i) >> (3 + kGiShift); }
+  __device__ __forceinline__ static int element(int ltid, int i) { return ((ltid + 128 * i) & (8 * kGi - 1)) * 8; }
+  __device__ __forceinline__ static uint4 read(const char* stage, int ltid, int i) {
+    const int U = ltid + 128 * i;
+    return *reinterpret_cast<const uint4*>(stage + chunk_offset(U >> 3, U & 7));
+  }
+};
 
 // Warp roles, pipelines and work: see the top of the file. Consumer warpgroups are 0 ..
 // kWarpGroups - 1 (thread index = MMA thread index), the producer is the last warpgroup.
@@ -469,7 +526,40 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // where the launch made it a constant (the common head counts), so that a column's token and
   // head are constant offsets from per-thread bases; kG = 0: Gi at run time.
 
-  // The dS tiles of entry en (dq from dS; see the loop): rdS (u[2j + a]: columns 8j + 2q,
+  // The dS tiles of an entry (dq from dS; see the loop).
+  // Where Gi is 2, 4 or 16 (the launch's constant instances) the staging tile is DsStage's:
+  // written from the registers by stmatrix (stage_ds_rows, before the GEMMs take them) and
+  // copied to the tokens' tiles by 16-byte stores (store_ds, after the dV and dK products are
+  // issued, under them). The tile is free again once every thread of the warpgroup has passed
+  // the next entry's first barrier.
+  using Stage = DsStage<Traits::kGi>;
+  constexpr bool kDsRows = Stage::kSupported;
+  auto stage_ds_rows = [&]() {
+    const int ltid = fresh_thread_index() % 128;
+    cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(Barrier::kWarpGroup) + wg);
+    Stage::write(reinterpret_cast<char*>(ss.ds_stage + wg * 64 * kBlockC), reinterpret_cast<const uint32_t*>(rdS.data()),
+                 ltid);
+    cutlass::arch::NamedBarrier::sync(128, static_cast<uint32_t>(Barrier::kWarpGroup) + wg);
+  };
+  auto store_ds = [&](const EntryRecord* recs) {
+    const int ltid = fresh_thread_index() % 128;
+    const char* stage = reinterpret_cast<const char*>(ss.ds_stage + wg * 64 * kBlockC);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int t = Stage::token(ltid, i);  // kRecs = 2: token t % 16 of record t / 16
+      const EntryRecord& en = recs[kRecs == 1 ? 0 : t / kEntryTokens];
+      const int tt = kRecs == 1 ? t : t % kEntryTokens;
+      if (tt < en.count) {
+        const uint4 v = Stage::read(stage, ltid, i);
+        const int32_t ih = r * ipk + en.seg - list.seg0;
+        *reinterpret_cast<uint4*>(
+            as<Element>(p.ds) +
+            ((((en.tok[tt] - p.ds_tok_lo) * p.Hi + ih) * p.top_k + en.slot[tt]) * kBlockN + 64 * wg) * Traits::kGi +
+            Stage::element(ltid, i)) = v;
+      }
+    }
+  };
+  // At other Gi (Gi at run time) the dS tiles of entry en go this way: rdS (u[2j + a]: columns 8j + 2q,
   // 8j + 2q + 1 of row half a, q = lane % 4) into this warpgroup's staging tile as [token][key]
   // [head] (Gi = 2 and 4: [token][head][key], args.h's BwdKvArgs::ds), then one bulk copy per
   // token to its tile (the warpgroup's 64 keys of it): token t by lane t / 4 of warp t % 4, so
@@ -680,7 +770,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // GEMMs take the registers (an operand of a GEMM in flight is not to be read); the bulk
     // copies to the tokens' tiles then run under the GEMMs. Gi is a power of two >= 2 here.
     if constexpr (!Traits::kKl) {
-      if (p.ds != nullptr) stage_ds(recs);
+      if (p.ds != nullptr) {
+        if constexpr (kDsRows) stage_ds_rows(); else stage_ds(recs);
+      }
     }
   };
 
@@ -738,6 +830,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
     wg_gemm<false, true>(mma_kv, tKVrP, tKVrdOt(_, _, _, st), tdVrdV);
     wg_gemm<false, true>(mma_kv, tKVrdS, tKVrQt(_, _, _, st), tdKrdK);
+    if constexpr (!Traits::kKl && kDsRows) {
+      if (p.ds != nullptr) store_ds(recs);
+    }
     if constexpr (Traits::kKl) {
       // The index scores' GEMM has completed (dV and dK may still run).
       warpgroup_wait<2>();
@@ -802,7 +897,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   } else {
     // The last bulk copies of dS done (their shared source lives as long as the CTA), by each
     // thread that issued some.
-    if (p.ds != nullptr && (fresh_thread_index() & 31) < Traits::kDsIssuers) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+    if constexpr (!kDsRows) {
+      if (p.ds != nullptr && (fresh_thread_index() & 31) < Traits::kDsIssuers) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+    }
   }
 
   Tensor cKV = thr_kv.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
