@@ -168,8 +168,9 @@ struct BwdKVTraits : KvSideTraits<Element_, kHeadDim_, kBlockN_, kMode_ == KvKl:
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>> v;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> q;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>> dout;
-    // dq from dS: each consumer warpgroup's dS of one entry, [token][key][head] (its 64 keys),
-    // staged for the bulk copies to the tokens' tiles (none with the fused KL branch: no room).
+    // dq from dS: each consumer warpgroup's dS of one entry (its 64 keys), staged for the copies
+    // to the tokens' tiles: DsStage's swizzled rows at Gi = 2, 4 and 16, else [token][key][head]
+    // for bulk copies (none with the fused KL branch: no room).
     alignas(128) Element ds_stage[kKl ? 8 : kWarpGroups * 64 * kBlockC];
     float lse[kStages][kBlockC];   // LSE (natural log) per column
     float delta[kStages][kBlockC];  // rowsum(dO * O) per column
@@ -767,8 +768,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     convert_into(tSrS, rP);
     convert_into(tSrdP, rdS);
     // dq from dS (p.ds): the entry's dS, the values dK's product reads, staged before the
-    // GEMMs take the registers (an operand of a GEMM in flight is not to be read); the bulk
-    // copies to the tokens' tiles then run under the GEMMs. Gi is a power of two >= 2 here.
+    // GEMMs take the registers (an operand of a GEMM in flight is not to be read); the copies
+    // to the tokens' tiles then run under the GEMMs (store_ds's 16-byte stores after the dV
+    // and dK products are issued, or stage_ds's bulk copies). Gi is a power of two >= 2 here.
     if constexpr (!Traits::kKl) {
       if (p.ds != nullptr) {
         if constexpr (kDsRows) stage_ds_rows(); else stage_ds(recs);
