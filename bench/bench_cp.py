@@ -83,8 +83,11 @@ def fmt_tokens(n: int) -> str:
 
 
 class Timer:
-    def __init__(self, device: torch.device):
+    """Wall times of a call that the ranks of ``group`` (default: all) make together."""
+
+    def __init__(self, device: torch.device, group=None):
         self.device = device
+        self.group = group
 
     def sync(self):
         if self.device.type == "cuda":
@@ -97,14 +100,12 @@ class Timer:
         times = []
         for _ in range(reps):
             self.sync()
-            dist.barrier()
+            dist.barrier(group=self.group)
             t0 = time.perf_counter()
             fn()
             self.sync()
-            t = torch.tensor([(time.perf_counter() - t0) * 1e3], dtype=torch.float64,
-                             device=_comm_dev(self.device))
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            times.append(float(t))
+            times.append(_all_reduce((time.perf_counter() - t0) * 1e3, dist.ReduceOp.MAX,
+                                     self.group))
         return statistics.median(times)
 
 
@@ -112,9 +113,9 @@ def _comm_dev(device: torch.device) -> torch.device:
     return device if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def _all_reduce(x: float, op) -> float:
+def _all_reduce(x: float, op, group=None) -> float:
     t = torch.tensor([x], dtype=torch.float64, device=_comm_dev(_DEVICE[0]))
-    dist.all_reduce(t, op=op)
+    dist.all_reduce(t, op=op, group=group)
     return float(t)
 
 
@@ -301,12 +302,18 @@ def warmup_case(msa, msad, T: int, h: Dict, args, timer: Timer, device) -> List[
     return rows
 
 
-def fit_case(msa, msad, T: int, level: str, alpha, h: Dict, args, timer: Timer, device):
-    """One CP training step at T tokens (balanced layout, selected exchange) with only this
-    rank's shard of q, k, v drawn: its time and the largest peak of device memory over the
-    ranks. No one-GPU reference (it would not fit)."""
-    W, rank = dist.get_world_size(), dist.get_rank()
-    dtype = torch.bfloat16
+def shard_step(msa, msad, T: int, level: str, alpha, h: Dict, args, device, group=None,
+               single: bool = False):
+    """One training step at T tokens (one sequence) with only this rank's shard of q, k, v
+    drawn: ``msad.sparse_attention`` over ``group`` (balanced layout, selected exchange), or with
+    ``single`` ``msa.sparse_attention`` on the whole sequence (this rank alone). The index inputs
+    of ``level`` (``alpha`` fixed, or None to calibrate) are drawn whole, since every rank
+    selects over all of them. Returns (step, stats of the level's selection); step(phase_times)
+    runs the forward and the gradient of <out, g> + kl (the KL value skipped) and returns the
+    call's stats (None with ``single``)."""
+    W = 1 if single else dist.get_world_size(group)
+    rank = 0 if single else dist.get_rank(group)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cu = torch.tensor([0, T], dtype=torch.int32, device=device)
     gen = torch.Generator(device=device)
     gen.manual_seed(args.seed)
@@ -322,24 +329,38 @@ def fit_case(msa, msad, T: int, level: str, alpha, h: Dict, args, timer: Timer, 
     shard = [t.requires_grad_(True) for t in shard]
     g_shard = torch.randn(n, h["Hq"], h["D"], device=device, generator=gen, dtype=dtype)
     opts = dict(top_k=h["k"], block_size=h["Bk"], sink_blocks=sp.SINK_BLOCKS,
-                local_blocks=sp.LOCAL_BLOCKS)
+                local_blocks=sp.LOCAL_BLOCKS, kl_value=False)
 
-    def cp():
-        out, kl = msad.sparse_attention(*shard, cu_seqlens=cu, layout="balanced", call=args.call,
-                                        exchange="selected", kl_value=False, **opts)
+    def step(phase_times: bool = False):
+        stats = None
+        if single:
+            out, kl = msa.sparse_attention(*shard, cu_seqlens=cu, **opts)
+        else:
+            out, kl, stats = msad.sparse_attention(
+                *shard, cu_seqlens=cu, group=group, layout="balanced", call=args.call,
+                exchange="selected", return_stats=True, phase_times=phase_times, **opts)
         # the gradient of <out, g> + kl without materialising the product (its fp32 copy alone
         # would be 32 bytes per token and query head)
-        return torch.autograd.grad((out, kl), shard, (g_shard, torch.ones_like(kl)))
+        torch.autograd.grad((out, kl), shard, (g_shard, torch.ones_like(kl)))
+        return stats
 
+    return step, st
+
+
+def fit_case(msa, msad, T: int, level: str, alpha, h: Dict, args, timer: Timer, device):
+    """One CP training step at T tokens (balanced layout, selected exchange) with only this
+    rank's shard of q, k, v drawn: its time and the largest peak of device memory over the
+    ranks. No one-GPU reference (it would not fit)."""
+    step, st = shard_step(msa, msad, T, level, alpha, h, args, device)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
-    ms = timer.ms(cp, 1)
+    ms = timer.ms(step, 1)
     peak = _all_reduce(torch.cuda.max_memory_allocated(device), dist.ReduceOp.MAX)
-    del shard, g_shard
+    del step
     torch.cuda.empty_cache()
     return dict(T=T, level=level, overlap=round(st["overlap"], 3), union=round(st["union"], 3),
-                world=W, layout="balanced", exchange="selected", ms_cp=round(ms, 1),
-                peak_gib=round(peak / 2**30, 2))
+                world=dist.get_world_size(), layout="balanced", exchange="selected",
+                ms_cp=round(ms, 1), peak_gib=round(peak / 2**30, 2))
 
 
 def run_fit(msa, msad, h, args, timer: Timer, device) -> List[Dict]:
@@ -465,13 +486,13 @@ def run(args) -> int:
     return 0
 
 
-def _worker(rank, world, store_path, argv):
-    args = parse_args(argv)
+def _worker(rank, world, store_path, argv, parse, run_fn):
+    args = parse(argv)
     store = dist.FileStore(store_path, world)
     dist.init_process_group("gloo" if args.device == "cpu" else "nccl", store=store, rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=args.timeout))
     try:
-        run(args)
+        run_fn(args)
         dist.barrier()  # every rank is past its last collective before any tears gloo down
     finally:
         dist.destroy_process_group()
@@ -481,6 +502,26 @@ def _worker(rank, world, store_path, argv):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def launch(argv, parse, run_fn) -> int:
+    """run_fn(parse(argv)) on every rank: this process's under torchrun, or ``--spawn N``
+    local processes (a FileStore in a temporary folder, the collectives' timeout
+    ``--timeout``). ``parse`` and ``run_fn`` are module-level functions (spawn pickles them)."""
+    args = parse(argv)
+    if args.spawn:
+        import torch.multiprocessing as mp
+        with tempfile.TemporaryDirectory(prefix="msa_bench_cp_") as tmp:
+            mp.start_processes(_worker, args=(args.spawn, os.path.join(tmp, "store"), argv,
+                                              parse, run_fn),
+                               nprocs=args.spawn, join=True, start_method="spawn")
+        return 0
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo",
+                            timeout=datetime.timedelta(seconds=args.timeout))
+    try:
+        return run_fn(args)
+    finally:
+        dist.destroy_process_group()
 
 
 def parse_args(argv=None):
@@ -530,20 +571,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
-    if args.spawn:
-        import torch.multiprocessing as mp
-        with tempfile.TemporaryDirectory(prefix="msa_bench_cp_") as tmp:
-            mp.start_processes(_worker, args=(args.spawn, os.path.join(tmp, "store"), argv),
-                               nprocs=args.spawn, join=True, start_method="spawn")
-        return 0
-    dist.init_process_group("nccl" if args.device == "cuda" else "gloo",
-                            timeout=datetime.timedelta(seconds=args.timeout))
-    try:
-        return run(args)
-    finally:
-        dist.destroy_process_group()
+    return launch(list(sys.argv[1:] if argv is None else argv), parse_args, run)
 
 
 if __name__ == "__main__":

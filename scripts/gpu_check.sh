@@ -31,6 +31,8 @@
 #              round)                            -> variants/NAME-*.log, NAME-rK.csv
 #   bench_cp   (not by default; two or more GPUs) bench/bench_cp.py under torchrun over every
 #              visible GPU, NVLink multicast off                    -> bench_cp.log, bench_cp.csv
+#   cp_scaling (not by default; two or more GPUs) bench/cp_scaling.py the same way: strong and
+#              weak scaling over 1, 2, 4, ... of them    -> cp_scaling.log, cp_scaling.csv, .png
 # and, where matplotlib is installed, bench/plot_bench.py draws PNGs next to the CSVs.
 # A summary table (stage, result, counts, seconds) and the benchmark's tables come last.
 #
@@ -46,6 +48,8 @@
 #   BENCH_SERVING_ARGS  arguments of the serving benchmark (default none)
 #   BENCH_CP_ARGS     arguments of the context-parallel benchmark (default --quick; e.g.
 #                     "--call keys --lengths 256K,512K" or "--call keys --fit 1M,1536K,2M")
+#   CP_SCALING_ARGS   arguments of the scaling runs (default --phases; e.g. "--strong 1M,2M
+#                     --weak 256K --index mixed")
 #   VARIANTS_DIR, VARIANT_GTEST, VARIANT_BENCH, VARIANT_ROUNDS  the variants stage (above);
 #                     VARIANT_GTEST_ARGS (e.g. --gtest_repeat=3) and VARIANT_SANITIZER (a
 #                     compute-sanitizer tool the gtest runs under, the guards off), e.g.
@@ -103,7 +107,7 @@ enabled() { [[ " $stages " == *" $1 "* ]]; }
 
 # The stages in the order they run; a stage's reserve (below) is kept only where a stage after it
 # is enabled, so that a call of one stage may use the whole budget.
-stage_order=(build ptxas gtest pytest memcheck racecheck poison bench bench_bwd bench_serving variants bench_cp)
+stage_order=(build ptxas gtest pytest memcheck racecheck poison bench bench_bwd bench_serving variants bench_cp cp_scaling)
 later_enabled() {  # name -> status 0 when a stage after it is enabled
   local seen=0 s
   for s in "${stage_order[@]}"; do
@@ -425,25 +429,30 @@ if enabled variants; then
   fi
 fi
 
-# ---- bench_cp -----------------------------------------------------------------------------
-if enabled bench_cp; then
-  : >"$OUT/bench_cp.log"
-  read -r -a bench_cp_args <<<"${BENCH_CP_ARGS---quick}"
+# ---- bench_cp, cp_scaling: torchrun over every visible GPU ----------------------------------
+# cp_stage NAME SCRIPT ARGS TIMEOUT: bench/SCRIPT under torchrun, NVLink multicast off.
+cp_stage() {
+  local name=$1 script=$2 args_text=$3 cap=$4 ngpu
+  : >"$OUT/$name.log"
+  read -r -a stage_args <<<"$args_text"
   ngpu=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
   if [ "$binding_ok" -ne 1 ]; then
-    note bench_cp skipped "no binding built" 0
+    note "$name" skipped "no binding built" 0
     failed=1
   elif [ "${ngpu:-0}" -lt 2 ]; then
-    note bench_cp skipped "needs 2 or more GPUs, $ngpu visible" 0
+    note "$name" skipped "needs 2 or more GPUs, $ngpu visible" 0
   else
-    run_stage bench_cp "$OUT/bench_cp.log" "${BENCH_CP_TIMEOUT:-400}" 0 \
+    run_stage "$name" "$OUT/$name.log" "$cap" 0 \
       env PYTHONPATH="$stage_dir" NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
-      "$PY" -m torch.distributed.run --standalone --nproc-per-node "$ngpu" bench/bench_cp.py \
-      "${bench_cp_args[@]}" --out "$OUT/bench_cp"
-    note bench_cp "$(result_of "$rc")" "$ngpu GPUs, args: ${BENCH_CP_ARGS---quick}" "$stage_seconds"
-    [ "$rc" -ne 0 ] && failures+=("bench_cp $OUT/bench_cp.log")
+      "$PY" -m torch.distributed.run --standalone --nproc-per-node "$ngpu" "bench/$script" \
+      "${stage_args[@]}" --out "$OUT/$name"
+    note "$name" "$(result_of "$rc")" "$ngpu GPUs, args: $args_text" "$stage_seconds"
+    [ "$rc" -ne 0 ] && failures+=("$name $OUT/$name.log")
   fi
-fi
+}
+enabled bench_cp && cp_stage bench_cp bench_cp.py "${BENCH_CP_ARGS---quick}" "${BENCH_CP_TIMEOUT:-400}"
+enabled cp_scaling && cp_stage cp_scaling cp_scaling.py "${CP_SCALING_ARGS---phases}" \
+  "${CP_SCALING_TIMEOUT:-540}"
 
 # ---- plots of the benchmarks' CSVs (where matplotlib is installed) --------------------------
 plots=()

@@ -588,3 +588,35 @@ def test_cp_bytes_tiny(tmp_path):
     assert [tuple(r[k] for k in key) for r in rows2[3:]] == [
         tuple(r[k] for k in key) for r in rows if r["level"] == "random"]
     assert [r["fetched_tokens"] for r in rows2[:3]] != [r["fetched_tokens"] for r in rows2[3:]]
+
+
+def test_cp_scaling_tiny(tmp_path):
+    """bench/cp_scaling.py --device cpu --tiny on two local processes (gloo): strong and weak
+    scaling over 1 and 2 ranks from one launch, the 2-rank step checked against the one-rank
+    step, its bytes below the all-gather's and its communication a share of its phases."""
+    import csv
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import cp_scaling
+    out = tmp_path / "sc"
+    assert cp_scaling.main(["--device", "cpu", "--tiny", "--spawn", "2", "--worlds", "1,2",
+                            "--strong", "512", "--weak", "256", "--index", "random", "--reps",
+                            "1", "--phases", "--check", "--timeout", "60", "--out",
+                            str(out)]) == 0
+    rows = list(csv.DictReader(open(f"{out}.csv")))
+    steps = [r for r in rows if r["mode"] in ("strong", "weak")]
+    assert [(r["mode"], int(r["T"]), int(r["world"])) for r in steps] == [
+        ("strong", 512, 1), ("strong", 512, 2), ("weak", 256, 1), ("weak", 512, 2)]
+    for r in steps:
+        assert float(r["ms"]) > 0 and float(r["efficiency"]) > 0, r
+        if r["world"] == "1":
+            assert float(r["efficiency"]) == 1.0 and r["of_allgather"] == "", r
+        else:
+            assert 0 < float(r["of_allgather"]) <= 1, r
+            assert 0 < float(r["comm_share"]) < 1, r
+    checks = [r for r in rows if r["mode"] == "check"]
+    assert len(checks) == 1 and checks[0]["world"] == "2"
+    errs = {k: float(v) for k, v in checks[0].items() if k.startswith("err_") and v}
+    # float32 on the CPU backend: the query side exact, the key side's sums in another order
+    assert len(errs) == 6 and max(errs.values()) < 1e-6, errs
