@@ -125,12 +125,7 @@ _DEVICE = [torch.device("cpu")]
 def bench_case(msa, msad, T: int, level: str, h: Dict, args, timer: Timer, device,
                check: bool) -> List[Dict]:
     W, rank = dist.get_world_size(), dist.get_rank()
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    cu = torch.tensor([0, T], dtype=torch.int32, device=device)
-    gen = torch.Generator(device=device)
-    gen.manual_seed(args.seed)
-    q_idx, k_idx, _, st = sp.make_level(level, cu, h["Hi"], h["Hik"], h["Di"], h["Bk"], h["k"],
-                                        dtype=dtype, device=device, generator=gen)
+    cu, gen, dtype, q_idx, k_idx, st = level_inputs(T, level, None, h, args, device)
 
     def r(*shape):
         return torch.randn(*shape, device=device, generator=gen, dtype=dtype)  # no fp32 copy
@@ -302,6 +297,19 @@ def warmup_case(msa, msad, T: int, h: Dict, args, timer: Timer, device) -> List[
     return rows
 
 
+def level_inputs(T: int, level: str, alpha, h: Dict, args, device):
+    """(cu_seqlens, generator, dtype, q_idx, k_idx, selection stats) of one sequence of T tokens
+    at ``level`` (``alpha`` fixed, or None to calibrate), the generator seeded with ``args.seed``
+    and past the index inputs' draw: the same on every rank."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cu = torch.tensor([0, T], dtype=torch.int32, device=device)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(args.seed)
+    q_idx, k_idx, _, st = sp.make_level(level, cu, h["Hi"], h["Hik"], h["Di"], h["Bk"], h["k"],
+                                        dtype=dtype, device=device, generator=gen, alpha=alpha)
+    return cu, gen, dtype, q_idx, k_idx, st
+
+
 def shard_step(msa, msad, T: int, level: str, alpha, h: Dict, args, device, group=None,
                single: bool = False):
     """One training step at T tokens (one sequence) with only this rank's shard of q, k, v
@@ -313,12 +321,7 @@ def shard_step(msa, msad, T: int, level: str, alpha, h: Dict, args, device, grou
     call's stats (None with ``single``)."""
     W = 1 if single else dist.get_world_size(group)
     rank = 0 if single else dist.get_rank(group)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    cu = torch.tensor([0, T], dtype=torch.int32, device=device)
-    gen = torch.Generator(device=device)
-    gen.manual_seed(args.seed)
-    q_idx, k_idx, _, st = sp.make_level(level, cu, h["Hi"], h["Hik"], h["Di"], h["Bk"], h["k"],
-                                        dtype=dtype, device=device, generator=gen, alpha=alpha)
+    cu, gen, dtype, q_idx, k_idx, st = level_inputs(T, level, alpha, h, args, device)
     pos = msad.shard_positions("balanced", rank, W, T, cu).to(device)
     n = pos.numel()
     shard = [torch.randn(n, h["Hq"], h["D"], device=device, generator=gen, dtype=dtype)]

@@ -102,12 +102,7 @@ def check_case(msa, msad, T: int, level: str, alpha, W: int, group, h: Dict, arg
                device) -> Dict[str, float]:
     """The largest error of the W-rank step's output and gradients against the one-rank step
     on the same inputs (relative to the largest reference element)."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    cu = torch.tensor([0, T], dtype=torch.int32, device=device)
-    gen = torch.Generator(device=device)
-    gen.manual_seed(args.seed)
-    q_idx, k_idx, _, _ = sp.make_level(level, cu, h["Hi"], h["Hik"], h["Di"], h["Bk"], h["k"],
-                                       dtype=dtype, device=device, generator=gen, alpha=alpha)
+    cu, gen, dtype, q_idx, k_idx, _ = bc.level_inputs(T, level, alpha, h, args, device)
     full = [torch.randn(T, h["Hq"], h["D"], device=device, generator=gen, dtype=dtype)]
     full += [torch.randn(T, h["Hkv"], h["D"], device=device, generator=gen, dtype=dtype)
              for _ in range(2)]
