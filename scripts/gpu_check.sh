@@ -484,6 +484,12 @@ if enabled bench_serving && [ -s "$OUT/bench_serving.log" ] && grep -q '^## MSA 
   echo
   sed -n '/^## MSA serving/,$p' "$OUT/bench_serving.log"
 fi
+for name in bench_cp cp_scaling; do
+  if enabled "$name" && [ -s "$OUT/$name.log" ] && grep -q '^## ' "$OUT/$name.log"; then
+    echo
+    sed -n '/^## /,$p' "$OUT/$name.log"
+  fi
+done
 if enabled variants && [ -d "$OUT/variants" ]; then
   for f in "$OUT"/variants/*-bench-r*.log; do
     [ -f "$f" ] || continue
