@@ -226,9 +226,10 @@ def run(args) -> int:
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // N))
     bc._DEVICE[0] = device
     h = dict(bc.TINY if args.tiny else bc.PAPER)
-    worlds = sorted({int(w) for w in args.worlds.split(",") if int(w) <= N})
-    if not worlds or worlds[0] < 1:
-        raise SystemExit(f"--worlds {args.worlds!r}: no GPU count between 1 and {N}")
+    worlds = sorted({int(w) for w in args.worlds.split(",") if w.strip() and int(w) <= N})
+    if not worlds:
+        raise SystemExit(f"argument --worlds: {args.worlds!r} has no GPU count up to the "
+                         f"launch's {N}")
     groups = {W: dist.new_group(list(range(W))) for W in worlds}  # every rank, in one order
     levels = sp.level_names(args.index)
     strong = bc.parse_tokens(args.strong) if args.strong else []
@@ -317,8 +318,31 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="write PREFIX.csv and PREFIX.png (rank 0)")
     args = ap.parse_args(argv)
-    if args.tiny and args.strong == ap.get_default("strong"):
-        args.strong, args.weak = "1024", "256"
+    if args.tiny:  # the defaults at tiny heads
+        if args.strong == ap.get_default("strong"):
+            args.strong = "1024"
+        if args.weak == ap.get_default("weak"):
+            args.weak = "256"
+    try:
+        worlds = [int(w) for w in args.worlds.split(",") if w.strip()]
+    except ValueError:
+        worlds = []
+    if not worlds or min(worlds) < 1:
+        ap.error(f"argument --worlds: expected GPU counts >= 1 separated by commas, got "
+                 f"{args.worlds!r}")
+    for name in ("strong", "weak"):
+        text = getattr(args, name)
+        try:
+            ok = all(t > 0 for t in bc.parse_tokens(text))
+        except ValueError:
+            ok = False
+        if not ok:
+            ap.error(f"argument --{name}: expected token counts such as 4096, 256K or 1M, "
+                     f"got {text!r}")
+    if not args.strong and not args.weak:
+        ap.error("argument --strong: give --strong or --weak lengths")
+    if args.reps < 1:
+        ap.error(f"argument --reps: expected >= 1, got {args.reps}")
     return args
 
 

@@ -620,3 +620,18 @@ def test_cp_scaling_tiny(tmp_path):
     errs = {k: float(v) for k, v in checks[0].items() if k.startswith("err_") and v}
     # float32 on the CPU backend: the query side exact, the key side's sums in another order
     assert len(errs) == 6 and max(errs.values()) < 1e-6, errs
+
+
+@pytest.mark.parametrize("argv, name", [
+    (["--worlds", "0,2"], "--worlds"), (["--worlds", "two"], "--worlds"),
+    (["--strong", "1X"], "--strong"), (["--weak", "0"], "--weak"), (["--reps", "0"], "--reps"),
+    (["--strong", "", "--weak", ""], "--strong")])
+def test_cp_scaling_bad_arguments(argv, name, capsys):
+    """bench/cp_scaling.py refuses a bad value before any process starts, naming the argument."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import cp_scaling
+    with pytest.raises(SystemExit):
+        cp_scaling.parse_args(["--device", "cpu", "--tiny"] + argv)
+    assert f"argument {name}" in capsys.readouterr().err
